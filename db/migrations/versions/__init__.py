@@ -1,0 +1,1 @@
+"""moesweep: db/migrations/versions."""

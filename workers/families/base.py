@@ -1,0 +1,88 @@
+"""What a model family must tell the pipeline. One subclass per MoE block class.
+
+Method code (calibration, scoring, conversion, distillation) talks to a model only through this
+interface, so it never asks which family it is in.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+
+from workers.types import DenseFFN, ExpertWeights
+
+
+class FamilyAdapter(ABC):
+    name: str = ""  # e.g. "qwen3_moe"
+    model_types: tuple[str, ...] = ()  # config.model_type values this adapter handles
+
+    # --- structure -------------------------------------------------------------------------
+    @abstractmethod
+    def moe_layers(self, model: nn.Module) -> list[int]:
+        """Indices of decoder layers whose FFN is a routed MoE block."""
+        ...
+
+    @abstractmethod
+    def num_experts(self, model: nn.Module) -> int:
+        ...
+
+    @abstractmethod
+    def top_k(self, model: nn.Module) -> int:
+        """The router's k (the architecture constant, also the student's number of groups)."""
+        ...
+
+    @abstractmethod
+    def renormalized(self, model: nn.Module) -> bool:
+        """Whether the router's top-k weights sum to 1 (decides the default scaling rule)."""
+        ...
+
+    @abstractmethod
+    def router_module(self, model: nn.Module, layer: int) -> nn.Module:
+        """The module whose forward hook sees (input hidden states, router output)."""
+        ...
+
+    @abstractmethod
+    def router_decision(self, output: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """From the router module's output: (p [T, E] softmax over all E, weights [T, k] really
+        applied, indices [T, k] really used). Never recomputes the choice."""
+        ...
+
+    @abstractmethod
+    def router_weight(self, model: nn.Module, layer: int) -> torch.Tensor:
+        """[E, H] router vectors (used by RC/AB grouping)."""
+        ...
+
+    @abstractmethod
+    def expert_weights(self, model: nn.Module, layer: int) -> ExpertWeights:
+        """Canonical views of the routed experts of one layer."""
+        ...
+
+    def shared_ffn(self, model: nn.Module, layer: int) -> DenseFFN | None:
+        """Shared experts of a layer as one dense FFN (copied into the student with scale 1.0)."""
+        return None
+
+    # --- routing override (expanded teacher routing k′ during distillation) ----------------
+    @abstractmethod
+    def routing_top_k(self, model: nn.Module, k: int,
+                      renormalize: bool | None = None) -> AbstractContextManager[None]:
+        """Within the block, every MoE layer routes each token to its top-k experts."""
+        ...
+
+    # --- student ---------------------------------------------------------------------------
+    @abstractmethod
+    def student_config(self, teacher: nn.Module, width: int) -> Any:
+        """The dense student's HF config with FFN width `width` in every layer."""
+        ...
+
+    @abstractmethod
+    def build_student(self, teacher: nn.Module, ffns: dict[int, DenseFFN],
+                      share_weights: bool = False) -> nn.Module:
+        """A dense HF model: attention, embeddings and norms from the teacher; layer l's FFN
+        from ffns[l] (plus shared experts); dense teacher layers zero-padded to the same width.
+        share_weights=True reuses the teacher's tensors instead of copying them (for fast
+        in-memory evaluation with the teacher resident); the student must then not be trained."""
+        ...

@@ -1,0 +1,78 @@
+"""Within-group merging, scaling and block concatenation (paper §3.3–3.4, Algorithm 1, Eq. 1–2).
+
+Pure tensor code: no transformers import.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.types import DenseFFN, ExpertWeights, LayerPlan
+
+
+def merge_group(experts: ExpertWeights, members: list[int], weights: list[float]) -> DenseFFN:
+    """W^(g) = Σ_{e∈G_g} w_e W^(e) for gate, up, down and their biases (Eq. 1)."""
+    idx = torch.as_tensor(members, dtype=torch.long, device=experts.gate.device)
+    w = torch.as_tensor(weights, dtype=torch.float64, device=experts.gate.device)
+
+    def avg(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        sel = t.index_select(0, idx)
+        return torch.tensordot(w.to(sel.dtype), sel, dims=1) if len(members) > 1 else sel[0]
+
+    return DenseFFN(gate=avg(experts.gate), up=avg(experts.up), down=avg(experts.down),
+                    gate_bias=avg(experts.gate_bias), up_bias=avg(experts.up_bias),
+                    down_bias=avg(experts.down_bias), act=experts.act,
+                    act_alpha=experts.act_alpha, act_limit=experts.act_limit)
+
+
+def concat_blocks(blocks: list[DenseFFN], alpha: list[float]) -> DenseFFN:
+    """Row-stack gate/up, column-stack α_g·down (Eq. 2); the down bias is Σ_g α_g b_g."""
+    first = blocks[0]
+    down = torch.cat([a * b.down for a, b in zip(alpha, blocks, strict=True)], dim=1)
+
+    def rows(name: str) -> torch.Tensor | None:
+        parts = [getattr(b, name) for b in blocks]
+        return None if parts[0] is None else torch.cat(parts, dim=0)
+
+    down_bias = None
+    if first.down_bias is not None:
+        down_bias = sum(a * b.down_bias for a, b in zip(alpha, blocks, strict=True))
+    return DenseFFN(gate=rows("gate"), up=rows("up"), down=down, gate_bias=rows("gate_bias"),
+                    up_bias=rows("up_bias"), down_bias=down_bias, act=first.act,
+                    act_alpha=first.act_alpha, act_limit=first.act_limit)
+
+
+def build_dense_ffn(experts: ExpertWeights, plan: LayerPlan) -> DenseFFN:
+    """Algorithm 1 lines 3–11 for one layer: merge each group, scale, concatenate."""
+    blocks = [merge_group(experts, g, w) for g, w in zip(plan.groups, plan.merge_weights, strict=True)]
+    return concat_blocks(blocks, plan.alpha)
+
+
+def ffn_forward(ffn: DenseFFN | ExpertWeights, h: torch.Tensor, expert: int | None = None) -> torch.Tensor:
+    """Reference forward of a DenseFFN (or of one expert of an ExpertWeights) on h [..., H]."""
+    if expert is not None:
+        pick = lambda t: None if t is None else t[expert]  # noqa: E731
+        ffn = DenseFFN(gate=ffn.gate[expert], up=ffn.up[expert], down=ffn.down[expert],
+                       gate_bias=pick(ffn.gate_bias), up_bias=pick(ffn.up_bias),
+                       down_bias=pick(ffn.down_bias), act=ffn.act, act_alpha=ffn.act_alpha,
+                       act_limit=ffn.act_limit)
+    g = h @ ffn.gate.T
+    u = h @ ffn.up.T
+    if ffn.gate_bias is not None:
+        g = g + ffn.gate_bias
+    if ffn.up_bias is not None:
+        u = u + ffn.up_bias
+    y = activation(g, u, ffn.act, ffn.act_alpha, ffn.act_limit) @ ffn.down.T
+    return y if ffn.down_bias is None else y + ffn.down_bias
+
+
+def activation(g: torch.Tensor, u: torch.Tensor, act: str, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    if act == "silu":
+        return torch.nn.functional.silu(g) * u
+    if act == "gptoss":  # GPT-OSS clamped SwiGLU (transformers GptOssExperts)
+        g = g.clamp(max=limit)
+        u = u.clamp(min=-limit, max=limit)
+        return (u + 1) * g * torch.sigmoid(g * alpha)
+    raise ValueError(f"unknown expert activation {act!r}; allowed: silu, gptoss")

@@ -1,0 +1,1 @@
+"""moesweep: workers/tiny."""

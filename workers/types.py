@@ -1,0 +1,135 @@
+"""Plain data passed between the pieces of the pipeline.
+
+These dataclasses are the contract between the family adapters (which know transformers), the
+numerics (scoring, grouping, merging: pure tensors) and the orchestrator (which stores them).
+Everything here is family-free: an adapter translates its model into these shapes.
+
+Shapes use E = routed experts, I = expert intermediate width, H = hidden size, k = router top-k,
+K = experts kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ExpertWeights:
+    """The routed experts of one MoE layer in one canonical layout (views, not copies, when possible).
+
+    f_e(h) = down[e] @ act(gate[e] @ h + gate_bias[e], up[e] @ h + up_bias[e]) + down_bias[e]
+    act="silu":   act(g, u) = silu(g) * u
+    act="gptoss": act(g, u) = (clamp(u, -limit, limit) + 1) * clamp(g, max=limit) * sigmoid(alpha * clamp(g, max=limit))
+    """
+
+    gate: torch.Tensor  # [E, I, H]
+    up: torch.Tensor  # [E, I, H]
+    down: torch.Tensor  # [E, H, I]
+    gate_bias: torch.Tensor | None = None  # [E, I]
+    up_bias: torch.Tensor | None = None  # [E, I]
+    down_bias: torch.Tensor | None = None  # [E, H]
+    act: str = "silu"
+    act_alpha: float = 1.702  # gptoss only
+    act_limit: float = 7.0  # gptoss only
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate.shape[0]
+
+    @property
+    def intermediate(self) -> int:
+        return self.gate.shape[1]
+
+    @property
+    def hidden(self) -> int:
+        return self.gate.shape[2]
+
+
+@dataclass
+class DenseFFN:
+    """One dense FFN in the same convention as ExpertWeights, without the expert axis.
+
+    y = down @ act(gate @ h + gate_bias, up @ h + up_bias) + down_bias
+    """
+
+    gate: torch.Tensor  # [D, H]
+    up: torch.Tensor  # [D, H]
+    down: torch.Tensor  # [H, D]
+    gate_bias: torch.Tensor | None = None  # [D]
+    up_bias: torch.Tensor | None = None  # [D]
+    down_bias: torch.Tensor | None = None  # [H]
+    act: str = "silu"
+    act_alpha: float = 1.702
+    act_limit: float = 7.0
+
+    @property
+    def width(self) -> int:
+        return self.gate.shape[0]
+
+
+@dataclass
+class LayerStats:
+    """Sufficient statistics of one MoE layer over N calibration tokens (DESIGN.md §2.1).
+
+    All sums are float64 over real (non-padding) tokens. p is the softmax over all E router
+    logits; "selected"/"routed" means e is in the top-k set the router really used; g is the
+    routing weight the model really applied to that expert on that token.
+    """
+
+    n_tokens: int
+    count: torch.Tensor  # [E] number of tokens where e was selected
+    sum_p: torch.Tensor  # [E] Σ_t p_e(t) over all tokens
+    sum_p_sel: torch.Tensor  # [E] Σ_{t: e∈S(t)} p_e(t)
+    sum_sq: torch.Tensor  # [E] Σ_t ‖f_e(t)‖² over all tokens
+    sum_gnorm_sel: torch.Tensor  # [E] Σ_{t: e∈S(t)} g_e(t)·‖f_e(t)‖   (REAP numerator)
+    sum_norm_sel: torch.Tensor  # [E] Σ_{t: e∈S(t)} ‖f_e(t)‖          (EAN)
+    gram: torch.Tensor  # [E, E] Σ_t ⟨f_i(t), f_j(t)⟩ over all tokens (a sum: divide by n_tokens for G)
+
+    @property
+    def num_experts(self) -> int:
+        return self.count.shape[0]
+
+    def to_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Flatten for safetensors; `prefix` is e.g. 'layer.3.'."""
+        out = {f"{prefix}n_tokens": torch.tensor([self.n_tokens], dtype=torch.int64)}
+        for name in ("count", "sum_p", "sum_p_sel", "sum_sq", "sum_gnorm_sel", "sum_norm_sel", "gram"):
+            out[prefix + name] = getattr(self, name).contiguous()
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str) -> LayerStats:
+        kw = {name: tensors[prefix + name] for name in
+              ("count", "sum_p", "sum_p_sel", "sum_sq", "sum_gnorm_sel", "sum_norm_sel", "gram")}
+        return cls(n_tokens=int(tensors[prefix + "n_tokens"].item()), **kw)
+
+
+@dataclass
+class LayerContext:
+    """Everything a scoring/grouping/scaling method may look at for one MoE layer."""
+
+    stats: LayerStats
+    experts: ExpertWeights
+    router_weight: torch.Tensor  # [E, H]
+    top_k: int  # the router's k = number of groups
+    renormalized: bool  # does the router renormalize its top-k weights to sum to 1?
+
+
+@dataclass
+class LayerPlan:
+    """The conversion of one MoE layer (Algorithm 1): what is kept, how it is grouped and merged."""
+
+    layer: int
+    selected: list[int]  # the K kept experts, in the selector's order
+    scores: list[float]  # base score s_e of every expert (len E) used for merging and scaling
+    groups: list[list[int]]  # k groups, expert ids
+    merge_weights: list[list[float]]  # same shape as groups; each inner list sums to 1
+    alpha: list[float]  # k down-projection scales
+    extras: dict = field(default_factory=dict)  # e.g. {"effective_rank": 3.2}
+
+    def signature(self) -> tuple:
+        """What determines the student's weights (scores and extras excluded)."""
+        r = lambda xs: tuple(round(float(x), 10) for x in xs)  # noqa: E731
+        return (self.layer, tuple(tuple(g) for g in self.groups),
+                tuple(r(w) for w in self.merge_weights), r(self.alpha))
