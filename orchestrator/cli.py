@@ -1,0 +1,212 @@
+"""The `moesweep` command: launch, status, sweeps, sql, report, import-paper."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Experiment sweeps and a results database for MoE→dense compression research.")
+out = Console()
+err = Console(stderr=True)
+
+DbOpt = Annotated[str | None, typer.Option("--db", help="SQLAlchemy URL (default: $MOESWEEP_DB or "
+                                                        "sqlite:///$MOESWEEP_HOME/moesweep.db)")]
+
+
+def _store(db: str | None, migrate: bool = True):
+    from db.store import Store
+
+    return Store(db, migrate=migrate)
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    err.print(f"[red]error:[/] {msg}", highlight=False)
+    raise typer.Exit(code)
+
+
+def _spec(name: str):
+    from orchestrator.spec import SpecError, load_spec
+
+    try:
+        return load_spec(name)
+    except SpecError as e:
+        _fail(str(e))
+
+
+@app.command()
+def launch(
+    name: Annotated[str, typer.Argument(help="sweep name (sweeps/NAME.yaml) or a path to a YAML file")],
+    db: DbOpt = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print the plan; run nothing")] = False,
+    executor: Annotated[str, typer.Option(help="ray | serial")] = "ray",
+    address: Annotated[str | None, typer.Option(help="Ray cluster address (default: $RAY_ADDRESS, "
+                                                     "else a local Ray)")] = None,
+    num_cpus: Annotated[int | None, typer.Option(help="CPUs for a local Ray")] = None,
+    max_concurrent: Annotated[int | None, typer.Option(help="at most this many jobs at once")] = None,
+    retry_failed: Annotated[bool, typer.Option("--retry-failed", help="run failed jobs again")] = False,
+) -> None:
+    """Run a named sweep, or resume it: every job that already succeeded is skipped."""
+    spec, path, text = _spec(name)
+    from orchestrator.spec import SpecError
+
+    if dry_run:
+        from orchestrator.dryrun import dry_run as show
+
+        try:
+            show(spec, _store(db) if db or os.environ.get("MOESWEEP_DB") or _default_db_exists() else None, out)
+        except SpecError as e:
+            _fail(f"{path}: {e}")
+        return
+    from orchestrator.launch import launch as run
+
+    store = _store(db)
+    if executor == "serial":
+        from orchestrator.execute import SerialExecutor
+
+        ex = SerialExecutor()
+    elif executor == "ray":
+        from orchestrator.execute import RayExecutor
+
+        ex = RayExecutor(address=address or os.environ.get("RAY_ADDRESS"), num_cpus=num_cpus,
+                         max_concurrent=max_concurrent or spec.execution.max_concurrent)
+    else:
+        _fail(f"--executor {executor!r}: allowed: ray, serial")
+    try:
+        code = run(spec, text, store, ex, retry_failed=retry_failed, console=err)
+    except SpecError as e:
+        _fail(f"{path}: {e}")
+    raise typer.Exit(code)
+
+
+def _default_db_exists() -> bool:
+    from db.store import home
+
+    return (home() / "moesweep.db").exists()
+
+
+@app.command()
+def sweeps() -> None:
+    """List the named sweeps."""
+    from orchestrator.spec import find_sweep, list_sweeps
+
+    t = Table("name", "file", "description")
+    for n in list_sweeps():
+        f = find_sweep(n)
+        try:
+            import yaml
+
+            desc = (yaml.safe_load(f.read_text()) or {}).get("description", "")
+        except Exception:  # a broken file is still listed; `launch` will explain it
+            desc = "(unreadable)"
+        t.add_row(n, str(f), str(desc).strip().splitlines()[0] if desc else "")
+    out.print(t)
+
+
+@app.command()
+def status(name: str, db: DbOpt = None) -> None:
+    """Per stage: done / running / failed / pending / duplicate, and the failures."""
+    store = _store(db)
+    sid = store.sweep_id(name)
+    if sid is None:
+        _fail(f"no sweep {name!r} in {store.url}")
+    counts = store.job_counts(sid)
+    t = Table("stage", "succeeded", "running", "failed", "pending", title=f"sweep {name}")
+    order = ["teacher", "dense_teacher", "calibrate", "convert", "ppl_pre", "distill", "evaluate"]
+    for stage in sorted({s for s, _ in counts}, key=lambda s: order.index(s) if s in order else 99):
+        t.add_row(stage, *(str(counts.get((stage, st), 0)) for st in ("succeeded", "running", "failed", "pending")))
+    out.print(t)
+    cols, rows = store.query(
+        "SELECT COUNT(*), SUM(duplicate_of IS NOT NULL), SUM(selected_for_distill) FROM configurations "
+        "WHERE sweep_id = :s", {"s": sid})
+    n, dup, sel = rows[0]
+    out.print(f"configurations: {n}  duplicates (share another's student): {dup or 0}  "
+              f"selected for distillation: {sel or 0}")
+    _, fails = store.query(
+        "SELECT j.stage, j.key, j.error, j.log_path FROM jobs j JOIN sweep_jobs sj ON sj.job_id = j.id "
+        "WHERE sj.sweep_id = :s AND j.status = 'failed' ORDER BY j.stage", {"s": sid})
+    for stage, key, error, log in fails:
+        last = [ln for ln in (error or "").splitlines() if ln.strip()][-1:] or [""]
+        out.print(f"[red]failed[/] {stage} {key[:12]}: {last[0]}  (log: {log})", highlight=False)
+
+
+@app.command()
+def sql(
+    query: Annotated[str, typer.Argument(help="SQL, e.g. \"SELECT scoring, AVG(ppl_pre) FROM results GROUP BY scoring\"")],
+    db: DbOpt = None,
+    format: Annotated[str, typer.Option("--format", "-f", help="table | csv | json")] = "table",
+) -> None:
+    """Run a query against the results database and print the rows."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    store = _store(db)
+    try:
+        cols, rows = store.query(query)
+    except SQLAlchemyError as e:
+        _fail(str(e.orig if hasattr(e, "orig") else e).splitlines()[0])
+    if format == "csv":
+        w = csv.writer(sys.stdout)
+        w.writerow(cols)
+        w.writerows(rows)
+    elif format == "json":
+        print(json.dumps([dict(zip(cols, r, strict=True)) for r in rows], default=str, indent=1))
+    elif format == "table":
+        t = Table(*cols)
+        for r in rows:
+            t.add_row(*("" if v is None else f"{v:.6g}" if isinstance(v, float) else str(v) for v in r))
+        out.print(t)
+    else:
+        _fail(f"--format {format!r}: allowed: table, csv, json")
+
+
+@app.command("import-paper")
+def import_paper(db: DbOpt = None) -> None:
+    """Load the core paper's published numbers as reference sweeps (idempotent)."""
+    from analysis.reference import reference_sweeps
+
+    store = _store(db)
+    counts = store.import_reference(reference_sweeps())
+    for name, n in counts.items():
+        out.print(f"{name}: {n} configurations")
+
+
+@app.command()
+def report(
+    name: str,
+    db: DbOpt = None,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="output folder (default: report/NAME)")] = None,
+    compare: Annotated[str | None, typer.Option(help="'paper': our numbers beside the paper's")] = None,
+) -> None:
+    """LaTeX tables, PNG/PDF figures and an index for a sweep, from the database only."""
+    from analysis.load import load_frames
+    from analysis.report import write_report
+
+    store = _store(db)
+    if store.sweep_id(name) is None:
+        _fail(f"no sweep {name!r} in {store.url} (moesweep import-paper loads the paper's)")
+    frames = load_frames(store.engine, [name])
+    cmp = None
+    if compare is not None:
+        if compare != "paper":
+            _fail(f"--compare {compare!r}: allowed: paper")
+        from analysis.reference import reference_sweeps
+
+        names = [s["name"] for s in reference_sweeps()]
+        if store.sweep_id(names[0]) is None:
+            store.import_reference(reference_sweeps())
+        cmp = load_frames(store.engine, names)
+    target = out_dir or Path("report") / name
+    arts = write_report(frames, name, target, cmp)
+    out.print(f"{len(arts)} artefacts in {target}/ (index: {target / 'index.md'})")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,199 @@
+"""Executors run job payloads and report each result back to the orchestrator's thread.
+
+`SerialExecutor` runs in-process (fast tests, debugging). `RayExecutor` runs jobs as calls on Ray
+actors that declare the stage's CPUs/GPUs and keep the models they loaded resident, so a worker
+holding a teacher evaluates many conversions without reloading it. Neither touches the DB.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+Done = Callable[[dict[str, Any], dict[str, Any] | None, str | None, float], None]
+Progress = Callable[[str, float, float, str], None]  # (job key, done, total, description)
+
+
+def run_payload(payload: dict[str, Any], cache: dict, progress: Progress | None) -> tuple[dict | None, str | None]:
+    """Run one job with its output going to its log file; returns (result, error text)."""
+    from workers.jobs import run_job
+
+    log_path = payload.get("log_path")
+    if log_path:
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    cb = (lambda d, t, desc="": progress(payload["key"], d, t, desc)) if progress else None
+    with open(log_path or os.devnull, "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        try:
+            t0 = time.perf_counter()
+            result = run_job(payload, cache, cb)
+            result.setdefault("compute_s", time.perf_counter() - t0)
+            return result, None
+        except Exception:  # a failing job is a result for the orchestrator, not a crash
+            tb = traceback.format_exc()
+            log.write(tb)
+            return None, tb
+
+
+class SerialExecutor:
+    name = "serial"
+
+    def __init__(self) -> None:
+        self.cache: dict = {}
+
+    def run(self, payloads: list[dict[str, Any]], on_done: Done, progress: Progress | None = None,
+            poll: Callable[[], None] | None = None) -> None:
+        for p in payloads:
+            t0 = time.perf_counter()
+            result, err = run_payload(p, self.cache, progress)
+            on_done(p, result, err, time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self.cache.clear()
+
+
+class RayExecutor:
+    """Jobs as Ray actor calls; one actor pool per (cpus, gpus) shape, reused across stages."""
+
+    name = "ray"
+
+    def __init__(self, address: str | None = None, num_cpus: int | None = None,
+                 max_concurrent: int | None = None) -> None:
+        import ray
+
+        self.ray = ray
+        if not ray.is_initialized():
+            kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
+                                  "configure_logging": False}
+            if address:
+                ray.init(address=address, **kw)
+            else:
+                ray.init(num_cpus=num_cpus or os.cpu_count() or 1, **kw)
+        self.max_concurrent = max_concurrent
+        self.pools: dict[tuple[float, float], list[Any]] = {}
+        self.hub = _progress_hub(ray).remote()
+
+    def _pool(self, cpus: float, gpus: float, wanted: int) -> list[Any]:
+        shape = (cpus, gpus)
+        pool = self.pools.setdefault(shape, [])
+        total = self.ray.cluster_resources()
+        fit = int(total.get("CPU", 1) // cpus) if cpus else wanted
+        if gpus:
+            fit = min(fit, int(total.get("GPU", 0) // gpus))
+        if fit < 1:
+            raise RuntimeError(f"no node can hold a job needing {cpus} CPUs and {gpus} GPUs "
+                               f"(cluster: {total.get('CPU', 0)} CPUs, {total.get('GPU', 0)} GPUs)")
+        n = max(1, min(wanted, fit, self.max_concurrent or wanted))
+        actor_cls = _worker_actor(self.ray)
+        while len(pool) < n:
+            pool.append(actor_cls.options(num_cpus=cpus, num_gpus=gpus).remote(self.hub, cpus))
+        return pool[:n]
+
+    def run(self, payloads: list[dict[str, Any]], on_done: Done, progress: Progress | None = None,
+            poll: Callable[[], None] | None = None) -> None:
+        if not payloads:
+            return
+        # jobs that want the same resident model go to the same actor, in order
+        payloads = sorted(payloads, key=lambda p: (p.get("resident") or "", p["key"]))
+        shape = (payloads[0].get("cpus", 1), payloads[0].get("gpus", 0))
+        pool = self._pool(*shape, wanted=len(payloads))
+        queue = list(payloads)
+        inflight: dict[Any, tuple[dict, Any, float]] = {}
+        idle = list(pool)
+        try:
+            while queue or inflight:
+                while queue and idle:
+                    actor = idle.pop(0)
+                    # prefer a job whose resident model this actor already holds
+                    p = queue.pop(0)
+                    inflight[actor.run.remote(p)] = (p, actor, time.perf_counter())
+                ready, _ = self.ray.wait(list(inflight), num_returns=1, timeout=0.5)
+                self._drain_progress(progress)
+                if poll:
+                    poll()
+                for ref in ready:
+                    p, actor, t0 = inflight.pop(ref)
+                    try:
+                        result, err = self.ray.get(ref)
+                    except Exception:  # the actor died (OOM, segfault): the job failed
+                        result, err = None, traceback.format_exc()
+                        self._replace(actor, shape)
+                        actor = None
+                    if actor is not None:
+                        idle.append(actor)
+                    else:
+                        idle.append(self.pools[shape][-1])
+                    on_done(p, result, err, time.perf_counter() - t0)
+        except BaseException:
+            for ref in inflight:
+                self.ray.cancel(ref, force=True)
+            raise
+
+    def _replace(self, actor: Any, shape: tuple[float, float]) -> None:
+        pool = self.pools[shape]
+        if actor in pool:
+            pool.remove(actor)
+        pool.append(_worker_actor(self.ray).options(num_cpus=shape[0], num_gpus=shape[1]).remote(self.hub, shape[0]))
+
+    def _drain_progress(self, progress: Progress | None) -> None:
+        if progress is None:
+            return
+        for key, done, total, desc in self.ray.get(self.hub.drain.remote()):
+            progress(key, done, total, desc)
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            for a in pool:
+                self.ray.kill(a)
+        self.pools.clear()
+
+
+_ACTOR = None
+_HUB = None
+
+
+def _worker_actor(ray):
+    global _ACTOR
+    if _ACTOR is None:
+
+        @ray.remote
+        class JobWorker:
+            def __init__(self, hub, cpus: float) -> None:
+                import torch
+
+                torch.set_num_threads(max(1, int(cpus)))
+                self.hub = hub
+                self.cache: dict = {}
+
+            def run(self, payload: dict[str, Any]):
+                def report(key: str, done: float, total: float, desc: str = "") -> None:
+                    self.hub.put.remote(key, done, total, desc)
+
+                return run_payload(payload, self.cache, report)
+
+        _ACTOR = JobWorker
+    return _ACTOR
+
+
+def _progress_hub(ray):
+    """A tiny actor that collects progress reports from workers for the driver's bars."""
+    global _HUB
+    if _HUB is None:
+
+        @ray.remote(num_cpus=0)
+        class ProgressHub:
+            def __init__(self) -> None:
+                self.latest: dict[str, tuple] = {}
+
+            def put(self, key: str, done: float, total: float, desc: str) -> None:
+                self.latest[key] = (key, done, total, desc)
+
+            def drain(self) -> list[tuple]:
+                out, self.latest = list(self.latest.values()), {}
+                return out
+
+        _HUB = ProgressHub
+    return _HUB

@@ -1,0 +1,305 @@
+"""`moesweep launch`: run (or resume) a sweep stage by stage, with the DB as the state of record.
+
+Each stage registers its jobs (by content key), skips what already succeeded, claims the rest
+atomically (so two launches never run one job twice), runs them on the executor and writes each
+result in its own transaction as it arrives. A crash loses at most the jobs in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from db.store import Store, home, owner_id
+from orchestrator import plan as P
+from orchestrator.spec import SweepSpec, spec_hash
+
+
+@dataclass
+class StageReport:
+    stage: str
+    total: int = 0
+    cached: int = 0
+    ran: int = 0
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (key, last error line)
+    blocked: int = 0
+
+
+class Runner:
+    def __init__(self, store: Store, executor, sweep_id: int, spec: SweepSpec, *, retry_failed: bool,
+                 console: Console, progress: Progress | None) -> None:
+        self.store, self.executor, self.sweep_id, self.spec = store, executor, sweep_id, spec
+        self.retry_failed = retry_failed
+        self.owner = owner_id()
+        self.console = console
+        self.progress = progress
+        self.claimed: set[str] = set()
+        self.reports: list[StageReport] = []
+        self._job_bars: dict[str, Any] = {}
+        self._last_beat = time.monotonic()
+
+    # ---- one stage ---------------------------------------------------------------------------
+    def run_stage(self, stage: str, jobs: Iterable[P.JobSpec | None]) -> dict[str, dict[str, Any]]:
+        jobs = P.unique(j for j in jobs if j is not None)
+        rep = StageReport(stage, total=len(jobs))
+        self.reports.append(rep)
+        if not jobs:
+            return {}
+        self.store.register_jobs(self.sweep_id, [j.record() for j in jobs])
+        bar = self.progress.add_task(f"{stage}", total=len(jobs)) if self.progress else None
+        tries: dict[str, int] = {}
+        pending = list(jobs)
+        while pending:
+            rows = self.store.jobs([j.key for j in pending] + [d for j in pending for d in j.deps.values()])
+            payloads, waiting = [], []
+            for j in pending:
+                status = rows[j.key]["status"]
+                if status == "succeeded":
+                    rep.cached += 1
+                    self._advance(bar)
+                    continue
+                if status == "failed" and not (self.retry_failed and tries.get(j.key, 0) == 0):
+                    rep.failed.append((j.key, _last_line(rows[j.key]["error"])))
+                    self._advance(bar)
+                    continue
+                if any(rows.get(d, {}).get("status") != "succeeded" for d in j.deps.values()):
+                    rep.blocked += 1
+                    self._advance(bar)
+                    continue
+                if not self.store.claim(j.key, self.owner, retry_failed=self.retry_failed):
+                    waiting.append(j)  # another launch holds it
+                    continue
+                self.claimed.add(j.key)
+                tries[j.key] = tries.get(j.key, 0) + 1
+                payloads.append(self._payload(j, rows))
+            retry: list[P.JobSpec] = []
+            by_key = {j.key: j for j in pending}
+
+            def on_done(p: dict, result: dict | None, err: str | None, dt: float) -> None:
+                key = p["key"]
+                if err is None and result is not None:
+                    self.store.finish(key, self.owner, result, dt, log_path=p["log_path"])
+                    rep.ran += 1
+                    self._advance(bar)
+                else:
+                    final = tries[key] > self.spec.execution.retries
+                    self.store.fail(key, self.owner, err or "no result", final=final, log_path=p["log_path"],
+                                    duration_s=dt)
+                    if final:
+                        rep.failed.append((key, _last_line(err)))
+                        self._advance(bar)
+                    else:
+                        retry.append(by_key[key])
+                self.claimed.discard(key)
+
+            for cpus_gpus, group in _by_shape(payloads).items():
+                self.executor.run(group, on_done, self._on_progress, self._poll)
+            pending = retry + self._wait_for_others(waiting)
+        self._finish_bar(bar)
+        return {k: json.loads(r["outputs_json"] or "{}") for k, r in
+                self.store.jobs([j.key for j in jobs]).items() if r["status"] == "succeeded"}
+
+    def _payload(self, j: P.JobSpec, rows: dict[str, dict]) -> dict[str, Any]:
+        inputs = {role: json.loads(rows[d]["outputs_json"] or "{}") for role, d in j.deps.items()}
+        root = home()
+        return {"key": j.key, "stage": j.stage, "params": j.params, "inputs": inputs, "resident": j.resident,
+                "cpus": j.cpus, "gpus": j.gpus, "home": str(root),
+                "workdir": str(root / "artifacts" / j.stage / j.key),
+                "log_path": str(root / "logs" / j.stage / f"{j.key}.log")}
+
+    def _wait_for_others(self, waiting: list[P.JobSpec]) -> list[P.JobSpec]:
+        """Jobs another launch is running: wait for them; take them over if their owner died."""
+        while waiting:
+            self.store.release_stale()
+            rows = self.store.jobs([j.key for j in waiting])
+            if any(rows[j.key]["status"] == "pending" for j in waiting):
+                return waiting  # released: go round again and claim them
+            waiting = [j for j in waiting if rows[j.key]["status"] == "running"]
+            if waiting:
+                time.sleep(1.0)
+        return []
+
+    # ---- progress / liveness ------------------------------------------------------------------
+    def _advance(self, bar) -> None:
+        if self.progress is not None and bar is not None:
+            self.progress.advance(bar)
+
+    def _finish_bar(self, bar) -> None:
+        for t in list(self._job_bars.values()):
+            self.progress.remove_task(t)
+        self._job_bars.clear()
+
+    def _on_progress(self, key: str, done: float, total: float, desc: str) -> None:
+        if self.progress is None:
+            return
+        if key not in self._job_bars:
+            self._job_bars[key] = self.progress.add_task(f"  {desc or key[:8]}", total=total)
+        self.progress.update(self._job_bars[key], completed=done, total=total)
+        self._poll()
+
+    def _poll(self) -> None:
+        if time.monotonic() - self._last_beat > 10:
+            self.store.heartbeat(self.claimed, self.owner)
+            self._last_beat = time.monotonic()
+
+    def release_claimed(self) -> None:
+        for key in list(self.claimed):
+            self.store.release(key, self.owner)
+        self.claimed.clear()
+
+
+def _by_shape(payloads: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+    out: dict[tuple, list[dict[str, Any]]] = {}
+    for p in payloads:
+        out.setdefault((p["cpus"], p["gpus"]), []).append(p)
+    return out
+
+
+def _last_line(err: str | None) -> str:
+    lines = [ln for ln in (err or "").strip().splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+# ---- the whole sweep ------------------------------------------------------------------------------
+def launch(spec: SweepSpec, spec_text: str, store: Store, executor, *, retry_failed: bool = False,
+           console: Console | None = None, show_progress: bool = True) -> int:
+    """Run the sweep; returns the process exit code (0 = everything succeeded)."""
+    console = console or Console(stderr=True)
+    plan = P.build_plan(spec)
+    sid = store.upsert_sweep(spec.name, spec_yaml=spec_text, spec_hash=spec_hash(spec_text),
+                             description=spec.description)
+    store.release_stale()
+    cfg_ids = store.upsert_configs(sid, plan.configs)
+    progress = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=console, disable=not show_progress, transient=False)
+    runner = Runner(store, executor, sid, spec, retry_failed=retry_failed, console=console, progress=progress)
+    try:
+        with progress:
+            _run_stages(spec, plan, store, runner, sid, cfg_ids)
+    except KeyboardInterrupt:
+        runner.release_claimed()
+        console.print("[yellow]interrupted[/]: finished jobs are kept; `moesweep launch` resumes.")
+        return 130
+    finally:
+        executor.close()
+    return _summary(console, runner.reports, store, sid)
+
+
+def _run_stages(spec: SweepSpec, plan: P.Plan, store: Store, runner: Runner, sid: int,
+                cfg_ids: dict[str, int]) -> None:
+    runner.run_stage("teacher", [plan.teacher, plan.dense_teacher])
+    runner.run_stage("calibrate", [plan.calibrate])
+    conv_out = runner.run_stage("convert", plan.convert.values())
+    store.link((cfg_ids[ck], "convert", _job_id(store, j.key)) for ck, j in plan.convert.items())
+
+    # pre-distill perplexity: one job per distinct student (equal plans share it)
+    ppl: dict[str, P.JobSpec] = {}
+    for cfg in plan.configs:
+        ck = cfg["config_key"]
+        conv = plan.convert.get(ck)
+        if conv is not None and conv.key not in conv_out:
+            continue  # its conversion failed: nothing downstream of it runs
+        ppl[ck] = P.ppl_job(spec, cfg, conv, conv_out.get(conv.key) if conv else None)
+    runner.run_stage("ppl_pre", ppl.values())
+    _link_and_dedupe(store, cfg_ids, ppl, "ppl_pre", plan_keys={
+        ck: conv_out[j.key]["plan_key"] for ck, j in plan.convert.items() if j.key in conv_out})
+
+    if spec.distill is None:
+        return
+    selected = _select(spec, store, sid, plan, cfg_ids)
+    distill: dict[str, P.JobSpec] = {}
+    new_cfgs: list[dict[str, Any]] = []
+    for ck in selected:
+        if ck not in ppl:
+            continue
+        distill[ck] = P.distill_job(spec, ppl[ck], {})
+        for i, over in enumerate(spec.distill.variants):
+            cfg = next(c for c in plan.configs if c["config_key"] == ck)
+            if not all(cfg.get(a) == v for a, v in spec.distill.variants_on.items()):
+                continue
+            vk = f"{ck}|variant={i}"
+            new_cfgs.append({**cfg, "config_key": vk, "selected_for_distill": 1,
+                             "distill_loss": over.get("loss"), "teacher_top_k": over.get("teacher_top_k"),
+                             "note": json.dumps(over, sort_keys=True)})
+            distill[vk] = P.distill_job(spec, ppl[ck], over)
+    if new_cfgs:
+        cfg_ids.update(store.upsert_configs(sid, new_cfgs))
+        store.link((cfg_ids[c["config_key"]], "ppl_pre", _job_id(store, ppl[c["config_key"].split("|variant=")[0]].key))
+                   for c in new_cfgs)
+    dist_out = runner.run_stage("distill", distill.values())
+    _link(store, cfg_ids, distill, "distill")
+
+    if spec.evaluate is None:
+        return
+    evals = {ck: P.evaluate_job(spec, j) for ck, j in distill.items() if j.key in dist_out}
+    if "teacher" in cfg_ids and "teacher" in ppl:
+        evals["teacher"] = P.evaluate_job(spec, ppl["teacher"])
+    runner.run_stage("evaluate", evals.values())
+    _link(store, cfg_ids, evals, "evaluate")
+
+
+def _job_id(store: Store, key: str) -> int:
+    return store.jobs([key])[key]["id"]
+
+
+def _link(store: Store, cfg_ids: dict[str, int], jobs: dict[str, P.JobSpec], stage: str) -> None:
+    rows = store.jobs(j.key for j in jobs.values())
+    store.link((cfg_ids[ck], stage, rows[j.key]["id"]) for ck, j in jobs.items() if j.key in rows)
+
+
+def _link_and_dedupe(store: Store, cfg_ids: dict[str, int], jobs: dict[str, P.JobSpec], stage: str,
+                     plan_keys: dict[str, str]) -> None:
+    """Configurations sharing one student are marked duplicates of the first of them."""
+    _link(store, cfg_ids, jobs, stage)
+    first: dict[str, int] = {}
+    updates: dict[int, dict[str, Any]] = {}
+    for ck, j in sorted(jobs.items(), key=lambda kv: cfg_ids[kv[0]]):
+        cid = cfg_ids[ck]
+        first.setdefault(j.key, cid)
+        updates[cid] = {"duplicate_of": None if first[j.key] == cid else first[j.key],
+                        "plan_key": plan_keys.get(ck)}
+    store.set_config_fields(updates)
+
+
+def _select(spec: SweepSpec, store: Store, sid: int, plan: P.Plan, cfg_ids: dict[str, int]) -> list[str]:
+    """The selection rule between stages (the paper: best (K, scaling) per scoring×grouping)."""
+    cols, rows = store.query("SELECT * FROM results WHERE sweep = :s", {"s": spec.name})
+    rows = [dict(zip(cols, r, strict=True)) for r in rows]
+    key_of = {cid: ck for ck, cid in cfg_ids.items()}
+    moe = [r for r in rows if r["kind"] == "moe2dense"]  # duplicates compete too: same numbers
+    picked = P.select_best(moe, spec.select.per, spec.select.over) if spec.select else moe
+    chosen = [key_of[r["config_id"]] for r in picked if r["config_id"] in key_of]
+    base = [r for r in rows if r["kind"] == "baseline"]
+    chosen += [key_of[r["config_id"]] for r in base if not (r["baseline"] or "").startswith("d2d:")]
+    d2d = [dict(r, family="d2d") for r in base if (r["baseline"] or "").startswith("d2d:")]
+    chosen += [key_of[r["config_id"]] for r in P.select_best(d2d, ["family"], ["baseline"])]
+    store.set_config_fields({cid: {"selected_for_distill": int(ck in chosen)} for ck, cid in cfg_ids.items()
+                             if "|variant=" not in ck})
+    return chosen
+
+
+def _summary(console: Console, reports: list[StageReport], store: Store, sid: int) -> int:
+    t = Table(title="moesweep launch", show_lines=False)
+    for col in ("stage", "jobs", "cached", "ran", "failed", "blocked"):
+        t.add_column(col, justify="right" if col != "stage" else "left")
+    failures = []
+    for r in reports:
+        if r.total:
+            t.add_row(r.stage, str(r.total), str(r.cached), str(r.ran), str(len(r.failed)), str(r.blocked))
+        failures += [(r.stage, k, e) for k, e in r.failed]
+    console.print(t)
+    console.print(f"results: {store.url}   (try: moesweep sql \"SELECT * FROM results\")")
+    if failures:
+        console.print(f"[red]{len(failures)} job(s) failed[/] (moesweep status shows them; "
+                      "--retry-failed runs them again):")
+        for stage, key, err in failures[:20]:
+            console.print(f"  {stage} {key[:12]}: {err}")
+        return 1
+    return 0

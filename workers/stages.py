@@ -1,0 +1,262 @@
+"""The stage functions: teacher, dense_teacher, calibrate, convert, ppl_pre, distill, evaluate.
+
+Each takes a payload (see workers/jobs.py) and returns a plain record. They glue the science
+modules together and never touch the database.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workers.runtime import (
+    artifact,
+    device,
+    eval_texts,
+    load_model,
+    resident_teacher,
+    teacher_path,
+    windows,
+)
+
+
+def _metric(name: str, value: float | None, **kw: Any) -> dict[str, Any]:
+    return {"name": name, "value": value, **kw}
+
+
+# ---- teachers --------------------------------------------------------------------------------
+def stage_teacher(payload: dict, cache: dict, progress) -> dict:
+    from workers.tiny.teacher import TinyTeacherSpec, train_tiny_dense, train_tiny_teacher
+
+    spec = TinyTeacherSpec(**payload["params"]["tiny"])
+    out = Path(payload["workdir"]) / "model"
+    train = train_tiny_dense if payload["params"]["kind"] == "dense_teacher" else train_tiny_teacher
+    rec = train(spec, out, progress=progress)
+    metrics = [
+        _metric("ppl", rec["valid_ppl_teacher"], stage="train", who="teacher"),
+        _metric("ppl", rec["valid_ppl_random_init"], stage="train", who="random_init"),
+        _metric("params", float(rec["params"]), stage="train", who="teacher"),
+    ]
+    metrics += [_metric("train_loss", loss, stage="train", who="teacher", step=i)
+                for i, loss in enumerate(rec["train_loss_curve"])]
+    keep = {k: v for k, v in rec.items() if k != "train_loss_curve"}
+    return {"outputs": {"path": str(out), **keep}, "metrics": metrics, "artifacts": [artifact("model", out)]}
+
+
+# ---- calibration ------------------------------------------------------------------------------
+def stage_calibrate(payload: dict, cache: dict, progress) -> dict:
+    from workers.calibrate import collect_stats, save_stats
+    from workers.families import get_adapter
+
+    p = payload["params"]
+    model, tok = resident_teacher(payload, cache)
+    adapter = get_adapter(model)
+    ids = windows(payload, cache, tok, p["data"], p["seq_len"], p["n_samples"], p["seed"])
+    mask = torch.ones_like(ids)
+    batches = [(ids[i:i + p["batch_size"]].to(device()), mask[i:i + p["batch_size"]].to(device()))
+               for i in range(0, len(ids), p["batch_size"])]
+    cb = (lambda i, n: progress(i, n, "calibrate")) if progress else None
+    stats = collect_stats(model, adapter, batches, chunk_tokens=p["chunk_tokens"], progress=cb)
+    path = Path(payload["workdir"]) / "stats.safetensors"
+    save_stats(stats, path)
+    n_tokens = int(next(iter(stats.values())).n_tokens)
+    return {"outputs": {"stats": str(path), "n_tokens": n_tokens, "layers": sorted(stats)},
+            "metrics": [_metric("calib_tokens", float(n_tokens), stage="calib", n_tokens=n_tokens)],
+            "artifacts": [artifact("calibration_stats", path)]}
+
+
+# ---- conversion plans -------------------------------------------------------------------------
+def stage_convert(payload: dict, cache: dict, progress) -> dict:
+    from workers.calibrate import load_stats
+    from workers.convert import layer_contexts
+    from workers.families import get_adapter
+    from workers.planning import plan_layer, plan_signature
+
+    p = payload["params"]
+    model, _ = resident_teacher(payload, cache)
+    adapter = get_adapter(model)
+    stats_path = payload["inputs"]["calibrate"]["stats"]
+    ckey = ("contexts", stats_path)
+    if ckey not in cache:
+        cache[ckey] = layer_contexts(model, adapter, load_stats(stats_path))
+    contexts = cache[ckey]
+    grouping = "RR" if p["grouping"] == "*" else p["grouping"]  # K = k: every grouping is the same
+    plans = [plan_layer(layer, ctx, p["scoring"], grouping, p["dp_scaling"], p["K"])
+             for layer, ctx in sorted(contexts.items())]
+    plan_key = plan_signature(plans)
+    path = Path(payload["workdir"]) / "plan.json"
+    path.write_text(json.dumps([plan_to_dict(pl) for pl in plans], indent=1))
+    rows, diag = [], []
+    for pl in plans:
+        member = {e: (g, w) for g, (grp, ws) in enumerate(zip(pl.groups, pl.merge_weights, strict=True))
+                  for e, w in zip(grp, ws, strict=True)}
+        for rank, e in enumerate(pl.selected):
+            g, w = member[e]
+            rows.append({"layer": pl.layer, "expert": e, "score": float(pl.scores[e]), "selected_rank": rank,
+                         "group_idx": g, "merge_weight": float(w), "alpha": float(pl.alpha[g])})
+        diag += [{"layer": pl.layer, "name": k, "value": float(v)} for k, v in sorted(pl.extras.items())
+                 if isinstance(v, int | float)]
+    return {"outputs": {"plan_key": plan_key, "plan_path": str(path)}, "plan_rows": rows,
+            "layer_diag": diag, "artifacts": [artifact("plan", path)]}
+
+
+def plan_to_dict(pl) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return asdict(pl)
+
+
+def load_plans(path: str):
+    from workers.types import LayerPlan
+
+    return [LayerPlan(**d) for d in json.loads(Path(path).read_text())]
+
+
+# ---- students -------------------------------------------------------------------------------
+def make_student(payload: dict, cache: dict, recipe: dict[str, Any], *, for_training: bool):
+    """The student a recipe names. For evaluation only, plan students share the teacher's tensors."""
+    from workers.families import get_adapter
+
+    kind = recipe["type"]
+    if kind == "d2d":
+        return d2d_student(payload, cache, recipe["candidate"])
+    model, tok = resident_teacher(payload, cache)
+    if kind == "teacher":
+        return (copy.deepcopy(model) if for_training else model), tok
+    adapter = get_adapter(model)
+    if kind == "plan":
+        from workers.convert import build_student_from_plans
+
+        plans = load_plans(payload["inputs"]["convert"]["plan_path"])
+        student = build_student_from_plans(model, adapter, plans, share_weights=not for_training)
+    elif kind == "random_ffn":
+        from workers.baselines import random_ffn_student
+
+        student = random_ffn_student(model, adapter, seed=recipe.get("seed", 0))
+    elif kind == "random_init":
+        from workers.baselines import random_init_student
+
+        student = random_init_student(model, adapter, seed=recipe.get("seed", 0))
+    else:
+        raise ValueError(f"unknown student type {kind!r}")
+    return student.to(device()), tok
+
+
+def d2d_student(payload: dict, cache: dict, candidate: str):
+    """Minitron-style pruning of the dense teacher (Appendix M)."""
+    from workers.baselines import d2d_candidates, prune_dense
+
+    dense, tok = resident_teacher(payload, cache, role="dense_teacher")
+    cands = {c["name"]: c for c in d2d_candidates(dense)}
+    c = payload["params"].get("calibration") or {}
+    ids = windows(payload, cache, tok, c.get("data", {"source": "tiny", "split": "train"}),
+                  c.get("seq_len", 128), c.get("n_samples", 64), c.get("seed", 0))
+    batches = [ids[i:i + 8].to(device()) for i in range(0, len(ids), 8)]
+    return prune_dense(dense, cands[candidate], batches).to(device()), tok
+
+
+def ppl_record(model, tok, payload: dict, cache: dict, stage: str) -> dict[str, Any]:
+    from workers.ppl import perplexity
+
+    pp = payload["params"]["ppl"]
+    texts = eval_texts(payload, cache, pp["data"])
+    r = perplexity(model, tok, texts, seq_len=pp["seq_len"], batch_size=pp["batch_size"], add_bos=pp["add_bos"],
+                   device=device(), max_windows=pp.get("max_windows"))
+    return _metric("ppl", r["ppl"], stage=stage, sum_nll=r["sum_nll"], n_tokens=r["n_tokens"],
+                   value_kind=r["value_kind"], extra={"protocol": r["protocol"], "data": pp["data"]})
+
+
+def stage_ppl_pre(payload: dict, cache: dict, progress) -> dict:
+    recipe = payload["params"]["student"]
+    student, tok = make_student(payload, cache, recipe, for_training=False)
+    with torch.no_grad():
+        m = ppl_record(student, tok, payload, cache, "pre")
+    return {"outputs": {"ppl": m["value"], "value_kind": m["value_kind"]}, "metrics": [m]}
+
+
+# ---- distillation -------------------------------------------------------------------------------
+def stage_distill(payload: dict, cache: dict, progress) -> dict:
+    from workers.distill import DistillSpec, distill
+    from workers.families import get_adapter
+
+    p = payload["params"]
+    spec = DistillSpec(**p["settings"])
+    recipe = p["student"]
+    student, tok = make_student(payload, cache, recipe, for_training=True)
+    role = "dense_teacher" if recipe["type"] == "d2d" else "teacher"
+    teacher, _ = resident_teacher(payload, cache, role=role)
+    adapter = get_adapter(teacher) if role == "teacher" else None
+    n_train = spec.steps * spec.batch_size * spec.grad_accum
+    train = windows(payload, cache, tok, p["data"], spec.seq_len, n_train, spec.seed + 1)
+    val = windows(payload, cache, tok, p["val_data"], spec.seq_len, spec.val_windows, spec.seed + 2)
+    batches = (train[i:i + spec.batch_size] for i in range(0, len(train), spec.batch_size))
+    cb = (lambda i, n, *_: progress(i, n, "distill")) if progress else None
+    rec = distill(student, teacher, adapter, batches, val, spec, progress=cb)
+    out = Path(payload["workdir"]) / "student"
+    student.save_pretrained(out)
+    tok.save_pretrained(out)
+    metrics = [_metric("val_ce", r["value"], stage="train", who=r["who"], step=r["step"], n_tokens=r["tokens"])
+               for r in rec["val"]]
+    metrics += [_metric("train_loss", v, stage="train", who="student", step=i)
+                for i, v in enumerate(rec["loss_curve"])]
+    metrics.append(_metric("distill_tokens", float(rec["tokens"]), stage="train", n_tokens=rec["tokens"]))
+    return {"outputs": {"path": str(out), "tokens": rec["tokens"]}, "metrics": metrics,
+            "artifacts": [artifact("student", out)]}
+
+
+# ---- evaluation ------------------------------------------------------------------------------------
+def stage_evaluate(payload: dict, cache: dict, progress) -> dict:
+    from workers.evaluate import run_suite
+
+    p = payload["params"]
+    if p["student"]["type"] == "distilled":
+        path = payload["inputs"]["distill"]["path"]
+        model, tok = load_model(path)
+        model_key = payload["key"]
+    else:
+        model, tok = resident_teacher(payload, cache)
+        path = teacher_path(payload)
+        model_key = f"teacher-{payload['key']}"
+    metrics = []
+    ev = p["evaluate"]
+    if ev.get("ppl", True):
+        with torch.no_grad():
+            metrics.append(ppl_record(model, tok, payload, cache, "post"))
+    res = run_suite(model, tok, ev["suite"], model_key=model_key, cache_dir=str(Path(payload["home"]) / "lm_eval_cache"),
+                    tiny_dir=_tiny_dir(payload), batch_size=ev["batch_size"], backend=ev["backend"],
+                    limit=ev.get("limit"), model_path=path, workdir=payload["workdir"])
+    for t in res["tasks"]:
+        for metric in ("acc", "acc_norm"):
+            if t.get(metric) is None:
+                continue
+            metrics.append(_metric(metric, t[metric], stage="post", task=t["task"], stderr=t.get(f"{metric}_stderr"),
+                                   total=t.get("n"), num_fewshot=t.get("num_fewshot"),
+                                   headline=int(metric == t["headline"]),
+                                   extra={"backend": res.get("backend"), "lm_eval": res.get("lm_eval_version"),
+                                          "task_hash": t.get("task_hash")}))
+        for name, value in sorted(t.get("other", {}).items()):
+            metrics.append(_metric(name, value, stage="post", task=t["task"]))
+    out = Path(payload["workdir"]) / "lm_eval_results.json"
+    out.write_text(json.dumps(res["results_json"], indent=1, default=str, sort_keys=True))
+    return {"outputs": {"avg": res.get("average")}, "metrics": metrics, "artifacts": [artifact("lm_eval_results", out)]}
+
+
+def _tiny_dir(payload: dict) -> str | None:
+    from workers.runtime import tiny_dir
+
+    return tiny_dir(payload)
+
+
+STAGES = {
+    "teacher": stage_teacher,
+    "dense_teacher": stage_teacher,
+    "calibrate": stage_calibrate,
+    "convert": stage_convert,
+    "ppl_pre": stage_ppl_pre,
+    "distill": stage_distill,
+    "evaluate": stage_evaluate,
+}
