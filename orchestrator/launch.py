@@ -82,7 +82,8 @@ class Runner:
             retry: list[P.JobSpec] = []
             by_key = {j.key: j for j in pending}
 
-            def on_done(p: dict, result: dict | None, err: str | None, dt: float) -> None:
+            def on_done(p: dict, result: dict | None, err: str | None, dt: float,
+                        retry: list = retry, by_key: dict = by_key) -> None:
                 key = p["key"]
                 if err is None and result is not None:
                     self.store.finish(key, self.owner, result, dt, log_path=p["log_path"])
@@ -99,7 +100,7 @@ class Runner:
                         retry.append(by_key[key])
                 self.claimed.discard(key)
 
-            for cpus_gpus, group in _by_shape(payloads).items():
+            for group in _by_shape(payloads).values():
                 self.executor.run(group, on_done, self._on_progress, self._poll)
             pending = retry + self._wait_for_others(waiting)
         self._finish_bar(bar)
