@@ -1,0 +1,128 @@
+"""Scorings against their formulas (paper §3.2, Appendix C; REAP seed 002 Eq. 9, Eq. 13)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from workers.diagnostics import stats_from_tokens
+from workers.scoring import SCORINGS, Scoring, acp, cp, ean, get_scoring, pp, ps, reap, sf
+from workers.selection import top_k
+from workers.types import ExpertWeights, LayerContext, LayerStats
+
+
+def ctx_from_stats(stats: LayerStats, k: int, H: int = 4, inter: int = 3, seed: int = 0) -> LayerContext:
+    gen = torch.Generator().manual_seed(seed)
+    E = stats.num_experts
+    experts = ExpertWeights(gate=torch.randn(E, inter, H, generator=gen), up=torch.randn(E, inter, H, generator=gen),
+                            down=torch.randn(E, H, inter, generator=gen))
+    return LayerContext(stats=stats, experts=experts, router_weight=torch.randn(E, H, generator=gen),
+                        top_k=k, renormalized=True)
+
+
+def hand_ctx() -> LayerContext:
+    """4 tokens, 4 experts, top-2; expert 3 is never selected. Outputs are 1-d so norms are |f|."""
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.0],
+                      [0.2, 0.5, 0.3, 0.0],
+                      [0.6, 0.1, 0.3, 0.0],
+                      [0.4, 0.4, 0.2, 0.0]], dtype=torch.float64)
+    routed = torch.tensor([[1, 1, 0, 0], [0, 1, 1, 0], [1, 0, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    g = routed * p / (routed * p).sum(1, keepdim=True)  # renormalized top-k
+    f = torch.tensor([[2.0, 1.0, 0.0, 1.0],
+                      [2.0, 1.0, 4.0, 1.0],
+                      [2.0, 1.0, 0.0, 1.0],
+                      [2.0, 1.0, 0.0, 1.0]], dtype=torch.float64)[..., None]
+    return ctx_from_stats(stats_from_tokens(p, routed, g, f), k=2)
+
+
+def test_registry_names_are_exactly_the_papers_plus_reap_family():
+    assert set(SCORINGS) == {"SF", "PP", "PS", "CP", "ACP", "DO-CP", "DO-ACP", "REAP", "EAN", "frequency"}
+    assert all(isinstance(s, Scoring) for s in SCORINGS.values())
+
+
+def test_each_scoring_matches_hand_computed_values():
+    ctx = hand_ctx()
+    close = lambda a, b: torch.testing.assert_close(a, torch.tensor(b, dtype=torch.float64))  # noqa: E731
+    close(sf(ctx), [3 / 4, 3 / 4, 2 / 4, 0.0])
+    close(pp(ctx), [1.7 / 4, 1.3 / 4, 1.0 / 4, 0.0])
+    close(ps(ctx), [1.5 / 4, 1.2 / 4, 0.6 / 4, 0.0])
+    close(cp(ctx), [0.5, 0.4, 0.3, 0.0])  # 1.5/3, 1.2/3, 0.6/2, never selected → 0
+    close(acp(ctx), [0.5 * 2.0, 0.4 * 1.0, 0.3 * 2.0, 0.0])  # CP · sqrt(mean f²): RMS 2, 1, sqrt(16/4)=2
+    # REAP: mean over routed tokens of g·|f|; g = p renormalized over the token's two experts.
+    close(reap(ctx), [(0.5 / 0.8 * 2 + 0.6 / 0.9 * 2 + 0.5 * 2) / 3,
+                      (0.3 / 0.8 + 0.5 / 0.8 + 0.5) / 3,
+                      (0.3 / 0.8 * 4 + 0.3 / 0.9 * 0) / 2, 0.0])
+    close(ean(ctx), [6.0, 3.0, 4.0, 0.0])  # Σ over routed tokens of |f|
+    # The registry wires the same functions.
+    for name, fn in [("SF", sf), ("PP", pp), ("PS", ps), ("CP", cp), ("ACP", acp), ("DO-CP", cp),
+                     ("DO-ACP", acp), ("REAP", reap), ("EAN", ean), ("frequency", sf)]:
+        torch.testing.assert_close(SCORINGS[name].score(ctx), fn(ctx))
+        assert SCORINGS[name].score(ctx).dtype == torch.float64
+
+
+def random_token_ctx(seed: int, E: int = 12, k: int = 3, N: int = 200, d: int = 5) -> LayerContext:
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(N, E, generator=gen, dtype=torch.float64) * 2
+    p = logits.softmax(-1)
+    routed = torch.zeros(N, E, dtype=torch.bool).scatter_(1, p.topk(k, dim=1).indices, True)
+    f = torch.randn(N, E, d, generator=gen, dtype=torch.float64)
+    return ctx_from_stats(stats_from_tokens(p, routed, p * routed, f), k=k, seed=seed)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_ps_equals_sf_times_cp(seed):
+    """Appendix C: PS decomposes as SF × CP, elementwise."""
+    ctx = random_token_ctx(seed)
+    torch.testing.assert_close(ps(ctx), sf(ctx) * cp(ctx), rtol=1e-12, atol=1e-15)
+
+
+def test_acp_and_reap_differ_as_the_digest_says():
+    """ACP uses the all-token RMS and raw p; REAP the routed-token mean of g·‖f‖ (seeds-001-002.md point 6)."""
+    ctx = random_token_ctx(5)
+    s = ctx.stats
+    rms = (s.sum_sq / s.n_tokens).sqrt()
+    torch.testing.assert_close(acp(ctx), cp(ctx) * rms)
+    torch.testing.assert_close(reap(ctx), s.sum_gnorm_sel / s.count)
+    assert not torch.allclose(acp(ctx), reap(ctx))
+
+
+def test_never_selected_experts_score_zero_not_nan():
+    ctx = hand_ctx()
+    for name in SCORINGS:
+        s = SCORINGS[name].score(ctx)
+        assert torch.isfinite(s).all() and float(s[3]) == 0.0, name
+
+
+def test_top_k_breaks_ties_by_lower_id():
+    s = torch.tensor([0.5, 0.9, 0.5, 0.9, 0.1], dtype=torch.float64)
+    assert top_k(s, 3) == [1, 3, 0]
+    assert top_k(s, 5) == [1, 3, 0, 2, 4]
+
+
+def test_independent_selectors_are_top_k_and_do_selectors_use_the_greedy():
+    ctx = random_token_ctx(7)
+    for name in ("SF", "PP", "PS", "CP", "ACP", "REAP", "EAN", "frequency"):
+        sc = SCORINGS[name]
+        assert sc.select(ctx, sc.score(ctx), 5).selected == top_k(sc.score(ctx), 5)
+    for name in ("DO-CP", "DO-ACP"):
+        sc = SCORINGS[name]
+        sel = sc.select(ctx, sc.score(ctx), 5)
+        E = ctx.stats.num_experts
+        kernel_trace = float((sc.score(ctx) * torch.diagonal(ctx.stats.gram) / ctx.stats.n_tokens).sum())
+        assert math.isclose(sel.extras["lambda"], kernel_trace / (5 * E), rel_tol=1e-12)
+        assert len(set(sel.selected)) == 5
+
+
+def test_bad_inputs_give_one_line_errors():
+    with pytest.raises(ValueError, match=r"unknown scoring 'XX'; allowed: SF, PP") as e:
+        get_scoring("XX")
+    assert "\n" not in str(e.value)
+    empty = LayerStats(n_tokens=0, count=torch.zeros(3), sum_p=torch.zeros(3), sum_p_sel=torch.zeros(3),
+                       sum_sq=torch.zeros(3), sum_gnorm_sel=torch.zeros(3), sum_norm_sel=torch.zeros(3),
+                       gram=torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="n_tokens=0"):
+        sf(ctx_from_stats(empty, k=1))
+    with pytest.raises(ValueError, match="K=4 out of range"):
+        top_k(torch.ones(3), 4)
