@@ -119,11 +119,17 @@ def status(name: str, db: DbOpt = None) -> None:
     if sid is None:
         _fail(f"no sweep {name!r} in {store.url}")
     counts = store.job_counts(sid)
-    t = Table("stage", "succeeded", "running", "failed", "pending", title=f"sweep {name}")
+    _, shared = store.query(
+        "SELECT cj.stage, COUNT(*) - COUNT(DISTINCT cj.job_id) FROM config_jobs cj "
+        "JOIN configurations c ON c.id = cj.config_id WHERE c.sweep_id = :s GROUP BY cj.stage", {"s": sid})
+    dup_by_stage = dict(shared)
+    t = Table("stage", "succeeded", "running", "failed", "pending", "duplicate", title=f"sweep {name}")
     order = ["teacher", "dense_teacher", "calibrate", "convert", "ppl_pre", "distill", "evaluate"]
     for stage in sorted({s for s, _ in counts}, key=lambda s: order.index(s) if s in order else 99):
-        t.add_row(stage, *(str(counts.get((stage, st), 0)) for st in ("succeeded", "running", "failed", "pending")))
+        t.add_row(stage, *(str(counts.get((stage, st), 0)) for st in ("succeeded", "running", "failed", "pending")),
+                  str(dup_by_stage.get(stage, 0)))
     out.print(t)
+    out.print("duplicate = configurations served by another configuration's job (same content key)")
     cols, rows = store.query(
         "SELECT COUNT(*), SUM(duplicate_of IS NOT NULL), SUM(selected_for_distill) FROM configurations "
         "WHERE sweep_id = :s", {"s": sid})

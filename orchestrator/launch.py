@@ -198,7 +198,7 @@ def _run_stages(spec: SweepSpec, plan: P.Plan, store: Store, runner: Runner, sid
     runner.run_stage("teacher", [plan.teacher, plan.dense_teacher])
     runner.run_stage("calibrate", [plan.calibrate])
     conv_out = runner.run_stage("convert", plan.convert.values())
-    store.link((cfg_ids[ck], "convert", _job_id(store, j.key)) for ck, j in plan.convert.items())
+    _link(store, cfg_ids, plan.convert, "convert")
 
     # pre-distill perplexity: one job per distinct student (equal plans share it)
     ppl: dict[str, P.JobSpec] = {}
@@ -232,8 +232,8 @@ def _run_stages(spec: SweepSpec, plan: P.Plan, store: Store, runner: Runner, sid
             distill[vk] = P.distill_job(spec, ppl[ck], over)
     if new_cfgs:
         cfg_ids.update(store.upsert_configs(sid, new_cfgs))
-        store.link((cfg_ids[c["config_key"]], "ppl_pre", _job_id(store, ppl[c["config_key"].split("|variant=")[0]].key))
-                   for c in new_cfgs)
+        _link(store, cfg_ids, {c["config_key"]: ppl[c["config_key"].split("|variant=")[0]] for c in new_cfgs},
+              "ppl_pre")
     dist_out = runner.run_stage("distill", distill.values())
     _link(store, cfg_ids, distill, "distill")
 
@@ -246,13 +246,9 @@ def _run_stages(spec: SweepSpec, plan: P.Plan, store: Store, runner: Runner, sid
     _link(store, cfg_ids, evals, "evaluate")
 
 
-def _job_id(store: Store, key: str) -> int:
-    return store.jobs([key])[key]["id"]
-
-
 def _link(store: Store, cfg_ids: dict[str, int], jobs: dict[str, P.JobSpec], stage: str) -> None:
     rows = store.jobs(j.key for j in jobs.values())
-    store.link((cfg_ids[ck], stage, rows[j.key]["id"]) for ck, j in jobs.items() if j.key in rows)
+    store.link([(cfg_ids[ck], stage, rows[j.key]["id"]) for ck, j in jobs.items() if j.key in rows])
 
 
 def _link_and_dedupe(store: Store, cfg_ids: dict[str, int], jobs: dict[str, P.JobSpec], stage: str,

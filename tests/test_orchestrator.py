@@ -1,0 +1,138 @@
+"""The launch loop with fake stage functions: dedupe, resume, failures, non-finite results, selection."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+import workers.stages as stages
+from db.store import Store
+from orchestrator import dryrun
+from orchestrator.execute import SerialExecutor
+from orchestrator.launch import launch
+from orchestrator.spec import SpecError, load_spec
+
+HERE = Path(__file__).parent
+
+
+def _num(*parts) -> float:
+    return 10 + int(hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:6], 16) % 1000 / 10
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    """Replace every stage by a cheap deterministic function; record each call."""
+    calls: list[tuple[str, str]] = []
+    state = {"fail": True}
+
+    def calibrate(p, cache, progress):
+        return {"outputs": {"stats": "fake"}}
+
+    def convert(p, cache, progress):
+        q = p["params"]
+        if state["fail"] and q["scoring"] == "CP" and q["K"] == 4:
+            raise ValueError("boom: a deliberately failing method")
+        g = "*" if q["K"] == 2 else q["grouping"]
+        return {"outputs": {"plan_key": f"{q['scoring']}|{g}|{q['dp_scaling']}|{q['K']}"},
+                "plan_rows": [{"layer": 0, "expert": 1, "score": 0.5, "selected_rank": 0, "group_idx": 0,
+                               "merge_weight": 1.0, "alpha": 0.5}]}
+
+    def ppl_pre(p, cache, progress):
+        s = p["params"]["student"]
+        v = float("inf") if s.get("plan_key", "").startswith("SF|WC") else _num(s)
+        return {"outputs": {"ppl": v}, "metrics": [{"name": "ppl", "stage": "pre", "value": v}]}
+
+    def distill(p, cache, progress):
+        return {"outputs": {"path": "nowhere"}, "metrics": [
+            {"name": "val_ce", "stage": "train", "who": "student", "step": 0, "value": 3.0}]}
+
+    def evaluate(p, cache, progress):
+        v = _num(p["params"]["student"], p["key"]) / 1000
+        return {"outputs": {}, "metrics": [{"name": "ppl", "stage": "post", "value": 5.0},
+                                           {"name": "acc", "stage": "post", "task": "t", "value": v, "headline": 1}]}
+
+    fns = dict(calibrate=calibrate, convert=convert, ppl_pre=ppl_pre, distill=distill, evaluate=evaluate)
+    for name, fn in fns.items():
+        def wrapped(p, cache, progress, fn=fn, name=name):
+            calls.append((name, p["key"]))
+            return fn(p, cache, progress)
+        monkeypatch.setitem(stages.STAGES, name, wrapped)
+    monkeypatch.setenv("MOESWEEP_HOME", str(tmp_path / "home"))
+    return calls, state
+
+
+def _launch(store: Store, **kw) -> int:
+    spec, _, text = load_spec(str(HERE / "sweeps" / "fake.yaml"))
+    return launch(spec, text, store, SerialExecutor(), console=Console(quiet=True), show_progress=False, **kw)
+
+
+def _results(store: Store) -> list[tuple]:
+    return store.query("SELECT scoring, grouping, K, kind, baseline, ppl_pre, ppl_pre_kind, selected_for_distill, "
+                       "duplicate_of IS NOT NULL, avg_acc FROM results WHERE sweep = 'fake' ORDER BY config_id")[1]
+
+
+def test_failures_dedupe_resume_and_retry(fake, tmp_path):
+    calls, state = fake
+    store = Store(f"sqlite:///{tmp_path}/r.db")
+    assert _launch(store) == 1  # a failing method fails the launch at the end, not at once
+    # the failing conversion was tried 1 + retries times, then recorded with its traceback
+    failed = store.query("SELECT attempts, error FROM jobs WHERE status = 'failed'")[1]
+    assert len(failed) == 2 and all(a == 2 and "boom" in e for a, e in failed)
+    rows = _results(store)
+    by = {(r[0], r[1], r[2]): r for r in rows if r[3] == "moe2dense"}
+    assert by[("CP", "RR", 4)][5] is None and by[("CP", "RR", 2)][5] is not None  # the rest went on
+    # K = k: every grouping is the same student -> one job, the second config marked duplicate
+    assert by[("SF", "RR", 2)][8] == 0 and by[("SF", "WC", 2)][8] == 1
+    assert by[("SF", "RR", 2)][5] == by[("SF", "WC", 2)][5]
+    # a diverged perplexity is a result with value_kind 'inf', not a failure
+    assert by[("SF", "WC", 4)][5] is None and by[("SF", "WC", 4)][6] == "inf"
+    # selection: per scoring x grouping the lowest finite ppl_pre; baselines are distilled too
+    assert by[("SF", "WC", 2)][7] == 1 and by[("SF", "WC", 4)][7] == 0
+    ppl_jobs = [k for s, k in calls if s == "ppl_pre"]
+    assert len(ppl_jobs) == len(set(ppl_jobs))  # no student evaluated twice
+    distilled = {r[4] or f"{r[0]}{r[1]}" for r in rows if r[9] is not None}
+    assert "random_ffn" in distilled and len(distilled) >= 4
+
+    n = len(calls)
+    assert _launch(store) == 1  # resume: nothing new runs, the failure is still reported
+    assert len(calls) == n and _results(store) == rows
+
+    done = {k for (k,) in store.query("SELECT key FROM jobs WHERE status = 'succeeded'")[1]}
+    state["fail"] = False
+    assert _launch(store, retry_failed=True) == 0
+    assert {s for s, _ in calls[n:]} >= {"convert", "ppl_pre"}
+    assert not done & {k for _, k in calls[n:]}  # nothing that had succeeded ran again
+    assert store.query("SELECT COUNT(*) FROM jobs WHERE status <> 'succeeded'")[1] == [(0,)]
+    # no duplicated result rows, one configuration per grid point
+    assert store.query("SELECT COUNT(*), COUNT(DISTINCT config_key) FROM configurations")[1][0] == (10, 10)
+
+
+def test_bad_sweep_files_give_one_line_errors(tmp_path):
+    base = (HERE / "sweeps" / "fake.yaml").read_text()
+    cases = {
+        "grid:\n  scoring: [SF, NOPE]": "grid.scoring",
+        "grid:\n  scoring: [SF]\n  colour: [red]": "grid.colour: unknown key",
+        "grid:\n  scoring: [SF]\n  dp_scaling: [sqrt]": "grid.dp_scaling: unknown dp_scaling 'sqrt'; allowed:",
+    }
+    for patch, expect in cases.items():
+        f = tmp_path / "bad.yaml"
+        head, _, _ = base.partition("grid:")
+        f.write_text(head + patch + "\n  K: [2]\n")
+        with pytest.raises(SpecError) as e:
+            load_spec(str(f))
+        msg = str(e.value)
+        assert str(f) in msg and expect in msg and "\n" not in msg
+
+
+def test_dry_run_of_the_paper_sweep_plans_350_35_35():
+    spec, _, _ = load_spec("paper-qwen3-30b-a3b")
+    rows = {r["stage"]: r for r in dryrun.plan_counts(spec)}
+    assert rows["calibrate"]["named"] == 350 and rows["calibrate"]["distinct"] == 1
+    # K = k = 8: the five groupings collapse to one student per scoring x scaling (7 x 2 x 4 duplicates)
+    assert rows["convert"]["named"] == 350 and rows["convert"]["distinct"] == 350 - 56
+    assert rows["select"]["distinct"] == 35
+    assert "35 selected" in rows["distill"]["note"]
