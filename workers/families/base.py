@@ -19,6 +19,7 @@ from workers.types import DenseFFN, ExpertWeights
 class FamilyAdapter(ABC):
     name: str = ""  # e.g. "qwen3_moe"
     model_types: tuple[str, ...] = ()  # config.model_type values this adapter handles
+    block_classes: tuple[str, ...] = ()  # MoE block class names (transformers 5.x) this adapter handles
 
     # --- structure -------------------------------------------------------------------------
     @abstractmethod
@@ -37,7 +38,8 @@ class FamilyAdapter(ABC):
 
     @abstractmethod
     def renormalized(self, model: nn.Module) -> bool:
-        """Whether the router's top-k weights sum to 1 (decides the default scaling rule)."""
+        """Whether the router's top-k weights sum to 1 before any constant factor (see
+        routed_scaling); decides the default scaling rule."""
         ...
 
     @abstractmethod
@@ -48,7 +50,9 @@ class FamilyAdapter(ABC):
     @abstractmethod
     def router_decision(self, output: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """From the router module's output: (p [T, E] softmax over all E, weights [T, k] really
-        applied, indices [T, k] really used). Never recomputes the choice."""
+        applied, indices [T, k] really used). Never recomputes the choice. GPT-OSS: p is the softmax
+        over all E (biased) logits, the weights the softmax over the chosen k. DeepSeek: the weights
+        include routed_scaling_factor; V3 (sigmoid router): p = sigmoid scores normalized over E."""
         ...
 
     @abstractmethod
@@ -65,11 +69,25 @@ class FamilyAdapter(ABC):
         """Shared experts of a layer as one dense FFN (copied into the student with scale 1.0)."""
         return None
 
+    @abstractmethod
+    def dense_ffn(self, model: nn.Module, layer: int) -> DenseFFN:
+        """The FFN of a dense (non-MoE) teacher layer (zero-padded to the student's width)."""
+        ...
+
+    def routed_scaling(self, model: nn.Module) -> float:
+        """Constant factor the router multiplies into its weights (DeepSeek routed_scaling_factor).
+
+        The student's down projections of the routed part are multiplied by it, so that α from a
+        scaling rule (on probabilities p) keeps the teacher's scale."""
+        return 1.0
+
     # --- routing override (expanded teacher routing k′ during distillation) ----------------
     @abstractmethod
     def routing_top_k(self, model: nn.Module, k: int,
                       renormalize: bool | None = None) -> AbstractContextManager[None]:
-        """Within the block, every MoE layer routes each token to its top-k experts."""
+        """Within the block, every MoE layer routes each token to its top-k experts (paper §4.3,
+        Eq. 6): weights p_e of the chosen k, renormalized over them iff `renormalize` (None: the
+        architecture's own rule). Restores the model on exit; never copies it."""
         ...
 
     # --- student ---------------------------------------------------------------------------

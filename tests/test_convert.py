@@ -1,0 +1,100 @@
+"""workers/convert.py: layer contexts from statistics, students from plans (paper Algorithm 1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_families import hand_plans, ids, make_teacher
+
+from workers.convert import build_student_from_plans, layer_contexts, plan_ffns
+from workers.families import get_adapter
+from workers.merge import ffn_forward
+from workers.types import LayerPlan, LayerStats
+
+
+def fake_stats(e: int, seed: int) -> LayerStats:
+    g = torch.Generator().manual_seed(seed)
+    f = torch.randn(50, e, 4, generator=g, dtype=torch.float64)
+    return LayerStats(n_tokens=50, count=torch.rand(e, generator=g, dtype=torch.float64) * 50,
+                      sum_p=torch.rand(e, generator=g, dtype=torch.float64), sum_p_sel=torch.rand(e, dtype=torch.float64),
+                      sum_sq=torch.rand(e, dtype=torch.float64), sum_gnorm_sel=torch.rand(e, dtype=torch.float64),
+                      sum_norm_sel=torch.rand(e, dtype=torch.float64), gram=torch.einsum("tid,tjd->ij", f, f))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "gpt_oss"])
+def test_layer_contexts(family):
+    teacher = make_teacher(family)
+    a = get_adapter(teacher)
+    moe = a.moe_layers(teacher)
+    e = a.num_experts(teacher)
+    stats = {layer: fake_stats(e, layer) for layer in moe[1:]}  # a subset: only those layers get contexts
+    ctx = layer_contexts(teacher, a, stats)
+    assert sorted(ctx) == moe[1:]
+    c = ctx[moe[1]]
+    assert c.stats is stats[moe[1]] and c.top_k == a.top_k(teacher) and c.renormalized == a.renormalized(teacher)
+    block = teacher.model.layers[moe[1]].mlp
+    router = block.router if family == "gpt_oss" else block.gate
+    assert torch.equal(c.router_weight, router.weight)
+    store = {p.untyped_storage().data_ptr() for p in block.experts.parameters()}
+    assert c.experts.gate.untyped_storage().data_ptr() in store  # views, not copies
+    h = torch.randn(5, 32)
+    torch.testing.assert_close(ffn_forward(c.experts, h, expert=3), block.experts(
+        h, torch.full((5, 1), 3), torch.ones(5, 1)), rtol=1e-5, atol=1e-5)
+    dense = [i for i in range(len(teacher.model.layers)) if i not in moe]
+    if dense:
+        with pytest.raises(ValueError, match="not MoE layers"):
+            layer_contexts(teacher, a, {dense[0]: fake_stats(e, 0)})
+    with pytest.raises(ValueError, match="experts"):
+        layer_contexts(teacher, a, {moe[0]: fake_stats(e + 1, 0)})
+
+
+def test_plans_validated_and_progress_reported():
+    teacher = make_teacher("qwen3_moe")
+    a = get_adapter(teacher)
+    plans = hand_plans(a, teacher, merged=True)
+    calls = []
+    ffns = plan_ffns(teacher, a, plans, progress=lambda i, n: calls.append((i, n)))
+    assert calls == [(1, 2), (2, 2)] and sorted(ffns) == [1, 2]
+    with pytest.raises(ValueError, match="appears twice"):
+        plan_ffns(teacher, a, [plans[0], plans[0]])
+    bad = LayerPlan(layer=0, selected=[0, 1], scores=[1.0] * 6, groups=[[0], [1]], merge_weights=[[1.0], [1.0]],
+                    alpha=[0.5, 0.5])
+    with pytest.raises(ValueError, match="not an MoE layer"):
+        plan_ffns(teacher, a, [bad, *plans])
+
+
+def test_routed_scaling_folded_into_alpha():
+    """DeepSeek: the router multiplies routed_scaling_factor into its weights, so the student's
+    routed part is scale·Σ_g α_g f_g(h) (shared experts stay at scale 1.0)."""
+    teacher = make_teacher("deepseek_v2")
+    a = get_adapter(teacher)
+    plans = hand_plans(a, teacher, merged=False)
+    ffns = plan_ffns(teacher, a, plans)
+    layer = plans[0].layer
+    ew = a.expert_weights(teacher, layer)
+    h = torch.randn(6, 32)
+    expect = sum(al * 1.5 * ffn_forward(ew, h, expert=g[0]) for al, g in zip(plans[0].alpha, plans[0].groups,
+                                                                             strict=True))
+    torch.testing.assert_close(ffn_forward(ffns[layer], h), expect, rtol=1e-5, atol=1e-6)
+
+
+def test_many_shared_students_leave_teacher_intact():
+    """The 350-grid fast path: students built in memory share the teacher's non-FFN tensors, copy
+    nothing else, and never modify the teacher."""
+    teacher = make_teacher("mixtral")
+    a = get_adapter(teacher)
+    before = {k: v.clone() for k, v in teacher.state_dict().items()}
+    x = ids()
+    with torch.no_grad():
+        base = teacher(x).logits
+    t_store = {p.untyped_storage().data_ptr() for p in teacher.parameters()}
+    for merged in (False, True, False):
+        student = build_student_from_plans(teacher, a, hand_plans(a, teacher, merged), share_weights=True)
+        new = [p for p in student.parameters() if p.untyped_storage().data_ptr() not in t_store]
+        assert sum(p.numel() for p in new) == sum(p.numel() for n, p in student.named_parameters() if ".mlp." in n)
+        with torch.no_grad():
+            student(x)
+    for k, v in teacher.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    with torch.no_grad():
+        assert torch.equal(teacher(x).logits, base)

@@ -1,0 +1,470 @@
+"""Family adapters on tiny random configs of every supported MoE family (transformers 5.x).
+
+References are computed independently of the adapter: through the teacher's own experts module
+(forced routing) with weights merged here from the raw fused parameters, and the router math
+written out per family.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from workers.convert import build_student_from_plans
+from workers.families import get_adapter, supported
+from workers.merge import ffn_forward
+from workers.types import LayerPlan
+
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss"]
+V = 256
+COMMON = dict(vocab_size=V, hidden_size=32, num_attention_heads=4, max_position_embeddings=64,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def tiny_config(family: str):
+    import transformers as tf
+
+    if family == "qwen3_moe":  # layer 0 dense (narrower than k·I: zero-padded)
+        return tf.Qwen3MoeConfig(**COMMON, num_key_value_heads=2, intermediate_size=24, moe_intermediate_size=16,
+                                 num_hidden_layers=3, num_experts=6, num_experts_per_tok=2,
+                                 norm_topk_prob=True, mlp_only_layers=[0])
+    if family == "qwen2_moe":
+        return tf.Qwen2MoeConfig(**COMMON, num_key_value_heads=2, intermediate_size=24, moe_intermediate_size=16,
+                                 shared_expert_intermediate_size=24, num_hidden_layers=2, num_experts=6,
+                                 num_experts_per_tok=2, norm_topk_prob=False)
+    if family == "mixtral":
+        return tf.MixtralConfig(**COMMON, num_key_value_heads=2, intermediate_size=16, num_hidden_layers=2,
+                                num_local_experts=6, num_experts_per_tok=2)
+    if family == "olmoe":
+        return tf.OlmoeConfig(**COMMON, num_key_value_heads=2, intermediate_size=16, num_hidden_layers=2,
+                              num_experts=6, num_experts_per_tok=2, norm_topk_prob=False)
+    mla = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+               qk_nope_head_dim=8, v_head_dim=8, num_hidden_layers=3, first_k_dense_replace=1,
+               intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1,
+               num_experts_per_tok=2, n_group=2, topk_group=1)
+    if family == "deepseek_v2":
+        return tf.DeepseekV2Config(**COMMON, **mla, topk_method="group_limited_greedy", routed_scaling_factor=1.5)
+    if family == "deepseek_v3":
+        return tf.DeepseekV3Config(**COMMON, **mla, norm_topk_prob=True, routed_scaling_factor=2.5)
+    if family == "gpt_oss":
+        return tf.GptOssConfig(**COMMON, num_key_value_heads=2, head_dim=8, intermediate_size=16,
+                               num_hidden_layers=2, num_local_experts=6, num_experts_per_tok=2, sliding_window=4,
+                               layer_types=["sliding_attention", "full_attention"])
+    raise AssertionError(family)
+
+
+def make_teacher(family: str, seed: int = 0) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family)).eval()
+    with torch.no_grad():  # weights large enough that routing, clamps and biases all matter
+        for name, p in model.named_parameters():
+            if "norm" in name or "sinks" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.25)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def fam(request):
+    teacher = make_teacher(request.param)
+    return request.param, teacher, get_adapter(teacher)
+
+
+# ---- independent per-family reference math -----------------------------------------------------
+def router_of(family: str, block: nn.Module) -> nn.Module:
+    return block.router if family == "gpt_oss" else block.gate
+
+
+def ref_logits(family: str, block: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    r = router_of(family, block)
+    z = h.float() @ r.weight.float().T
+    return z + r.bias.float() if family == "gpt_oss" else z
+
+
+def ref_probs(family: str, logits: torch.Tensor) -> torch.Tensor:
+    """p over all E: softmax; DeepSeek-V3 (sigmoid router): sigmoid normalized over E."""
+    if family == "deepseek_v3":
+        s = torch.sigmoid(logits)
+        return s / s.sum(-1, keepdim=True)
+    return torch.softmax(logits, -1)
+
+
+def routed_scale(family: str, teacher: nn.Module) -> float:
+    return float(teacher.config.routed_scaling_factor) if family.startswith("deepseek") else 1.0
+
+
+def renormalizes(family: str, teacher: nn.Module) -> bool:
+    return {"qwen3_moe": True, "qwen2_moe": False, "mixtral": True, "olmoe": False, "deepseek_v2": False,
+            "deepseek_v3": True, "gpt_oss": True}[family]
+
+
+def shared_term(family: str, block: nn.Module, h: torch.Tensor, gated: bool) -> torch.Tensor:
+    if family == "qwen2_moe":
+        out = block.shared_expert(h)
+        return torch.sigmoid(block.shared_expert_gate(h)) * out if gated else out
+    if family.startswith("deepseek"):
+        return block.shared_experts(h)
+    return torch.zeros_like(h)
+
+
+def forced(experts: nn.Module, h: torch.Tensor, ids: list[int], weights: list[float]) -> torch.Tensor:
+    """The experts module's own forward with every token routed to `ids` with `weights`."""
+    t = h.shape[0]
+    idx = torch.tensor(ids, device=h.device).expand(t, len(ids)).contiguous()
+    w = torch.tensor(weights, dtype=h.dtype, device=h.device).expand(t, len(ids)).contiguous()
+    return experts(h, idx, w)
+
+
+def merged_experts(experts: nn.Module, groups: list[list[int]], merge_w: list[list[float]]) -> nn.Module:
+    """A copy of the experts module whose slot g holds Σ_e w_e W_e of group g (raw fused tensors)."""
+    ref = copy.deepcopy(experts)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            src = getattr(experts, name)
+            for g, (members, ws) in enumerate(zip(groups, merge_w, strict=True)):
+                p[g] = sum(w * src[e] for e, w in zip(members, ws, strict=True))
+    return ref
+
+
+def block_out(family: str, y):
+    return y[0] if family == "gpt_oss" else y
+
+
+class RefMLP(nn.Module):
+    """Σ_g α_g f_g(h) (+ ungated shared experts) via the teacher's experts module (Appendix A)."""
+
+    def __init__(self, family: str, block: nn.Module, plan: LayerPlan, scale: float):
+        super().__init__()
+        self.family, self.block = family, block
+        self.experts = merged_experts(block.experts, plan.groups, plan.merge_weights)
+        self.alpha = [a * scale for a in plan.alpha]
+
+    def forward(self, x):
+        h = x.reshape(-1, x.shape[-1])
+        y = forced(self.experts, h, list(range(len(self.alpha))), self.alpha)
+        y = (y + shared_term(self.family, self.block, h, gated=False)).reshape(x.shape)
+        return (y, None) if self.family == "gpt_oss" else y
+
+
+def reference_model(family: str, teacher: nn.Module, plans: list[LayerPlan]) -> nn.Module:
+    ref = copy.deepcopy(teacher)
+    for pl in plans:
+        ref.model.layers[pl.layer].mlp = RefMLP(family, ref.model.layers[pl.layer].mlp, pl, routed_scale(family, ref))
+    return ref
+
+
+def hand_plans(adapter, teacher, merged: bool) -> list[LayerPlan]:
+    e = adapter.num_experts(teacher)
+    out = []
+    for i, layer in enumerate(adapter.moe_layers(teacher)):
+        if merged:  # K = 4 > k = 2: two groups of two, score-like merge weights
+            groups = [[(i + 1) % e, e - 1], [(i + 3) % e, 0]]
+            mw = [[0.3, 0.7], [0.6, 0.4]]
+        else:  # K = k: singleton groups
+            groups, mw = [[e - 1 - i], [i]], [[1.0], [1.0]]
+        sel = [x for g in groups for x in g]
+        out.append(LayerPlan(layer=layer, selected=sel, scores=[1.0] * e, groups=groups, merge_weights=mw,
+                             alpha=[0.7, 0.45]))
+    return out
+
+
+def student_mlp(family: str, student: nn.Module, layer: int, h: torch.Tensor) -> torch.Tensor:
+    return block_out(family, student.model.layers[layer].mlp(h[None]))[0]
+
+
+def ids(n: int = 2, t: int = 12, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, V, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+# ---- structure ------------------------------------------------------------------------------------
+EXPECT = {  # moe layers, E, k
+    "qwen3_moe": ([1, 2], 6, 2), "qwen2_moe": ([0, 1], 6, 2), "mixtral": ([0, 1], 6, 2), "olmoe": ([0, 1], 6, 2),
+    "deepseek_v2": ([1, 2], 8, 2), "deepseek_v3": ([1, 2], 8, 2), "gpt_oss": ([0, 1], 6, 2)}
+
+
+def test_structure(fam):
+    family, teacher, a = fam
+    layers, e, k = EXPECT[family]
+    assert a.name == family
+    assert (a.moe_layers(teacher), a.num_experts(teacher), a.top_k(teacher)) == (layers, e, k)
+    assert a.renormalized(teacher) == renormalizes(family, teacher)
+    assert a.routed_scaling(teacher) == routed_scale(family, teacher)
+    assert torch.equal(a.router_weight(teacher, layers[0]), router_of(family, teacher.model.layers[layers[0]].mlp).weight)
+
+
+def test_unknown_architecture_one_line_error():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    m = LlamaForCausalLM(LlamaConfig(**COMMON, num_hidden_layers=1, intermediate_size=16))
+    with pytest.raises(ValueError) as err:
+        get_adapter(m)
+    msg = str(err.value)
+    assert "\n" not in msg and "llama" in msg
+    for fam_name in FAMILIES:
+        assert fam_name in msg
+    assert len(supported()) == len(FAMILIES)
+
+
+def test_expert_views_match_experts_module(fam):
+    family, teacher, a = fam
+    torch.manual_seed(2)
+    h = torch.randn(7, 32) * 3  # large: GPT-OSS clamps engage
+    for layer in a.moe_layers(teacher):
+        ex = teacher.model.layers[layer].mlp.experts
+        w = a.expert_weights(teacher, layer)
+        assert w.gate.shape == (a.num_experts(teacher), w.intermediate, 32)
+        storages = {p.untyped_storage().data_ptr() for p in ex.parameters()}
+        assert w.gate.untyped_storage().data_ptr() in storages  # views, not copies
+        for e in range(w.num_experts):
+            torch.testing.assert_close(ffn_forward(w, h, expert=e), forced(ex, h, [e], [1.0]), rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_oss_layout_clamp_and_bias():
+    teacher = make_teacher("gpt_oss")
+    a = get_adapter(teacher)
+    ex = teacher.model.layers[0].mlp.experts
+    w = a.expert_weights(teacher, 0)
+    assert w.act == "gptoss" and (w.act_alpha, w.act_limit) == (ex.alpha, ex.limit)
+    assert torch.equal(w.gate[3, 5], ex.gate_up_proj[3, :, 10]) and torch.equal(w.up[3, 5], ex.gate_up_proj[3, :, 11])
+    assert torch.equal(w.up_bias[2], ex.gate_up_proj_bias[2, 1::2]) and torch.equal(w.down[1], ex.down_proj[1].T)
+    h = torch.randn(64, 32) * 3
+    g = h @ w.gate[0].T + w.gate_bias[0]
+    u = h @ w.up[0].T + w.up_bias[0]
+    assert (g > ex.limit).any() and (u.abs() > ex.limit).any()  # the clamps are exercised below
+    # an unclamped SwiGLU would give a different answer: the clamp really matters in this test
+    plain = (u + 1) * g * torch.sigmoid(ex.alpha * g) @ w.down[0].T + w.down_bias[0]
+    assert not torch.allclose(plain, forced(ex, h, [0], [1.0]), atol=1e-3)
+    plans = hand_plans(a, teacher, merged=True)
+    student = build_student_from_plans(teacher, a, plans, share_weights=False)
+    sx = student.model.layers[0].mlp.experts
+    d = student.config.intermediate_size
+    assert sx.gate_up_proj.shape == (1, 32, 2 * d) and sx.down_proj_bias.shape == (1, 32)
+    pl = plans[0]
+    gate0 = sum(mw * w.gate[e] for e, mw in zip(pl.groups[0], pl.merge_weights[0], strict=True))
+    torch.testing.assert_close(sx.gate_up_proj[0, :, 0:16:2].T, gate0[:8])  # interleaved even columns = gate
+    bias = sum(al * sum(mw * w.down_bias[e] for e, mw in zip(g_, ws, strict=True))
+               for al, g_, ws in zip(pl.alpha, pl.groups, pl.merge_weights, strict=True))
+    torch.testing.assert_close(sx.down_proj_bias[0], bias)
+    ref = RefMLP("gpt_oss", teacher.model.layers[0].mlp, pl, 1.0)
+    torch.testing.assert_close(student_mlp("gpt_oss", student, 0, h), ref(h[None])[0][0], rtol=1e-4, atol=1e-4)
+
+
+# ---- router decision --------------------------------------------------------------------------------
+def test_router_decision_is_what_the_block_used(fam):
+    family, teacher, a = fam
+    seen: dict[int, dict] = {}
+    handles = []
+    for layer in a.moe_layers(teacher):
+        rec = seen.setdefault(layer, {})
+        handles.append(a.router_module(teacher, layer).register_forward_hook(
+            lambda m, i, o, rec=rec: rec.update(dec=a.router_decision(o))))
+        handles.append(teacher.model.layers[layer].mlp.register_forward_hook(
+            lambda m, i, o, rec=rec: rec.update(h=i[0].reshape(-1, i[0].shape[-1]), y=block_out(family, o))))
+    with torch.no_grad():
+        teacher(ids())
+    for hd in handles:
+        hd.remove()
+    k, scale = a.top_k(teacher), routed_scale(family, teacher)
+    for layer, rec in seen.items():
+        block = teacher.model.layers[layer].mlp
+        p, w, idx = rec["dec"]
+        h = rec["h"]
+        t = h.shape[0]
+        assert p.shape == (t, a.num_experts(teacher)) and w.shape == idx.shape == (t, k)
+        torch.testing.assert_close(p, ref_probs(family, ref_logits(family, block, h)), rtol=1e-5, atol=1e-6)
+        ps = p.gather(1, idx)
+        expect_w = ps / ps.sum(-1, keepdim=True) if renormalizes(family, teacher) else ps
+        torch.testing.assert_close(w.float(), expect_w * scale, rtol=1e-5, atol=1e-6)
+        # rebuild the block's output from (indices, weights) and the expert views
+        ew = a.expert_weights(teacher, layer)
+        y = shared_term(family, block, h, gated=True)
+        for j in range(k):
+            fe = torch.stack([ffn_forward(ew, h[i:i + 1], expert=int(idx[i, j]))[0] for i in range(t)])
+            y = y + w[:, j:j + 1] * fe
+        torch.testing.assert_close(y.reshape(rec["y"].shape), rec["y"], rtol=1e-4, atol=1e-5)
+
+
+# ---- expanded teacher routing (paper §4.3, Eq. 6) ---------------------------------------------------
+def _capture_blocks(family, teacher, a, fn):
+    seen: dict[int, tuple] = {}
+    hs = [teacher.model.layers[layer].mlp.register_forward_hook(
+        lambda m, i, o, layer=layer: seen.__setitem__(layer, (i[0].reshape(-1, i[0].shape[-1]),
+                                                               block_out(family, o))))
+        for layer in a.moe_layers(teacher)]
+    with torch.no_grad():
+        out = fn()
+    for hd in hs:
+        hd.remove()
+    return out, seen
+
+
+def _choice(family: str, block: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    if family == "gpt_oss":
+        return logits
+    if family == "deepseek_v3":
+        return torch.sigmoid(logits) + block.gate.e_score_correction_bias
+    return torch.softmax(logits, -1)
+
+
+@pytest.mark.parametrize("kprime,renorm", [("E", True), ("k+1", False)])
+def test_routing_top_k_expanded(fam, kprime, renorm):
+    family, teacher, a = fam
+    e, k = a.num_experts(teacher), a.top_k(teacher)
+    kk = e if kprime == "E" else k + 1
+    x = ids()
+    with a.routing_top_k(teacher, kk, renormalize=renorm):
+        _, seen = _capture_blocks(family, teacher, a, lambda: teacher(x))
+    scale = routed_scale(family, teacher)
+    for layer, (h, y) in seen.items():
+        block = teacher.model.layers[layer].mlp
+        logits = ref_logits(family, block, h)
+        p = ref_probs(family, logits)
+        sel = torch.topk(_choice(family, block, logits), kk, -1).indices
+        if family == "deepseek_v3":  # the raw sigmoid scores are what V3 multiplies in
+            raw = torch.sigmoid(logits).gather(1, sel)
+            w = raw / raw.sum(-1, keepdim=True) if renorm else raw
+        else:
+            ps = p.gather(1, sel)
+            w = ps / ps.sum(-1, keepdim=True) if renorm else ps
+        ew = a.expert_weights(teacher, layer)
+        every = torch.stack([ffn_forward(ew, h, expert=i) for i in range(e)], 1)  # [T, E, H]
+        ref = (w[..., None] * scale * every.gather(1, sel[..., None].expand(-1, -1, h.shape[1]))).sum(1)
+        if kprime == "E" and renorm:  # the full mixture Σ_e p_e f_e over all experts
+            torch.testing.assert_close(ref, scale * (p[..., None] * every).sum(1), rtol=1e-4, atol=1e-5)
+        ref = ref + shared_term(family, block, h, gated=True)
+        torch.testing.assert_close(y.reshape(ref.shape), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_routing_top_k_native_and_restore(fam):
+    family, teacher, a = fam
+    x = ids()
+    with torch.no_grad():
+        base = teacher(x).logits
+        with a.routing_top_k(teacher, a.top_k(teacher)):
+            same = teacher(x).logits
+        with a.routing_top_k(teacher, a.top_k(teacher), renormalize=not a.renormalized(teacher)):
+            changed = teacher(x).logits
+        after = teacher(x).logits
+    assert torch.equal(base, same) and torch.equal(base, after)
+    assert not torch.allclose(base, changed, atol=1e-4)
+    assert all("forward" not in a.router_module(teacher, layer).__dict__ for layer in a.moe_layers(teacher))
+    with pytest.raises(ValueError):
+        with a.routing_top_k(teacher, a.num_experts(teacher) + 1):
+            pass
+
+
+# ---- students (Appendix A exactness) -----------------------------------------------------------------
+@pytest.mark.parametrize("merged", [False, True])
+def test_student_ffn_exact(fam, merged):
+    family, teacher, a = fam
+    plans = hand_plans(a, teacher, merged)
+    student = build_student_from_plans(teacher, a, plans, share_weights=True)
+    torch.manual_seed(3)
+    h = torch.randn(9, 32) * 2
+    with torch.no_grad():
+        for pl in plans:
+            ref = RefMLP(family, teacher.model.layers[pl.layer].mlp, pl, routed_scale(family, teacher))
+            torch.testing.assert_close(student_mlp(family, student, pl.layer, h), block_out(family, ref(h[None]))[0],
+                                       rtol=1e-4, atol=1e-5)
+        for layer in set(range(len(teacher.model.layers))) - set(a.moe_layers(teacher)):  # padded dense layers
+            torch.testing.assert_close(student_mlp(family, student, layer, h), teacher.model.layers[layer].mlp(h),
+                                       rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_student_logits_equal_reference(fam, share):
+    family, teacher, a = fam
+    plans = hand_plans(a, teacher, merged=True)
+    student = build_student_from_plans(teacher, a, plans, share_weights=share)
+    ref = reference_model(family, teacher, plans)
+    x = ids(seed=5)
+    with torch.no_grad():
+        torch.testing.assert_close(student(x).logits, ref(x).logits, rtol=1e-4, atol=1e-4)
+    t_params = dict(teacher.named_parameters())
+    t_store = {p.untyped_storage().data_ptr() for p in teacher.parameters()}
+    for name, p in student.named_parameters():
+        if ".mlp." in name:
+            assert p.untyped_storage().data_ptr() not in t_store, name  # FFN tensors are always new
+        elif share:
+            assert p is t_params[name], name
+        else:
+            assert p.untyped_storage().data_ptr() not in t_store, name
+
+
+def test_student_config_and_width(fam):
+    family, teacher, a = fam
+    from transformers import (
+        DeepseekV2Config,
+        DeepseekV3Config,
+        GptOssConfig,
+        MistralConfig,
+        OlmoeConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
+
+    cls = {"qwen3_moe": Qwen3Config, "qwen2_moe": Qwen2Config, "mixtral": MistralConfig, "olmoe": OlmoeConfig,
+           "deepseek_v2": DeepseekV2Config, "deepseek_v3": DeepseekV3Config, "gpt_oss": GptOssConfig}[family]
+    student = build_student_from_plans(teacher, a, hand_plans(a, teacher, False), share_weights=True)
+    cfg = student.config
+    assert type(cfg) is cls
+    i = a.expert_weights(teacher, a.moe_layers(teacher)[0]).intermediate
+    shared = {"qwen2_moe": 24, "deepseek_v2": 16, "deepseek_v3": 16}.get(family, 0)
+    assert cfg.intermediate_size == a.top_k(teacher) * i + shared  # k·I + shared width
+    if family in ("olmoe", "gpt_oss"):
+        key = "num_experts" if family == "olmoe" else "num_local_experts"
+        assert (getattr(cfg, key), cfg.num_experts_per_tok) == (1, 1)
+    if family.startswith("deepseek"):
+        assert cfg.first_k_dense_replace == cfg.num_hidden_layers
+    if family == "mixtral":
+        assert cfg.rope_parameters == teacher.config.rope_parameters and cfg.sliding_window is None
+        assert cfg.head_dim == 8 and cfg.rms_norm_eps == teacher.config.rms_norm_eps
+
+
+def test_shared_experts_scale_one_and_padding(fam):
+    family, teacher, a = fam
+    plans = hand_plans(a, teacher, merged=False)
+    student = build_student_from_plans(teacher, a, plans, share_weights=False)
+    width = student.config.intermediate_size
+    kI = a.top_k(teacher) * a.expert_weights(teacher, a.moe_layers(teacher)[0]).intermediate
+    for layer, dec in enumerate(student.model.layers):
+        block = teacher.model.layers[layer].mlp
+        mlp = dec.mlp
+        if family in ("qwen2_moe", "deepseek_v2", "deepseek_v3") and layer in a.moe_layers(teacher):
+            sh = block.shared_expert if family == "qwen2_moe" else block.shared_experts
+            torch.testing.assert_close(mlp.gate_proj.weight[kI:], sh.gate_proj.weight, rtol=0, atol=0)
+            torch.testing.assert_close(mlp.down_proj.weight[:, kI:], sh.down_proj.weight, rtol=0, atol=0)
+        if layer not in a.moe_layers(teacher):  # dense teacher layer zero-padded to the student's width
+            d = block.gate_proj.weight.shape[0]
+            assert d < width
+            assert torch.equal(mlp.gate_proj.weight[:d], block.gate_proj.weight)
+            assert not mlp.gate_proj.weight[d:].any() and not mlp.down_proj.weight[:, d:].any()
+
+
+def test_build_student_rejects_bad_ffns(fam):
+    family, teacher, a = fam
+    plans = hand_plans(a, teacher, merged=False)
+    with pytest.raises(ValueError, match="MoE layer"):
+        build_student_from_plans(teacher, a, plans[:1], share_weights=True)
+
+
+def test_save_load_roundtrip(fam, tmp_path):
+    family, teacher, a = fam
+    from transformers import AutoModelForCausalLM
+
+    student = build_student_from_plans(teacher, a, hand_plans(a, teacher, merged=True), share_weights=True)
+    student.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is type(student)
+    x = ids(seed=7)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, student(x).logits, rtol=0, atol=1e-6)

@@ -1,0 +1,35 @@
+"""Family adapters: one per MoE block class (transformers 5.x). `get_adapter(model)` picks one."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from workers.families.base import FamilyAdapter
+from workers.families.deepseek_v2 import DeepseekV2Adapter, DeepseekV3Adapter
+from workers.families.gpt_oss import GptOssAdapter
+from workers.families.mixtral import MixtralAdapter
+from workers.families.olmoe import OlmoeAdapter
+from workers.families.qwen2_moe import Qwen2MoeAdapter
+from workers.families.qwen3_moe import Qwen3MoeAdapter
+
+ADAPTERS: list[FamilyAdapter] = [Qwen3MoeAdapter(), Qwen2MoeAdapter(), MixtralAdapter(), OlmoeAdapter(),
+                                 DeepseekV2Adapter(), DeepseekV3Adapter(), GptOssAdapter()]
+
+
+def supported() -> list[str]:
+    """'model_type (BlockClass)' for every supported architecture."""
+    return [f"{mt} ({'/'.join(a.block_classes)})" for a in ADAPTERS for mt in a.model_types]
+
+
+def get_adapter(model: nn.Module) -> FamilyAdapter:
+    """The adapter whose MoE block class appears in the model (else the one for its model_type)."""
+    blocks = {type(m).__name__ for m in model.modules()}
+    for a in ADAPTERS:
+        if blocks & set(a.block_classes):
+            return a
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    for a in ADAPTERS:
+        if model_type in a.model_types:
+            return a
+    raise ValueError(f"unsupported architecture model_type={model_type!r} ({type(model).__name__}); "
+                     f"supported: {', '.join(supported())}")

@@ -1,0 +1,67 @@
+"""DeepSeek-V2 (`DeepseekV2Moe`) and DeepSeek-V3 (`DeepseekV3MoE`): same fused experts, ungated
+shared experts, dense first layers (`first_k_dense_replace`).
+
+V2 router: softmax over E (fp32) → greedy or group-limited top-k → × routed_scaling_factor; never
+renormalized (its config's norm_topk_prob is ignored by the router). V3 router: sigmoid scores; the
+choice uses scores + e_score_correction_bias with group-limited top-k; the weights are the unbiased
+sigmoid scores of the chosen k, renormalized iff norm_topk_prob, × routed_scaling_factor. For V3,
+p (router_decision) is the sigmoid scores normalized over all E, so p restricted to the chosen k and
+renormalized equals the applied weights / routed_scaling_factor.
+
+routing_top_k with k′ ≠ k (or a non-native renormalization) picks the plain top-k′ (V3: of the
+biased scores) without the group limit (paper §4.3 Eq. 6 uses the k′ highest-probability experts).
+
+Student: the same class with first_k_dense_replace = num_hidden_layers (every layer a dense MLP of
+width `width`); shared experts concatenated with scale 1.0 (K counts routed experts only); the
+teacher's dense layers zero-padded to the same width (DESIGN.md family rules). The routed part is
+multiplied by routed_scaling_factor (see FamilyAdapter.routed_scaling).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from workers.families.fused import FusedMoeAdapter, copy_config
+
+
+class DeepseekV2Adapter(FusedMoeAdapter):
+    name = "deepseek_v2"
+    model_types = ("deepseek_v2",)
+    block_classes = ("DeepseekV2Moe",)
+    shared_attr = "shared_experts"
+
+    def native_renorm(self, router: nn.Module) -> bool:
+        return False  # DeepseekV2TopkRouter never divides by the top-k sum
+
+    def student_config(self, teacher: nn.Module, width: int) -> Any:
+        from transformers import DeepseekV2Config
+
+        n = teacher.config.num_hidden_layers
+        return copy_config(teacher.config, DeepseekV2Config, intermediate_size=int(width),
+                           first_k_dense_replace=n, output_router_logits=False)
+
+
+class DeepseekV3Adapter(FusedMoeAdapter):
+    name = "deepseek_v3"
+    model_types = ("deepseek_v3",)
+    block_classes = ("DeepseekV3MoE",)
+    shared_attr = "shared_experts"
+
+    def native_renorm(self, router: nn.Module) -> bool:
+        return bool(router.norm_topk_prob)
+
+    def gate_values(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(logits.float())
+
+    def choice_scores(self, router: nn.Module, logits: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return gate + router.e_score_correction_bias.float()
+
+    def student_config(self, teacher: nn.Module, width: int) -> Any:
+        from transformers import DeepseekV3Config
+
+        n = teacher.config.num_hidden_layers
+        return copy_config(teacher.config, DeepseekV3Config, intermediate_size=int(width),
+                           first_k_dense_replace=n, output_router_logits=False)

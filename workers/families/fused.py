@@ -1,0 +1,322 @@
+"""Shared machinery for the transformers 5.x MoE blocks with fused 3-D experts.
+
+Every supported family stores its routed experts in one `experts` module with fused parameters
+(`gate_up_proj`, `down_proj`) and has a router module whose forward returns
+`(router_logits [T, E], weights [T, k] applied, indices [T, k] used)`. A family subclass only states
+where things live and what its router multiplies; this module does the rest (decision reading,
+expanded routing, student assembly).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import fields
+from typing import Any
+
+import torch
+from torch import nn
+
+from workers.families.base import FamilyAdapter
+from workers.merge import concat_blocks
+from workers.types import DenseFFN, ExpertWeights
+
+_NOT_SET = object()
+# Config fields never carried from the teacher's config into the student's.
+_CONFIG_SKIP = {"architectures", "transformers_version", "id2label", "label2id", "problem_type"}
+
+
+def copy_config(teacher_cfg: Any, cls: type, **overrides: Any) -> Any:
+    """A `cls` config with every field it shares with the teacher's config, then `overrides`."""
+    names = {f.name for f in fields(cls)} - _CONFIG_SKIP
+    src = teacher_cfg.to_dict()
+    kw = {k: v for k, v in src.items() if k in names}
+    kw.update(overrides)
+    cfg = cls(**kw)
+    cfg._attn_implementation = teacher_cfg._attn_implementation
+    return cfg
+
+
+def _with_zero_biases(a: DenseFFN, b: DenseFFN) -> tuple[DenseFFN, DenseFFN]:
+    """Give both FFNs the same set of biases (a missing bias becomes zeros) so they can be stacked."""
+    out = []
+    for x in (a, b):
+        kw = {}
+        for name, n in (("gate_bias", x.width), ("up_bias", x.width), ("down_bias", x.down.shape[0])):
+            need = getattr(a, name) is not None or getattr(b, name) is not None
+            kw[name] = getattr(x, name) if getattr(x, name) is not None or not need else x.gate.new_zeros(n)
+        out.append(DenseFFN(gate=x.gate, up=x.up, down=x.down, act=x.act, act_alpha=x.act_alpha,
+                            act_limit=x.act_limit, **kw))
+    return out[0], out[1]
+
+
+def stack_ffns(a: DenseFFN, b: DenseFFN) -> DenseFFN:
+    """[a; b] with scale 1.0 on both (shared experts are added unscaled, DESIGN.md family rules)."""
+    if a.act != b.act:
+        raise ValueError(f"cannot stack FFNs with activations {a.act!r} and {b.act!r}")
+    a, b = _with_zero_biases(a, b)
+    dtype = a.gate.dtype
+    b = DenseFFN(**{k: (v.to(dtype) if isinstance(v, torch.Tensor) else v) for k, v in vars(b).items()})
+    return concat_blocks([a, b], [1.0, 1.0])
+
+
+def pad_ffn(ffn: DenseFFN, width: int) -> DenseFFN:
+    """Zero-pad an FFN to `width` intermediate units (a zero unit contributes act(0, 0)·0 = 0)."""
+    extra = width - ffn.width
+    if extra < 0:
+        raise ValueError(f"width={width} is smaller than an FFN of width {ffn.width}")
+    if extra == 0:
+        return ffn
+
+    def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.cat([t, t.new_zeros(extra, *t.shape[1:])], dim=0)
+
+    down = torch.cat([ffn.down, ffn.down.new_zeros(ffn.down.shape[0], extra)], dim=1)
+    return DenseFFN(gate=rows(ffn.gate), up=rows(ffn.up), down=down, gate_bias=rows(ffn.gate_bias),
+                    up_bias=rows(ffn.up_bias), down_bias=ffn.down_bias, act=ffn.act,
+                    act_alpha=ffn.act_alpha, act_limit=ffn.act_limit)
+
+
+def linear_ffn(mlp: nn.Module) -> DenseFFN:
+    """A gate_proj/up_proj/down_proj SiLU MLP module as a DenseFFN (views, not copies)."""
+    _check_silu(mlp.act_fn)
+
+    def bias(lin: nn.Linear) -> torch.Tensor | None:
+        return None if lin.bias is None else lin.bias.detach()
+
+    return DenseFFN(gate=mlp.gate_proj.weight.detach(), up=mlp.up_proj.weight.detach(),
+                    down=mlp.down_proj.weight.detach(), gate_bias=bias(mlp.gate_proj),
+                    up_bias=bias(mlp.up_proj), down_bias=bias(mlp.down_proj))
+
+
+def _check_silu(act_fn: Any) -> None:
+    if type(act_fn).__name__ not in ("SiLU", "SiLUActivation"):  # ACT2FN["silu"] / ACT2FN["swish"]
+        raise ValueError(f"hidden_act={type(act_fn).__name__}: only silu experts are supported")
+
+
+class FusedMoeAdapter(FamilyAdapter):
+    """Adapter for an MoE block `layer.mlp` with `experts` (fused) and a top-k router."""
+
+    router_attr: str = "gate"
+    shared_attr: str | None = None  # attribute of the block holding ungated shared experts
+    student_act: str = "silu"
+
+    # --- structure -------------------------------------------------------------------------
+    def layers(self, model: nn.Module) -> nn.ModuleList:
+        return model.model.layers
+
+    def block(self, model: nn.Module, layer: int) -> nn.Module:
+        return self.layers(model)[layer].mlp
+
+    def is_moe_block(self, mlp: nn.Module) -> bool:
+        return type(mlp).__name__ in self.block_classes
+
+    def moe_layers(self, model: nn.Module) -> list[int]:
+        return [i for i, layer in enumerate(self.layers(model)) if self.is_moe_block(layer.mlp)]
+
+    def _first(self, model: nn.Module) -> nn.Module:
+        moe = self.moe_layers(model)
+        if not moe:
+            raise ValueError(f"model has no {'/'.join(self.block_classes)} layer")
+        return self.block(model, moe[0])
+
+    def num_experts(self, model: nn.Module) -> int:
+        return int(self._first(model).experts.gate_up_proj.shape[0])
+
+    def top_k(self, model: nn.Module) -> int:
+        return int(getattr(self._first(model), self.router_attr).top_k)
+
+    def renormalized(self, model: nn.Module) -> bool:
+        return self.native_renorm(getattr(self._first(model), self.router_attr))
+
+    def router_module(self, model: nn.Module, layer: int) -> nn.Module:
+        return getattr(self.block(model, layer), self.router_attr)
+
+    def router_weight(self, model: nn.Module, layer: int) -> torch.Tensor:
+        return self.router_module(model, layer).weight.detach()
+
+    # --- router semantics (overridden per family) -------------------------------------------
+    def native_renorm(self, router: nn.Module) -> bool:
+        """Does the router divide its top-k weights by their sum (before any constant factor)?"""
+        return bool(getattr(router, "norm_topk_prob", False))
+
+    def gate_values(self, logits: torch.Tensor) -> torch.Tensor:
+        """[T, E] per-expert values the router multiplies into the chosen experts (softmax here)."""
+        return torch.softmax(logits.float(), dim=-1)
+
+    def choice_scores(self, router: nn.Module, logits: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """What the router takes its top-k of (the probabilities here)."""
+        return gate
+
+    def scale(self, router: nn.Module) -> float:
+        return float(getattr(router, "routed_scaling_factor", 1.0))
+
+    def routed_scaling(self, model: nn.Module) -> float:
+        return self.scale(getattr(self._first(model), self.router_attr))
+
+    def router_decision(self, output: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits, weights, indices = output[0], output[1], output[2]
+        gate = self.gate_values(logits)
+        p = gate / gate.sum(dim=-1, keepdim=True)
+        return p, weights, indices
+
+    # --- experts --------------------------------------------------------------------------------
+    def expert_weights(self, model: nn.Module, layer: int) -> ExpertWeights:
+        experts = self.block(model, layer).experts
+        _check_silu(experts.act_fn)
+        gu = experts.gate_up_proj.detach()  # [E, 2I, H]: gate rows first, then up rows
+        i = gu.shape[1] // 2
+        return ExpertWeights(gate=gu[:, :i], up=gu[:, i:], down=experts.down_proj.detach())
+
+    def shared_ffn(self, model: nn.Module, layer: int) -> DenseFFN | None:
+        if self.shared_attr is None or layer not in self.moe_layers(model):
+            return None
+        return linear_ffn(getattr(self.block(model, layer), self.shared_attr))
+
+    def dense_ffn(self, model: nn.Module, layer: int) -> DenseFFN:
+        mlp = self.block(model, layer)
+        if self.is_moe_block(mlp):
+            raise ValueError(f"layer={layer} is an MoE layer, not a dense one")
+        return linear_ffn(mlp)
+
+    # --- expanded routing (paper §4.3, Eq. 6) ------------------------------------------------
+    @contextmanager
+    def routing_top_k(self, model: nn.Module, k: int, renormalize: bool | None = None) -> Iterator[None]:
+        """Every MoE router picks its top-k experts by the router's own choice scores, weights
+        = the router's gate values of those k (softmax probabilities p_e for softmax routers),
+        renormalized over the k if `renormalize` (None: the architecture's own rule), times the
+        router's constant factor. k equal to the router's k with the native rule leaves the
+        native output untouched. The routers' forwards are patched in place and restored."""
+        n = self.num_experts(model)
+        if not 1 <= int(k) <= n:
+            raise ValueError(f"k={k}: must be in 1..{n} (the number of experts)")
+        routers = [self.router_module(model, layer) for layer in self.moe_layers(model)]
+        saved: list[tuple[nn.Module, Any]] = []
+        try:
+            for r in routers:
+                saved.append((r, r.__dict__.get("forward", _NOT_SET)))
+                r.forward = self._expanded_forward(r, int(k), renormalize)
+            yield
+        finally:
+            for r, prev in saved:
+                if prev is _NOT_SET:
+                    r.__dict__.pop("forward", None)
+                else:
+                    r.forward = prev
+
+    def _expanded_forward(self, router: nn.Module, k: int, renormalize: bool | None) -> Callable:
+        native = router.forward
+        native_renorm = self.native_renorm(router)
+        renorm = native_renorm if renormalize is None else bool(renormalize)
+        untouched = k == int(router.top_k) and renorm == native_renorm
+
+        def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            out = native(hidden_states, *args, **kwargs)
+            if untouched:
+                return out
+            logits, native_w = out[0], out[1]
+            gate = self.gate_values(logits)
+            idx = torch.topk(self.choice_scores(router, logits, gate), k, dim=-1).indices
+            w = gate.gather(1, idx)
+            if renorm:
+                w = w / w.sum(dim=-1, keepdim=True)
+            w = (w * self.scale(router)).to(native_w.dtype)
+            return (logits, w, idx, *tuple(out[3:]))
+
+        return forward
+
+    # --- student ---------------------------------------------------------------------------
+    def student_ffn_params(self, layer: int, ffn: DenseFFN) -> dict[str, torch.Tensor]:
+        """Student parameter name → tensor for one layer's FFN (a plain gate/up/down MLP here)."""
+        pre = f"model.layers.{layer}.mlp."
+        out = {pre + "gate_proj.weight": ffn.gate, pre + "up_proj.weight": ffn.up,
+               pre + "down_proj.weight": ffn.down}
+        for name, t in (("gate_proj", ffn.gate_bias), ("up_proj", ffn.up_bias), ("down_proj", ffn.down_bias)):
+            if t is not None:
+                out[pre + name + ".bias"] = t
+        return out
+
+    def layer_ffns(self, teacher: nn.Module, ffns: dict[int, DenseFFN]) -> list[DenseFFN]:
+        """One FFN per layer, all of one width: ffns[l] (+ shared experts) or the teacher's dense FFN."""
+        moe = set(self.moe_layers(teacher))
+        out: list[DenseFFN] = []
+        for layer in range(len(self.layers(teacher))):
+            if layer in ffns:
+                f = ffns[layer]
+                shared = self.shared_ffn(teacher, layer) if layer in moe else None
+                f = f if shared is None else stack_ffns(f, shared)
+            elif layer in moe:
+                raise ValueError(f"ffns: MoE layer {layer} has no FFN; given layers {sorted(ffns)}")
+            else:
+                f = self.dense_ffn(teacher, layer)
+            if f.act != self.student_act:
+                raise ValueError(f"ffn act={f.act!r} for layer {layer}; this student needs {self.student_act!r}")
+            out.append(f)
+        width = max(f.width for f in out)
+        return [pad_ffn(f, width) for f in out]
+
+    def build_student(self, teacher: nn.Module, ffns: dict[int, DenseFFN],
+                      share_weights: bool = False) -> nn.Module:
+        per_layer = self.layer_ffns(teacher, ffns)
+        cfg = self.student_config(teacher, per_layer[0].width)
+        tensors: dict[str, torch.Tensor] = {}
+        for layer, f in enumerate(per_layer):
+            tensors.update(self.student_ffn_params(layer, f))
+        ffn_prefixes = tuple(f"model.layers.{i}.mlp." for i in range(len(per_layer)))
+        return assemble(cfg, teacher, tensors, ffn_prefixes, share_weights)
+
+
+def assemble(cfg: Any, teacher: nn.Module, ffn_tensors: dict[str, torch.Tensor],
+             ffn_prefixes: tuple[str, ...], share_weights: bool) -> nn.Module:
+    """Build the student on the meta device, then fill it: FFN parameters from `ffn_tensors`,
+    everything else from the teacher's tensor of the same name (the same object when sharing,
+    a copy otherwise). A student bias the teacher lacks (e.g. Qwen2's qkv bias) becomes zeros."""
+    from transformers import AutoModelForCausalLM
+
+    ref = next(teacher.parameters())
+    with torch.device("meta"):
+        student = AutoModelForCausalLM.from_config(cfg)
+    t_params = dict(teacher.named_parameters(remove_duplicate=False))
+    t_buffers = dict(teacher.named_buffers(remove_duplicate=False))
+    memo: dict[int, Any] = {}
+    teacher_storage = {q.untyped_storage().data_ptr() for q in teacher.parameters()}
+
+    def from_teacher(t: torch.Tensor, is_param: bool) -> Any:
+        if share_weights:
+            return t
+        if id(t) not in memo:
+            c = t.detach().clone()
+            memo[id(t)] = nn.Parameter(c, requires_grad=t.requires_grad) if is_param else c
+        return memo[id(t)]
+
+    for name, p in list(student.named_parameters(remove_duplicate=False)):
+        if name.startswith(ffn_prefixes):
+            if name in ffn_tensors:
+                t = ffn_tensors[name].detach().to(device=ref.device, dtype=ref.dtype).contiguous()
+                # FFN tensors are always new: never alias a teacher tensor (e.g. an unpadded dense layer)
+                new = nn.Parameter(t.clone() if t.untyped_storage().data_ptr() in teacher_storage else t)
+            elif name.endswith("bias"):
+                new = nn.Parameter(torch.zeros(p.shape, device=ref.device, dtype=ref.dtype))
+            else:
+                raise ValueError(f"student FFN parameter {name} has no tensor")
+        elif name in t_params:
+            new = from_teacher(t_params[name], True)
+        elif name.endswith("bias"):
+            new = nn.Parameter(torch.zeros(p.shape, device=ref.device, dtype=ref.dtype))
+        else:
+            raise ValueError(f"student parameter {name} has no teacher counterpart")
+        if tuple(new.shape) != tuple(p.shape):
+            raise ValueError(f"{name}: shape {tuple(new.shape)} but the student needs {tuple(p.shape)}")
+        mod_name, _, leaf = name.rpartition(".")
+        student.get_submodule(mod_name)._parameters[leaf] = new
+    for name, b in list(student.named_buffers(remove_duplicate=False)):
+        if name not in t_buffers or tuple(t_buffers[name].shape) != tuple(b.shape):
+            raise ValueError(f"student buffer {name} has no teacher counterpart")
+        mod_name, _, leaf = name.rpartition(".")
+        student.get_submodule(mod_name)._buffers[leaf] = from_teacher(t_buffers[name], False)
+    for mod_name, mod in student.named_modules():
+        for key, v in vars(mod).items():
+            if isinstance(v, torch.Tensor) and v.is_meta and key not in ("_parameters", "_buffers"):
+                raise ValueError(f"student tensor attribute {mod_name}.{key} left on the meta device")
+    return student.eval()
+

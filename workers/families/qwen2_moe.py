@@ -1,0 +1,30 @@
+"""Qwen2-MoE (`Qwen2MoeSparseMoeBlock`): softmax router, top-k, renormalized iff `norm_topk_prob`,
+plus a shared expert gated per token by sigmoid(shared_expert_gate · h).
+
+Student: a plain `Qwen2Config` model. APPROXIMATION (documented): a dense MLP cannot represent
+the per-token sigmoid gate, so the shared expert is copied with scale 1.0 (the gate is dropped, i.e.
+replaced by its upper bound 1); the student's FFN is Σ_g α_g f_g(h) + f_shared(h) while the teacher's is
+Σ_e g_e f_e(h) + σ(w·h) f_shared(h). Distillation absorbs the difference. Qwen2 always has q/k/v biases;
+they are zero when the teacher has `qkv_bias=False`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from workers.families.fused import FusedMoeAdapter, copy_config
+
+
+class Qwen2MoeAdapter(FusedMoeAdapter):
+    name = "qwen2_moe"
+    model_types = ("qwen2_moe",)
+    block_classes = ("Qwen2MoeSparseMoeBlock",)
+    shared_attr = "shared_expert"
+
+    def student_config(self, teacher: nn.Module, width: int) -> Any:
+        from transformers import Qwen2Config
+
+        return copy_config(teacher.config, Qwen2Config, intermediate_size=int(width),
+                           head_dim=int(teacher.model.layers[0].self_attn.head_dim))
