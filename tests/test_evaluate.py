@@ -1,0 +1,299 @@
+"""workers.suites and workers.evaluate: suites built offline, run through lm-eval's simple_evaluate on tiny models."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from workers.evaluate import run_suite
+from workers.ppl import perplexity
+from workers.suites import PAPER, build_suite, validate_suite
+
+MODULES = ("json", "textwrap", "string", "shlex", "fnmatch", "glob", "heapq", "bisect", "difflib", "base64")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run faster on one thread (thread hand-offs dominate on a busy 2-core box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def documents() -> list[dict]:
+    """Held-out-corpus-like rows: docstrings (prose) and function sources (code) from the standard library."""
+    import importlib
+
+    prose, code = [], []
+    for name in MODULES:
+        mod = importlib.import_module(name)
+        for _, obj in sorted(vars(mod).items()):
+            if inspect.isfunction(obj) and obj.__module__ == name:
+                doc = inspect.getdoc(obj) or ""
+                if len(doc.split()) >= 16:
+                    prose.append({"text": doc, "domain": "prose"})
+                src = inspect.getsource(obj)
+                if 200 < len(src) < 1500:
+                    code.append({"text": src, "domain": "code"})
+    # distinct endings: lm-eval 0.4.13 mis-scores rolling windows whose whole input repeats with another
+    # continuation length (its logits cache gathers the leading, not trailing, positions), e.g. json.dump/dumps
+    out, tails = [], set()
+    for row in prose[:40] + code[:20]:
+        if row["text"][-400:] not in tails:
+            tails.add(row["text"][-400:])
+            out.append(row)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("tiny")
+    (d / "corpus").mkdir()
+    (d / "corpus" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in documents()))
+    return d
+
+
+@pytest.fixture(scope="module")
+def tok():
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.post_processor = processors.ByteLevel(trim_offsets=False)
+    t.train_from_iterator([r["text"] for r in documents()], trainers.BpeTrainer(
+        vocab_size=512, special_tokens=["<|endoftext|>", "<|pad|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                   unk_token="<|endoftext|>", pad_token="<|pad|>", model_max_length=512)
+
+
+def dense(tok, seed: int):
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False)).eval()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return dense(tok, 0)
+
+
+def run(model, tok, suite, cache, key="model-a", tiny_dir=None, limit=None):
+    return run_suite(model, tok, suite, model_key=key, cache_dir=str(cache), tiny_dir=str(tiny_dir) if tiny_dir else None,
+                     batch_size=8, backend="hf", limit=limit, model_path=None, workdir=str(cache))
+
+
+# ---- the tiny suite --------------------------------------------------------------------------------
+def test_tiny_suite_builds_word_boundary_choices(tiny_dir, tmp_path):
+    docs = [json.loads(line) for line in (tiny_dir / "corpus" / "test.jsonl").read_text().splitlines()]
+    mc, ppl = build_suite("tiny", tmp_path, str(tiny_dir))
+    assert (mc.name, mc.headline, ppl.name, ppl.headline) == ("tiny_mc", "acc", "tiny_ppl", None)
+    path = Path(mc.spec["dataset_kwargs"]["data_files"]["test"])
+    assert path.is_absolute() and mc.spec["output_type"] == "multiple_choice"
+    assert ppl.spec["output_type"] == "loglikelihood_rolling"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) >= 40
+    for r in rows:
+        assert len(r["choices"]) == 4 and 0 <= r["label"] < 4
+        assert len({" ".join(c.split()) for c in r["choices"]}) == 4
+        i, a, b = r["sources"][r["label"]]
+        assert docs[i]["text"].startswith(r["context"] + r["choices"][r["label"]]), "the correct choice continues the doc"
+        assert not r["context"][-1].isspace()
+        for (j, a, b), choice in zip(r["sources"], r["choices"], strict=True):
+            text = docs[j]["text"]
+            assert text[a:b] == choice and choice[0].isspace() and len(choice.split()) == 4
+            assert not text[a - 1].isspace() and (b == len(text) or text[b].isspace()), "cut at word boundaries"
+            assert docs[j]["domain"] == docs[i]["domain"]
+        assert len({j for j, _, _ in r["sources"]}) == 4, "distractors come from other documents"
+    again = build_suite("tiny", tmp_path / "other", str(tiny_dir))
+    assert Path(again[0].spec["dataset_kwargs"]["data_files"]["test"]).read_bytes() == path.read_bytes()  # seeded
+    ppl_rows = [json.loads(line) for line in Path(ppl.spec["dataset_kwargs"]["data_files"]["test"]).read_text().splitlines()]
+    assert {r["text"] for r in ppl_rows} <= {d["text"] for d in docs}
+
+
+def lm_eval_choice_ll(model, tok, context: str, choice: str, max_len: int) -> float:
+    """log p(choice | context) the way lm-eval's HF backend encodes and truncates a causal request."""
+    whole = tok(context + choice)["input_ids"]
+    n_ctx = len(tok(context)["input_ids"])
+    seq = whole[-(max_len + 1):]
+    n = len(whole) - n_ctx
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([seq[:-1]])).logits[0], -1)
+    return float(logp[torch.arange(len(seq) - 1 - n, len(seq) - 1), torch.tensor(seq[-n:])].sum())
+
+
+def test_tiny_suite_runs_and_matches_direct_scoring(model, tok, tiny_dir, tmp_path):
+    n = 16
+    res = run(model, tok, "tiny", tmp_path, tiny_dir=tiny_dir, limit=n)
+    mc, ppl = res["tasks"]
+    assert mc["task"] == "tiny_mc" and mc["n"] == n and mc["num_fewshot"] == 0 and mc["headline"] == "acc"
+    assert mc["acc_stderr"] > 0 and mc["acc_norm_stderr"] > 0
+    rows = [json.loads(line) for line in Path(build_suite("tiny", tmp_path, str(tiny_dir))[0]
+                                                 .spec["dataset_kwargs"]["data_files"]["test"]).read_text().splitlines()]
+    max_len = res["results_json"]["max_length"]
+    acc = acc_norm = 0
+    for r in rows[:n]:
+        lls = [lm_eval_choice_ll(model, tok, r["context"], c, max_len) for c in r["choices"]]
+        norm = [ll / len(c) for ll, c in zip(lls, r["choices"], strict=True)]
+        acc += lls.index(max(lls)) == r["label"]
+        acc_norm += norm.index(max(norm)) == r["label"]
+    assert acc != acc_norm, "the rows must tell acc and acc_norm apart for this check to mean anything"
+    assert mc["acc"] == pytest.approx(acc / n) and mc["acc_norm"] == pytest.approx(acc_norm / n)
+    assert res["average"] == pytest.approx(mc["acc"]), "the perplexity task has no headline and stays out of the average"
+
+    assert ppl["acc"] is None and ppl["n"] == n and ppl["headline"] is None
+    assert set(ppl["other"]) == {"word_perplexity", "byte_perplexity", "bits_per_byte"}
+    # lm-eval's bits_per_byte = our rolling-window Σ NLL over the same documents / bytes / ln 2
+    texts = [json.loads(line)["text"] for line in Path(build_suite("tiny", tmp_path, str(tiny_dir))[1]
+                                                      .spec["dataset_kwargs"]["data_files"]["test"]).read_text().splitlines()[:n]]
+    nll = sum(perplexity(model, tok, [t], seq_len=max_len, batch_size=4, add_bos=True, device="cpu",
+                         windows="rolling")["sum_nll"] for t in texts)
+    n_bytes = sum(len(t.encode()) for t in texts)
+    assert ppl["other"]["bits_per_byte"] == pytest.approx(nll / n_bytes / math.log(2), rel=1e-5)
+    assert ppl["other"]["byte_perplexity"] == pytest.approx(math.exp(nll / n_bytes), rel=1e-5)
+
+    assert all(len(t["task_hash"]) == 64 for t in res["tasks"]) and res["backend"] == "hf"
+    import lm_eval
+
+    assert res["lm_eval_version"] == lm_eval.__version__
+    rj = res["results_json"]
+    assert "samples" not in rj and set(rj["task_hashes"]) >= {"tiny_mc", "tiny_ppl"}
+    json.dumps(rj, default=str)  # storable as the artifact
+
+
+def test_response_cache_is_keyed_by_model_key(model, tok, tiny_dir, tmp_path):
+    other = dense(tok, 7)
+    a = run(model, tok, "tiny", tmp_path, key="model-a", tiny_dir=tiny_dir, limit=4)
+    same_key = run(other, tok, "tiny", tmp_path, key="model-a", tiny_dir=tiny_dir, limit=4)
+    own_key = run(other, tok, "tiny", tmp_path, key="model-b", tiny_dir=tiny_dir, limit=4)
+    bpb = [r["tasks"][1]["other"]["bits_per_byte"] for r in (a, same_key, own_key)]
+    assert bpb[1] == bpb[0], "same key: answered from the cache"
+    assert bpb[2] != bpb[0], "another key: the other model is really evaluated"
+    assert len(list((tmp_path / "responses").glob("*/hf/lm_rank0.db"))) == 2
+
+
+# ---- offline copies of real benchmarks --------------------------------------------------------------
+WINO = [
+    {"sentence": "The trophy does not fit into the suitcase because the _ is too large.",
+     "option1": "trophy", "option2": "suitcase", "answer": "1"},
+    {"sentence": "The trophy does not fit into the suitcase because the _ is too small.",
+     "option1": "trophy", "option2": "suitcase", "answer": "2"},
+    {"sentence": "Anna poured water from the bottle into the cup until the _ was full.",
+     "option1": "bottle", "option2": "cup", "answer": "2"},
+    {"sentence": "Anna poured water from the bottle into the cup until the _ was empty.",
+     "option1": "bottle", "option2": "cup", "answer": "1"},
+    {"sentence": "Sam lent his umbrella to Tom because _ was going out into the rain.",
+     "option1": "Sam", "option2": "Tom", "answer": "2"},
+]
+ARC = [
+    {"id": "q1", "question": "Which gas do green plants take in from the air to make food?",
+     "choices": {"text": ["oxygen", "carbon dioxide", "helium", "neon"], "label": ["A", "B", "C", "D"]}, "answerKey": "B"},
+    {"id": "q2", "question": "Which of these will melt an ice cube fastest?",
+     "choices": {"text": ["a warm hand", "a freezer", "a shadow", "a cold plate"], "label": ["A", "B", "C", "D"]},
+     "answerKey": "A"},
+    {"id": "q3", "question": "How many legs does a spider have?",
+     "choices": {"text": ["six", "eight", "ten"], "label": ["1", "2", "3"]}, "answerKey": "2"},
+    {"id": "q4", "question": "What force pulls a dropped ball toward the ground?",
+     "choices": {"text": ["magnetism", "friction", "gravity", "wind"], "label": ["A", "B", "C", "D"]}, "answerKey": "C"},
+]
+
+
+def write(path: Path, rows: list[dict], as_array: bool = False) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rows) if as_array else "".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_offline_winogrande_and_arc_with_per_task_fewshot(model, tok, tmp_path):
+    data = tmp_path / "data"
+    write(data / "wino" / "train.jsonl", WINO[2:])
+    write(data / "wino" / "validation.jsonl", WINO)
+    arc_train = write(data / "arc" / "train.json", ARC[::-1], as_array=True)
+    arc_test = write(data / "arc" / "test.jsonl", ARC)
+    write(data / "challenge" / "ARC-Challenge" / "train.jsonl", ARC[1:])  # HF layout: one folder per config
+    write(data / "challenge" / "ARC-Challenge" / "test.jsonl", ARC)
+    suite = [
+        {"task": "winogrande", "num_fewshot": 2, "data_dir": str(data / "wino")},
+        {"task": "arc_easy", "num_fewshot": 3, "data_files": {"train": str(arc_train), "test": str(arc_test)}},
+        {"task": "arc_challenge", "num_fewshot": 1, "data_dir": str(data / "challenge"), "limit": 2, "headline": "acc"},
+    ]
+    res = run(model, tok, suite, tmp_path / "cache")
+    rows = {t["task"]: t for t in res["tasks"]}
+    assert [t["task"] for t in res["tasks"]] == ["winogrande", "arc_easy", "arc_challenge"]
+    assert [rows[n]["num_fewshot"] for n in rows] == [2, 3, 1]
+    assert [rows[n]["n"] for n in rows] == [len(WINO), len(ARC), 2]
+    assert [rows[n]["headline"] for n in rows] == ["acc", "acc_norm", "acc"]
+    assert rows["winogrande"]["acc_norm"] is None and 0 <= rows["winogrande"]["acc"] <= 1
+    assert rows["winogrande"]["acc"] * len(WINO) == pytest.approx(round(rows["winogrande"]["acc"] * len(WINO)))
+    heads = [rows["winogrande"]["acc"], rows["arc_easy"]["acc_norm"], rows["arc_challenge"]["acc"]]
+    assert res["average"] == pytest.approx(sum(heads) / 3)
+    cfg = res["results_json"]["configs"]
+    assert {cfg[n]["num_fewshot"] for n in ("arc_easy",)} == {3} and cfg["winogrande"]["num_fewshot"] == 2
+    assert cfg["arc_easy"]["doc_to_text"] == "Question: {{question}}\nAnswer:", "lm-eval's own config is used"
+    assert cfg["arc_easy"]["dataset_path"] == "json" and cfg["arc_challenge"]["dataset_path"] == "json"
+    assert res["results_json"]["n-shot"] == {"winogrande": 2, "arc_easy": 3, "arc_challenge": 1}
+    # the task hash covers the prompts, so it changes with the few-shot count
+    zero = run(model, tok, [{**suite[1], "num_fewshot": 0}], tmp_path / "cache")
+    assert zero["tasks"][0]["num_fewshot"] == 0 and zero["tasks"][0]["task_hash"] != rows["arc_easy"]["task_hash"]
+
+
+# ---- suite definitions and bad input -----------------------------------------------------------------
+def test_paper_suite_definition(tmp_path):
+    tasks = build_suite("paper", tmp_path)
+    assert [(t.name, t.num_fewshot, t.headline) for t in tasks] == [
+        ("winogrande", 5, "acc"), ("hellaswag", 10, "acc_norm"), ("arc_easy", 25, "acc_norm"),
+        ("arc_challenge", 25, "acc_norm"), ("mmlu", 5, "acc")]
+    assert [(n, k) for n, k, _ in PAPER] == [(t.name, t.num_fewshot) for t in tasks]
+    for t in tasks:
+        files = {p.stem: yaml.safe_load(p.read_text()) for p in Path(t.include_path).glob("*.yaml")}
+        leaves = [f for f in files.values() if "task" in f]
+        assert leaves and all(f["num_fewshot"] == t.num_fewshot for f in leaves), "few-shot set per task, not globally"
+        assert all(Path(f["include"]).is_file() for f in files.values())
+    mmlu = {p.stem for p in Path(tasks[-1].include_path).glob("*.yaml")}
+    assert len(mmlu) == 57 + 5 and {"mmlu", "mmlu_stem", "mmlu_anatomy"} <= mmlu
+
+
+def test_bad_suites_are_one_line_errors(tmp_path):
+    cases = [
+        ("bogus", "allowed tiny, paper"),
+        ([], "non-empty list"),
+        ([{"task": "arc_easy", "shots": 3}], "allowed task, num_fewshot"),
+        ([{"task": "arc_easy", "headline": "f1"}], "headline must be one of acc, acc_norm"),
+        ([{"task": "arc_easy", "num_fewshot": -1}], "num_fewshot"),
+        ([{"task": "arc_easy"}, {"task": "arc_easy"}], "twice"),
+        ([{"task": "arc_easy", "data_dir": "x", "data_files": "y"}], "not both"),
+    ]
+    for suite, msg in cases:
+        with pytest.raises(ValueError, match=msg) as e:
+            validate_suite(suite)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="needs tiny_dir"):
+        build_suite("tiny", tmp_path)
+    write(tmp_path / "arc" / "test.jsonl", ARC)
+    with pytest.raises(ValueError, match="few-shot split"):
+        build_suite([{"task": "arc_easy", "num_fewshot": 5, "data_dir": str(tmp_path / "arc")}], tmp_path)
+    with pytest.raises(ValueError, match="evaluation split 'validation'"):
+        build_suite([{"task": "winogrande", "data_dir": str(tmp_path / "arc")}], tmp_path)
+    with pytest.raises(ValueError, match="does not exist"):
+        build_suite([{"task": "arc_easy", "data_files": str(tmp_path / "missing.jsonl")}], tmp_path)
+    with pytest.raises(ValueError, match="use data_dir"):
+        build_suite([{"task": "mmlu", "data_files": str(tmp_path / "arc" / "test.jsonl")}], tmp_path)
+
+
+def test_vllm_backend_without_vllm_is_a_one_line_error(model, tok, tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if the [gpu] extra were not installed
+    with pytest.raises(ImportError, match=r"install the \[gpu\] extra"):
+        run_suite(model, tok, "tiny", model_key="k", cache_dir=str(tmp_path), tiny_dir=str(tiny_dir), batch_size=4,
+                  backend="vllm", limit=2, model_path=None, workdir=str(tmp_path))
+    with pytest.raises(ValueError, match="backend must be one of hf, vllm"):
+        run_suite(model, tok, "tiny", model_key="k", cache_dir=str(tmp_path), tiny_dir=str(tiny_dir), batch_size=4,
+                  backend="tpu", limit=2, model_path=None, workdir=str(tmp_path))
