@@ -1,0 +1,289 @@
+"""Calibration statistics (DESIGN.md §2.1): the batched all-experts pass against a naive per-token,
+per-expert loop over the teacher's own expert modules, on tiny random models of every family."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import workers.families as families
+from workers.calibrate import (
+    STAT_FIELDS,
+    all_expert_outputs,
+    collect_stats,
+    load_stats,
+    save_stats,
+    stats_metadata,
+)
+from workers.families import get_adapter
+
+VOCAB = 128
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _config(family: str):
+    import transformers as tf
+
+    if family == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**COMMON, head_dim=8, intermediate_size=64, moe_intermediate_size=16,
+                                 num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                                 decoder_sparse_step=1, mlp_only_layers=[])
+    if family == "qwen2_moe":
+        return tf.Qwen2MoeConfig(**COMMON, intermediate_size=64, moe_intermediate_size=16,
+                                 shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                 norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])
+    if family == "mixtral":
+        return tf.MixtralConfig(**COMMON, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2)
+    if family == "olmoe":
+        return tf.OlmoeConfig(**COMMON, intermediate_size=16, num_experts=8, num_experts_per_tok=2)
+    if family == "deepseek_v2":  # layer 0 dense, layer 1 MoE with one shared expert
+        return tf.DeepseekV2Config(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=64,
+                                   moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1,
+                                   num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16,
+                                   q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                                   topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False)
+    if family == "gpt_oss":
+        return tf.GptOssConfig(**COMMON, head_dim=8, intermediate_size=16, num_local_experts=8,
+                               num_experts_per_tok=2, sliding_window=8,
+                               layer_types=["sliding_attention", "full_attention"])
+    raise ValueError(family)
+
+
+ALL_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "gpt_oss")
+FAMILIES = [f for f in ALL_FAMILIES if (Path(families.__file__).parent / f"{f}.py").exists()]
+
+
+def tiny_model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_config(family), experts_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 or name.endswith("bias"):  # norms stay 1, attention sinks stay 0
+                p.normal_(0.0, 0.15)
+    return model.to(dtype).eval()
+
+
+def padded_batches(seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Two right-padded batches; padding sits mid-stream in the flattened token order."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (2, 2, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, 0, 6:] = 0
+    mask[1, 1, 4:] = 0
+    ids[mask == 0] = 0
+    return [(ids[0], mask[0]), (ids[1], mask[1])]
+
+
+def _block_of(model, router):
+    return next(mod for mod in model.modules() if any(c is router for c in mod.children()))
+
+
+def _capture(model, adapter, batches):
+    """Per layer: list of (x [T, H], p, weights, indices, mask) seen by the router module."""
+    seen = {layer: [] for layer in adapter.moe_layers(model)}
+    state = {}
+
+    def make(layer):
+        def hook(mod, args, kwargs, out):
+            h = args[0] if args else kwargs["hidden_states"]
+            p, w, idx = adapter.router_decision(out)
+            seen[layer].append((h.reshape(-1, h.shape[-1]).clone(), p.clone(), w.clone(), idx.clone(),
+                                state["mask"]))
+        return hook
+
+    handles = [adapter.router_module(model, layer).register_forward_hook(make(layer), with_kwargs=True)
+               for layer in seen]
+    try:
+        with torch.no_grad():
+            for ids, mask in batches:
+                state["mask"] = mask.reshape(-1).bool()
+                model(input_ids=ids, attention_mask=mask, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def naive_stats(model, adapter, batches) -> dict[int, dict[str, torch.Tensor]]:
+    """Reference: per token, per expert, the teacher's own experts module on that single token."""
+    out = {}
+    for layer, records in _capture(model, adapter, batches).items():
+        experts = _block_of(model, adapter.router_module(model, layer)).experts
+        E = adapter.num_experts(model)
+        acc = {name: torch.zeros(E, dtype=torch.float64) for name in STAT_FIELDS if name != "gram"}
+        acc["gram"] = torch.zeros(E, E, dtype=torch.float64)
+        n = 0
+        with torch.no_grad():
+            for x, p, w, idx, mask in records:
+                for t in range(x.shape[0]):
+                    if not mask[t]:
+                        continue
+                    n += 1
+                    one = torch.ones(1, 1, dtype=x.dtype)
+                    fs = [experts(x[t:t + 1], torch.tensor([[e]]), one)[0].double() for e in range(E)]
+                    stacked = torch.stack(fs)  # [E, H], this token only
+                    acc["gram"] += stacked @ stacked.T
+                    for i in range(E):
+                        acc["sum_p"][i] += float(p[t, i])
+                        acc["sum_sq"][i] += float(fs[i] @ fs[i])
+                    for j in range(idx.shape[1]):
+                        e = int(idx[t, j])
+                        norm = float(fs[e].norm())
+                        acc["count"][e] += 1
+                        acc["sum_p_sel"][e] += float(p[t, e])
+                        acc["sum_norm_sel"][e] += norm
+                        acc["sum_gnorm_sel"][e] += float(w[t, j]) * norm
+        out[layer] = {"n_tokens": n, **acc}
+    return out
+
+
+def assert_stats_close(got, want, rtol: float) -> None:
+    assert sorted(got) == sorted(want)
+    for layer in want:
+        g, w = got[layer], want[layer]
+        w = w if isinstance(w, dict) else {"n_tokens": w.n_tokens, **{f: getattr(w, f) for f in STAT_FIELDS}}
+        assert g.n_tokens == w["n_tokens"]
+        for name in STAT_FIELDS:
+            a, b = getattr(g, name).cpu(), w[name]
+            assert a.dtype == torch.float64 and a.shape == b.shape, name
+            torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * float(b.abs().max()), msg=name)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_stats_equal_naive_per_expert_loop(family):
+    model = tiny_model(family)
+    adapter = get_adapter(model)
+    batches = padded_batches()
+    stats = collect_stats(model, adapter, batches, chunk_tokens=5)
+    assert sorted(stats) == sorted(adapter.moe_layers(model))
+    assert_stats_close(stats, naive_stats(model, adapter, batches), rtol=1e-9)
+    n_real = int(sum(m.sum() for _, m in batches))
+    k = adapter.top_k(model)
+    for st in stats.values():
+        assert st.n_tokens == n_real
+        assert float(st.count.sum()) == k * n_real  # every real token picks exactly k experts
+        torch.testing.assert_close(float(st.sum_p.sum()), float(n_real), rtol=1e-6, atol=0)  # Σ_e p_e = 1
+        torch.testing.assert_close(st.gram.diagonal(), st.sum_sq, rtol=1e-10, atol=0)
+        torch.testing.assert_close(st.gram, st.gram.T, rtol=1e-12, atol=0)
+        assert float(torch.linalg.eigvalsh(st.gram).min()) > -1e-9 * float(st.gram.diagonal().max())
+        assert (st.sum_p_sel <= st.sum_p + 1e-12).all() and (st.sum_norm_sel > 0).any()
+
+
+def test_fp32_model_matches_naive_loop():
+    """The production dtype: expert matmuls in fp32, sums in float64."""
+    model = tiny_model("qwen3_moe", dtype=torch.float32)
+    adapter = get_adapter(model)
+    batches = padded_batches(seed=3)
+    stats = collect_stats(model, adapter, batches, chunk_tokens=7)
+    assert_stats_close(stats, naive_stats(model, adapter, batches), rtol=2e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_padding_is_excluded(family):
+    model = tiny_model(family, seed=2)
+    adapter = get_adapter(model)
+    batches = padded_batches(seed=4)
+    unpadded = [(ids[r:r + 1, :int(mask[r].sum())], torch.ones(1, int(mask[r].sum()), dtype=mask.dtype))
+                for ids, mask in batches for r in range(ids.shape[0])]
+    padded = collect_stats(model, adapter, batches, chunk_tokens=4)
+    plain = collect_stats(model, adapter, unpadded, chunk_tokens=4)
+    assert_stats_close(padded, plain, rtol=1e-9)
+    # the padding really was there: counting it would change the sums
+    all_ones = [(ids, torch.ones_like(m)) for ids, m in batches]
+    with_pad = collect_stats(model, adapter, all_ones, chunk_tokens=4)
+    layer = adapter.moe_layers(model)[0]
+    assert with_pad[layer].n_tokens > padded[layer].n_tokens
+    assert not torch.allclose(with_pad[layer].sum_sq, padded[layer].sum_sq)
+
+
+def test_chunk_size_does_not_change_results():
+    model = tiny_model("qwen3_moe", seed=5)
+    adapter = get_adapter(model)
+    batches = padded_batches(seed=6)
+    ref = collect_stats(model, adapter, batches, chunk_tokens=10**6)
+    for chunk in (1, 3, 7):
+        assert_stats_close(collect_stats(model, adapter, batches, chunk_tokens=chunk), ref, rtol=1e-12)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hook_reads_the_real_decision(family):
+    """Σ_j w_tj f_{i_tj}(x_t) from the hooked input and decision rebuilds the experts' real output."""
+    model = tiny_model(family, seed=7)
+    adapter = get_adapter(model)
+    layer = adapter.moe_layers(model)[-1]
+    router = adapter.router_module(model, layer)
+    block = _block_of(model, router)
+    got: dict[str, object] = {}
+    hooks = [router.register_forward_hook(lambda m, a, kw, o: got.update(x=(a[0] if a else kw["hidden_states"]),
+                                                                           dec=adapter.router_decision(o)),
+                                          with_kwargs=True),
+             block.experts.register_forward_hook(lambda m, a, o: got.update(experts=o)),
+             block.register_forward_hook(lambda m, a, o: got.update(block=o[0] if isinstance(o, tuple) else o))]
+    ids, mask = padded_batches(seed=8)[0]
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    x = got["x"].reshape(-1, got["x"].shape[-1])
+    p, w, idx = got["dec"]
+    f = all_expert_outputs(adapter.expert_weights(model, layer), x)  # [E, T, H]
+    tok = torch.arange(x.shape[0])[:, None]
+    rebuilt = (w.to(f.dtype)[..., None] * f[idx, tok]).sum(1)
+    torch.testing.assert_close(rebuilt, got["experts"].reshape(rebuilt.shape), rtol=1e-10, atol=1e-12)
+    if adapter.shared_ffn(model, layer) is None:
+        torch.testing.assert_close(rebuilt, got["block"].reshape(rebuilt.shape), rtol=1e-10, atol=1e-12)
+    assert p.shape == (x.shape[0], adapter.num_experts(model))
+    torch.testing.assert_close(p.sum(-1).double(), torch.ones(x.shape[0], dtype=torch.float64))
+
+
+def test_save_load_round_trip_is_exact(tmp_path):
+    model = tiny_model("qwen3_moe", seed=9)
+    adapter = get_adapter(model)
+    stats = collect_stats(model, adapter, padded_batches(seed=10), chunk_tokens=8)
+    path = tmp_path / "sub" / "stats.safetensors"
+    save_stats(stats, path, metadata={"teacher": "tiny"})
+    back = load_stats(path)
+    assert sorted(back) == sorted(stats)
+    for layer, st in stats.items():
+        assert back[layer].n_tokens == st.n_tokens
+        for name in STAT_FIELDS:
+            a, b = getattr(back[layer], name), getattr(st, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+    meta = stats_metadata(path)
+    assert meta["teacher"] == "tiny" and meta["layers"] == ",".join(map(str, sorted(stats)))
+
+
+def test_hooks_removed_and_mode_restored_on_error():
+    model = tiny_model("qwen3_moe", seed=11).train()
+    adapter = get_adapter(model)
+    seen = []
+
+    def progress(done, total):
+        seen.append((done, total))
+        raise RuntimeError("stop")
+
+    with pytest.raises(RuntimeError, match="stop"):
+        collect_stats(model, adapter, padded_batches(), chunk_tokens=4, progress=progress)
+    assert seen == [(1, 2)]
+    assert model.training
+    assert all(not adapter.router_module(model, layer)._forward_hooks for layer in adapter.moe_layers(model))
+
+
+def test_bad_input():
+    model = tiny_model("qwen3_moe")
+    adapter = get_adapter(model)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        collect_stats(model, adapter, padded_batches(), chunk_tokens=0)
+    with pytest.raises(ValueError, match="batches"):
+        collect_stats(model, adapter, [], chunk_tokens=4)
+    ids, mask = padded_batches()[0]
+    with pytest.raises(ValueError, match="mask"):
+        collect_stats(model, adapter, [(ids, mask[:, :3])], chunk_tokens=4)
+    with pytest.raises(ValueError, match="empty"):
+        save_stats({}, "/tmp/never-written.safetensors")

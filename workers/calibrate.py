@@ -1,0 +1,246 @@
+"""Calibration statistics of every MoE layer in one teacher forward pass (DESIGN.md §2.1).
+
+A forward hook on each layer's router module sees the tokens entering the MoE block (the router's
+input is exactly the experts' input in every supported family: the post-attention-norm hidden
+states, flattened to [T, H]) and the router's real decision. The hook runs ALL E experts on those
+tokens with two large matmuls per token chunk and reduces the outputs on the fly to the sums of
+workers.types.LayerStats, kept as float64 tensors on the layer's device: no host sync per batch,
+no [E, T, H] buffer kept across chunks, no Python loop over experts.
+
+Precision: the expert matmuls run in the weights' dtype (what the teacher itself computes; bf16 on
+GPU). Per-token norms are reduced in fp32 (fp64 for fp64 models), the per-chunk Gram in fp32 (fp64
+for fp64 models), and everything is then added into float64 accumulators.
+
+Padding: the flat attention mask of the current batch is handed to the hooks; padding tokens are
+zeroed before the experts and excluded from every sum (torch.where, so even NaN there cannot leak).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from workers.merge import activation
+from workers.types import ExpertWeights, LayerStats
+
+STAT_FIELDS = ("count", "sum_p", "sum_p_sel", "sum_sq", "sum_gnorm_sel", "sum_norm_sel", "gram")
+FORMAT = "moesweep.layerstats/1"
+
+
+# ---- all experts on all tokens -----------------------------------------------------------------
+def fused_gate_up(experts: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[E, 2I, H] gate rows then up rows (and the [E, 2I] bias or None).
+
+    A zero-copy view when gate and up are the two halves of one fused tensor (Qwen3/Mixtral/...
+    `gate_up_proj`), otherwise one concatenated copy (e.g. GPT-OSS's interleaved layout).
+    """
+    g, u = experts.gate, experts.up
+    E, D, H = g.shape
+    fused = None
+    if (g.dtype == u.dtype and g.device == u.device and g.stride() == (2 * D * H, H, 1)
+            and u.stride() == g.stride() and u.data_ptr() == g.data_ptr() + D * H * g.element_size()):
+        fused = g.as_strided((E, 2 * D, H), (2 * D * H, H, 1))
+    if fused is None:
+        fused = torch.cat([g, u], dim=1)
+    bias = None
+    if experts.gate_bias is not None or experts.up_bias is not None:
+        zeros = torch.zeros(E, D, dtype=g.dtype, device=g.device)
+        gb = experts.gate_bias if experts.gate_bias is not None else zeros
+        ub = experts.up_bias if experts.up_bias is not None else zeros
+        bias = torch.cat([gb, ub], dim=1)
+    return fused, bias
+
+
+def all_expert_outputs(experts: ExpertWeights, x: torch.Tensor,
+                       fused: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+    """f_e(x_t) for every expert e and token t: x [T, H] -> [E, T, H] in the weights' dtype.
+
+    Two batched matmuls over the stacked weights: [E, T, H] x [E, H, 2I] (x broadcast, not copied, on
+    CUDA) for gate and up together, then [E, T, I] x [E, I, H] for down. `fused` is
+    fused_gate_up(experts), to reuse across chunks.
+    """
+    E, D, H = experts.gate.shape
+    w1, b1 = fused if fused is not None else fused_gate_up(experts)
+    x = x.to(w1.dtype)
+    T = x.shape[0]
+    xe = x.unsqueeze(0).expand(E, T, H)
+    if b1 is None:
+        gu = torch.bmm(xe, w1.transpose(1, 2))  # [E, T, 2I]
+    else:
+        gu = torch.baddbmm(b1.unsqueeze(1), xe, w1.transpose(1, 2))
+    g, u = gu[..., :D], gu[..., D:]
+    if experts.act == "silu":  # in place on the fresh buffer: one pass, no temporaries
+        a = torch.nn.functional.silu(g, inplace=True).mul_(u)
+    else:
+        a = activation(g, u, experts.act, experts.act_alpha, experts.act_limit)
+    f = torch.bmm(a, experts.down.transpose(1, 2))  # [E, T, H]
+    if experts.down_bias is not None:
+        f.add_(experts.down_bias.unsqueeze(1))
+    return f
+
+
+_MM_OUT_DTYPE: dict[str, bool] = {}
+
+
+def _gram(f: torch.Tensor) -> torch.Tensor:
+    """Σ_t ⟨f_i(t), f_j(t)⟩ of one chunk f [E, T, H] as an [E, E] fp32 (fp64 for fp64 input) matrix."""
+    F = f.reshape(f.shape[0], -1)
+    if F.dtype in (torch.float32, torch.float64):
+        return F @ F.T
+    key = F.device.type
+    if _MM_OUT_DTYPE.get(key, True):  # half inputs, fp32 accumulation and output (CUDA)
+        try:
+            return torch.mm(F, F.T, out_dtype=torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_OUT_DTYPE[key] = False
+    F32 = F.float()
+    return F32 @ F32.T
+
+
+# ---- accumulation -------------------------------------------------------------------------------
+class LayerAccumulator:
+    """Running LayerStats sums of one MoE layer, on that layer's device."""
+
+    expert_outputs = staticmethod(all_expert_outputs)  # (experts, x [t, H], fused) -> [E, t, H]
+
+    def __init__(self, experts: ExpertWeights, chunk_tokens: int):
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens={chunk_tokens}: must be a positive integer")
+        self.experts = experts
+        self.chunk = chunk_tokens
+        self.sums: dict[str, torch.Tensor] | None = None
+        self.n_tokens: torch.Tensor | None = None
+
+    def _init(self, device: torch.device) -> None:
+        E = self.experts.num_experts
+        kw = {"dtype": torch.float64, "device": device}
+        self.sums = {name: torch.zeros(E, **kw) for name in STAT_FIELDS if name != "gram"}
+        self.sums["gram"] = torch.zeros(E, E, **kw)
+        self.n_tokens = torch.zeros((), dtype=torch.int64, device=device)
+
+    def update(self, x: torch.Tensor, p: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+               mask: torch.Tensor) -> None:
+        """x [T, H] expert input, p [T, E], weights/indices [T, k] the real decision, mask [T] bool."""
+        T, E = x.shape[0], self.experts.num_experts
+        if p.shape != (T, E) or weights.shape != indices.shape or indices.shape[0] != T or mask.shape != (T,):
+            raise ValueError(f"router decision shapes p={tuple(p.shape)} weights={tuple(weights.shape)} "
+                             f"indices={tuple(indices.shape)} mask={tuple(mask.shape)} do not match T={T}, E={E}")
+        if self.sums is None:
+            self._init(x.device)
+        s = self.sums
+        m = mask.to(x.device, non_blocking=True)
+        k = indices.shape[1]
+        idx = indices.to(x.device).long()
+        p64 = torch.where(m[:, None], p.double(), 0.0)
+        w64 = torch.where(m[:, None], weights.double(), 0.0)
+        self.n_tokens += m.sum()  # SF/PP/PS/CP inputs (paper Appendix C): count, Σp, Σp over S(t)
+        s["sum_p"] += p64.sum(0)
+        s["count"].index_add_(0, idx.reshape(-1), m[:, None].expand(T, k).reshape(-1).double())
+        s["sum_p_sel"].index_add_(0, idx.reshape(-1), p64.gather(1, idx).reshape(-1))
+        xz = torch.where(m[:, None], x, 0)
+        fused = fused_gate_up(self.experts)
+        # f(0) = 0 exactly without biases, so zeroed padding rows need no second mask
+        has_bias = any(b is not None for b in (self.experts.gate_bias, self.experts.up_bias,
+                                                self.experts.down_bias))
+        for lo in range(0, T, self.chunk):
+            hi = min(T, lo + self.chunk)
+            f = self.expert_outputs(self.experts, xz[lo:hi], fused)  # [E, t, H]
+            if has_bias:
+                f = torch.where(m[None, lo:hi, None], f, 0)
+            norm_dtype = torch.float64 if f.dtype == torch.float64 else torch.float32
+            norms = torch.linalg.vector_norm(f, dim=-1, dtype=norm_dtype).double()  # [E, t]
+            s["sum_sq"] += norms.square().sum(1)
+            # REAP (seed 002): Σ g·‖f‖ over routed tokens; EAN: Σ ‖f‖ over routed tokens
+            sel = idx[lo:hi].T  # [k, t]
+            nsel = norms.gather(0, sel)  # ‖f_e(t)‖ for the routed (t, e), [k, t]
+            s["sum_norm_sel"].index_add_(0, sel.reshape(-1), nsel.reshape(-1))
+            s["sum_gnorm_sel"].index_add_(0, sel.reshape(-1), (w64[lo:hi].T * nsel).reshape(-1))
+            s["gram"] += _gram(f).double()
+            del f
+
+    def finish(self) -> LayerStats:
+        if self.sums is None:
+            raise ValueError("layer never saw a token: its router hook did not fire")
+        return LayerStats(n_tokens=int(self.n_tokens.item()), **self.sums)
+
+
+def collect_stats(model: nn.Module, adapter, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                  chunk_tokens: int, progress: Callable[[int, int], None] | None = None
+                  ) -> dict[int, LayerStats]:
+    """One teacher forward over `batches` of (ids [B, S], attention mask [B, S]); LayerStats per MoE layer."""
+    if not batches:
+        raise ValueError("batches is empty: need at least one (ids, mask) batch")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens}: must be a positive integer")
+    layers = adapter.moe_layers(model)
+    if not layers:
+        raise ValueError("adapter.moe_layers(model) is empty: the model has no MoE layer to calibrate")
+    accs = {layer: LayerAccumulator(adapter.expert_weights(model, layer), chunk_tokens) for layer in layers}
+    current: dict[str, torch.Tensor] = {}
+
+    def make_hook(layer: int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+            h = args[0] if args else kwargs["hidden_states"]
+            x = h.reshape(-1, h.shape[-1])
+            p, w, idx = adapter.router_decision(output)
+            accs[layer].update(x, p, w, idx, current["mask"])
+        return hook
+
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    was_training = model.training
+    handles = []
+    try:
+        model.eval()
+        for layer in layers:
+            handles.append(adapter.router_module(model, layer).register_forward_hook(
+                make_hook(layer), with_kwargs=True))
+        with torch.no_grad():
+            for i, (ids, mask) in enumerate(batches):
+                if ids.shape != mask.shape:
+                    raise ValueError(f"batch {i}: ids {tuple(ids.shape)} and mask {tuple(mask.shape)} differ")
+                current["mask"] = mask.reshape(-1).bool()
+                model(input_ids=ids, attention_mask=mask, use_cache=False, **extra)
+                if progress is not None:
+                    progress(i + 1, len(batches))
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    return {layer: acc.finish() for layer, acc in accs.items()}
+
+
+# ---- storage ------------------------------------------------------------------------------------
+def save_stats(stats: dict[int, LayerStats], path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """One safetensors file, keys 'layer.<i>.<field>', exact float64 values."""
+    from safetensors.torch import save_file
+
+    if not stats:
+        raise ValueError("stats is empty: nothing to save")
+    tensors: dict[str, torch.Tensor] = {}
+    for layer, st in stats.items():
+        tensors.update({k: v.detach().cpu().contiguous() for k, v in st.to_tensors(f"layer.{layer}.").items()})
+    meta = {"format": FORMAT, "layers": ",".join(str(i) for i in sorted(stats))}
+    meta.update({str(k): str(v) for k, v in (metadata or {}).items()})
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata=meta)
+
+
+def load_stats(path: str | Path, device: str | torch.device = "cpu") -> dict[int, LayerStats]:
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path), device=str(device))
+    layers = sorted({int(key.split(".")[1]) for key in tensors if key.startswith("layer.")})
+    if not layers:
+        raise ValueError(f"{path}: no 'layer.<i>.' tensors; not a calibration statistics file")
+    return {layer: LayerStats.from_tensors(tensors, f"layer.{layer}.") for layer in layers}
+
+
+def stats_metadata(path: str | Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        return dict(fh.metadata() or {})
