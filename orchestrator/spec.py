@@ -110,6 +110,7 @@ class Perplexity(Strict):
     max_windows: int | None = Field(None, gt=0)
     batch_size: int = Field(16, gt=0)
     add_bos: bool = False
+    windows: Literal["disjoint", "rolling"] = "disjoint"  # rolling = lm-eval's protocol (needs add_bos)
 
 
 class Select(Strict):
@@ -137,6 +138,14 @@ class Evaluate(Strict):
     batch_size: int = Field(16, gt=0)
     limit: int | None = None  # samples per task (for quick looks); None = all
     ppl: bool = True  # also the post-distill perplexity
+
+    @field_validator("suite")
+    @classmethod
+    def _suite(cls, v: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+        from workers.suites import validate_suite
+
+        validate_suite(v)
+        return v
 
 
 class Resources(Strict):

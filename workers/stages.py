@@ -35,7 +35,7 @@ def stage_teacher(payload: dict, cache: dict, progress) -> dict:
     spec = TinyTeacherSpec(**payload["params"]["tiny"])
     out = Path(payload["workdir"]) / "model"
     train = train_tiny_dense if payload["params"]["kind"] == "dense_teacher" else train_tiny_teacher
-    rec = train(spec, out, progress=progress)
+    rec = train(spec, out, progress=progress, cache_dir=Path(payload["home"]) / "cache" / "tiny")
     metrics = [
         _metric("ppl", rec["valid_ppl_teacher"], stage="train", who="teacher"),
         _metric("ppl", rec["valid_ppl_random_init"], stage="train", who="random_init"),
@@ -165,7 +165,7 @@ def ppl_record(model, tok, payload: dict, cache: dict, stage: str) -> dict[str, 
     pp = payload["params"]["ppl"]
     texts = eval_texts(payload, cache, pp["data"])
     r = perplexity(model, tok, texts, seq_len=pp["seq_len"], batch_size=pp["batch_size"], add_bos=pp["add_bos"],
-                   device=device(), max_windows=pp.get("max_windows"))
+                   device=device(), max_windows=pp.get("max_windows"), windows=pp.get("windows", "disjoint"))
     return _metric("ppl", r["ppl"], stage=stage, sum_nll=r["sum_nll"], n_tokens=r["n_tokens"],
                    value_kind=r["value_kind"], extra={"protocol": r["protocol"], "data": pp["data"]})
 
@@ -226,6 +226,11 @@ def stage_evaluate(payload: dict, cache: dict, progress) -> dict:
     if ev.get("ppl", True):
         with torch.no_grad():
             metrics.append(ppl_record(model, tok, payload, cache, "post"))
+    if ev["backend"] == "vllm" and p["student"]["type"] == "distilled":  # vLLM loads it from disk itself
+        del model
+        model = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     res = run_suite(model, tok, ev["suite"], model_key=model_key, cache_dir=str(Path(payload["home"]) / "lm_eval_cache"),
                     tiny_dir=_tiny_dir(payload), batch_size=ev["batch_size"], backend=ev["backend"],
                     limit=ev.get("limit"), model_path=path, workdir=payload["workdir"])
