@@ -1,0 +1,363 @@
+"""Knowledge distillation of a dense student from its teacher (paper §3.5, §4.3–4.4, Appendix J).
+
+A readable nanoGPT-style loop in plain PyTorch: AdamW, linear warmup then cosine decay to min_lr,
+gradient accumulation, gradient clipping, bf16 autocast on GPU (fp32 master weights) / fp32 on CPU.
+The teacher is frozen (eval, no_grad); with ``teacher_top_k`` = k′ its MoE layers route every token to
+their top-k′ experts while producing the KD targets (Eq. 6), through the family adapter's
+``routing_top_k`` context manager: nothing is copied. Losses come from ``workers.losses`` by name and
+are computed from the final hidden states, chunk by chunk through the LM head, so [tokens, vocab]
+logits are never built for a whole micro-batch.
+
+The same loop serves the multi-process path (``workers.ddp``): ``train_loop`` takes the module to run
+forward through (DDP-wrapped there) and a ``Ranks`` object that shards batches and reduces numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from workers.losses import DEFAULT_CHUNK, LOSSES, KDLoss, head_cross_entropy, head_divergence, hidden_mse
+
+DTYPES = ("auto", "bf16", "fp32")
+
+
+@dataclass
+class DistillSpec:
+    """Distillation settings; the sweep's ``distill.settings`` are these fields (defaults: Table 9)."""
+
+    steps: int
+    batch_size: int  # sequences per micro-batch; one optimizer step sees batch_size × grad_accum
+    seq_len: int
+    grad_accum: int = 1
+    lr: float = 1e-4
+    min_lr: float = 1e-5
+    warmup: int = 20
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.95)
+    tau: float = 1.0
+    loss: str = "forward_kl"
+    hidden_weight: float = 1.0  # weight of the hidden-state MSE in the "intermediate" loss
+    dtype: str = "auto"  # auto = bf16 autocast on cuda, fp32 on cpu
+    eval_every: int = 20
+    val_windows: int = 64
+    seed: int = 0
+    teacher_top_k: int | None = None  # k′ (Eq. 6); None = the teacher's own routing
+    teacher_renormalize: bool | None = None  # renormalise the k′ weights; None = the architecture's rule
+    grad_clip: float | None = 1.0  # max global grad norm; None or 0 = off
+    logit_chunk: int = DEFAULT_CHUNK  # tokens per LM-head chunk in the losses
+    grad_checkpoint: bool = False  # recompute the student's decoder layers in backward (activation memory)
+
+    def __post_init__(self) -> None:
+        def bad(field: str, value: Any, allowed: str) -> ValueError:
+            return ValueError(f"DistillSpec.{field}: {value!r} is not allowed; allowed: {allowed}")
+
+        for name in ("steps", "batch_size", "grad_accum", "eval_every", "val_windows", "logit_chunk"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise bad(name, v, "an integer >= 1")
+        if not isinstance(self.seq_len, int) or self.seq_len < 2:
+            raise bad("seq_len", self.seq_len, "an integer >= 2")
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            raise bad("warmup", self.warmup, "an integer >= 0")
+        if not isinstance(self.seed, int):
+            raise bad("seed", self.seed, "an integer")
+        if not self.lr > 0:
+            raise bad("lr", self.lr, "a number > 0")
+        if not 0 <= self.min_lr <= self.lr:
+            raise bad("min_lr", self.min_lr, f"a number in [0, lr={self.lr}]")
+        if not self.weight_decay >= 0:
+            raise bad("weight_decay", self.weight_decay, "a number >= 0")
+        betas = tuple(self.betas)
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            raise bad("betas", self.betas, "two numbers in [0, 1)")
+        self.betas = (float(betas[0]), float(betas[1]))
+        if not self.tau > 0:
+            raise bad("tau", self.tau, "a number > 0")
+        if self.loss not in LOSSES:
+            raise bad("loss", self.loss, ", ".join(sorted(LOSSES)))
+        if not self.hidden_weight >= 0:
+            raise bad("hidden_weight", self.hidden_weight, "a number >= 0")
+        if self.dtype not in DTYPES:
+            raise bad("dtype", self.dtype, ", ".join(DTYPES))
+        if self.teacher_top_k is not None and (not isinstance(self.teacher_top_k, int) or self.teacher_top_k < 1):
+            raise bad("teacher_top_k", self.teacher_top_k, "null or an integer >= 1")
+        if self.teacher_renormalize not in (None, True, False):
+            raise bad("teacher_renormalize", self.teacher_renormalize, "null, true or false")
+        if self.grad_clip is not None and not self.grad_clip >= 0:
+            raise bad("grad_clip", self.grad_clip, "null or a number >= 0")
+        if not isinstance(self.grad_checkpoint, bool):
+            raise bad("grad_checkpoint", self.grad_checkpoint, "true or false")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.grad_accum * self.seq_len
+
+    @property
+    def tokens(self) -> int:
+        """The token budget: steps × batch_size × grad_accum × seq_len."""
+        return self.steps * self.tokens_per_step
+
+
+def lr_at(step: int, spec: DistillSpec) -> float:
+    """Linear warmup over `warmup` steps to lr, then cosine decay reaching min_lr at the last step."""
+    if step < spec.warmup:
+        return spec.lr * (step + 1) / spec.warmup
+    span = max(1, spec.steps - 1 - spec.warmup)
+    ratio = min(1.0, (step - spec.warmup) / span)
+    return spec.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (spec.lr - spec.min_lr)
+
+
+def amp_dtype(spec: DistillSpec, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype (None = plain fp32)."""
+    if spec.dtype == "bf16" or (spec.dtype == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def _autocast(dtype: torch.dtype | None, device: torch.device) -> contextlib.AbstractContextManager:
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def lm_head(model: nn.Module) -> nn.Linear:
+    """The output projection; refuses models whose logits are more than lm_head(h) (softcap, scale)."""
+    cfg = getattr(model, "config", None)
+    for key in ("final_logit_softcapping", "logit_scale"):
+        if getattr(cfg, key, None) not in (None, 1, 1.0):
+            raise ValueError(f"{type(model).__name__}: config.{key} is set; the chunked KD loss supports plain lm_head")
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"{type(model).__name__}: output embeddings are {type(head).__name__}, expected nn.Linear")
+    return head
+
+
+def base_forward(model: nn.Module, ids: torch.Tensor, hidden: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(final hidden states [B, T, H], every decoder layer's output (if `hidden`)) without the LM head."""
+    out = model.base_model(input_ids=ids, output_hidden_states=hidden, use_cache=False)
+    return out.last_hidden_state, (list(out.hidden_states[1:]) if hidden else [])
+
+
+class KDStudent(nn.Module):
+    """The student and its distillation loss as one module, so DDP sees the whole forward pass."""
+
+    def __init__(self, student: nn.Module, loss: KDLoss, tau: float, hidden_weight: float, chunk: int):
+        super().__init__()
+        self.student = student
+        self.kd = loss
+        self.tau = tau
+        self.hidden_weight = hidden_weight
+        self.chunk = chunk
+
+    def forward(self, ids: torch.Tensor, t_last: torch.Tensor, t_head: torch.Tensor,
+                t_hidden: list[torch.Tensor] | None = None, t_bias: torch.Tensor | None = None) -> torch.Tensor:
+        s_last, s_hidden = base_forward(self.student, ids, self.kd.uses_hidden)
+        head = lm_head(self.student)
+        loss = head_divergence(self.kd.token_loss, t_last, t_head, s_last, head.weight, self.tau,
+                               chunk=self.chunk, teacher_bias=t_bias, student_bias=head.bias)
+        if self.kd.uses_hidden:  # intermediate loss (§3.5, Minitron)
+            loss = loss + self.hidden_weight * hidden_mse(t_hidden, s_hidden)
+        return loss
+
+
+# ---- ranks: one process, or one of several (workers.ddp) ------------------------------------------
+class Ranks:
+    """Single-process rank: the identity for sharding and reductions. workers.ddp subclasses it."""
+
+    rank, world = 0, 1
+
+    def shard(self, x: torch.Tensor, even: bool = True) -> torch.Tensor:
+        """This rank's rows of a global batch (`even`: every rank must get the same number)."""
+        return x
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def no_sync(self, module: nn.Module, last: bool) -> contextlib.AbstractContextManager:
+        """Skip gradient synchronisation on accumulation micro-batches (DDP)."""
+        return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def val_ce(model: nn.Module, val: torch.Tensor, batch_size: int, chunk: int, amp: torch.dtype | None,
+           ranks: Ranks = Ranks()) -> float:
+    """Mean next-token cross-entropy (nats/token) over the validation windows [n, T]."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    head = lm_head(model)
+    rows = ranks.shard(val, even=False)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.float64, device=device)
+    for i in range(0, rows.shape[0], batch_size):
+        ids = rows[i:i + batch_size].to(device)
+        with _autocast(amp, device):
+            h, _ = base_forward(model, ids, False)
+            s, n = head_cross_entropy(h[:, :-1], head.weight, ids[:, 1:], chunk=chunk, bias=head.bias)
+        total += s.double()
+        count += n
+    model.train(was_training)
+    total, count = ranks.sum(total), ranks.sum(count)
+    return float(total / count.clamp(min=1))
+
+
+def _teacher_routing(teacher: nn.Module, adapter: Any, spec: DistillSpec) -> dict[str, Any] | None:
+    if spec.teacher_top_k is None:
+        return None
+    if adapter is None:
+        raise ValueError("DistillSpec.teacher_top_k: expanded routing needs an MoE teacher (adapter is None)")
+    n_exp = adapter.num_experts(teacher)
+    if spec.teacher_top_k > n_exp:
+        raise ValueError(f"DistillSpec.teacher_top_k: {spec.teacher_top_k} is not allowed; allowed: 1..{n_exp}")
+    renorm = adapter.renormalized(teacher) if spec.teacher_renormalize is None else spec.teacher_renormalize
+    return {"top_k": spec.teacher_top_k, "renormalize": bool(renorm), "native_top_k": adapter.top_k(teacher)}
+
+
+def _routing(teacher: nn.Module, adapter: Any, routing: dict | None) -> contextlib.AbstractContextManager:
+    if routing is None:
+        return contextlib.nullcontext()
+    return adapter.routing_top_k(teacher, routing["top_k"], routing["renormalize"])
+
+
+def _check_intermediate(student: nn.Module, teacher: nn.Module) -> None:
+    sc, tc = student.config, teacher.config
+    for key in ("num_hidden_layers", "hidden_size"):
+        if getattr(sc, key, None) != getattr(tc, key, None):
+            raise ValueError(f"DistillSpec.loss: 'intermediate' needs equal {key} in student and teacher "
+                             f"({getattr(sc, key, None)} vs {getattr(tc, key, None)})")
+
+
+def _checkpointing(model: nn.Module, on: bool) -> None:
+    """HF activation checkpointing of the decoder layers (non-reentrant: works under DDP)."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        if on:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.activation_checkpointing_disable()
+    elif on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def make_optimizer(student: nn.Module, spec: DistillSpec) -> torch.optim.AdamW:
+    """AdamW (Table 9); weight decay on matrices only, not on norms and biases (nanoGPT convention)."""
+    params = [p for p in student.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    rest = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": spec.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=spec.lr, betas=spec.betas)
+
+
+def _next_batch(it: Iterator[torch.Tensor], i: int, spec: DistillSpec) -> torch.Tensor:
+    try:
+        ids = next(it)
+    except StopIteration:
+        raise ValueError(f"batches: ran out after {i} micro-batches; the budget needs steps × grad_accum = "
+                         f"{spec.steps * spec.grad_accum}") from None
+    if tuple(ids.shape) != (spec.batch_size, spec.seq_len):
+        raise ValueError(f"batches: micro-batch {i} has shape {tuple(ids.shape)}; expected [batch_size, seq_len] = "
+                         f"[{spec.batch_size}, {spec.seq_len}]")
+    return ids
+
+
+def train_loop(student: nn.Module, forward_module: nn.Module, teacher: nn.Module, adapter: Any,
+               batches: Iterable[torch.Tensor], val: torch.Tensor, spec: DistillSpec,
+               progress: Callable[[int, int], None] | None = None,
+               on_val: Callable[[dict[str, Any]], None] | None = None, ranks: Ranks = Ranks()) -> dict[str, Any]:
+    """The loop behind `distill` and `workers.ddp`: `forward_module` wraps KDStudent(student) (or is it)."""
+    device = next(student.parameters()).device
+    amp = amp_dtype(spec, device)
+    kd = LOSSES[spec.loss]
+    if kd.uses_hidden:
+        _check_intermediate(student, teacher)
+    routing = _teacher_routing(teacher, adapter, spec)
+    teacher.eval()
+    t_head = lm_head(teacher)
+    records: list[dict[str, Any]] = []
+
+    def record(value: float, who: str, step: int) -> None:
+        rec = {"value": value, "who": who, "step": step, "tokens": step * spec.tokens_per_step}
+        records.append(rec)
+        if on_val is not None:
+            on_val(rec)
+
+    # the teacher's validation CE, once (its native routing, and the expanded one used for the targets)
+    teacher_ce = {"teacher": val_ce(teacher, val, spec.batch_size, spec.logit_chunk, amp, ranks)}
+    if routing is not None:
+        with _routing(teacher, adapter, routing):
+            teacher_ce[f"teacher_k{routing['top_k']}"] = val_ce(teacher, val, spec.batch_size, spec.logit_chunk,
+                                                                amp, ranks)
+
+    def evaluate(step: int) -> None:
+        record(val_ce(student, val, spec.batch_size, spec.logit_chunk, amp, ranks), "student", step)
+        for who, value in teacher_ce.items():  # same steps, so the curves can be drawn side by side
+            record(value, who, step)
+
+    torch.manual_seed(spec.seed)
+    opt = make_optimizer(student, spec)
+    if spec.grad_checkpoint:
+        _checkpointing(student, True)
+    student.train()
+    evaluate(0)
+    loss_curve: list[float] = []
+    it = iter(batches)
+    tokens = 0
+    for step in range(spec.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, spec)
+        step_loss = torch.zeros((), device=device)
+        for micro in range(spec.grad_accum):
+            ids = _next_batch(it, step * spec.grad_accum + micro, spec)
+            tokens += ids.numel()
+            ids = ranks.shard(ids).to(device)
+            with torch.no_grad(), _autocast(amp, device), _routing(teacher, adapter, routing):
+                t_last, t_hidden = base_forward(teacher, ids, kd.uses_hidden)
+            with ranks.no_sync(forward_module, micro == spec.grad_accum - 1), _autocast(amp, device):
+                loss = forward_module(ids, t_last, t_head.weight, t_hidden, t_head.bias) / spec.grad_accum
+            loss.backward()
+            step_loss += loss.detach().float()
+        if spec.grad_clip:
+            torch.nn.utils.clip_grad_norm_(student.parameters(), spec.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_curve.append(float(ranks.sum(step_loss) / ranks.world))
+        done = step + 1
+        if done % spec.eval_every == 0 or done == spec.steps:
+            evaluate(done)
+        if progress is not None:
+            progress(done, spec.steps)
+    student.eval()
+    if spec.grad_checkpoint:
+        _checkpointing(student, False)
+    return {"val": records, "loss_curve": loss_curve, "tokens": tokens, "teacher_routing": routing,
+            "settings": asdict(spec)}
+
+
+def distill(student: nn.Module, teacher: nn.Module, adapter: Any, batches: Iterable[torch.Tensor],
+            val: torch.Tensor, spec: DistillSpec, progress: Callable[[int, int], None] | None = None,
+            on_val: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Distill `student` (trained in place) from `teacher`; `adapter` is the teacher's FamilyAdapter
+    (None for a dense teacher, e.g. the D2D baseline). `batches` yields LongTensor [batch_size, seq_len]
+    micro-batches (grad_accum per step); `val` is LongTensor [n, seq_len].
+
+    Returns {"val": [{"value", "who", "step", "tokens"}], "loss_curve": [per-step loss], "tokens": int,
+    "teacher_routing": {"top_k", "renormalize", "native_top_k"} | None, "settings": dict}. Validation CE
+    (nats/token) of the student is measured at step 0, every eval_every steps and at the end; the
+    teacher's once, and recorded at the same steps. `on_val(record)` sees each record as it is made.
+    The student keeps fp32 master weights during training and gets its original dtype back at the end.
+    """
+    dtype = next(student.parameters()).dtype
+    if dtype != torch.float32:
+        student.float()
+    kd_module = KDStudent(student, LOSSES[spec.loss], spec.tau, spec.hidden_weight, spec.logit_chunk)
+    try:
+        return train_loop(student, kd_module, teacher, adapter, batches, val, spec, progress, on_val)
+    finally:
+        if dtype != torch.float32:
+            student.to(dtype)
