@@ -1,0 +1,499 @@
+"""Derived facts, computed from the views' frames and never typed in (issue 6 §3).
+
+Pure functions over pandas frames (no SQL, no plotting): the selection rule and its picks, the
+disagreements between the rule and what was distilled, marginal means per design axis and their
+spread, how many pairs pick each K, gaps and ablation deltas, selection overlap and effective rank.
+Accuracies arrive as fractions and leave as percentages (pp) where said.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+SCORING_ORDER = ("SF", "PP", "PS", "CP", "ACP", "DO-CP", "DO-ACP", "REAP", "EAN", "frequency")
+GROUPING_ORDER = ("RR", "WC", "RC", "AB", "OC")
+SCALING_ORDER = ("uniform", "proportional", "avg_cp")
+TASK_ORDER = ("winogrande", "hellaswag", "arc_easy", "arc_challenge", "mmlu")
+LOSS_ORDER = ("forward_kl", "reverse_kl", "intermediate")
+ORDERS = {
+    "scoring": SCORING_ORDER,
+    "grouping": GROUPING_ORDER,
+    "dp_scaling": SCALING_ORDER,
+    "task": TASK_ORDER,
+    "distill_loss": LOSS_ORDER,
+}
+RULES = (("scoring", "grouping"), ("scoring", "grouping", "K"), ("scoring", "grouping", "K", "dp_scaling"))
+PRIOR_WORK = {("SF", "AB"): "MC-SMoE metrics", ("SF", "OC"): "HC-SMoE metrics"}  # Table 3 (§4.2)
+
+
+# ---- small helpers ------------------------------------------------------------------------------
+def plain(v: Any) -> Any:
+    """NaN / NA → None, numpy scalars → Python scalars (so rows compare, hash and print plainly)."""
+    if v is None or v is pd.NA:
+        return None
+    if isinstance(v, float | np.floating) and math.isnan(v):
+        return None
+    if isinstance(v, np.integer):
+        return int(v)
+    if isinstance(v, np.floating):
+        return float(v)
+    return v
+
+
+def records(df: pd.DataFrame) -> list[dict[str, Any]]:
+    return [{k: plain(v) for k, v in r.items()} for r in df.to_dict("records")]
+
+
+def order_key(axis: str, v: Any) -> tuple:
+    """Sort key: the paper's order for known names, numbers ascending, other names alphabetically."""
+    v = plain(v)
+    if v is None:
+        return (3, 0.0, "")
+    order = ORDERS.get(axis, ())
+    if v in order:
+        return (0, float(order.index(v)), "")
+    if isinstance(v, int | float):
+        return (1, float(v), "")
+    return (2, 0.0, str(v))
+
+
+def ordered(axis: str, values) -> list:
+    return sorted({plain(v) for v in values}, key=lambda v: order_key(axis, v))
+
+
+def sort_rows(df: pd.DataFrame, axes: list[str]) -> pd.DataFrame:
+    if df.empty:
+        return df
+    keys = [
+        tuple(order_key(a, r[a]) for a in axes) + (plain(r["config_id"]) or 0,) for r in df.to_dict("records")
+    ]
+    idx = sorted(range(len(df)), key=lambda i: keys[i])
+    return df.iloc[idx]
+
+
+def r4(x: Any) -> float | None:
+    x = plain(x)
+    return None if x is None else round(float(x), 4)
+
+
+def pct(x: Any) -> float | None:
+    x = plain(x)
+    return None if x is None else 100.0 * float(x)
+
+
+# ---- which rows are what ----------------------------------------------------------------------
+def is_variant(df: pd.DataFrame) -> pd.Series:
+    """Distillation variants (Tables 4/5): a non-default loss or teacher routing."""
+    return df["distill_loss"].notna() | df["teacher_top_k"].notna()
+
+
+def grid_rows(results: pd.DataFrame) -> pd.DataFrame:
+    """The conversion grid: MoE→dense configurations with a K, variants excluded."""
+    return results[(results["kind"] == "moe2dense") & results["K"].notna() & ~is_variant(results)]
+
+
+def distilled_rows(results: pd.DataFrame) -> pd.DataFrame:
+    """The distilled students of the main distillation (variants excluded) with an accuracy."""
+    return results[(results["kind"] == "moe2dense") & ~is_variant(results) & results["avg"].notna()]
+
+
+def finite_ppl(df: pd.DataFrame, col: str = "ppl_pre") -> pd.Series:
+    kind = df[f"{col}_kind"] if f"{col}_kind" in df.columns else pd.Series("finite", index=df.index)
+    return df[col].notna() & np.isfinite(df[col].astype(float)) & kind.isin(["finite", None])
+
+
+def moe_models(results: pd.DataFrame) -> list[str]:
+    return sorted({m for m in results.loc[results["kind"] == "moe2dense", "model"] if m is not None})
+
+
+def top_k_of(rows: pd.DataFrame) -> int | None:
+    ks = [plain(v) for v in rows["top_k"] if plain(v) is not None]
+    return min(ks) if ks else None
+
+
+# ---- the selection rule (§4.1) ----------------------------------------------------------------
+def select_best_rows(
+    rows: list[dict[str, Any]], per: list[str], over: list[str], by: str = "ppl_pre"
+) -> list[dict[str, Any]]:
+    """For each group of `per` axes, the row with the lowest finite `by` over `over` (§4.1: the best
+    (K, scaling) per scoring×grouping by pre-distill PPL). Ties go to the smallest str() of `over`,
+    exactly as orchestrator/plan.py's select_best does."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r[a] for a in per), []).append(r)
+    picked = []
+    for _, members in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        finite = [
+            m
+            for m in members
+            if m.get(by) is not None and math.isfinite(m[by]) and m.get(f"{by}_kind") in (None, "finite")
+        ]
+        if finite:
+            picked.append(min(finite, key=lambda m: (m[by], tuple(str(m[a]) for a in over))))
+    return picked
+
+
+def select_best(df: pd.DataFrame, per: list[str], over: list[str], by: str = "ppl_pre") -> pd.DataFrame:
+    """select_best_rows over a frame; returns the picked rows in the axes' order."""
+    for a in [*per, *over, by]:
+        if a not in df.columns:
+            raise ValueError(f"select_best: column {a!r} missing; allowed: {', '.join(df.columns)}")
+    ids = [r["config_id"] for r in select_best_rows(records(df), per, over, by)]
+    return sort_rows(df[df["config_id"].isin(ids)], per)
+
+
+def infer_rule(grid: pd.DataFrame) -> tuple[list[str], list[str]]:
+    """The coarsest rule the distilled set is consistent with: per scoring×grouping unless a pair
+    was distilled at several K (the cross-model sweeps distill per scoring×K)."""
+    chosen = grid[grid["selected_for_distill"] == 1]
+    for per in RULES:
+        keys = [tuple(plain(r[a]) for a in per) for r in chosen.to_dict("records")]
+        if len(keys) == len(set(keys)):
+            return list(per), [a for a in ("K", "dp_scaling") if a not in per]
+    return list(RULES[-1]), []
+
+
+def _cell(r: dict[str, Any] | None, over: list[str]) -> dict[str, Any] | None:
+    if r is None:
+        return None
+    return {**{a: plain(r[a]) for a in over}, "ppl_pre": r4(r["ppl_pre"]), "config_id": plain(r["config_id"])}
+
+
+def selection_report(grid: pd.DataFrame) -> dict[str, Any]:
+    """The rule's picks, how many pick each K, and every disagreement with what was distilled.
+
+    Also lists grid cells without a finite PPL, distilled cells whose published pre-distill PPL
+    differs from the grid's, and K = k rows that differ across groupings (one expert per group:
+    the grouping cannot change the student when the kept set is the same, §4.2)."""
+    per, over = infer_rule(grid)
+    picks = select_best(grid, per, over)
+    chosen = grid[grid["selected_for_distill"] == 1]
+
+    def key(r: dict[str, Any]) -> tuple:
+        return tuple(plain(r[a]) for a in per)
+
+    pick_by = {key(r): r for r in records(picks)}
+    chosen_by: dict[tuple, list[dict[str, Any]]] = {}
+    for r in records(chosen):
+        chosen_by.setdefault(key(r), []).append(r)
+    disagreements = []
+    if chosen_by:
+        for k in sorted(
+            set(pick_by) | set(chosen_by),
+            key=lambda t: tuple(order_key(a, v) for a, v in zip(per, t, strict=True)),
+        ):
+            p, cs = pick_by.get(k), chosen_by.get(k, [])
+            if p is not None and any(c["config_id"] == p["config_id"] for c in cs):
+                continue
+            same = p is not None and any(all(c[a] == p[a] for a in over) for c in cs)
+            if same:
+                continue
+            disagreements.append(
+                {
+                    **dict(zip(per, k, strict=True)),
+                    "rule": _cell(p, over),
+                    "distilled": [_cell(c, over) for c in cs] or None,
+                }
+            )
+    published = []
+    for r in records(chosen):
+        pub = r.get("ppl_pre_published")
+        if pub is not None and (r["ppl_pre"] is None or abs(r["ppl_pre"] - pub) > 0.5):
+            published.append(
+                {
+                    **{a: r[a] for a in ("scoring", "grouping", "dp_scaling", "K")},
+                    "ppl_pre_grid": r4(r["ppl_pre"]),
+                    "ppl_pre_published": r4(pub),
+                }
+            )
+    nonfinite, missing = [], []
+    for r in records(grid):
+        if (
+            r["ppl_pre"] is not None
+            and math.isfinite(r["ppl_pre"])
+            and r.get("ppl_pre_kind") in (None, "finite")
+        ):
+            continue
+        cell = {a: r[a] for a in ("scoring", "grouping", "dp_scaling", "K")}
+        (nonfinite if r.get("ppl_pre_kind") not in (None, "finite") else missing).append(
+            {**cell, "value_kind": r.get("ppl_pre_kind")} if r.get("ppl_pre_kind") else cell
+        )
+    k_eq_k = []
+    top = grid[(grid["K"] == grid["top_k"]).fillna(False).astype(bool)]
+    for (s, dp), g in sorted(
+        top.groupby(["scoring", "dp_scaling"], dropna=False),
+        key=lambda kv: (order_key("scoring", kv[0][0]), order_key("dp_scaling", kv[0][1])),
+    ):
+        vals = {plain(r["grouping"]): r4(r["ppl_pre"]) for r in records(sort_rows(g, ["grouping"]))}
+        if len({v for v in vals.values() if v is not None}) > 1:
+            k_eq_k.append(
+                {"scoring": plain(s), "dp_scaling": plain(dp), "K": plain(g["K"].iloc[0]), "ppl_pre": vals}
+            )
+    counts = picks["K"].value_counts()
+    return {
+        "rule": {"per": per, "over": over, "by": "ppl_pre (lowest finite)"},
+        "picks": [{**{a: plain(r[a]) for a in per}, **_cell(r, over)} for r in records(picks)],
+        "k_counts": {int(k): int(counts[k]) for k in sorted(counts.index)},
+        "distilled_k_counts": {int(k): int(n) for k, n in sorted(chosen["K"].value_counts().items())},
+        "compared_with_distilled": bool(chosen_by),
+        "disagreements": disagreements,
+        "published_ppl_mismatches": published,
+        "nonfinite_cells": nonfinite,
+        "missing_cells": missing,
+        "k_equals_topk_grouping_differences": k_eq_k,
+    }
+
+
+# ---- accuracies ---------------------------------------------------------------------------------
+def marginal_means(distilled: pd.DataFrame, axis: str) -> pd.DataFrame:
+    """Mean post-distill accuracy (%) per value of one design axis (Figure 4)."""
+    d = distilled[distilled[axis].notna()]
+    rows = []
+    for v in ordered(axis, d[axis]):
+        a = d.loc[d[axis] == v, "avg"]
+        rows.append({axis: v, "mean": 100.0 * float(a.mean()), "n": int(a.size)})
+    return pd.DataFrame(rows, columns=[axis, "mean", "n"])
+
+
+def spread(means: pd.DataFrame, axis: str) -> dict[str, Any] | None:
+    """Best and worst value of an axis by mean accuracy and the gap between them (pp)."""
+    if len(means) < 2:
+        return None
+    rows = records(means)
+    best = max(rows, key=lambda r: r["mean"])  # ties: the first in the axis' order
+    worst = min(rows, key=lambda r: r["mean"])
+    return {
+        "best": best[axis],
+        "best_mean": r4(best["mean"]),
+        "worst": worst[axis],
+        "worst_mean": r4(worst["mean"]),
+        "pp": r4(best["mean"] - worst["mean"]),
+    }
+
+
+def best_by_scoring_k(distilled: pd.DataFrame) -> pd.DataFrame:
+    """Per scoring and K, the best distilled accuracy over the other axes (Figure 7)."""
+    rows = []
+    for r in records(distilled):
+        rows.append(
+            {
+                "scoring": r["scoring"],
+                "K": r["K"],
+                "top_k": r["top_k"],
+                "avg": pct(r["avg"]),
+                "grouping": r["grouping"],
+                "dp_scaling": r["dp_scaling"],
+                "config_id": r["config_id"],
+            }
+        )
+    df = pd.DataFrame(rows, columns=["scoring", "K", "top_k", "avg", "grouping", "dp_scaling", "config_id"])
+    if df.empty:
+        return df
+    df = df.sort_values(["avg", "config_id"], ascending=[False, True]).drop_duplicates(["scoring", "K"])
+    return sort_rows(df, ["scoring", "K"]).reset_index(drop=True)
+
+
+def baseline_avg(rows: pd.DataFrame, name: str) -> float | None:
+    b = rows[(rows["kind"] == "baseline") & (rows["baseline"] == name) & rows["avg"].notna()]
+    return pct(b["avg"].iloc[0]) if len(b) else None
+
+
+def ablations(rows: pd.DataFrame) -> list[dict[str, Any]]:
+    """Tables 4/5: per ablated student, accuracy per teacher routing k′ and per loss, Δ to the default."""
+    moe = rows[rows["kind"] == "moe2dense"]
+    var = moe[is_variant(moe) & moe["avg"].notna()]
+    base = distilled_rows(moe)
+    axes = ["scoring", "grouping", "dp_scaling", "K"]
+    out = []
+    students = {tuple(plain(r[a]) for a in axes) for r in records(var)}
+    for st in sorted(students, key=lambda t: tuple(order_key(a, v) for a, v in zip(axes, t, strict=True))):
+        v, b = _matching(var, axes, st), _matching(base, axes, st)
+        k = top_k_of(v) or top_k_of(b)
+        b_avg = pct(b["avg"].iloc[0]) if len(b) else None
+        entry: dict[str, Any] = {**dict(zip(axes, st, strict=True)), "top_k": k}
+        routing = {plain(r["teacher_top_k"]): pct(r["avg"]) for r in records(v[v["teacher_top_k"].notna()])}
+        if routing and k is not None and k not in routing and b_avg is not None:
+            routing[k] = b_avg
+        loss = {plain(r["distill_loss"]): pct(r["avg"]) for r in records(v[v["distill_loss"].notna()])}
+        if loss and "forward_kl" not in loss and b_avg is not None:
+            loss["forward_kl"] = b_avg
+        for name, table, ref in (("routing", routing, k), ("loss", loss, "forward_kl")):
+            if not table:
+                continue
+            r0 = table.get(ref)
+            entry[name] = [
+                {
+                    "value": key,
+                    "avg": r4(a),
+                    "delta": r4(a - r0) if r0 is not None else None,
+                    "config_id": _config_of(v, b, name, key),
+                }
+                for key, a in sorted(
+                    table.items(), key=lambda kv: order_key("distill_loss" if name == "loss" else "K", kv[0])
+                )
+            ]
+        out.append(entry)
+    return out
+
+
+def _matching(df: pd.DataFrame, axes: list[str], values: tuple) -> pd.DataFrame:
+    """Rows whose `axes` equal `values` (None matches a missing value)."""
+    keep = [all(plain(r[a]) == v for a, v in zip(axes, values, strict=True)) for r in df.to_dict("records")]
+    return df[keep]
+
+
+def _config_of(v: pd.DataFrame, b: pd.DataFrame, name: str, key: Any) -> int | None:
+    col = "teacher_top_k" if name == "routing" else "distill_loss"
+    hit = v[v[col] == key]
+    if len(hit):
+        return plain(hit["config_id"].iloc[0])
+    return plain(b["config_id"].iloc[0]) if len(b) else None
+
+
+def model_facts(results: pd.DataFrame, model: str) -> dict[str, Any]:
+    """Every derived fact about one teacher model's rows."""
+    rows = results[results["model"] == model]
+    grid, dist = grid_rows(rows), distilled_rows(rows)
+    k = top_k_of(rows[rows["kind"] == "moe2dense"])
+    variants = sorted({v for v in rows["teacher_variant"] if v is not None})
+    f: dict[str, Any] = {"model": model, "teacher_variant": variants, "top_k": k}
+    fin = rows[(rows["kind"] == "moe2dense") & ~is_variant(rows) & finite_ppl(rows)]
+    if len(grid) and finite_ppl(grid).any():
+        f["selection"] = selection_report(grid)
+    if len(fin):
+        best = {}
+        for s in ordered("scoring", fin["scoring"]):
+            r = records(fin[fin["scoring"] == s].sort_values(["ppl_pre", "config_id"]))[0]
+            best[s] = {
+                "ppl_pre": r4(r["ppl_pre"]),
+                "K": r["K"],
+                "grouping": r["grouping"],
+                "dp_scaling": r["dp_scaling"],
+            }
+        f["best_ppl_per_scoring"] = best
+    if len(dist):
+        f["n_distilled"] = int(len(dist))
+        f["marginal_means"], f["spread"] = {}, {}
+        for axis in ("scoring", "grouping", "dp_scaling", "K"):
+            m = marginal_means(dist, axis)
+            if len(m) >= 2:
+                f["marginal_means"][axis] = {
+                    str(r[axis]): {"mean": r4(r["mean"]), "n": int(r["n"])} for r in records(m)
+                }
+                f["spread"][axis] = spread(m, axis)
+        ranked = records(dist.sort_values(["avg", "config_id"], ascending=[False, True]))
+        top = ranked[0]
+        f["best"] = {a: top[a] for a in ("scoring", "grouping", "dp_scaling", "K")} | {
+            "avg": r4(pct(top["avg"]))
+        }
+        if k is not None:
+            n = next((i for i, r in enumerate(ranked) if r["K"] != k), len(ranked))
+            f["top_n_at_k_equals_topk"] = n
+            at_k = best_by_scoring_k(dist)
+            at_k = at_k[at_k["K"] == k]
+            if len(at_k) >= 2:
+                hi, lo = at_k.loc[at_k["avg"].idxmax()], at_k.loc[at_k["avg"].idxmin()]
+                f["scoring_gap_at_k_equals_topk"] = {
+                    "best": hi["scoring"],
+                    "worst": lo["scoring"],
+                    "pp": r4(hi["avg"] - lo["avg"]),
+                }
+            f["merge_minus_prune"] = _merge_minus_prune(dist, k)
+        for b in ("random_init", "random_ffn"):
+            a = baseline_avg(rows, b)
+            if a is not None:
+                f[f"gain_over_{b}"] = r4(pct(top["avg"]) - a)
+    abl = ablations(rows)
+    if abl:
+        f["ablations"] = abl
+    return f
+
+
+def _merge_minus_prune(dist: pd.DataFrame, k: int) -> dict[str, float]:
+    """Per scoring: best accuracy at the smallest K > k minus the best at K = k (pp, §4.6)."""
+    b = best_by_scoring_k(dist)
+    out = {}
+    for s in ordered("scoring", b["scoring"]):
+        g = b[b["scoring"] == s]
+        prune = g[g["K"] == k]
+        merge = g[g["K"] > k].sort_values("K")
+        if len(prune) and len(merge):
+            out[s] = r4(merge["avg"].iloc[0] - prune["avg"].iloc[0])
+    return out
+
+
+def facts(results: pd.DataFrame) -> dict[str, dict[str, Any]]:
+    """Derived facts per sweep and teacher model (JSON-ready, deterministic). Sweeps are kept apart:
+    one sweep's distilled set is what its selection rule is checked against."""
+    out: dict[str, dict[str, Any]] = {}
+    for sweep in sorted({s for s in results["sweep"]}):
+        rows = results[results["sweep"] == sweep]
+        models = {m: model_facts(rows, m) for m in moe_models(rows)}
+        if models:
+            out[sweep] = models
+    return out
+
+
+# ---- diagnostics (Figures 2 and 3) -------------------------------------------------------------
+def _one_config_per_scoring(df: pd.DataFrame) -> dict[str, int]:
+    """At the smallest K, one configuration per scoring (the kept set does not depend on grouping)."""
+    out = {}
+    for s in ordered("scoring", df["scoring"]):
+        g = sort_rows(df[df["scoring"] == s].drop_duplicates("config_id"), ["grouping", "dp_scaling"])
+        out[s] = plain(g["config_id"].iloc[0])
+    return out
+
+
+def selection_overlap(selections: pd.DataFrame, model: str) -> tuple[int | None, pd.DataFrame]:
+    """(K, scoring×scoring matrix): mean over layers of |S_a ∩ S_b| / K at the smallest K (Figure 2)."""
+    sel = selections[(selections["model"] == model) & selections["scoring"].notna() & selections["K"].notna()]
+    if sel.empty:
+        return None, pd.DataFrame()
+    K = int(sel["K"].min())
+    sel = sel[sel["K"] == K]
+    ids = _one_config_per_scoring(sel)
+    sets = {
+        s: {
+            int(layer): set(g["expert"].astype(int))
+            for layer, g in sel[sel["config_id"] == cid].groupby("layer")
+        }
+        for s, cid in ids.items()
+    }
+    names = list(ids)
+    m = np.zeros((len(names), len(names)))
+    for i, a in enumerate(names):
+        for j, b in enumerate(names):
+            layers = sorted(set(sets[a]) & set(sets[b]))
+            m[i, j] = np.mean([len(sets[a][x] & sets[b][x]) / K for x in layers]) if layers else np.nan
+    return K, pd.DataFrame(m, index=names, columns=names)
+
+
+def effective_rank(
+    diagnostics: pd.DataFrame, results: pd.DataFrame, model: str, name: str = "effective_rank"
+) -> pd.DataFrame:
+    """Per scoring at the smallest K: mean and std over layers of the kept kernel's effective rank (Fig 3)."""
+    d = diagnostics[(diagnostics["name"] == name) & diagnostics["K"].notna()]
+    d = d[d["config_id"].isin(results.loc[results["model"] == model, "config_id"])]
+    cols = ["scoring", "K", "mean", "std", "layers", "config_id"]
+    if d.empty:
+        return pd.DataFrame(columns=cols)
+    K = int(d["K"].min())
+    d = d[d["K"] == K]
+    rows = []
+    for s, cid in _one_config_per_scoring(d).items():
+        v = d.loc[d["config_id"] == cid, "value"].astype(float)
+        rows.append(
+            {
+                "scoring": s,
+                "K": K,
+                "mean": float(v.mean()),
+                "std": float(v.std(ddof=0)),
+                "layers": int(v.size),
+                "config_id": cid,
+            }
+        )
+    return pd.DataFrame(rows, columns=cols)

@@ -1,0 +1,108 @@
+"""Read the database's views into pandas frames (analysis never reads worker outputs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+from sqlalchemy import bindparam, text
+from sqlalchemy.engine import Engine
+
+FLOAT_COLUMNS = (
+    "ppl_pre",
+    "ppl_post",
+    "avg_acc",
+    "ppl_pre_sum_nll",
+    "value",
+    "score",
+    "merge_weight",
+    "alpha",
+    "stderr",
+)
+INT_COLUMNS = (
+    "config_id",
+    "K",
+    "top_k",
+    "teacher_top_k",
+    "selected_for_distill",
+    "duplicate_of",
+    "layer",
+    "expert",
+    "step",
+    "tokens",
+    "selected_rank",
+    "group_idx",
+    "n",
+    "num_fewshot",
+    "headline",
+)
+# published numbers kept beside the computed ones (analysis/reference.py)
+PUBLISHED = {"ppl_published": "ppl_pre_published", "avg_published": "avg_published"}
+
+
+@dataclass(frozen=True)
+class Frames:
+    """Everything a report needs about some sweeps, one frame per view."""
+
+    sweeps: tuple[str, ...]
+    results: pd.DataFrame  # the `results` view + published columns + `avg`, one row per configuration
+    tasks: pd.DataFrame  # `task_scores` (post-distillation accuracies, fractions)
+    selections: pd.DataFrame  # `selections` (kept experts per layer)
+    diagnostics: pd.DataFrame  # `layer_diagnostics` (effective rank, ...)
+    curves: pd.DataFrame  # `curves` (validation CE during distillation)
+
+
+def _read(engine: Engine, sql: str, names: list[str]) -> pd.DataFrame:
+    stmt = text(sql).bindparams(bindparam("names", expanding=True))
+    with engine.connect() as c:
+        res = c.execute(stmt, {"names": names})
+        df = pd.DataFrame(res.fetchall(), columns=list(res.keys()))
+    for col in df.columns:
+        if col in INT_COLUMNS or col == "ppl_pre_tokens":
+            df[col] = pd.to_numeric(df[col], errors="coerce").astype("Int64")
+        elif col in FLOAT_COLUMNS:
+            df[col] = pd.to_numeric(df[col], errors="coerce").astype(float)
+        else:  # text: missing is None, never NaN, so rows compare and group plainly
+            df[col] = df[col].astype(object).where(df[col].notna(), None)
+    return df
+
+
+def load_frames(engine: Engine, sweeps: list[str]) -> Frames:
+    """The views' rows for `sweeps`, in a stable order (same DB → same frames)."""
+    names = list(dict.fromkeys(sweeps))
+    if not names:
+        raise ValueError("sweeps: empty; allowed: one or more sweep names")
+    results = _read(engine, "SELECT * FROM results WHERE sweep IN :names ORDER BY sweep, config_id", names)
+    pub = _read(
+        engine,
+        "SELECT m.config_id AS config_id, m.name AS name, m.value AS value FROM config_metrics m "
+        "WHERE m.name IN ('ppl_published', 'avg_published') AND m.config_id IN "
+        "(SELECT r.config_id FROM results r WHERE r.sweep IN :names) "
+        "ORDER BY m.config_id, m.metric_id",
+        names,
+    )
+    for metric, col in PUBLISHED.items():
+        vals = pub[pub["name"] == metric].drop_duplicates("config_id").set_index("config_id")["value"]
+        results[col] = results["config_id"].map(vals).astype(float)
+    # the accuracy analysis uses: a paper's own average where it gives one (its tasks are printed
+    # rounded, its average is not), else the mean of the headline tasks (`results.avg_acc`)
+    results["avg"] = results["avg_published"].where(results["avg_published"].notna(), results["avg_acc"])
+    tasks = _read(
+        engine,
+        "SELECT * FROM task_scores WHERE sweep IN :names ORDER BY sweep, config_id, task, metric",
+        names,
+    )
+    selections = _read(
+        engine,
+        "SELECT * FROM selections WHERE sweep IN :names ORDER BY sweep, config_id, layer, selected_rank",
+        names,
+    )
+    diagnostics = _read(
+        engine,
+        "SELECT * FROM layer_diagnostics WHERE sweep IN :names ORDER BY sweep, config_id, name, layer",
+        names,
+    )
+    curves = _read(
+        engine, "SELECT * FROM curves WHERE sweep IN :names ORDER BY sweep, config_id, who, step", names
+    )
+    return Frames(tuple(names), results, tasks, selections, diagnostics, curves)
