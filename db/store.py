@@ -201,6 +201,20 @@ class Store:
                 outputs_json=json.dumps(result.get("outputs", {}), sort_keys=True)))
             return True
 
+    def add_partial_metrics(self, key: str, owner: str, metrics: list[dict[str, Any]]) -> int:
+        """Metrics a running job reports before it ends (its final record replaces them in `finish`)."""
+        with self.tx() as c:
+            jid = c.scalar(select(Job.id).where(Job.key == key, Job.owner == owner, Job.status == "running"))
+            if jid is None:
+                return 0
+            for m in metrics:  # a re-sent record replaces the earlier copy (unique per name/stage/task/who/step)
+                step = -1 if m.get("step") is None else int(m["step"])
+                c.execute(delete(Metric).where(Metric.job_id == jid, Metric.name == m["name"],
+                                               Metric.stage == (m.get("stage") or ""), Metric.task == (m.get("task") or ""),
+                                               Metric.who == (m.get("who") or ""), Metric.step == step))
+            self._write_records(c, {"metrics": metrics}, job_id=jid)
+            return len(metrics)
+
     def fail(self, key: str, owner: str, error: str, final: bool, log_path: str | None = None,
              duration_s: float | None = None) -> None:
         with self.tx() as c:

@@ -15,7 +15,9 @@ from collections.abc import Callable
 from typing import Any
 
 Done = Callable[[dict[str, Any], dict[str, Any] | None, str | None, float], None]
-Progress = Callable[[str, float, float, str], None]  # (job key, done, total, description)
+# (job key, done, total, description, metrics): metrics are records a running job reports early
+# (validation CE during distillation); the orchestrator writes them at once, the final record replaces them
+Progress = Callable[[str, float, float, str, list | None], None]
 
 
 def run_payload(payload: dict[str, Any], cache: dict, progress: Progress | None) -> tuple[dict | None, str | None]:
@@ -25,7 +27,7 @@ def run_payload(payload: dict[str, Any], cache: dict, progress: Progress | None)
     log_path = payload.get("log_path")
     if log_path:
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    cb = (lambda d, t, desc="": progress(payload["key"], d, t, desc)) if progress else None
+    cb = (lambda d, t, desc="", metrics=None: progress(payload["key"], d, t, desc, metrics)) if progress else None
     with open(log_path or os.devnull, "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         try:
             t0 = time.perf_counter()
@@ -141,8 +143,8 @@ class RayExecutor:
     def _drain_progress(self, progress: Progress | None) -> None:
         if progress is None:
             return
-        for key, done, total, desc in self.ray.get(self.hub.drain.remote()):
-            progress(key, done, total, desc)
+        for key, done, total, desc, metrics in self.ray.get(self.hub.drain.remote()):
+            progress(key, done, total, desc, metrics)
 
     def close(self) -> None:
         for pool in self.pools.values():
@@ -169,8 +171,8 @@ def _worker_actor(ray):
                 self.cache: dict = {}
 
             def run(self, payload: dict[str, Any]):
-                def report(key: str, done: float, total: float, desc: str = "") -> None:
-                    self.hub.put.remote(key, done, total, desc)
+                def report(key: str, done: float, total: float, desc: str = "", metrics: list | None = None) -> None:
+                    self.hub.put.remote(key, done, total, desc, metrics)
 
                 return run_payload(payload, self.cache, report)
 
@@ -187,12 +189,17 @@ def _progress_hub(ray):
         class ProgressHub:
             def __init__(self) -> None:
                 self.latest: dict[str, tuple] = {}
+                self.metrics: dict[str, list] = {}
 
-            def put(self, key: str, done: float, total: float, desc: str) -> None:
+            def put(self, key: str, done: float, total: float, desc: str, metrics: list | None = None) -> None:
                 self.latest[key] = (key, done, total, desc)
+                if metrics:
+                    self.metrics.setdefault(key, []).extend(metrics)
 
             def drain(self) -> list[tuple]:
-                out, self.latest = list(self.latest.values()), {}
+                keys = list(self.latest) + [k for k in self.metrics if k not in self.latest]
+                out = [(*self.latest.get(k, (k, 0, 0, ""))[:4], self.metrics.get(k)) for k in keys]
+                self.latest, self.metrics = {}, {}
                 return out
 
         _HUB = ProgressHub

@@ -137,12 +137,13 @@ class Runner:
             self.progress.remove_task(t)
         self._job_bars.clear()
 
-    def _on_progress(self, key: str, done: float, total: float, desc: str) -> None:
-        if self.progress is None:
-            return
-        if key not in self._job_bars:
-            self._job_bars[key] = self.progress.add_task(f"  {desc or key[:8]}", total=total)
-        self.progress.update(self._job_bars[key], completed=done, total=total)
+    def _on_progress(self, key: str, done: float, total: float, desc: str, metrics: list | None = None) -> None:
+        if metrics:  # e.g. validation CE during distillation: in the DB while the job still runs
+            self.store.add_partial_metrics(key, self.owner, metrics)
+        if self.progress is not None and total:
+            if key not in self._job_bars:
+                self._job_bars[key] = self.progress.add_task(f"  {desc or key[:8]}", total=total)
+            self.progress.update(self._job_bars[key], completed=done, total=total)
         self._poll()
 
     def _poll(self) -> None:
@@ -234,6 +235,7 @@ def _run_stages(spec: SweepSpec, plan: P.Plan, store: Store, runner: Runner, sid
         cfg_ids.update(store.upsert_configs(sid, new_cfgs))
         _link(store, cfg_ids, {c["config_key"]: ppl[c["config_key"].split("|variant=")[0]] for c in new_cfgs},
               "ppl_pre")
+    store.set_config_fields({cfg_ids[ck]: P.distill_budget(j.params["settings"]) for ck, j in distill.items()})
     dist_out = runner.run_stage("distill", distill.values())
     _link(store, cfg_ids, distill, "distill")
 

@@ -220,9 +220,24 @@ def distill_job(spec: SweepSpec, ppl: JobSpec, overrides: dict[str, Any]) -> Job
         deps.update(tdeps)
     params = {"teacher": tparams, "student": student, "teacher_of_student": ppl.params["teacher"],
               "settings": {**spec.distill.settings, **overrides}, "data": spec.distill.data.model_dump(),
-              "val_data": spec.distill.val_data.model_dump()}
+              "val_data": spec.distill.val_data.model_dump(), "processes": spec.distill.processes}
     key = content_key("distill", params, {k: v for k, v in deps.items() if k != "convert"})
     return JobSpec("distill", params, deps, resident=resident, key=key, **res(spec, "distill"))
+
+
+def distill_budget(settings: dict[str, Any]) -> dict[str, Any]:
+    """What a configuration's distillation was, as config columns: loss, k', tokens (e.g. "98k", "0.3B")."""
+    from workers.distill import DistillSpec
+
+    d = DistillSpec(**settings)
+    return {"distill_loss": d.loss, "teacher_top_k": d.teacher_top_k, "distill_tokens": human_tokens(d.tokens)}
+
+
+def human_tokens(n: int) -> str:
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return str(n)
 
 
 def evaluate_job(spec: SweepSpec, upstream: JobSpec) -> JobSpec:

@@ -130,6 +130,15 @@ class Distill(Strict):
     val_data: Data = Field(default_factory=lambda: Data(split="valid"))
     variants: list[dict[str, Any]] = Field(default_factory=list)  # extra runs: overrides of settings
     variants_on: dict[str, Any] = Field(default_factory=dict)  # which selected configs get them
+    # data-parallel processes per distillation job: 1, N, or "gpus" (one per GPU the job holds; torchrun)
+    processes: int | Literal["gpus"] = 1
+
+    @field_validator("processes")
+    @classmethod
+    def _procs(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"must be >= 1 or 'gpus', got {v}")
+        return v
 
 
 class Evaluate(Strict):

@@ -27,7 +27,7 @@ def _num(*parts) -> float:
 def fake(monkeypatch, tmp_path):
     """Replace every stage by a cheap deterministic function; record each call."""
     calls: list[tuple[str, str]] = []
-    state = {"fail": True}
+    state = {"fail": True, "live": [], "db": f"sqlite:///{tmp_path}/r.db"}
 
     def calibrate(p, cache, progress):
         return {"outputs": {"stats": "fake"}}
@@ -47,6 +47,13 @@ def fake(monkeypatch, tmp_path):
         return {"outputs": {"ppl": v}, "metrics": [{"name": "ppl", "stage": "pre", "value": v}]}
 
     def distill(p, cache, progress):
+        # validation CE reported while the job runs is in the DB before the job ends (Figure 5 live)
+        progress(1, 2, "distill", metrics=[{"name": "val_ce", "stage": "train", "who": "student", "step": 0,
+                                            "value": 4.0}])
+        seen = Store(state["db"], migrate=False).query(
+            "SELECT m.value FROM metrics m JOIN jobs j ON j.id = m.job_id WHERE j.key = :k AND m.name = 'val_ce'",
+            {"k": p["key"]})[1]
+        state["live"].append(seen)
         return {"outputs": {"path": "nowhere"}, "metrics": [
             {"name": "val_ce", "stage": "train", "who": "student", "step": 0, "value": 3.0}]}
 
@@ -77,7 +84,7 @@ def _results(store: Store) -> list[tuple]:
 
 def test_failures_dedupe_resume_and_retry(fake, tmp_path):
     calls, state = fake
-    store = Store(f"sqlite:///{tmp_path}/r.db")
+    store = Store(state["db"])
     assert _launch(store) == 1  # a failing method fails the launch at the end, not at once
     # the failing conversion was tried 1 + retries times, then recorded with its traceback
     failed = store.query("SELECT attempts, error FROM jobs WHERE status = 'failed'")[1]
@@ -94,6 +101,11 @@ def test_failures_dedupe_resume_and_retry(fake, tmp_path):
     assert by[("SF", "WC", 2)][7] == 1 and by[("SF", "WC", 4)][7] == 0
     ppl_jobs = [k for s, k in calls if s == "ppl_pre"]
     assert len(ppl_jobs) == len(set(ppl_jobs))  # no student evaluated twice
+    assert state["live"] and all(seen == [(4.0,)] for seen in state["live"])
+    # the final record replaced the early one: one row per (job, name, who, step)
+    assert store.query("SELECT DISTINCT value FROM metrics WHERE name = 'val_ce'")[1] == [(3.0,)]
+    assert store.query("SELECT DISTINCT distill_tokens, distill_loss FROM configurations "
+                       "WHERE selected_for_distill = 1")[1] == [("8", "forward_kl")]
     distilled = {r[4] or f"{r[0]}{r[1]}" for r in rows if r[9] is not None}
     assert "random_ffn" in distilled and len(distilled) >= 4
 

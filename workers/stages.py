@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -193,19 +194,57 @@ def stage_distill(payload: dict, cache: dict, progress) -> dict:
     n_train = spec.steps * spec.batch_size * spec.grad_accum
     train = windows(payload, cache, tok, p["data"], spec.seq_len, n_train, spec.seed + 1)
     val = windows(payload, cache, tok, p["val_data"], spec.seq_len, spec.val_windows, spec.seed + 2)
-    batches = (train[i:i + spec.batch_size] for i in range(0, len(train), spec.batch_size))
-    cb = (lambda i, n, *_: progress(i, n, "distill")) if progress else None
-    rec = distill(student, teacher, adapter, batches, val, spec, progress=cb)
     out = Path(payload["workdir"]) / "student"
-    student.save_pretrained(out)
-    tok.save_pretrained(out)
-    metrics = [_metric("val_ce", r["value"], stage="train", who=r["who"], step=r["step"], n_tokens=r["tokens"])
-               for r in rec["val"]]
+    procs = _processes(p.get("processes", 1))
+    if procs > 1:  # data-parallel over this job's GPUs (or CPU processes): torchrun, same loop and losses
+        rec = _distill_multiprocess(payload, student, tok, teacher_path(payload, role), role, train, val, spec, procs)
+    else:
+        cb = (lambda i, n, *_: progress(i, n, "distill")) if progress else None
+        stream = (lambda r: progress(r["step"], spec.steps, "distill", metrics=[_val_metric(r)])) if progress else None
+        rec = distill(student, teacher, adapter, (train[i:i + spec.batch_size] for i in range(0, len(train),
+                      spec.batch_size)), val, spec, progress=cb, on_val=stream)
+        student.save_pretrained(out)
+        tok.save_pretrained(out)
+    metrics = [_val_metric(r) for r in rec["val"]]
     metrics += [_metric("train_loss", v, stage="train", who="student", step=i)
                 for i, v in enumerate(rec["loss_curve"])]
-    metrics.append(_metric("distill_tokens", float(rec["tokens"]), stage="train", n_tokens=rec["tokens"]))
+    metrics.append(_metric("distill_tokens", float(rec["tokens"]), stage="train", n_tokens=rec["tokens"],
+                           extra={"teacher_routing": rec.get("teacher_routing"), "processes": procs}))
     return {"outputs": {"path": str(out), "tokens": rec["tokens"]}, "metrics": metrics,
             "artifacts": [artifact("student", out)]}
+
+
+def _val_metric(r: dict[str, Any]) -> dict[str, Any]:
+    return _metric("val_ce", r["value"], stage="train", who=r["who"], step=r["step"], n_tokens=r["tokens"])
+
+
+def _processes(value: int | str) -> int:
+    """`distill.processes`: an integer, or "gpus" = one process per GPU this job holds (at least 1)."""
+    if value == "gpus":
+        return max(1, torch.cuda.device_count())
+    return int(value)
+
+
+def _distill_multiprocess(payload: dict, student, tok, teacher_dir: str, role: str, train: torch.Tensor,
+                          val: torch.Tensor, spec, procs: int) -> dict[str, Any]:
+    """Run workers.ddp under torchrun (see its docstring); rank 0 writes the student into workdir/student."""
+    from dataclasses import asdict
+
+    from workers.ddp import launch
+
+    work = Path(payload["workdir"])
+    init = work / "init_student"
+    student.save_pretrained(init)
+    torch.save(train, work / "train.pt")
+    torch.save(val, work / "val.pt")
+    ref = payload["params"]["teacher"]
+    job = {"student": str(init), "teacher": teacher_dir, "teacher_dtype": ref.get("dtype", "float32"),
+           "moe_teacher": role == "teacher", "train": str(work / "train.pt"), "val": str(work / "val.pt"),
+           "spec": asdict(spec), "out": str(work)}
+    rec = launch(job, work / "ddp", nproc=procs)
+    tok.save_pretrained(work / "student")
+    shutil.rmtree(init)
+    return rec
 
 
 # ---- evaluation ------------------------------------------------------------------------------------
