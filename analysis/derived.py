@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from workers.select_rule import select_best_rows
+
 SCORING_ORDER = ("SF", "PP", "PS", "CP", "ACP", "DO-CP", "DO-ACP", "REAP", "EAN", "frequency")
 GROUPING_ORDER = ("RR", "WC", "RC", "AB", "OC")
 SCALING_ORDER = ("uniform", "proportional", "avg_cp")
@@ -115,28 +117,7 @@ def top_k_of(rows: pd.DataFrame) -> int | None:
     return min(ks) if ks else None
 
 
-# ---- the selection rule (§4.1) ----------------------------------------------------------------
-def select_best_rows(
-    rows: list[dict[str, Any]], per: list[str], over: list[str], by: str = "ppl_pre"
-) -> list[dict[str, Any]]:
-    """For each group of `per` axes, the row with the lowest finite `by` over `over` (§4.1: the best
-    (K, scaling) per scoring×grouping by pre-distill PPL). Ties go to the smallest str() of `over`,
-    exactly as orchestrator/plan.py's select_best does."""
-    groups: dict[tuple, list[dict[str, Any]]] = {}
-    for r in rows:
-        groups.setdefault(tuple(r[a] for a in per), []).append(r)
-    picked = []
-    for _, members in sorted(groups.items(), key=lambda kv: str(kv[0])):
-        finite = [
-            m
-            for m in members
-            if m.get(by) is not None and math.isfinite(m[by]) and m.get(f"{by}_kind") in (None, "finite")
-        ]
-        if finite:
-            picked.append(min(finite, key=lambda m: (m[by], tuple(str(m[a]) for a in over))))
-    return picked
-
-
+# ---- the selection rule (§4.1; one implementation in workers/select_rule.py) ------------------
 def select_best(df: pd.DataFrame, per: list[str], over: list[str], by: str = "ppl_pre") -> pd.DataFrame:
     """select_best_rows over a frame; returns the picked rows in the axes' order."""
     for a in [*per, *over, by]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field
 from functools import cache
 from importlib.metadata import PackageNotFoundError, version
@@ -197,15 +196,9 @@ def ppl_job(spec: SweepSpec, cfg: dict[str, Any], convert_job: JobSpec | None, p
 
 def select_best(rows: list[dict[str, Any]], per: list[str], over: list[str]) -> list[dict[str, Any]]:
     """For each group of `per` axes, the row with the lowest finite ppl_pre over `over` (§4.1)."""
-    groups: dict[tuple, list[dict[str, Any]]] = {}
-    for r in rows:
-        groups.setdefault(tuple(r[a] for a in per), []).append(r)
-    picked = []
-    for _, members in sorted(groups.items(), key=lambda kv: str(kv[0])):
-        finite = [m for m in members if m.get("ppl_pre") is not None and math.isfinite(m["ppl_pre"])]
-        if finite:
-            picked.append(min(finite, key=lambda m: (m["ppl_pre"], tuple(str(m[a]) for a in over))))
-    return picked
+    from workers.select_rule import select_best_rows
+
+    return select_best_rows(rows, per, over, "ppl_pre")
 
 
 def distill_job(spec: SweepSpec, ppl: JobSpec, overrides: dict[str, Any]) -> JobSpec:
