@@ -189,6 +189,7 @@ def ppl_job(spec: SweepSpec, cfg: dict[str, Any], convert_job: JobSpec | None, p
     params = {"teacher": tparams, "student": recipe, "ppl": spec.ppl.model_dump()}
     if recipe["type"] == "d2d":  # activation importance is measured on the calibration data
         params["calibration"] = spec.calibration.model_dump()
+        params["moe_teacher"] = teacher_ref(spec)[0]  # its K = k student's size is the pruning target
     # the key hashes the plan's content, not the convert job: equal plans share one evaluation
     key = content_key(stage, params, {k: v for k, v in deps.items() if k != "convert"})
     return JobSpec(stage, params, deps, resident=resident, key=key, **res(spec, stage))

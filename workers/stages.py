@@ -152,12 +152,34 @@ def d2d_student(payload: dict, cache: dict, candidate: str):
     from workers.baselines import d2d_candidates, prune_dense
 
     dense, tok = resident_teacher(payload, cache, role="dense_teacher")
-    cands = {c["name"]: c for c in d2d_candidates(dense)}
+    cands = {c["name"]: c for c in d2d_candidates(dense, target_params=moe_student_params(payload))}
     c = payload["params"].get("calibration") or {}
     ids = windows(payload, cache, tok, c.get("data", {"source": "tiny", "split": "train"}),
                   c.get("seq_len", 128), c.get("n_samples", 64), c.get("seed", 0))
     batches = [ids[i:i + 8].to(device()) for i in range(0, len(ids), 8)]
     return prune_dense(dense, cands[candidate], batches).to(device()), tok
+
+
+def moe_student_params(payload: dict) -> int | None:
+    """Parameter count of the MoE→dense student at K = k, from the MoE teacher's config alone (built on
+    the meta device: nothing is downloaded but the config). None for the tiny teacher, whose dense twin
+    carries the number itself (workers.baselines.d2d_target)."""
+    ref = payload["params"].get("moe_teacher") or {}
+    if ref.get("source") != "hf":
+        return None
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from workers.families import get_adapter
+
+    config = AutoConfig.from_pretrained(ref["model"], revision=ref.get("revision"))
+    with torch.device("meta"):
+        moe = AutoModelForCausalLM.from_config(config)
+        adapter = get_adapter(moe)
+        layer = adapter.moe_layers(moe)[0]
+        shared = adapter.shared_ffn(moe, layer)
+        width = adapter.top_k(moe) * adapter.expert_weights(moe, layer).intermediate + (shared.width if shared else 0)
+        student = AutoModelForCausalLM.from_config(adapter.student_config(moe, width))
+    return sum(p.numel() for p in student.parameters())
 
 
 def ppl_record(model, tok, payload: dict, cache: dict, stage: str) -> dict[str, Any]:

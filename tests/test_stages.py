@@ -1,0 +1,24 @@
+"""Stage glue that is not covered end to end by the micro sweep."""
+
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from workers.families import get_adapter
+from workers.stages import _processes, moe_student_params
+
+
+def test_d2d_target_of_a_real_moe_comes_from_its_config_alone(tmp_path):
+    cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, num_experts=8, num_experts_per_tok=2,
+                         head_dim=16)
+    teacher = Qwen3MoeForCausalLM(cfg)
+    teacher.save_pretrained(tmp_path)
+    n = moe_student_params({"params": {"moe_teacher": {"source": "hf", "model": str(tmp_path)}}})
+    adapter = get_adapter(teacher)
+    student = AutoModelForCausalLM.from_config(adapter.student_config(teacher, 2 * 16))  # k * d_expert
+    assert n == sum(p.numel() for p in student.parameters())
+    assert moe_student_params({"params": {"moe_teacher": {"source": "tiny"}}}) is None
+
+
+def test_processes_setting():
+    assert _processes(1) == 1 and _processes(3) == 3
+    assert _processes("gpus") >= 1
