@@ -191,3 +191,30 @@ def test_kill_9_at_several_points_then_resume_equals_an_uninterrupted_run(tmp_pa
         assert done[key] == state
     assert rows == ref_rows  # identical result rows, none duplicated
     assert per_job == ref_per_job  # the same metrics per job: nothing written twice
+
+
+def test_two_concurrent_launches_and_ctrl_c(tmp_path):
+    """Two launches of one sweep on one DB both finish without running any job twice (what one has
+    claimed the other waits for); Ctrl-C keeps what finished and leaves nothing claimed."""
+    home = tmp_path / "home"
+    procs = [subprocess.Popen(_launch_cmd(home), env=_env(home), cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE) for _ in range(2)]
+    codes = [p.wait(timeout=600) for p in procs]
+    assert codes == [0, 0], [p.stderr.read().decode()[-1500:] for p in procs]
+    store = Store(f"sqlite:///{home}/moesweep.db", migrate=False)
+    assert store.query("SELECT COUNT(*), MAX(attempts), MIN(attempts) FROM jobs")[1][0][1:] == (1, 1)
+    assert store.query("SELECT COUNT(*) FROM jobs WHERE status <> 'succeeded'")[1] == [(0,)]
+
+    # Ctrl-C in the middle of a fresh sweep (new DB, cached teacher): exit 130, nothing left running
+    db2 = tmp_path / "ctrlc.db"
+    cmd = [*_launch_cmd(home)[:-1], f"sqlite:///{db2}"]
+    proc = subprocess.Popen(cmd, env=_env(home), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    t0 = time.monotonic()
+    while _succeeded(db2) < 5 and time.monotonic() - t0 < 300:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130
+    with sqlite3.connect(db2) as c:
+        status = dict(c.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall())
+    assert status.get("running", 0) == 0 and status["succeeded"] >= 5
+    assert subprocess.run(cmd, env=_env(home), cwd=ROOT, capture_output=True, timeout=600).returncode == 0
