@@ -76,6 +76,7 @@ class RayExecutor:
                 ray.init(num_cpus=num_cpus or os.cpu_count() or 1, **kw)
         self.max_concurrent = max_concurrent
         self.pools: dict[tuple[float, float], list[Any]] = {}
+        self.holds: dict[Any, str] = {}  # actor -> the resident model its last job loaded
         self.hub = _progress_hub(ray).remote()
 
     def _pool(self, cpus: float, gpus: float, wanted: int) -> list[Any]:
@@ -89,6 +90,7 @@ class RayExecutor:
             raise RuntimeError(f"no node can hold a job needing {cpus} CPUs and {gpus} GPUs "
                                f"(cluster: {total.get('CPU', 0)} CPUs, {total.get('GPU', 0)} GPUs)")
         n = max(1, min(wanted, fit, self.max_concurrent or wanted))
+        self._make_room(shape, max(n, len(pool)), total)
         actor_cls = _worker_actor(self.ray)
         while len(pool) < n:
             pool.append(actor_cls.options(num_cpus=cpus, num_gpus=gpus).remote(self.hub, cpus))
@@ -109,8 +111,7 @@ class RayExecutor:
             while queue or inflight:
                 while queue and idle:
                     actor = idle.pop(0)
-                    # prefer a job whose resident model this actor already holds
-                    p = queue.pop(0)
+                    p = self._next_job(actor, queue)
                     inflight[actor.run.remote(p)] = (p, actor, time.perf_counter())
                 ready, _ = self.ray.wait(list(inflight), num_returns=1, timeout=0.5)
                 self._drain_progress(progress)
@@ -134,7 +135,34 @@ class RayExecutor:
                 self.ray.cancel(ref, force=True)
             raise
 
+    def _next_job(self, actor: Any, queue: list[dict[str, Any]]) -> dict[str, Any]:
+        """The first queued job that wants the model this actor already holds, else the first one.
+
+        An actor keeps one resident model (workers.runtime.resident_teacher); switching it reloads the
+        model and drops the tensors cached for it, so an actor stays with its model while jobs want it."""
+        held = self.holds.get(actor)
+        i = next((i for i, p in enumerate(queue) if held is not None and p.get("resident") == held), 0)
+        p = queue.pop(i)
+        if p.get("resident"):
+            self.holds[actor] = p["resident"]
+        return p
+
+    def _make_room(self, shape: tuple[float, float], n: int, total: dict[str, float]) -> None:
+        """Actors hold their CPUs/GPUs for as long as they live: when the pools of other shapes hold
+        what `n` actors of this shape need, end those pools (else this pool's actors never start)."""
+        others = [s for s in self.pools if s != shape and self.pools[s]]
+        held_cpu = sum(s[0] * len(self.pools[s]) for s in others)
+        held_gpu = sum(s[1] * len(self.pools[s]) for s in others)
+        if (held_cpu + shape[0] * n <= total.get("CPU", 0) + 1e-9
+                and held_gpu + shape[1] * n <= total.get("GPU", 0) + 1e-9):
+            return
+        for s in others:
+            for a in self.pools.pop(s):
+                self.holds.pop(a, None)
+                self.ray.kill(a)
+
     def _replace(self, actor: Any, shape: tuple[float, float]) -> None:
+        self.holds.pop(actor, None)
         pool = self.pools[shape]
         if actor in pool:
             pool.remove(actor)
@@ -151,6 +179,7 @@ class RayExecutor:
             for a in pool:
                 self.ray.kill(a)
         self.pools.clear()
+        self.holds.clear()
 
 
 _ACTOR = None

@@ -76,10 +76,16 @@ def make_windows(ids: list[int], seq_len: int, prefix: int | None, windows: str)
     return out
 
 
+def text_ids(tok, texts: list[str]) -> list[int]:
+    """The token stream that is scored: the texts joined with "\n\n", no special tokens."""
+    return list(tok("\n\n".join(texts), add_special_tokens=False, verbose=False)["input_ids"])
+
+
 def perplexity(model, tok, texts: list[str], seq_len: int, batch_size: int, add_bos: bool, device,
                max_windows: int | None = None, windows: str = "disjoint",
-               progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Perplexity of a causal LM on texts; see the module docstring for exactly what is scored."""
+               progress: Callable[[int, int], None] | None = None, ids: list[int] | None = None) -> dict[str, Any]:
+    """Perplexity of a causal LM on texts; see the module docstring for exactly what is scored.
+    `ids` = text_ids(tok, texts) computed once by a caller that evaluates many models on one text."""
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
     if batch_size < 1:
@@ -90,7 +96,7 @@ def perplexity(model, tok, texts: list[str], seq_len: int, batch_size: int, add_
         raise ValueError("windows='rolling' predicts the first token from a BOS/EOS prefix (lm-eval); set add_bos=True")
     if max_windows is not None and max_windows < 1:
         raise ValueError(f"max_windows must be a positive integer or None, got {max_windows}")
-    ids = list(tok("\n\n".join(texts), add_special_tokens=False, verbose=False)["input_ids"])
+    ids = text_ids(tok, texts) if ids is None else ids
     prefix = prefix_token_id(tok) if add_bos else None
     wins = make_windows(ids, seq_len, prefix, windows)
     n_total = len(wins)

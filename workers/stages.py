@@ -183,12 +183,16 @@ def moe_student_params(payload: dict) -> int | None:
 
 
 def ppl_record(model, tok, payload: dict, cache: dict, stage: str) -> dict[str, Any]:
-    from workers.ppl import perplexity
+    from workers.ppl import perplexity, text_ids
 
     pp = payload["params"]["ppl"]
     texts = eval_texts(payload, cache, pp["data"])
+    key = json.dumps(["ppl_ids", pp["data"], tok.name_or_path, len(tok)], sort_keys=True)
+    if key not in cache:  # every student of this worker's teacher is scored on the same tokens
+        cache[key] = text_ids(tok, texts)
     r = perplexity(model, tok, texts, seq_len=pp["seq_len"], batch_size=pp["batch_size"], add_bos=pp["add_bos"],
-                   device=device(), max_windows=pp.get("max_windows"), windows=pp.get("windows", "disjoint"))
+                   device=device(), max_windows=pp.get("max_windows"), windows=pp.get("windows", "disjoint"),
+                   ids=cache[key])
     return _metric("ppl", r["ppl"], stage=stage, sum_nll=r["sum_nll"], n_tokens=r["n_tokens"],
                    value_kind=r["value_kind"], extra={"protocol": r["protocol"], "data": pp["data"]})
 

@@ -1,0 +1,318 @@
+"""Benchmark of the pre-distill sweep (DESIGN.md §2.3): N conversions of one teacher, evaluated two ways.
+
+Measured side by side in one run, on the same plans, text and machine (each configuration does both
+paths back to back, after one untimed warm-up round):
+  in-memory  the pipeline's way (workers/stages.py ppl_pre): the teacher and its tokenizer stay
+             resident; each student is gathered from the teacher with
+             build_student_from_plans(..., share_weights=True) (only the FFN tensors are new, nothing is
+             written) and workers.ppl.perplexity runs on the held-out text, whose token ids are computed
+             once (workers.ppl.text_ids, as stages.ppl_record caches them per worker);
+  naive      what a user would script: build a standalone student (share_weights=False),
+             save_pretrained + tokenizer.save_pretrained into a temporary directory,
+             AutoModelForCausalLM.from_pretrained + AutoTokenizer.from_pretrained, evaluate the same text.
+The perplexities of both paths must agree to float tolerance (the script exits 1 otherwise). Planning
+(score → select → group → α, workers.planning.plan_layer) is the same work in both paths: it is timed
+and printed, but not part of the ratio. Target (issue): naive / in-memory ≥ 10× at the tiny scale.
+No assert on timings: it only prints.
+
+  .venv/bin/python benchmarks/bench_predistill.py                        # small tiny teacher, CPU
+  .venv/bin/python benchmarks/bench_predistill.py --spec default         # the `tiny` sweep's teacher
+  python benchmarks/bench_predistill.py --preset real --device cuda      # Qwen3-30B-A3B shapes, 2 layers
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# a small tiny teacher: trains in well under a minute on 2 CPU cores, cached under --home
+SMALL_SPEC = dict(experts=16, top_k=2, hidden=64, layers=2, heads=4, kv_heads=2, moe_intermediate=64, vocab=512,
+                  steps=60, batch_size=8, seq_len=64, corpus_chars=300_000, eval_windows=16)
+# Qwen3-30B-A3B's config cut to 2 layers, random weights (no download ever)
+REAL = dict(hidden=2048, moe_intermediate=768, experts=128, top_k=8, layers=2, heads=32, kv_heads=4,
+            head_dim=128, vocab=151936)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SCORINGS = ("SF", "DO-ACP", "CP", "ACP", "PP", "DO-CP", "PS")
+GROUPINGS = ("RR", "OC", "WC", "AB", "RC")
+SCALINGS = ("uniform", "proportional")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=["tiny", "real"], default="tiny",
+                    help="tiny: a trained tiny teacher; real: Qwen3-30B-A3B shapes (2 layers, random weights)")
+    ap.add_argument("--spec", choices=["small", "default"], default="small",
+                    help="tiny teacher: small (bench size) or default (TinyTeacherSpec(), the `tiny` sweep's)")
+    ap.add_argument("--home", default=".moesweep/bench", help="cache directory (tiny teacher, corpus, tokenizer)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="tiny: float32; real: bfloat16")
+    ap.add_argument("--n", type=int, default=12, help="number of configurations")
+    ap.add_argument("--seq-len", type=int, default=128, help="perplexity window (the tiny sweep: 128)")
+    ap.add_argument("--max-windows", type=int, default=48, help="perplexity windows (the tiny sweep: 48)")
+    ap.add_argument("--batch-size", type=int, default=16, help="perplexity batch size")
+    ap.add_argument("--calib-samples", type=int, default=64, help="calibration windows")
+    ap.add_argument("--tol", type=float, default=1e-4, help="max relative |Δppl| between the two paths")
+    a = ap.parse_args(argv)
+    a.dtype = a.dtype or ("bfloat16" if a.preset == "real" else "float32")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA device")
+    if a.n < 1:
+        ap.error(f"--n {a.n}: must be >= 1")
+    return a
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def clock(device: str) -> float:
+    sync(device)
+    return time.perf_counter()
+
+
+def machine(device: str) -> str:
+    if device == "cuda":
+        return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                   if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {torch.get_num_threads()} torch threads (torch {torch.__version__})"
+
+
+# ---- teacher, text, calibration ------------------------------------------------------------------
+def tiny_teacher(a: argparse.Namespace):
+    """(model, tokenizer, corpus directory, description): trained once, then read from the cache."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from workers.tiny.teacher import TinyTeacherSpec, train_tiny_teacher
+
+    spec = TinyTeacherSpec(**(SMALL_SPEC if a.spec == "small" else {}))
+    home = Path(a.home)
+    out = home / "predistill" / f"teacher-{a.spec}"
+    t0 = time.perf_counter()
+    rec = train_tiny_teacher(spec, out, cache_dir=home / "cache" / "tiny")
+    took = time.perf_counter() - t0
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=DTYPES[a.dtype]).to(a.device).eval()
+    tok = AutoTokenizer.from_pretrained(out)
+    desc = (f"tiny teacher (--spec {a.spec}): E={spec.experts} k={spec.top_k} H={spec.hidden} "
+            f"I={spec.moe_intermediate} layers={spec.layers} vocab={spec.vocab} steps={spec.steps} "
+            f"({'cached' if rec.get('cached') else 'trained'} in {took:.1f}s)")
+    return model, tok, out / "corpus", desc
+
+
+def real_teacher(a: argparse.Namespace):
+    """Random-weight Qwen3-30B-A3B-shaped teacher (2 layers); text and tokenizer of the small tiny corpus."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
+
+    from workers.tiny.teacher import TinyTeacherSpec, prepare_data
+
+    data = prepare_data(TinyTeacherSpec(**SMALL_SPEC), Path(a.home) / "cache" / "tiny")
+    tok = AutoTokenizer.from_pretrained(data["tokenizer_dir"])
+    r = REAL
+    cfg = Qwen3MoeConfig(vocab_size=r["vocab"], hidden_size=r["hidden"], intermediate_size=6144,
+                         moe_intermediate_size=r["moe_intermediate"], num_hidden_layers=r["layers"],
+                         num_attention_heads=r["heads"], num_key_value_heads=r["kv_heads"], head_dim=r["head_dim"],
+                         num_experts=r["experts"], num_experts_per_tok=r["top_k"], norm_topk_prob=True,
+                         decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
+                         max_position_embeddings=4096, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    with torch.device(a.device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=DTYPES[a.dtype]).eval()
+    desc = (f"real preset: Qwen3-30B-A3B shapes, random weights: E={r['experts']} k={r['top_k']} H={r['hidden']} "
+            f"I={r['moe_intermediate']} layers={r['layers']} vocab={r['vocab']} "
+            f"({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params); text/tokenizer: small tiny corpus")
+    return model, tok, Path(data["corpus_dir"]), desc
+
+
+def split_texts(corpus: Path, split: str) -> list[str]:
+    """The non-empty texts of one split of the embedded corpus (as workers.data.load_texts reads them)."""
+    from workers.tiny.corpus import read_split
+
+    return [r["text"] for r in read_split(corpus, split) if r["text"].strip()]
+
+
+def make_plans(model, adapter, tok, corpus: Path, a: argparse.Namespace):
+    """Calibrate once, then N distinct (scoring, grouping, scaling, K) plans over every MoE layer."""
+    from workers.calibrate import collect_stats
+    from workers.convert import layer_contexts
+    from workers.data import token_windows
+    from workers.planning import plan_layer, plan_signature
+
+    train = split_texts(corpus, "train")
+    ids = token_windows(tok, train, a.seq_len, a.calib_samples, seed=1234).to(a.device)
+    batches = [(ids[i:i + 8], torch.ones_like(ids[i:i + 8])) for i in range(0, len(ids), 8)]
+    t0 = clock(a.device)
+    stats = collect_stats(model, adapter, batches, chunk_tokens=1024)
+    t_calib = clock(a.device) - t0
+    contexts = layer_contexts(model, adapter, stats)
+    E, k = adapter.num_experts(model), adapter.top_k(model)
+    Ks = [K for K in (2 * k, 4 * k, k) if K <= E]
+    grid = list(itertools.product(SCORINGS, GROUPINGS, SCALINGS, Ks))
+    random.Random(0).shuffle(grid)  # spread the N configurations over the whole grid
+    configs, seen = [], set()
+    for scoring, grouping, scaling, K in grid:
+        if len(configs) == a.n:
+            break
+        t0 = time.perf_counter()
+        plans = [plan_layer(layer, ctx, scoring, grouping, scaling, K) for layer, ctx in sorted(contexts.items())]
+        t_plan = time.perf_counter() - t0
+        sig = plan_signature(plans)
+        if sig in seen:  # equal plans are one student: the sweep would evaluate it once
+            continue
+        seen.add(sig)
+        configs.append({"name": f"{scoring}/{grouping}/{scaling[:4]}/K={K}", "plans": plans, "plan_s": t_plan})
+    return configs, t_calib, len(ids) * a.seq_len
+
+
+# ---- the two paths ---------------------------------------------------------------------------------
+def in_memory(model, adapter, tok, texts, plans, a, ids=None):
+    from workers.convert import build_student_from_plans
+    from workers.ppl import perplexity
+
+    t0 = clock(a.device)
+    student = build_student_from_plans(model, adapter, plans, share_weights=True).to(a.device)
+    t1 = clock(a.device)
+    r = perplexity(student, tok, texts, seq_len=a.seq_len, batch_size=a.batch_size, add_bos=False,
+                   device=a.device, max_windows=a.max_windows, ids=ids)
+    t2 = clock(a.device)
+    width = student.config.intermediate_size
+    del student
+    return {"build": t1 - t0, "eval": t2 - t1, "ppl": r["ppl"], "width": width, "windows": r["protocol"]["n_windows"]}
+
+
+def naive(model, adapter, tok, texts, plans, a):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from workers.convert import build_student_from_plans
+    from workers.ppl import perplexity
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_predistill_"))
+    try:
+        t0 = clock(a.device)
+        student = build_student_from_plans(model, adapter, plans, share_weights=False)
+        t1 = clock(a.device)
+        student.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        del student
+        t2 = clock(a.device)
+        loaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=DTYPES[a.dtype]).to(a.device).eval()
+        tok2 = AutoTokenizer.from_pretrained(tmp)
+        t3 = clock(a.device)
+        r = perplexity(loaded, tok2, texts, seq_len=a.seq_len, batch_size=a.batch_size, add_bos=False,
+                       device=a.device, max_windows=a.max_windows)
+        t4 = clock(a.device)
+        size = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
+        del loaded
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"build": t1 - t0, "save": t2 - t1, "load": t3 - t2, "eval": t4 - t3, "ppl": r["ppl"], "bytes": size}
+
+
+def tokenize_time(tok, texts: list[str], repeats: int = 3) -> tuple[float, int]:
+    """What perplexity() spends tokenizing the joined text (it does so on every call)."""
+    times, n = [], 0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        n = len(tok("\n\n".join(texts), add_special_tokens=False, verbose=False)["input_ids"])
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), n
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    from workers.families import get_adapter
+    from workers.ppl import text_ids
+
+    hf_logging.disable_progress_bar()  # save/load bars would interleave with the table
+    hf_logging.set_verbosity_error()
+
+    model, tok, corpus, desc = (real_teacher if a.preset == "real" else tiny_teacher)(a)
+    adapter = get_adapter(model)
+    texts = split_texts(corpus, "test")
+    configs, t_calib, calib_tokens = make_plans(model, adapter, tok, corpus, a)
+
+    # the pipeline's worker (stages.ppl_record) tokenizes the held-out text once per resident tokenizer
+    ids = text_ids(tok, texts)
+    # warm-up: first calls pay one-off costs (imports, kernels, allocator) that neither path owns
+    in_memory(model, adapter, tok, texts, configs[0]["plans"], a, ids)
+    naive(model, adapter, tok, texts, configs[0]["plans"], a)
+
+    rows = []
+    for c in configs:
+        m = in_memory(model, adapter, tok, texts, c["plans"], a, ids)
+        n = naive(model, adapter, tok, texts, c["plans"], a)
+        rows.append((c, m, n))
+    t_tok, n_text_tokens = tokenize_time(tok, texts)
+
+    mem = [m["build"] + m["eval"] for _, m, _ in rows]
+    nav = [n["build"] + n["save"] + n["load"] + n["eval"] for _, _, n in rows]
+    drel = [abs(m["ppl"] - n["ppl"]) / abs(n["ppl"]) for _, m, n in rows]
+    tot = {k: sum(n[k] for _, _, n in rows) for k in ("build", "save", "load", "eval")}
+    mtot = {k: sum(m[k] for _, m, _ in rows) for k in ("build", "eval")}
+    plan_total = sum(c["plan_s"] for c in configs)
+
+    print(f"machine : {machine(a.device)}")
+    print(f"teacher : {desc}")
+    print(f"sizes   : N={len(rows)} configurations; dtype={a.dtype}; calibration {calib_tokens} tokens "
+          f"({t_calib:.2f}s, once); perplexity seq_len={a.seq_len} windows={rows[0][1]['windows']} "
+          f"batch={a.batch_size}; held-out text {n_text_tokens} tokens; student width "
+          f"{sorted({m['width'] for _, m, _ in rows})}; saved student {rows[0][2]['bytes'] / 2**20:.1f} MiB")
+    print()
+    hdr = (f"{'configuration':28s} {'plan':>6s} | {'build':>6s} {'eval':>6s} {'total':>6s} | {'build':>6s} "
+           f"{'save':>6s} {'load':>6s} {'eval':>6s} {'total':>6s} | {'ratio':>6s} {'ppl':>9s} {'|Δ|rel':>8s}")
+    print(f"{'':28s} {'':6s} | {'in-memory (s)':^20s} | {'naive (s)':^34s} |")
+    print(hdr)
+    print("-" * len(hdr))
+    for (c, m, n), tm, tn, d in zip(rows, mem, nav, drel, strict=True):
+        print(f"{c['name']:28s} {c['plan_s']:6.3f} | {m['build']:6.3f} {m['eval']:6.3f} {tm:6.3f} | "
+              f"{n['build']:6.3f} {n['save']:6.3f} {n['load']:6.3f} {n['eval']:6.3f} {tn:6.3f} | "
+              f"{tn / tm:5.1f}x {m['ppl']:9.3f} {d:8.1e}")
+    print("-" * len(hdr))
+    print(f"{'sum':28s} {plan_total:6.3f} | {mtot['build']:6.3f} {mtot['eval']:6.3f} {sum(mem):6.3f} | "
+          f"{tot['build']:6.3f} {tot['save']:6.3f} {tot['load']:6.3f} {tot['eval']:6.3f} {sum(nav):6.3f} | "
+          f"{sum(nav) / sum(mem):5.1f}x")
+    print()
+    build_mem, build_nav = mtot["build"], tot["build"] + tot["save"] + tot["load"]
+    print(f"naive / in-memory, per configuration (build+eval)   : {sum(nav) / sum(mem):6.2f}x   (target >= 10x)")
+    print(f"  median over configurations                        : "
+          f"{statistics.median(tn / tm for tn, tm in zip(nav, mem, strict=True)):6.2f}x")
+    print(f"  with planning counted in both paths               : "
+          f"{(sum(nav) + plan_total) / (sum(mem) + plan_total):6.2f}x")
+    print(f"student making alone: (build+save+load) / build     : {build_nav / build_mem:6.2f}x")
+    print(f"evaluation share of the in-memory path              : {100 * mtot['eval'] / sum(mem):5.1f}%  "
+          f"(tokenizing the text, once here, on every call in the naive path: {t_tok:.3f}s)")
+    print(f"max relative |Δppl| between the paths               : {max(drel):.2e}   (tolerance {a.tol:g})")
+    if a.device == "cuda":
+        print(f"peak GPU memory                                     : "
+              f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    summary = {"n": len(rows), "ratio": sum(nav) / sum(mem), "build_ratio": build_nav / build_mem,
+               "max_rel_dppl": max(drel), "in_memory_s": sum(mem), "naive_s": sum(nav)}
+    print("json    :", json.dumps(summary))
+    if max(drel) > a.tol:
+        print(f"MISMATCH: the two paths' perplexities differ by {max(drel):.2e} > {a.tol:g}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
