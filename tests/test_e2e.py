@@ -218,3 +218,30 @@ def test_two_concurrent_launches_and_ctrl_c(tmp_path):
         status = dict(c.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall())
     assert status.get("running", 0) == 0 and status["succeeded"] >= 5
     assert subprocess.run(cmd, env=_env(home), cwd=ROOT, capture_output=True, timeout=600).returncode == 0
+
+
+def test_report_from_the_micro_run(ray_run, tmp_path):
+    """`moesweep report` on a real (test-size) run, side by side with the imported paper numbers."""
+    from analysis.load import load_frames
+    from analysis.reference import reference_sweeps
+    from analysis.report import write_report
+
+    store = ray_run["store"]
+    store.import_reference(reference_sweeps())
+    ref = [s["name"] for s in reference_sweeps()]
+    paths = write_report(load_frames(store.engine, ["micro"]), "micro", tmp_path / "r",
+                         load_frames(store.engine, ref))
+    names = {p.name for p in paths}
+    assert "index.md" in names and any(n.endswith(".tex") for n in names)
+    for p in paths:
+        assert p.stat().st_size > 100
+        if p.suffix == ".png":
+            assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        if p.suffix == ".pdf":
+            assert p.read_bytes()[:5] == b"%PDF-"
+    figures = {p.stem for p in paths if p.suffix == ".png"}
+    # the run has plans (Figure 2 overlap, Figure 3 effective rank) and distillation curves (Figure 5)
+    assert any("overlap" in f for f in figures) and any("rank" in f for f in figures)
+    assert any("curve" in f or "val" in f for f in figures), figures
+    grid = next(p for p in paths if p.suffix == ".tex" and "ppl" in p.stem).read_text()
+    assert "\\toprule" in grid and "DO-ACP" in grid
