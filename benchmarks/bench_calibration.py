@@ -16,7 +16,6 @@ Issue targets: batched ≥5× the loop, ≥50% of the raw matmul throughput. No 
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from machine import describe  # noqa: E402  (benchmarks/machine.py, beside this script)
 
 from workers.calibrate import LayerAccumulator, collect_stats  # noqa: E402
 from workers.merge import ffn_forward  # noqa: E402
@@ -167,15 +167,7 @@ def raw_matmuls(a: argparse.Namespace, n_tokens: int, n_layers: int):
 
 
 def machine(device: str) -> str:
-    if device == "cuda":
-        return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                   if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {torch.get_num_threads()} torch threads (torch {torch.__version__})"
+    return describe(device)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -38,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from machine import cpu_name  # noqa: E402  (benchmarks/machine.py, beside this script)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
@@ -210,13 +211,7 @@ def actor_start(inner: Any) -> float:
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                   if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} CPUs visible, load average {os.getloadavg()[0]:.1f} at start"
+    return f"{cpu_name()}, {os.cpu_count()} CPUs visible, load average {os.getloadavg()[0]:.1f} at start"
 
 
 def pct(x: float, base: float) -> str:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import platform
 import random
 import shutil
 import statistics
@@ -37,6 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from machine import describe  # noqa: E402  (benchmarks/machine.py, beside this script)
 
 # a small tiny teacher: trains in well under a minute on 2 CPU cores, cached under --home
 SMALL_SPEC = dict(experts=16, top_k=2, hidden=64, layers=2, heads=4, kv_heads=2, moe_intermediate=64, vocab=512,
@@ -85,15 +85,7 @@ def clock(device: str) -> float:
 
 
 def machine(device: str) -> str:
-    if device == "cuda":
-        return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                   if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {torch.get_num_threads()} torch threads (torch {torch.__version__})"
+    return describe(device)
 
 
 # ---- teacher, text, calibration ------------------------------------------------------------------
