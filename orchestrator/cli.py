@@ -209,7 +209,7 @@ def report(
         if store.sweep_id(names[0]) is None:
             store.import_reference(reference_sweeps())
         cmp = load_frames(store.engine, names)
-    target = out_dir or Path("report") / name
+    target = out_dir or Path("report") / name.replace(":", "_")  # paper:x -> report/paper_x
     arts = write_report(frames, name, target, cmp)
     out.print(f"{len(arts)} artefacts in {target}/ (index: {target / 'index.md'})")
 
