@@ -63,7 +63,8 @@ def stage_calibrate(payload: dict, cache: dict, progress) -> dict:
     cb = (lambda i, n: progress(i, n, "calibrate")) if progress else None
     stats = collect_stats(model, adapter, batches, chunk_tokens=p["chunk_tokens"], progress=cb)
     path = Path(payload["workdir"]) / "stats.safetensors"
-    save_stats(stats, path)
+    save_stats(stats, path, metadata={k: json.dumps(p[k], sort_keys=True) for k in
+                                      ("teacher", "data", "seq_len", "n_samples", "seed")})
     n_tokens = int(next(iter(stats.values())).n_tokens)
     return {"outputs": {"stats": str(path), "n_tokens": n_tokens, "layers": sorted(stats)},
             "metrics": [_metric("calib_tokens", float(n_tokens), stage="calib", n_tokens=n_tokens)],
