@@ -235,7 +235,8 @@ def _run_stages(spec: SweepSpec, plan: P.Plan, store: Store, runner: Runner, sid
         cfg_ids.update(store.upsert_configs(sid, new_cfgs))
         _link(store, cfg_ids, {c["config_key"]: ppl[c["config_key"].split("|variant=")[0]] for c in new_cfgs},
               "ppl_pre")
-    store.set_config_fields({cfg_ids[ck]: P.distill_budget(j.params["settings"]) for ck, j in distill.items()})
+    store.set_config_fields({cfg_ids[ck]: {"distill_tokens": P.distill_tokens(j.params["settings"])}
+                             for ck, j in distill.items()})
     dist_out = runner.run_stage("distill", distill.values())
     _link(store, cfg_ids, distill, "distill")
 

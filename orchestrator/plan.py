@@ -219,12 +219,12 @@ def distill_job(spec: SweepSpec, ppl: JobSpec, overrides: dict[str, Any]) -> Job
     return JobSpec("distill", params, deps, resident=resident, key=key, **res(spec, "distill"))
 
 
-def distill_budget(settings: dict[str, Any]) -> dict[str, Any]:
-    """What a configuration's distillation was, as config columns: loss, k', tokens (e.g. "98k", "0.3B")."""
+def distill_tokens(settings: dict[str, Any]) -> str:
+    """A distillation's token budget as shown in tables (e.g. "98k", "0.3B"). Variant runs (Tables 4/5)
+    are marked by the config columns distill_loss / teacher_top_k, set from their overrides."""
     from workers.distill import DistillSpec
 
-    d = DistillSpec(**settings)
-    return {"distill_loss": d.loss, "teacher_top_k": d.teacher_top_k, "distill_tokens": human_tokens(d.tokens)}
+    return human_tokens(DistillSpec(**settings).tokens)
 
 
 def human_tokens(n: int) -> str:
