@@ -64,19 +64,23 @@ class RayExecutor:
 
     def __init__(self, address: str | None = None, num_cpus: int | None = None,
                  max_concurrent: int | None = None) -> None:
+        self.address, self.num_cpus, self.max_concurrent = address, num_cpus, max_concurrent
+        self.ray: Any = None  # Ray starts with the first job: a resumed sweep with nothing to run never starts it
+        self.hub: Any = None
+        self.pools: dict[tuple[float, float], list[Any]] = {}
+        self.holds: dict[Any, str] = {}  # actor -> the resident model its last job loaded
+
+    def _start(self) -> None:
         import ray
 
         self.ray = ray
         if not ray.is_initialized():
             kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
                                   "configure_logging": False}
-            if address:
-                ray.init(address=address, **kw)
+            if self.address:
+                ray.init(address=self.address, **kw)
             else:
-                ray.init(num_cpus=num_cpus or os.cpu_count() or 1, **kw)
-        self.max_concurrent = max_concurrent
-        self.pools: dict[tuple[float, float], list[Any]] = {}
-        self.holds: dict[Any, str] = {}  # actor -> the resident model its last job loaded
+                ray.init(num_cpus=self.num_cpus or os.cpu_count() or 1, **kw)
         self.hub = _progress_hub(ray).remote()
 
     def _pool(self, cpus: float, gpus: float, wanted: int) -> list[Any]:
@@ -100,6 +104,8 @@ class RayExecutor:
             poll: Callable[[], None] | None = None) -> None:
         if not payloads:
             return
+        if self.ray is None:
+            self._start()
         # jobs that want the same resident model go to the same actor, in order
         payloads = sorted(payloads, key=lambda p: (p.get("resident") or "", p["key"]))
         shape = (payloads[0].get("cpus", 1), payloads[0].get("gpus", 0))
