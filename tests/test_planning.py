@@ -174,3 +174,19 @@ def test_bad_K_and_names_give_one_line_errors(monkeypatch):
     monkeypatch.setitem(scoring.SCORINGS, "NEG", Scoring(lambda c: -torch.ones(6, dtype=torch.float64)))
     with pytest.raises(ValueError, match="scoring 'NEG' gave invalid scores for layer 0"):
         plan_layer(0, ctx, "NEG", "RR", "uniform", 3)
+
+
+def test_bf16_experts_are_merged_in_fp32():
+    """Eq. 1 on bf16 weights: the average is formed in fp32 and rounded once, not per product."""
+    import torch
+
+    from workers.merge import merge_group
+    from workers.types import ExpertWeights
+
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(5, 8, 16, generator=g) for _ in range(2)] + [torch.randn(5, 16, 8, generator=g)]
+    ex = ExpertWeights(*(t.to(torch.bfloat16) for t in full))
+    w = [0.1, 0.2, 0.3, 0.4]
+    merged = merge_group(ex, [0, 1, 2, 4], w)
+    ref = sum(wi * ex.gate[e].double() for wi, e in zip(w, [0, 1, 2, 4], strict=True)).to(torch.bfloat16)
+    assert merged.gate.dtype == torch.bfloat16 and torch.equal(merged.gate, ref)

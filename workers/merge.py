@@ -19,7 +19,10 @@ def merge_group(experts: ExpertWeights, members: list[int], weights: list[float]
         if t is None:
             return None
         sel = t.index_select(0, idx)
-        return torch.tensordot(w.to(sel.dtype), sel, dims=1) if len(members) > 1 else sel[0]
+        if len(members) == 1:
+            return sel[0]
+        acc = torch.float64 if sel.dtype == torch.float64 else torch.float32  # bf16 experts merge in fp32
+        return torch.tensordot(w.to(acc), sel.to(acc), dims=1).to(sel.dtype)
 
     return DenseFFN(gate=avg(experts.gate), up=avg(experts.up), down=avg(experts.down),
                     gate_bias=avg(experts.gate_bias), up_bias=avg(experts.up_bias),
