@@ -18,6 +18,7 @@ Done = Callable[[dict[str, Any], dict[str, Any] | None, str | None, float], None
 # (job key, done, total, description, metrics): metrics are records a running job reports early
 # (validation CE during distillation); the orchestrator writes them at once, the final record replaces them
 Progress = Callable[[str, float, float, str, list | None], None]
+Claim = Callable[[dict[str, Any]], bool]  # take the job just before it starts; False: someone else has it
 
 
 def run_payload(payload: dict[str, Any], cache: dict, progress: Progress | None) -> tuple[dict | None, str | None]:
@@ -47,8 +48,10 @@ class SerialExecutor:
         self.cache: dict = {}
 
     def run(self, payloads: list[dict[str, Any]], on_done: Done, progress: Progress | None = None,
-            poll: Callable[[], None] | None = None) -> None:
+            poll: Callable[[], None] | None = None, claim: Claim | None = None) -> None:
         for p in payloads:
+            if claim is not None and not claim(p):
+                continue
             t0 = time.perf_counter()
             result, err = run_payload(p, self.cache, progress)
             on_done(p, result, err, time.perf_counter() - t0)
@@ -101,7 +104,7 @@ class RayExecutor:
         return pool[:n]
 
     def run(self, payloads: list[dict[str, Any]], on_done: Done, progress: Progress | None = None,
-            poll: Callable[[], None] | None = None) -> None:
+            poll: Callable[[], None] | None = None, claim: Claim | None = None) -> None:
         if not payloads:
             return
         if self.ray is None:
@@ -116,8 +119,13 @@ class RayExecutor:
         try:
             while queue or inflight:
                 while queue and idle:
-                    actor = idle.pop(0)
+                    actor = idle[0]
                     p = self._next_job(actor, queue)
+                    if claim is not None and not claim(p):
+                        continue
+                    idle.pop(0)
+                    if p.get("resident"):
+                        self.holds[actor] = p["resident"]
                     inflight[actor.run.remote(p)] = (p, actor, time.perf_counter())
                 ready, _ = self.ray.wait(list(inflight), num_returns=1, timeout=0.5)
                 self._drain_progress(progress)
@@ -148,10 +156,7 @@ class RayExecutor:
         model and drops the tensors cached for it, so an actor stays with its model while jobs want it."""
         held = self.holds.get(actor)
         i = next((i for i, p in enumerate(queue) if held is not None and p.get("resident") == held), 0)
-        p = queue.pop(i)
-        if p.get("resident"):
-            self.holds[actor] = p["resident"]
-        return p
+        return queue.pop(i)
 
     def _make_room(self, shape: tuple[float, float], n: int, total: dict[str, float]) -> None:
         """Actors hold their CPUs/GPUs for as long as they live: when the pools of other shapes hold

@@ -73,14 +73,18 @@ class Runner:
                     rep.blocked += 1
                     self._advance(bar)
                     continue
-                if not self.store.claim(j.key, self.owner, retry_failed=self.retry_failed):
-                    waiting.append(j)  # another launch holds it
-                    continue
-                self.claimed.add(j.key)
-                tries[j.key] = tries.get(j.key, 0) + 1
                 payloads.append(self._payload(j, rows))
             retry: list[P.JobSpec] = []
             by_key = {j.key: j for j in pending}
+
+            def claim(p: dict, waiting: list = waiting, by_key: dict = by_key) -> bool:
+                """Taken right before the job starts, so concurrent launches share a stage's jobs."""
+                if not self.store.claim(p["key"], self.owner, retry_failed=self.retry_failed):
+                    waiting.append(by_key[p["key"]])  # another launch holds it (or finished it)
+                    return False
+                self.claimed.add(p["key"])
+                tries[p["key"]] = tries.get(p["key"], 0) + 1
+                return True
 
             def on_done(p: dict, result: dict | None, err: str | None, dt: float,
                         retry: list = retry, by_key: dict = by_key) -> None:
@@ -101,7 +105,7 @@ class Runner:
                 self.claimed.discard(key)
 
             for group in _by_shape(payloads).values():
-                self.executor.run(group, on_done, self._on_progress, self._poll)
+                self.executor.run(group, on_done, self._on_progress, self._poll, claim)
             pending = retry + self._wait_for_others(waiting)
         self._finish_bar(bar)
         return {k: json.loads(r["outputs_json"] or "{}") for k, r in

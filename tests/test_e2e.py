@@ -194,8 +194,8 @@ def test_kill_9_at_several_points_then_resume_equals_an_uninterrupted_run(tmp_pa
 
 
 def test_two_concurrent_launches_and_ctrl_c(tmp_path):
-    """Two launches of one sweep on one DB both finish without running any job twice (what one has
-    claimed the other waits for); Ctrl-C keeps what finished and leaves nothing claimed."""
+    """Two launches of one sweep on one DB share its jobs without running any job twice; Ctrl-C keeps
+    what finished and leaves nothing claimed."""
     home = tmp_path / "home"
     procs = [subprocess.Popen(_launch_cmd(home), env=_env(home), cwd=ROOT, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE) for _ in range(2)]
@@ -204,6 +204,8 @@ def test_two_concurrent_launches_and_ctrl_c(tmp_path):
     store = Store(f"sqlite:///{home}/moesweep.db", migrate=False)
     assert store.query("SELECT COUNT(*), MAX(attempts), MIN(attempts) FROM jobs")[1][0][1:] == (1, 1)
     assert store.query("SELECT COUNT(*) FROM jobs WHERE status <> 'succeeded'")[1] == [(0,)]
+    owners = {o.rsplit(":", 1)[1] for (o,) in store.query("SELECT owner FROM jobs")[1]}
+    assert len(owners) == 2  # jobs are claimed as they start, so both launches did part of the work
 
     # Ctrl-C in the middle of a fresh sweep (new DB, cached teacher): exit 130, nothing left running
     db2 = tmp_path / "ctrlc.db"
