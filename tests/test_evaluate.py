@@ -11,23 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from workers.evaluate import run_suite
 from workers.ppl import perplexity
 from workers.suites import PAPER, build_suite, validate_suite
+from workers.tiny.tokenizer import train_tokenizer
 
 MODULES = ("json", "textwrap", "string", "shlex", "fnmatch", "glob", "heapq", "bisect", "difflib", "base64")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread (thread hand-offs dominate on a busy 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def documents() -> list[dict]:
@@ -64,15 +55,8 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tok():
-    t = Tokenizer(models.BPE())
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    t.post_processor = processors.ByteLevel(trim_offsets=False)
-    t.train_from_iterator([r["text"] for r in documents()], trainers.BpeTrainer(
-        vocab_size=512, special_tokens=["<|endoftext|>", "<|pad|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
-                                   unk_token="<|endoftext|>", pad_token="<|pad|>", model_max_length=512)
+def tok(tmp_path_factory):
+    return train_tokenizer([r["text"] for r in documents()], 512, tmp_path_factory.mktemp("tok"))
 
 
 def dense(tok, seed: int):

@@ -10,9 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
-    PreTrainedTokenizerFast,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -20,15 +18,7 @@ from transformers import (
 )
 
 from workers.ppl import make_windows, perplexity
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread (thread hand-offs dominate on a busy 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from workers.tiny.tokenizer import train_tokenizer
 
 
 def corpus() -> list[str]:
@@ -36,15 +26,8 @@ def corpus() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def tok():
-    t = Tokenizer(models.BPE())
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    t.post_processor = processors.ByteLevel(trim_offsets=False)
-    t.train_from_iterator(corpus(), trainers.BpeTrainer(
-        vocab_size=512, special_tokens=["<|endoftext|>", "<|pad|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
-                                   unk_token="<|endoftext|>", pad_token="<|pad|>", model_max_length=512)
+def tok(tmp_path_factory):
+    return train_tokenizer(corpus(), 512, tmp_path_factory.mktemp("tok"))
 
 
 def dense(tok, seed: int = 0):
