@@ -18,7 +18,7 @@ CREATE VIEW results AS
 SELECT s.name AS sweep, s.kind AS sweep_kind, s.source AS source, c.id AS config_id,
        c.model AS model, c.teacher_variant AS teacher_variant, c.family AS family, c.kind AS kind,
        c.baseline AS baseline, c.scoring AS scoring, c.grouping AS grouping,
-       c.dp_scaling AS dp_scaling, c.K AS K, c.top_k AS top_k, c.distill_loss AS distill_loss,
+       c.dp_scaling AS dp_scaling, c."K" AS "K", c.top_k AS top_k, c.distill_loss AS distill_loss,
        c.teacher_top_k AS teacher_top_k, c.distill_tokens AS distill_tokens,
        c.selected_for_distill AS selected_for_distill, c.duplicate_of AS duplicate_of,
        c.plan_key AS plan_key, c.source_table AS source_table,
@@ -49,7 +49,7 @@ WHERE m.task <> '' AND m.name IN ('acc', 'acc_norm');
 -- selections: the conversion plan of every configuration, one row per layer and kept expert.
 CREATE VIEW selections AS
 SELECT s.name AS sweep, c.id AS config_id, c.model AS model, c.scoring AS scoring,
-       c.grouping AS grouping, c.dp_scaling AS dp_scaling, c.K AS K, p.layer AS layer,
+       c.grouping AS grouping, c.dp_scaling AS dp_scaling, c."K" AS "K", p.layer AS layer,
        p.expert AS expert, p.score AS score, p.selected_rank AS selected_rank,
        p.group_idx AS group_idx, p.merge_weight AS merge_weight, p.alpha AS alpha
 FROM configurations c JOIN sweeps s ON s.id = c.sweep_id
@@ -59,7 +59,7 @@ JOIN plan_rows p ON p.job_id = cj.job_id;
 -- layer_diagnostics: per-layer numbers of a conversion (effective rank of the kept kernel, ...).
 CREATE VIEW layer_diagnostics AS
 SELECT s.name AS sweep, c.id AS config_id, c.scoring AS scoring, c.grouping AS grouping,
-       c.dp_scaling AS dp_scaling, c.K AS K, d.layer AS layer, d.name AS name, d.value AS value
+       c.dp_scaling AS dp_scaling, c."K" AS "K", d.layer AS layer, d.name AS name, d.value AS value
 FROM configurations c JOIN sweeps s ON s.id = c.sweep_id
 JOIN config_jobs cj ON cj.config_id = c.id AND cj.stage = 'convert'
 JOIN layer_diag d ON d.job_id = cj.job_id;
@@ -67,7 +67,7 @@ JOIN layer_diag d ON d.job_id = cj.job_id;
 -- curves: validation cross-entropy of student and teacher during distillation (Figure 5).
 CREATE VIEW curves AS
 SELECT s.name AS sweep, c.id AS config_id, c.scoring AS scoring, c.grouping AS grouping,
-       c.dp_scaling AS dp_scaling, c.K AS K, c.model AS model, m.who AS who, m.step AS step,
+       c.dp_scaling AS dp_scaling, c."K" AS "K", c.model AS model, m.who AS who, m.step AS step,
        m.n_tokens AS tokens, m.value AS value
 FROM config_metrics m JOIN configurations c ON c.id = m.config_id JOIN sweeps s ON s.id = c.sweep_id
 WHERE m.name = 'val_ce';

@@ -131,7 +131,7 @@ def status(name: str, db: DbOpt = None) -> None:
     out.print(t)
     out.print("duplicate = configurations served by another configuration's job (same content key)")
     cols, rows = store.query(
-        "SELECT COUNT(*), SUM(duplicate_of IS NOT NULL), SUM(selected_for_distill) FROM configurations "
+        "SELECT COUNT(*), COUNT(duplicate_of), SUM(selected_for_distill) FROM configurations "
         "WHERE sweep_id = :s", {"s": sid})
     n, dup, sel = rows[0]
     out.print(f"configurations: {n}  duplicates (share another's student): {dup or 0}  "

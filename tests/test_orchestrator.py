@@ -78,7 +78,7 @@ def _launch(store: Store, **kw) -> int:
 
 
 def _results(store: Store) -> list[tuple]:
-    return store.query("SELECT scoring, grouping, K, kind, baseline, ppl_pre, ppl_pre_kind, selected_for_distill, "
+    return store.query("SELECT scoring, grouping, \"K\", kind, baseline, ppl_pre, ppl_pre_kind, selected_for_distill, "
                        "duplicate_of IS NOT NULL, avg_acc FROM results WHERE sweep = 'fake' ORDER BY config_id")[1]
 
 
