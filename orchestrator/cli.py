@@ -6,6 +6,7 @@ import csv
 import json
 import os
 import sys
+import textwrap
 from pathlib import Path
 from typing import Annotated
 
@@ -107,7 +108,7 @@ def sweeps() -> None:
             desc = (yaml.safe_load(f.read_text()) or {}).get("description", "")
         except Exception:  # a broken file is still listed; `launch` will explain it
             desc = "(unreadable)"
-        t.add_row(n, str(f), str(desc).strip().splitlines()[0] if desc else "")
+        t.add_row(n, str(f), textwrap.shorten(str(desc or ""), 90, placeholder=" …"))
     out.print(t)
 
 
