@@ -119,3 +119,15 @@ def test_load_hf_wikitext_protocol(tmp_path):
     (d / "test.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
     texts = load_texts(DataSpec(source="hf", path=str(d), split="test"))
     assert texts == ["\n\n".join(lines)]  # rows joined as the dataset holds them, empty lines included
+
+
+def test_stream_windows_equal_token_windows_in_order(tmp_path):
+    """The lazy windows a streamed distillation uses are exactly token_windows(..., n=None), in order."""
+    from workers.data import stream_windows
+
+    texts = [f"document {i}: " + " ".join(f"word{j * i % 17}" for j in range(5 + i % 13)) for i in range(60)]
+    tok = train_tokenizer(texts, 320, tmp_path / "tok")
+    for add_bos in (False, True):
+        ref = token_windows(tok, texts, 16, None, 0, add_bos=add_bos)
+        lazy = list(stream_windows(tok, iter(texts), 16, add_bos=add_bos, docs_per_call=7))
+        assert len(lazy) == len(ref) and torch.equal(torch.stack(lazy), ref)

@@ -22,3 +22,24 @@ def test_d2d_target_of_a_real_moe_comes_from_its_config_alone(tmp_path):
 def test_processes_setting():
     assert _processes(1) == 1 and _processes(3) == 3
     assert _processes("gpus") >= 1
+
+
+def test_streamed_training_data_is_batched_in_stream_order(tmp_path):
+    import json
+
+    import torch
+
+    from workers.data import token_windows
+    from workers.distill import DistillSpec
+    from workers.stages import _train_batches
+    from workers.tiny.tokenizer import train_tokenizer
+
+    texts = [f"row {i} " + "alpha beta gamma delta " * (1 + i % 5) for i in range(80)]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    tok = train_tokenizer(texts, 300, tmp_path / "tok")
+    spec = DistillSpec(steps=3, batch_size=2, seq_len=16)
+    payload = {"params": {"data": {"source": "jsonl", "path": str(path), "streaming": True}}, "inputs": {}}
+    batches = list(_train_batches(payload, {}, tok, spec, n_train=6))
+    assert [b.shape for b in batches] == [(2, 16)] * 3
+    assert torch.equal(torch.cat(batches), token_windows(tok, texts, 16, None, 0)[:6])

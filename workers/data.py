@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -45,19 +46,26 @@ def load_texts(spec: DataSpec, tiny_dir: str | None = None, max_texts: int | Non
     ``"\\n\\n".join(rows)`` (the usual WikiText-2 perplexity protocol, as in the HF perplexity guide
     and GPTQ), and returned as one text; the limits then apply to the rows read.
     """
+    wikitext = spec.source == "hf" and "wikitext" in str(spec.path).lower()
+    texts = list(_limit(_rows(spec, tiny_dir), max_texts, max_chars, keep_empty=wikitext))
+    return ["\n\n".join(texts)] if wikitext else texts
+
+
+def stream_texts(spec: DataSpec, tiny_dir: str | None = None) -> Iterator[str]:
+    """The non-empty texts of a source, read lazily (a streamed HF dataset is read as it is consumed)."""
+    return _limit(_rows(spec, tiny_dir), None, None, keep_empty=False)
+
+
+def _rows(spec: DataSpec, tiny_dir: str | None) -> Iterable[str]:
     if spec.source == "tiny":
         if tiny_dir is None:
             raise ValueError("tiny_dir: source 'tiny' needs the tiny teacher's directory")
         from workers.tiny.corpus import read_split
 
-        rows: Iterable[str] = (r["text"] for r in read_split(Path(tiny_dir) / "corpus", spec.split))
-    elif spec.source == "jsonl":
-        rows = _jsonl_rows(Path(spec.path), spec.text_field)
-    else:
-        rows = _hf_rows(spec)
-    wikitext = spec.source == "hf" and "wikitext" in str(spec.path).lower()
-    texts = list(_limit(rows, max_texts, max_chars, keep_empty=wikitext))
-    return ["\n\n".join(texts)] if wikitext else texts
+        return (r["text"] for r in read_split(Path(tiny_dir) / "corpus", spec.split))
+    if spec.source == "jsonl":
+        return _jsonl_rows(Path(spec.path), spec.text_field)
+    return _hf_rows(spec)
 
 
 def _limit(rows: Iterable[str], max_texts: int | None, max_chars: int | None, keep_empty: bool) -> Iterator[str]:
@@ -136,3 +144,28 @@ def token_windows(tok, texts: list[str], seq_len: int, n: int | None, seed: int,
     epochs = [torch.randperm(count, generator=gen) for _ in range(-(-n // count))]
     order = torch.cat(epochs) if epochs else torch.zeros(0, dtype=torch.long)
     return wins[order[:n]]
+
+
+def stream_windows(tok, texts: Iterable[str], seq_len: int, add_bos: bool = False,
+                   docs_per_call: int = 256) -> Iterator[torch.Tensor]:
+    """The windows of ``token_windows(tok, texts, seq_len, None, ...)``, in the same order, made lazily:
+    texts are tokenized ``docs_per_call`` at a time and only a window's worth of ids is held, so a
+    distillation over a streamed corpus never materialises its token budget."""
+    if seq_len < 2:
+        raise ValueError(f"seq_len={seq_len}: must be at least 2")
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    if add_bos and bos is None:
+        raise ValueError("add_bos: the tokenizer has no bos token")
+    width = seq_len - 1 if add_bos else seq_len
+    buf: list[int] = []
+    it = iter(texts)
+    while chunk := list(itertools.islice(it, docs_per_call)):
+        for ids in tok(chunk, add_special_tokens=False)["input_ids"]:
+            buf.extend(ids)
+            if eos is not None:
+                buf.append(eos)
+        full = len(buf) // width
+        for i in range(full):
+            w = buf[i * width:(i + 1) * width]
+            yield torch.tensor([bos, *w] if add_bos else w, dtype=torch.long)
+        del buf[:full * width]

@@ -219,17 +219,17 @@ def stage_distill(payload: dict, cache: dict, progress) -> dict:
     teacher, _ = resident_teacher(payload, cache, role=role)
     adapter = get_adapter(teacher) if role == "teacher" else None
     n_train = spec.steps * spec.batch_size * spec.grad_accum
-    train = windows(payload, cache, tok, p["data"], spec.seq_len, n_train, spec.seed + 1)
     val = windows(payload, cache, tok, p["val_data"], spec.seq_len, spec.val_windows, spec.seed + 2)
     out = Path(payload["workdir"]) / "student"
     procs = _processes(p.get("processes", 1))
     if procs > 1:  # data-parallel over this job's GPUs (or CPU processes): torchrun, same loop and losses
+        train = windows(payload, cache, tok, p["data"], spec.seq_len, n_train, spec.seed + 1)
         rec = _distill_multiprocess(payload, student, tok, teacher_path(payload, role), role, train, val, spec, procs)
     else:
         cb = (lambda i, n, *_: progress(i, n, "distill")) if progress else None
         stream = (lambda r: progress(r["step"], spec.steps, "distill", metrics=[_val_metric(r)])) if progress else None
-        rec = distill(student, teacher, adapter, (train[i:i + spec.batch_size] for i in range(0, len(train),
-                      spec.batch_size)), val, spec, progress=cb, on_val=stream)
+        rec = distill(student, teacher, adapter, _train_batches(payload, cache, tok, spec, n_train), val, spec,
+                      progress=cb, on_val=stream)
         student.save_pretrained(out)
         tok.save_pretrained(out)
     metrics = [_val_metric(r) for r in rec["val"]]
@@ -239,6 +239,22 @@ def stage_distill(payload: dict, cache: dict, progress) -> dict:
                            extra={"teacher_routing": rec.get("teacher_routing"), "processes": procs}))
     return {"outputs": {"path": str(out), "tokens": rec["tokens"]}, "metrics": metrics,
             "artifacts": [artifact("student", out)]}
+
+
+def _train_batches(payload: dict, cache: dict, tok, spec, n_train: int):
+    """Micro-batches [batch_size, seq_len]: a seeded sample of windows, or, for a streamed source (e.g.
+    FineWeb-Edu), the stream's windows in order, tokenized as training consumes them."""
+    from itertools import islice
+
+    from workers.data import DataSpec, stream_texts, stream_windows
+    from workers.runtime import tiny_dir
+
+    data = payload["params"]["data"]
+    if data.get("streaming"):
+        wins = islice(stream_windows(tok, stream_texts(DataSpec(**data), tiny_dir(payload)), spec.seq_len), n_train)
+        return (torch.stack(b) for b in iter(lambda: list(islice(wins, spec.batch_size)), []))
+    train = windows(payload, cache, tok, data, spec.seq_len, n_train, spec.seed + 1)
+    return (train[i:i + spec.batch_size] for i in range(0, len(train), spec.batch_size))
 
 
 def _val_metric(r: dict[str, Any]) -> dict[str, Any]:
