@@ -178,11 +178,13 @@ class Store:
                     released += 1
         return released
 
-    def release(self, key: str, owner: str) -> None:
-        """Give a claimed job back untouched (e.g. on Ctrl-C before it finished)."""
+    def release(self, owner: str, key: str | None = None) -> int:
+        """Give claimed jobs back untouched (e.g. on Ctrl-C before they finished): one, or every running
+        job of `owner` (also one claimed a moment before the interrupt, which its owner may not know of)."""
+        cond = [Job.owner == owner, Job.status == "running"] + ([Job.key == key] if key is not None else [])
         with self.tx() as c:
-            c.execute(update(Job).where(Job.key == key, Job.owner == owner, Job.status == "running")
-                      .values(status="pending", owner=None, attempts=Job.attempts - 1))
+            return c.execute(update(Job).where(*cond).values(status="pending", owner=None,
+                                                             attempts=Job.attempts - 1)).rowcount
 
     def finish(self, key: str, owner: str, result: dict[str, Any], duration_s: float,
                log_path: str | None = None) -> bool:

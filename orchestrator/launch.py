@@ -8,6 +8,7 @@ result in its own transaction as it arrives. A crash loses at most the jobs in f
 from __future__ import annotations
 
 import json
+import signal
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ class Runner:
         self.console = console
         self.progress = progress
         self.claimed: set[str] = set()
+        self.interrupted = False  # set by Ctrl-C: a job that fails now failed because of it
         self.reports: list[StageReport] = []
         self._job_bars: dict[str, Any] = {}
         self._last_beat = time.monotonic()
@@ -79,6 +81,8 @@ class Runner:
 
             def claim(p: dict, waiting: list = waiting, by_key: dict = by_key) -> bool:
                 """Taken right before the job starts, so concurrent launches share a stage's jobs."""
+                if self.interrupted:  # Ctrl-C that a library swallowed: start nothing new
+                    raise KeyboardInterrupt
                 if not self.store.claim(p["key"], self.owner, retry_failed=self.retry_failed):
                     waiting.append(by_key[p["key"]])  # another launch holds it (or finished it)
                     return False
@@ -94,6 +98,8 @@ class Runner:
                     rep.ran += 1
                     self._advance(bar)
                 else:
+                    if self.interrupted:  # the job died of Ctrl-C: released by launch(), not a failure
+                        raise KeyboardInterrupt
                     final = tries[key] > self.spec.execution.retries
                     self.store.fail(key, self.owner, err or "no result", final=final, log_path=p["log_path"],
                                     duration_s=dt)
@@ -156,8 +162,7 @@ class Runner:
             self._last_beat = time.monotonic()
 
     def release_claimed(self) -> None:
-        for key in list(self.claimed):
-            self.store.release(key, self.owner)
+        self.store.release(self.owner)
         self.claimed.clear()
 
 
@@ -186,16 +191,42 @@ def launch(spec: SweepSpec, spec_text: str, store: Store, executor, *, retry_fai
     progress = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, disable=not show_progress, transient=False)
     runner = Runner(store, executor, sid, spec, retry_failed=retry_failed, console=console, progress=progress)
+    previous = _on_sigint(runner)
     try:
         with progress:
             _run_stages(spec, plan, store, runner, sid, cfg_ids)
-    except KeyboardInterrupt:
-        runner.release_claimed()
+        if runner.interrupted:
+            raise KeyboardInterrupt
+    except BaseException as e:
+        # after Ctrl-C any exception is the interrupt's (e.g. a DB call cut mid-statement that re-raises
+        # as an OperationalError during its rollback)
+        if not (isinstance(e, KeyboardInterrupt) or runner.interrupted):
+            raise
+        store.engine.dispose()  # a connection interrupted mid-statement is never reused
+        try:
+            runner.release_claimed()
+        except Exception as err:  # the next launch releases them anyway: their owner is gone
+            console.print(f"[yellow]could not release the jobs in flight now ({err}); the next launch will[/]")
         console.print("[yellow]interrupted[/]: finished jobs are kept; `moesweep launch` resumes.")
         return 130
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
         executor.close()
     return _summary(console, runner.reports, store, sid)
+
+
+def _on_sigint(runner: Runner):
+    """Ctrl-C marks the runner interrupted before Python raises KeyboardInterrupt, so a job whose library
+    turns the interrupt into another exception is released, not recorded as failed. Main thread only."""
+    def handler(signum, frame):
+        runner.interrupted = True
+        signal.default_int_handler(signum, frame)
+
+    try:
+        return signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread: keep Python's default behaviour
+        return None
 
 
 def _run_stages(spec: SweepSpec, plan: P.Plan, store: Store, runner: Runner, sid: int,

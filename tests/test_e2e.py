@@ -215,7 +215,8 @@ def test_two_concurrent_launches_and_ctrl_c(tmp_path):
     while _succeeded(db2) < 5 and time.monotonic() - t0 < 300:
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=120) == 130
+    rc = proc.wait(timeout=120)
+    assert rc == 130, proc.stderr.read().decode()[-3000:]
     with sqlite3.connect(db2) as c:
         status = dict(c.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall())
     assert status.get("running", 0) == 0 and status["succeeded"] >= 5

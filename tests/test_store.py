@@ -118,3 +118,14 @@ def test_reference_import_is_idempotent(tmp_path):
     s.import_reference(recs)
     _, rows = s.query("SELECT sweep_kind, ppl_pre, ROUND(avg_acc, 4) FROM results WHERE sweep = 'paper-x'")
     assert rows == [("reference", 20633.0, 0.4)]
+
+
+def test_release_gives_back_every_running_job_of_one_owner(tmp_path):
+    s = make_store(tmp_path)
+    sid = s.upsert_sweep("x")
+    s.register_jobs(sid, [{"key": k, "stage": "convert", "params": {"k": k}} for k in ("a1", "a2", "b1")])
+    assert s.claim("a1", "a") and s.claim("a2", "a") and s.claim("b1", "b")
+    assert s.release("a") == 2  # also a job its owner claimed but had not noted yet
+    jobs = s.jobs(["a1", "a2", "b1"])
+    assert [jobs[k]["status"] for k in ("a1", "a2", "b1")] == ["pending", "pending", "running"]
+    assert jobs["a1"]["attempts"] == 0 and s.release("b", "b1") == 1
