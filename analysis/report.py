@@ -125,14 +125,7 @@ def write_report(frames: Frames, name: str, out_dir: Path, compare: Frames | Non
                 ):
                     w.table(t)
             w.table(tb.marginal_table(f, model, rf, ref_label, f"marginal{slug}"))
-            fig7.append(
-                fg.panel(
-                    f"{model} ({name})",
-                    best_by_scoring_k(distilled_rows(rows)),
-                    top_k_of(rows[rows["kind"] == "moe2dense"]),
-                    baseline_avg(rows, "random_ffn"),
-                )
-            )
+            fig7.append(_fig7_panel(f"{model} ({name})", rows))
         w.table(
             tb.baselines_table(
                 tb.make_view(models[0] if len(models) == 1 else name, res, tasks),
@@ -181,14 +174,7 @@ def write_report(frames: Frames, name: str, out_dir: Path, compare: Frames | Non
                         extra.append((-rmf.get("n_distilled", 0), rs, rm))
             for _, rs, rm in sorted(extra):
                 rrows = cres[(cres["sweep"] == rs) & (cres["model"] == rm)]
-                fig7.append(
-                    fg.panel(
-                        f"{rm} ({rs})",
-                        best_by_scoring_k(distilled_rows(rrows)),
-                        top_k_of(rrows[rrows["kind"] == "moe2dense"]),
-                        baseline_avg(rrows, "random_ffn"),
-                    )
-                )
+                fig7.append(_fig7_panel(f"{rm} ({rs})", rrows))
         w.figure(
             fg.by_scoring_k_figure(fig7),
             "accuracy_by_scoring_k",
@@ -351,3 +337,9 @@ def _index(
                 "",
             ]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _fig7_panel(label: str, rows):
+    """One model's Figure 7 panel: best accuracy per scoring and K, the router's k, the random-FFN line."""
+    return fg.panel(label, best_by_scoring_k(distilled_rows(rows)), top_k_of(rows[rows["kind"] == "moe2dense"]),
+                    baseline_avg(rows, "random_ffn"))

@@ -15,6 +15,7 @@ import torch
 from scipy.cluster.hierarchy import linkage
 from scipy.spatial.distance import squareform
 
+from workers.registry import lookup
 from workers.types import LayerContext
 
 Grouping = Callable[[LayerContext, list[int], torch.Tensor, int], list[list[int]]]
@@ -168,6 +169,4 @@ GROUPINGS: dict[str, Grouping] = {
 
 
 def get_grouping(name: str) -> Grouping:
-    if name not in GROUPINGS:
-        raise ValueError(f"unknown grouping {name!r}; allowed: {', '.join(GROUPINGS)}")
-    return GROUPINGS[name]
+    return lookup(GROUPINGS, name, "grouping")

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from workers.registry import lookup
 from workers.scoring import cp
 from workers.types import LayerContext
 
@@ -64,6 +65,4 @@ SCALINGS: dict[str, Scaling] = {
 
 
 def get_scaling(name: str) -> Scaling:
-    if name not in SCALINGS:
-        raise ValueError(f"unknown dp_scaling {name!r}; allowed: {', '.join(SCALINGS)}")
-    return SCALINGS[name]
+    return lookup(SCALINGS, name, "dp_scaling")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.registry import lookup
 from workers.selection import Selection, d_optimal_greedy, importance_kernel, top_k
 from workers.types import LayerContext, LayerStats
 
@@ -107,6 +108,4 @@ SCORINGS: dict[str, Scoring] = {
 
 
 def get_scoring(name: str) -> Scoring:
-    if name not in SCORINGS:
-        raise ValueError(f"unknown scoring {name!r}; allowed: {', '.join(SCORINGS)}")
-    return SCORINGS[name]
+    return lookup(SCORINGS, name, "scoring")

@@ -21,6 +21,7 @@ from workers.runtime import (
     load_model,
     resident_teacher,
     teacher_path,
+    tiny_dir,
     windows,
 )
 
@@ -247,7 +248,6 @@ def _train_batches(payload: dict, cache: dict, tok, spec, n_train: int):
     from itertools import islice
 
     from workers.data import DataSpec, stream_texts, stream_windows
-    from workers.runtime import tiny_dir
 
     data = payload["params"]["data"]
     if data.get("streaming"):
@@ -314,7 +314,7 @@ def stage_evaluate(payload: dict, cache: dict, progress) -> dict:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     res = run_suite(model, tok, ev["suite"], model_key=model_key, cache_dir=str(Path(payload["home"]) / "lm_eval_cache"),
-                    tiny_dir=_tiny_dir(payload), batch_size=ev["batch_size"], backend=ev["backend"],
+                    tiny_dir=tiny_dir(payload), batch_size=ev["batch_size"], backend=ev["backend"],
                     limit=ev.get("limit"), model_path=path, workdir=payload["workdir"])
     for t in res["tasks"]:
         for metric in ("acc", "acc_norm"):
@@ -330,12 +330,6 @@ def stage_evaluate(payload: dict, cache: dict, progress) -> dict:
     out = Path(payload["workdir"]) / "lm_eval_results.json"
     out.write_text(json.dumps(res["results_json"], indent=1, default=str, sort_keys=True))
     return {"outputs": {"avg": res.get("average")}, "metrics": metrics, "artifacts": [artifact("lm_eval_results", out)]}
-
-
-def _tiny_dir(payload: dict) -> str | None:
-    from workers.runtime import tiny_dir
-
-    return tiny_dir(payload)
 
 
 STAGES = {
