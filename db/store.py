@@ -129,6 +129,7 @@ class Store:
                     jid = c.execute(insert(Job).values(
                         key=j["key"], stage=j["stage"], params_json=json.dumps(j["params"], sort_keys=True),
                         status="pending", attempts=0, code_version=j.get("code_version"),
+                        code_json=j.get("code_json"),
                     )).inserted_primary_key[0]
                 if c.scalar(select(SweepJob.id).where(SweepJob.sweep_id == sweep_id,
                                                       SweepJob.job_id == jid)) is None:

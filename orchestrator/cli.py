@@ -65,10 +65,15 @@ def launch(
         try:
             show(spec, _store(db) if db or os.environ.get("MOESWEEP_DB") or _default_db_exists() else None, out)
         except SpecError as e:
-            _fail(f"{path}: {e}")
+            _fail(str(e) if str(e).startswith(str(path)) else f"{path}: {e}")
         return
     from orchestrator.launch import launch as run
+    from orchestrator.launch import prepare
 
+    try:
+        prepared = prepare(spec, str(path))  # every sweep-file error before the database is opened
+    except SpecError as e:
+        _fail(str(e) if str(e).startswith(str(path)) else f"{path}: {e}")
     store = _store(db)
     if executor == "serial":
         from orchestrator.execute import SerialExecutor
@@ -82,9 +87,9 @@ def launch(
     else:
         _fail(f"--executor {executor!r}: allowed: ray, serial")
     try:
-        code = run(spec, text, store, ex, retry_failed=retry_failed, console=err)
+        code = run(spec, text, store, ex, retry_failed=retry_failed, console=err, path=str(path), prepared=prepared)
     except SpecError as e:
-        _fail(f"{path}: {e}")
+        _fail(str(e) if str(e).startswith(str(path)) else f"{path}: {e}")
     raise typer.Exit(code)
 
 
@@ -114,23 +119,36 @@ def sweeps() -> None:
 
 @app.command()
 def status(name: str, db: DbOpt = None) -> None:
-    """Per stage: done / running / failed / pending / duplicate, and the failures."""
+    """Per stage: succeeded / running / failed / pending, stale (computed by code that has changed since),
+    duplicate (configurations served by another configuration's job), and the failures."""
+    from orchestrator.stage import is_stale, stages
+
     store = _store(db)
     sid = store.sweep_id(name)
     if sid is None:
         _fail(f"no sweep {name!r} in {store.url}")
-    counts = store.job_counts(sid)
+    _, jobs = store.query(
+        "SELECT j.stage, j.status, j.params_json, j.code_json FROM jobs j JOIN sweep_jobs sj ON sj.job_id = j.id "
+        "WHERE sj.sweep_id = :s", {"s": sid})
+    counts: dict[tuple[str, str], int] = {}
+    for stage, st, params, code in jobs:
+        col = "stale" if is_stale(stage, json.loads(params), code) else st
+        counts[(stage, col)] = counts.get((stage, col), 0) + 1
     _, shared = store.query(
         "SELECT cj.stage, COUNT(*) - COUNT(DISTINCT cj.job_id) FROM config_jobs cj "
         "JOIN configurations c ON c.id = cj.config_id WHERE c.sweep_id = :s GROUP BY cj.stage", {"s": sid})
     dup_by_stage = dict(shared)
-    t = Table("stage", "succeeded", "running", "failed", "pending", "duplicate", title=f"sweep {name}")
-    order = ["teacher", "dense_teacher", "calibrate", "convert", "ppl_pre", "distill", "evaluate"]
-    for stage in sorted({s for s, _ in counts}, key=lambda s: order.index(s) if s in order else 99):
-        t.add_row(stage, *(str(counts.get((stage, st), 0)) for st in ("succeeded", "running", "failed", "pending")),
-                  str(dup_by_stage.get(stage, 0)))
+    declared = {s.name: s for s in stages()}
+    t = Table("stage", "succeeded", "running", "failed", "pending", "stale", "duplicate", title=f"sweep {name}")
+    order = list(declared)
+    for stage in sorted({s for s, _ in counts}, key=lambda s: order.index(s) if s in order else len(order)):
+        shared_by_design = stage in declared and declared[stage].shared
+        t.add_row(stage, *(str(counts.get((stage, st), 0)) for st in ("succeeded", "running", "failed", "pending",
+                                                                        "stale")),
+                  "–" if shared_by_design else str(dup_by_stage.get(stage, 0)))
     out.print(t)
-    out.print("duplicate = configurations served by another configuration's job (same content key)")
+    out.print("stale = computed by code that has changed since (the next launch recomputes what the sweep uses); "
+              "duplicate = configurations served by another configuration's job (same content key)", soft_wrap=True)
     cols, rows = store.query(
         "SELECT COUNT(*), COUNT(duplicate_of), SUM(selected_for_distill) FROM configurations "
         "WHERE sweep_id = :s", {"s": sid})
@@ -143,6 +161,19 @@ def status(name: str, db: DbOpt = None) -> None:
     for stage, key, error, log in fails:
         last = [ln for ln in (error or "").splitlines() if ln.strip()][-1:] or [""]
         out.print(f"[red]failed[/] {stage} {key[:12]}: {last[0]}  (log: {log})", highlight=False)
+
+
+@app.command("stages")
+def stages_cmd() -> None:
+    """The stages a sweep runs, in order, with their sweep-file section, inputs and default resources."""
+    from orchestrator.stage import stages
+
+    t = Table("stage", "section", "reads", "records", "default resources", "what it does")
+    for s in stages():
+        t.add_row(s.name, s.section or "", ", ".join(s.upstream), ", ".join(sorted(s.records - {"outputs"})),
+                  f"{s.resources.cpus:g} CPU" + (f", {s.resources.gpus:g} GPU" if s.resources.gpus else ""),
+                  s.summary)
+    out.print(t)
 
 
 @app.command()

@@ -20,7 +20,8 @@ from rich.table import Table
 
 from db.store import Store, home, owner_id
 from orchestrator import plan as P
-from orchestrator.spec import SweepSpec, spec_hash
+from orchestrator.spec import SweepSpec, check_local_paths, spec_hash
+from orchestrator.stage import JobSpec, PlanContext, Stage, TeacherShape, stages, unique
 
 
 @dataclass
@@ -48,8 +49,10 @@ class Runner:
         self._last_beat = time.monotonic()
 
     # ---- one stage ---------------------------------------------------------------------------
-    def run_stage(self, stage: str, jobs: Iterable[P.JobSpec | None]) -> dict[str, dict[str, Any]]:
-        jobs = P.unique(j for j in jobs if j is not None)
+    def run_stage(self, st: Stage, jobs: Iterable[JobSpec | None]) -> dict[str, dict[str, Any]]:
+        """Run a stage's distinct jobs; returns {job key: outputs} of those that succeeded."""
+        stage = st.name
+        jobs = unique(jobs)
         rep = StageReport(stage, total=len(jobs))
         self.reports.append(rep)
         if not jobs:
@@ -75,8 +78,8 @@ class Runner:
                     rep.blocked += 1
                     self._advance(bar)
                     continue
-                payloads.append(self._payload(j, rows))
-            retry: list[P.JobSpec] = []
+                payloads.append(self._payload(st, j, rows))
+            retry: list[JobSpec] = []
             by_key = {j.key: j for j in pending}
 
             def claim(p: dict, waiting: list = waiting, by_key: dict = by_key) -> bool:
@@ -93,6 +96,9 @@ class Runner:
             def on_done(p: dict, result: dict | None, err: str | None, dt: float,
                         retry: list = retry, by_key: dict = by_key) -> None:
                 key = p["key"]
+                stray = sorted(set(result or {}) - st.records - {"compute_s", "versions"})
+                if err is None and stray:  # a record the stage does not declare is a bug in its run function
+                    result, err = None, f"stage {stage!r} returned {stray}; it declares records {sorted(st.records)}"
                 if err is None and result is not None:
                     self.store.finish(key, self.owner, result, dt, log_path=p["log_path"])
                     rep.ran += 1
@@ -117,15 +123,15 @@ class Runner:
         return {k: json.loads(r["outputs_json"] or "{}") for k, r in
                 self.store.jobs([j.key for j in jobs]).items() if r["status"] == "succeeded"}
 
-    def _payload(self, j: P.JobSpec, rows: dict[str, dict]) -> dict[str, Any]:
+    def _payload(self, st: Stage, j: JobSpec, rows: dict[str, dict]) -> dict[str, Any]:
         inputs = {role: json.loads(rows[d]["outputs_json"] or "{}") for role, d in j.deps.items()}
         root = home()
-        return {"key": j.key, "stage": j.stage, "params": j.params, "inputs": inputs, "resident": j.resident,
+        return {"key": j.key, "stage": j.stage, "run": ":".join(st.run_ref()), "params": j.params, "inputs": inputs, "resident": j.resident,
                 "cpus": j.cpus, "gpus": j.gpus, "home": str(root),
                 "workdir": str(root / "artifacts" / j.stage / j.key),
                 "log_path": str(root / "logs" / j.stage / f"{j.key}.log")}
 
-    def _wait_for_others(self, waiting: list[P.JobSpec]) -> list[P.JobSpec]:
+    def _wait_for_others(self, waiting: list[JobSpec]) -> list[JobSpec]:
         """Jobs another launch is running: wait for them; take them over if their owner died."""
         while waiting:
             self.store.release_stale()
@@ -179,22 +185,41 @@ def _last_line(err: str | None) -> str:
 
 
 # ---- the whole sweep ------------------------------------------------------------------------------
+def prepare(spec: SweepSpec, path: str | None = None) -> tuple[TeacherShape, list[dict[str, Any]]]:
+    """Everything that can be wrong with a sweep before anything runs (data paths, the teacher's shape
+    against its config, K against it): (the teacher's shape, the configurations). SpecError otherwise."""
+    where = path or spec.name
+    check_local_paths(spec, where)
+    shape = P.model_shape(spec, where)
+    return shape, P.build_configs(spec, shape)
+
+
 def launch(spec: SweepSpec, spec_text: str, store: Store, executor, *, retry_failed: bool = False,
-           console: Console | None = None, show_progress: bool = True) -> int:
+           console: Console | None = None, show_progress: bool = True, path: str | None = None,
+           prepared: tuple[TeacherShape, list[dict[str, Any]]] | None = None) -> int:
     """Run the sweep; returns the process exit code (0 = everything succeeded)."""
     console = console or Console(stderr=True)
-    plan = P.build_plan(spec)
+    shape, configs = prepared or prepare(spec, path)
     sid = store.upsert_sweep(spec.name, spec_yaml=spec_text, spec_hash=spec_hash(spec_text),
-                             description=spec.description)
+                             description=spec.description, select_json=P.select_json(spec))
     store.release_stale()
-    cfg_ids = store.upsert_configs(sid, plan.configs)
+    cfg_ids = store.upsert_configs(sid, configs)
     progress = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, disable=not show_progress, transient=False)
     runner = Runner(store, executor, sid, spec, retry_failed=retry_failed, console=console, progress=progress)
+    ctx = _context(spec, shape, configs, store, sid, cfg_ids)
     previous = _on_sigint(runner)
     try:
         with progress:
-            _run_stages(spec, plan, store, runner, sid, cfg_ids)
+            for stage in stages():
+                jobs = stage.plan(ctx)
+                ctx.jobs[stage.name] = jobs
+                ctx.outputs[stage.name] = runner.run_stage(stage, jobs.values())
+                _link(store, cfg_ids, jobs, stage.name)
+                if stage.identity:
+                    _mark_duplicates(store, cfg_ids, jobs)
+                if stage.after is not None:
+                    stage.after(ctx)
         if runner.interrupted:
             raise KeyboardInterrupt
     except BaseException as e:
@@ -216,6 +241,33 @@ def launch(spec: SweepSpec, spec_text: str, store: Store, executor, *, retry_fai
     return _summary(console, runner.reports, store, sid)
 
 
+def _context(spec: SweepSpec, shape, configs: list[dict[str, Any]], store: Store, sid: int,
+             cfg_ids: dict[str, int]) -> PlanContext:
+    """The planning context with the launcher's hooks: the selection rule, new configurations, fields."""
+    ctx = PlanContext(spec, shape, configs)
+    chosen: list[str] | None = None
+
+    def select() -> list[str]:
+        nonlocal chosen
+        if chosen is None:
+            chosen = _select(spec, store, sid, cfg_ids)
+        return chosen
+
+    def add_configs(new: list[dict[str, Any]]) -> None:
+        rows = [{k: v for k, v in c.items() if k != "variant_of"} for c in new]
+        cfg_ids.update(store.upsert_configs(sid, rows))
+        store.set_config_fields({cfg_ids[c["config_key"]]: {"variant_of": cfg_ids[c["variant_of"]]}
+                                 for c in new if c.get("variant_of")})
+        known = {c["config_key"] for c in ctx.configs}
+        ctx.configs.extend(c for c in new if c["config_key"] not in known)
+
+    def set_fields(values: dict[str, dict[str, Any]]) -> None:
+        store.set_config_fields({cfg_ids[ck]: v for ck, v in values.items() if ck in cfg_ids})
+
+    ctx.select, ctx.add_configs, ctx.set_fields = select, add_configs, set_fields
+    return ctx
+
+
 def _on_sigint(runner: Runner):
     """Ctrl-C marks the runner interrupted before Python raises KeyboardInterrupt, so a job whose library
     turns the interrupt into another exception is released, not recorded as failed. Main thread only."""
@@ -229,97 +281,42 @@ def _on_sigint(runner: Runner):
         return None
 
 
-def _run_stages(spec: SweepSpec, plan: P.Plan, store: Store, runner: Runner, sid: int,
-                cfg_ids: dict[str, int]) -> None:
-    runner.run_stage("teacher", [plan.teacher, plan.dense_teacher])
-    runner.run_stage("calibrate", [plan.calibrate])
-    conv_out = runner.run_stage("convert", plan.convert.values())
-    _link(store, cfg_ids, plan.convert, "convert")
-
-    # pre-distill perplexity: one job per distinct student (equal plans share it)
-    ppl: dict[str, P.JobSpec] = {}
-    for cfg in plan.configs:
-        ck = cfg["config_key"]
-        conv = plan.convert.get(ck)
-        if conv is not None and conv.key not in conv_out:
-            continue  # its conversion failed: nothing downstream of it runs
-        ppl[ck] = P.ppl_job(spec, cfg, conv, conv_out.get(conv.key) if conv else None)
-    runner.run_stage("ppl_pre", ppl.values())
-    _link_and_dedupe(store, cfg_ids, ppl, "ppl_pre", plan_keys={
-        ck: conv_out[j.key]["plan_key"] for ck, j in plan.convert.items() if j.key in conv_out})
-
-    if spec.distill is None:
+def _link(store: Store, cfg_ids: dict[str, int], jobs: dict[str, JobSpec], stage: str) -> None:
+    """config_jobs: which job produced a configuration's numbers for a stage."""
+    linked = {ck: j for ck, j in jobs.items() if ck in cfg_ids}
+    if not linked:
         return
-    selected = _select(spec, store, sid, plan, cfg_ids)
-    distill: dict[str, P.JobSpec] = {}
-    new_cfgs: list[dict[str, Any]] = []
-    for ck in selected:
-        if ck not in ppl:
-            continue
-        distill[ck] = P.distill_job(spec, ppl[ck], {})
-        for i, over in enumerate(spec.distill.variants):
-            cfg = next(c for c in plan.configs if c["config_key"] == ck)
-            if not all(cfg.get(a) == v for a, v in spec.distill.variants_on.items()):
-                continue
-            vk = f"{ck}|variant={i}"
-            new_cfgs.append({**cfg, "config_key": vk, "selected_for_distill": 1,
-                             "distill_loss": over.get("loss"), "teacher_top_k": over.get("teacher_top_k"),
-                             "note": json.dumps(over, sort_keys=True)})
-            distill[vk] = P.distill_job(spec, ppl[ck], over)
-    if new_cfgs:
-        cfg_ids.update(store.upsert_configs(sid, new_cfgs))
-        _link(store, cfg_ids, {c["config_key"]: ppl[c["config_key"].split("|variant=")[0]] for c in new_cfgs},
-              "ppl_pre")
-    store.set_config_fields({cfg_ids[ck]: {"distill_tokens": P.distill_tokens(j.params["settings"])}
-                             for ck, j in distill.items()})
-    dist_out = runner.run_stage("distill", distill.values())
-    _link(store, cfg_ids, distill, "distill")
-
-    if spec.evaluate is None:
-        return
-    evals = {ck: P.evaluate_job(spec, j) for ck, j in distill.items() if j.key in dist_out}
-    if "teacher" in cfg_ids and "teacher" in ppl:
-        evals["teacher"] = P.evaluate_job(spec, ppl["teacher"])
-    runner.run_stage("evaluate", evals.values())
-    _link(store, cfg_ids, evals, "evaluate")
+    rows = store.jobs(j.key for j in linked.values())
+    store.link([(cfg_ids[ck], stage, rows[j.key]["id"]) for ck, j in linked.items() if j.key in rows])
 
 
-def _link(store: Store, cfg_ids: dict[str, int], jobs: dict[str, P.JobSpec], stage: str) -> None:
-    rows = store.jobs(j.key for j in jobs.values())
-    store.link([(cfg_ids[ck], stage, rows[j.key]["id"]) for ck, j in jobs.items() if j.key in rows])
-
-
-def _link_and_dedupe(store: Store, cfg_ids: dict[str, int], jobs: dict[str, P.JobSpec], stage: str,
-                     plan_keys: dict[str, str]) -> None:
+def _mark_duplicates(store: Store, cfg_ids: dict[str, int], jobs: dict[str, JobSpec]) -> None:
     """Configurations sharing one student are marked duplicates of the first of them."""
-    _link(store, cfg_ids, jobs, stage)
     first: dict[str, int] = {}
     updates: dict[int, dict[str, Any]] = {}
-    for ck, j in sorted(jobs.items(), key=lambda kv: cfg_ids[kv[0]]):
+    for ck, j in sorted(((ck, j) for ck, j in jobs.items() if ck in cfg_ids), key=lambda kv: cfg_ids[kv[0]]):
         cid = cfg_ids[ck]
         first.setdefault(j.key, cid)
-        updates[cid] = {"duplicate_of": None if first[j.key] == cid else first[j.key],
-                        "plan_key": plan_keys.get(ck)}
+        updates[cid] = {"duplicate_of": None if first[j.key] == cid else first[j.key]}
     store.set_config_fields(updates)
 
 
-def _select(spec: SweepSpec, store: Store, sid: int, plan: P.Plan, cfg_ids: dict[str, int]) -> list[str]:
+def _select(spec: SweepSpec, store: Store, sid: int, cfg_ids: dict[str, int]) -> list[str]:
     """The selection rule between stages (the paper: best (K, scaling) per scoring×grouping)."""
     cols, rows = store.query("SELECT * FROM results WHERE sweep = :s", {"s": spec.name})
     rows = [dict(zip(cols, r, strict=True)) for r in rows]
     key_of = {cid: ck for ck, cid in cfg_ids.items()}
-    moe = [r for r in rows if r["kind"] == "moe2dense"]  # duplicates compete too: same numbers
+    main = [r for r in rows if r.get("variant_of") is None and r["config_id"] in key_of]
+    moe = [r for r in main if r["kind"] == "moe2dense"]  # duplicates compete too: same numbers
     picked = P.select_best(moe, spec.select.per, spec.select.over) if spec.select else moe
-    chosen = [key_of[r["config_id"]] for r in picked if r["config_id"] in key_of]
-    base = [r for r in rows if r["kind"] == "baseline"]
+    chosen = [key_of[r["config_id"]] for r in picked]
+    base = [r for r in main if r["kind"] == "baseline"]
     chosen += [key_of[r["config_id"]] for r in base if not (r["baseline"] or "").startswith("d2d:")]
     d2d = [dict(r, family="d2d") for r in base if (r["baseline"] or "").startswith("d2d:")]
     chosen += [key_of[r["config_id"]] for r in P.select_best(d2d, ["family"], ["baseline"])]
-    store.set_config_fields({cid: {"selected_for_distill": int(ck in chosen)} for ck, cid in cfg_ids.items()
-                             if "|variant=" not in ck})
+    store.set_config_fields({r["config_id"]: {"selected_for_distill": int(key_of[r["config_id"]] in chosen)}
+                             for r in main})
     return chosen
-
-
 def _summary(console: Console, reports: list[StageReport], store: Store, sid: int) -> int:
     t = Table(title="moesweep launch", show_lines=False)
     for col in ("stage", "jobs", "cached", "ran", "failed", "blocked"):

@@ -1,228 +1,117 @@
-"""Sweep spec → configurations and content-keyed stage jobs (DESIGN.md §2, issue 4).
+"""Sweep spec → configurations, the teacher's shape, and the planning context the stages fill in.
 
-Stages: teacher → calibrate → convert → ppl_pre → (select) → distill → evaluate. A job's key is a
-hash of (stage, its parameters, its upstream keys, code and library versions), so a calibration
-is shared by every configuration and every sweep that names it, and configurations whose
-conversion is provably identical (K = k makes grouping irrelevant; two scorings that keep the
-same experts) share one student and one evaluation.
+Stages (orchestrator/stages/) turn the configurations into content-keyed jobs: a job's key hashes its
+stage, parameters, upstream keys, the code that computes it and library versions, so a calibration is
+shared by every configuration and every sweep that names it, and configurations whose students are
+provably identical share one evaluation.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import dataclass, field
-from functools import cache
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from orchestrator.spec import SpecError, SweepSpec
-
-LIBS = ("moesweep", "torch", "transformers", "lm_eval")
-
-
-@cache
-def versions() -> dict[str, str]:
-    out = {}
-    for lib in LIBS:
-        try:
-            out[lib] = version(lib.replace("_", "-"))
-        except PackageNotFoundError:
-            out[lib] = "none"
-    return out
+from orchestrator.schema import SpecError
+from orchestrator.spec import SweepSpec
+from orchestrator.stage import JobSpec, PlanContext, TeacherShape, content_key, stages, unique  # noqa: F401
+from orchestrator.stages.convert import grid_configs
+from orchestrator.stages.teacher import teacher_label
 
 
-def content_key(stage: str, params: dict[str, Any], deps: dict[str, str]) -> str:
-    blob = json.dumps({"stage": stage, "params": params, "deps": deps, "versions": versions()},
-                      sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:32]
-
-
-@dataclass
-class JobSpec:
-    stage: str
-    params: dict[str, Any]
-    deps: dict[str, str] = field(default_factory=dict)  # role -> upstream job key
-    resident: str | None = None  # the model this job wants kept in memory
-    cpus: float = 1
-    gpus: float = 0
-    key: str = ""
-
-    def __post_init__(self) -> None:
-        self.key = self.key or content_key(self.stage, self.params, self.deps)
-
-    def record(self) -> dict[str, Any]:
-        return {"key": self.key, "stage": self.stage, "params": self.params,
-                "code_version": versions()["moesweep"]}
-
-
-def teacher_shape(spec: SweepSpec) -> tuple[int | None, int | None]:
-    """(E, k) of the teacher as far as the sweep file tells (no download)."""
+def stated_shape(spec: SweepSpec) -> TeacherShape:
+    """The teacher's shape as far as the sweep file tells (the tiny teacher's settings, or what an HF
+    teacher's section states): what a dry run plans with, without downloading or importing torch."""
     if spec.teacher.source == "tiny":
-        from workers.tiny.teacher import TinyTeacherSpec
+        from workers.tiny.spec import TinyTeacherSpec
 
         t = TinyTeacherSpec(**spec.teacher.tiny)
-        return t.experts, t.top_k
-    return spec.teacher.num_experts, spec.teacher.top_k
-
-
-def teacher_label(spec: SweepSpec) -> str:
+        return TeacherShape(t.experts, t.top_k, True, 0, "qwen3_moe", source="tiny teacher settings")
     t = spec.teacher
-    return t.label or (t.model.rstrip("/").split("/")[-1] if t.model else "tiny-moe")
+    return TeacherShape(t.num_experts, t.top_k, t.renormalize, t.shared_experts, None, source="sweep file")
 
 
-@dataclass
-class Plan:
-    """The static part of a sweep's graph; later stages are planned from earlier outputs."""
+def model_shape(spec: SweepSpec, path: str | None = None) -> TeacherShape:
+    """The teacher's shape from its model config, through its family adapter (config only, no weights).
+    A sweep file that states E, k, renormalisation or shared experts differently is a one-line error."""
+    from workers.families import teacher_shape
 
-    spec: SweepSpec
-    configs: list[dict[str, Any]]
-    teacher: JobSpec | None
-    dense_teacher: JobSpec | None
-    calibrate: JobSpec
-    convert: dict[str, JobSpec]  # config_key -> job (shared between configs)
+    t = spec.teacher
+    if t.source == "tiny":
+        from types import SimpleNamespace
 
-    @property
-    def static_jobs(self) -> list[JobSpec]:
-        jobs = [j for j in (self.teacher, self.dense_teacher, self.calibrate) if j is not None]
-        return jobs + unique(self.convert.values())
+        from workers.tiny.spec import TinyTeacherSpec
+        from workers.tiny.teacher import moe_config
 
+        config = moe_config(TinyTeacherSpec(**t.tiny), SimpleNamespace(bos_token_id=None, eos_token_id=None,
+                                                                         pad_token_id=None))
+    else:
+        from transformers import AutoConfig
 
-def unique(jobs) -> list[JobSpec]:
-    seen: dict[str, JobSpec] = {}
-    for j in jobs:
-        seen.setdefault(j.key, j)
-    return list(seen.values())
-
-
-def res(spec: SweepSpec, stage: str) -> dict[str, float]:
-    r = spec.resources(stage)
-    return {"cpus": r.cpus, "gpus": r.gpus}
-
-
-def teacher_ref(spec: SweepSpec, which: str = "teacher") -> tuple[dict[str, Any], dict[str, str], str]:
-    """(params describing the teacher, deps, resident key) for jobs that load it."""
-    t = spec.teacher if which == "teacher" else spec.dense_teacher
-    assert t is not None
-    if t.source == "hf":
-        params = {"source": "hf", "model": t.model, "revision": t.revision, "dtype": t.dtype}
-        return params, {}, f"hf:{t.model}@{t.revision}:{t.dtype}"
-    params = {"source": "tiny", "dtype": t.dtype}
-    key = content_key(which, {"tiny": t.tiny, "kind": which}, {})
-    return params, {which: key}, f"job:{key}"
+        try:
+            config = AutoConfig.from_pretrained(t.model, revision=t.revision)
+        except (OSError, ValueError) as e:
+            raise SpecError(f"{path}: teacher.model: cannot read the config of {t.model!r}: "
+                            f"{str(e).splitlines()[0]}") from None
+    try:
+        s = teacher_shape(config)
+    except ValueError as e:
+        raise SpecError(f"{path}: teacher.model: {str(e).splitlines()[0]}") from None
+    stated = {"num_experts": t.num_experts, "top_k": t.top_k, "renormalize": t.renormalize,
+              "shared_experts": t.shared_experts}
+    for name, value in stated.items():
+        if value is not None and value != getattr(s, name):
+            raise SpecError(f"{path}: teacher.{name}: {value!r}, but the model's config says {getattr(s, name)!r} "
+                            f"({s.family}); remove it or write {getattr(s, name)!r}")
+    return TeacherShape(s.num_experts, s.top_k, s.renormalize, s.shared_experts, s.family, source="config")
 
 
-def build_plan(spec: SweepSpec) -> Plan:
-    E, k = teacher_shape(spec)
+def check_k(spec: SweepSpec, shape: TeacherShape) -> None:
+    E, k = shape.num_experts, shape.top_k
     for K in spec.grid.K:
         if k is not None and K < k:
             raise SpecError(f"grid.K: {K} is below the router's top-k ({k}); allowed: {k} ≤ K ≤ {E}")
         if E is not None and K > E:
             raise SpecError(f"grid.K: {K} exceeds the number of experts ({E}); allowed: {k} ≤ K ≤ {E}")
 
-    teacher = None
-    if spec.teacher.source == "tiny":
-        teacher = JobSpec("teacher", {"tiny": spec.teacher.tiny, "kind": "teacher"}, **res(spec, "teacher"))
-    dense = None
-    if spec.dense_teacher is not None and spec.dense_teacher.source == "tiny":
-        dense = JobSpec("dense_teacher", {"tiny": spec.dense_teacher.tiny, "kind": "dense_teacher"},
-                        **res(spec, "dense_teacher"))
-    tparams, tdeps, resident = teacher_ref(spec)
-    calib = JobSpec("calibrate", {"teacher": tparams, **spec.calibration.model_dump()}, dict(tdeps),
-                    resident=resident, **res(spec, "calibrate"))
 
+def build_configs(spec: SweepSpec, shape: TeacherShape) -> list[dict[str, Any]]:
+    """Every configuration of the sweep: the grid, the teacher and the baselines (d2d: one per candidate)."""
+    from workers.registry import registry_names
+
+    check_k(spec, shape)
     model = teacher_label(spec)
-    configs: list[dict[str, Any]] = []
-    convert: dict[str, JobSpec] = {}
-    for scoring in spec.grid.scoring:
-        for grouping in spec.grid.grouping:
-            for scaling in spec.grid.dp_scaling:
-                for K in spec.grid.K:
-                    ck = f"{scoring}|{grouping}|{scaling}|K={K}"
-                    configs.append({"config_key": ck, "model": model, "kind": "moe2dense",
-                                    "teacher_variant": spec.teacher.variant, "scoring": scoring,
-                                    "grouping": grouping, "dp_scaling": scaling, "K": K, "top_k": k})
-                    # K = k: one expert per group, so the grouping cannot change the student (§4.2)
-                    g = "*" if K == k else grouping
-                    convert[ck] = JobSpec("convert", {"teacher": tparams, "scoring": scoring, "grouping": g,
-                                                      "dp_scaling": scaling, "K": K},
-                                          {**tdeps, "calibrate": calib.key}, resident=resident,
-                                          **res(spec, "convert"))
+    family = shape.family
+    configs = [dict(c, family=family) for c in grid_configs(spec, model, shape.top_k)]
     for b in spec.baselines:
         if b == "d2d":
             continue  # candidates are configurations of their own, added below
         configs.append({"config_key": "teacher" if b == "teacher" else f"baseline:{b}", "model": model,
-                        "kind": "teacher" if b == "teacher" else "baseline",
+                        "kind": "teacher" if b == "teacher" else "baseline", "family": family,
                         "baseline": None if b == "teacher" else b, "teacher_variant": spec.teacher.variant,
-                        "top_k": k})
+                        "top_k": shape.top_k})
     if "d2d" in spec.baselines:
-        from workers.baselines import d2d_candidate_names
-
-        for name in d2d_candidate_names():
+        for name in registry_names("workers.baselines", "_CANDIDATES"):
             configs.append({"config_key": f"baseline:d2d:{name}", "model": model, "kind": "baseline",
                             "baseline": f"d2d:{name}"})
-    return Plan(spec, configs, teacher, dense, calib, convert)
+    return configs
 
 
-# ---- later stages -----------------------------------------------------------------------------
-def student_recipe(cfg: dict[str, Any], plan_out: dict[str, Any] | None) -> dict[str, Any]:
-    """How a configuration's student is made, as content (what its ppl/distill keys hash)."""
-    if cfg["kind"] == "teacher":
-        return {"type": "teacher"}
-    if cfg["kind"] == "baseline":
-        b = cfg["baseline"]
-        if b.startswith("d2d:"):
-            return {"type": "d2d", "candidate": b.split(":", 1)[1]}
-        return {"type": b, "seed": 0}
-    assert plan_out is not None
-    return {"type": "plan", "plan_key": plan_out["plan_key"]}
+def select_json(spec: SweepSpec) -> str | None:
+    """The sweep's selection rule as stored with the sweep (analysis reads it, never re-infers it)."""
+    import json
 
-
-def ppl_job(spec: SweepSpec, cfg: dict[str, Any], convert_job: JobSpec | None, plan_out: dict | None,
-            stage: str = "ppl_pre") -> JobSpec:
-    recipe = student_recipe(cfg, plan_out)
-    which = "dense_teacher" if recipe["type"] == "d2d" else "teacher"
-    tparams, tdeps, resident = teacher_ref(spec, which)
-    deps = dict(tdeps)
-    if convert_job is not None:
-        deps["convert"] = convert_job.key
-    params = {"teacher": tparams, "student": recipe, "ppl": spec.ppl.model_dump()}
-    if recipe["type"] == "d2d":  # activation importance is measured on the calibration data
-        params["calibration"] = spec.calibration.model_dump()
-        params["moe_teacher"] = teacher_ref(spec)[0]  # its K = k student's size is the pruning target
-    # the key hashes the plan's content, not the convert job: equal plans share one evaluation
-    key = content_key(stage, params, {k: v for k, v in deps.items() if k != "convert"})
-    return JobSpec(stage, params, deps, resident=resident, key=key, **res(spec, stage))
+    return None if spec.select is None else json.dumps(spec.select.model_dump(), sort_keys=True)
 
 
 def select_best(rows: list[dict[str, Any]], per: list[str], over: list[str]) -> list[dict[str, Any]]:
     """For each group of `per` axes, the row with the lowest finite ppl_pre over `over` (§4.1)."""
-    from workers.select_rule import select_best_rows
+    from db.select_rule import select_best_rows
 
     return select_best_rows(rows, per, over, "ppl_pre")
 
 
-def distill_job(spec: SweepSpec, ppl: JobSpec, overrides: dict[str, Any]) -> JobSpec:
-    assert spec.distill is not None
-    tparams, tdeps, resident = teacher_ref(spec)
-    student = ppl.params["student"]
-    deps = {k: v for k, v in ppl.deps.items()}
-    if student["type"] == "d2d":  # distilled from its own dense teacher (Appendix M)
-        tparams, tdeps, resident = teacher_ref(spec, "dense_teacher")
-        deps.update(tdeps)
-    else:
-        deps.update(tdeps)
-    params = {"teacher": tparams, "student": student, "teacher_of_student": ppl.params["teacher"],
-              "settings": {**spec.distill.settings, **overrides}, "data": spec.distill.data.model_dump(),
-              "val_data": spec.distill.val_data.model_dump(), "processes": spec.distill.processes}
-    key = content_key("distill", params, {k: v for k, v in deps.items() if k != "convert"})
-    return JobSpec("distill", params, deps, resident=resident, key=key, **res(spec, "distill"))
-
-
 def distill_tokens(settings: dict[str, Any]) -> str:
-    """A distillation's token budget as shown in tables (e.g. "98k", "0.3B"). Variant runs (Tables 4/5)
-    are marked by the config columns distill_loss / teacher_top_k, set from their overrides."""
-    from workers.distill import DistillSpec
+    """A distillation's token budget as shown in tables (e.g. "98k", "0.3B")."""
+    from workers.distill_spec import DistillSpec
 
     return human_tokens(DistillSpec(**settings).tokens)
 
@@ -232,17 +121,3 @@ def human_tokens(n: int) -> str:
         if n >= div:
             return f"{n / div:.3g}{unit}"
     return str(n)
-
-
-def evaluate_job(spec: SweepSpec, upstream: JobSpec) -> JobSpec:
-    """Evaluate a distilled student (upstream = distill job) or the teacher (upstream = its ppl job)."""
-    assert spec.evaluate is not None
-    tparams, tdeps, resident = teacher_ref(spec)
-    params = {"evaluate": spec.evaluate.model_dump(), "ppl": spec.ppl.model_dump(), "teacher": tparams}
-    deps = dict(tdeps)
-    if upstream.stage == "distill":
-        deps["distill"] = upstream.key
-        params["student"] = {"type": "distilled"}
-    else:
-        params["student"] = upstream.params["student"]
-    return JobSpec("evaluate", params, deps, resident=resident, **res(spec, "evaluate"))

@@ -1,119 +1,36 @@
 """The sweep file schema (sweeps/NAME.yaml) and its loader.
 
-Every mistake becomes one line naming the file, the field and what is allowed. Worker-owned
-settings (the tiny teacher, distillation) are validated by the workers' own dataclasses so the
-schema has one source of truth.
+The schema is assembled from the stage registry: each stage owns its section (orchestrator/stages/),
+the grid's axes come from orchestrator/axes.py, and the few sections that belong to no stage (name,
+select, baselines, execution) are declared here. Every mistake becomes one line naming the file, the
+field and what is allowed. Loading a sweep imports no torch.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
+from functools import cache
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 
+from orchestrator.axes import AXES
+from orchestrator.schema import Data, Resources, SpecError, Strict, Teacher, known  # noqa: F401  (re-exported)
+from orchestrator.stage import get_stage, stages
 
-class SpecError(ValueError):
-    """A sweep file problem, already phrased as one line for the user."""
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class Data(Strict):
-    """Where text comes from: the embedded corpus, a local JSONL file, or a Hugging Face dataset."""
-
-    source: Literal["tiny", "jsonl", "hf"] = "tiny"
-    split: str = "train"
-    path: str | None = None  # jsonl file, or HF dataset path (e.g. "Salesforce/wikitext")
-    name: str | None = None  # HF config name (e.g. "wikitext-103-raw-v1")
-    text_field: str = "text"
-    streaming: bool = False
-
-    @model_validator(mode="after")
-    def _needs_path(self) -> Data:
-        if self.source in ("jsonl", "hf") and not self.path:
-            raise ValueError(f"source {self.source!r} needs a path")
-        return self
-
-
-class Teacher(Strict):
-    source: Literal["tiny", "hf"] = "tiny"
-    model: str | None = None  # HF id or local directory (source hf)
-    revision: str | None = None
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    variant: str | None = None  # a label such as "instruct" or "base"
-    label: str | None = None  # the model name shown in results (default: model id or "tiny")
-    num_experts: int | None = Field(None, gt=0)  # known up front so dry runs need no download
-    top_k: int | None = Field(None, gt=0)
-    tiny: dict[str, Any] = Field(default_factory=dict)  # workers.tiny.teacher.TinyTeacherSpec fields
-
-    @model_validator(mode="after")
-    def _needs_model(self) -> Teacher:
-        if self.source == "hf" and not self.model:
-            raise ValueError("source 'hf' needs model (a Hugging Face id or a local path)")
-        return self
-
-
-class Calibration(Strict):
-    data: Data = Field(default_factory=Data)
-    n_samples: int = Field(256, gt=0)
-    seq_len: int = Field(128, gt=1)
-    seed: int = 1234
-    batch_size: int = Field(16, gt=0)
-    chunk_tokens: int = Field(2048, gt=0)
-
-
-class Grid(Strict):
-    scoring: list[str]
-    grouping: list[str] = Field(default_factory=lambda: ["RR"])
-    dp_scaling: list[str] = Field(default_factory=lambda: ["uniform"])
-    K: list[int]
-
-    @field_validator("scoring")
-    @classmethod
-    def _scorings(cls, v: list[str]) -> list[str]:
-        from workers.scoring import SCORINGS
-
-        return _known(v, SCORINGS, "scoring")
-
-    @field_validator("grouping")
-    @classmethod
-    def _groupings(cls, v: list[str]) -> list[str]:
-        from workers.grouping import GROUPINGS
-
-        return _known(v, GROUPINGS, "grouping")
-
-    @field_validator("dp_scaling")
-    @classmethod
-    def _scalings(cls, v: list[str]) -> list[str]:
-        from workers.scaling import SCALINGS
-
-        return _known(v, SCALINGS, "dp_scaling")
-
-    @field_validator("K")
-    @classmethod
-    def _positive(cls, v: list[int]) -> list[int]:
-        if not v or any(k < 1 for k in v):
-            raise ValueError(f"K must be a non-empty list of positive integers, got {v}")
-        return v
-
-
-class Perplexity(Strict):
-    data: Data = Field(default_factory=lambda: Data(split="test"))
-    seq_len: int = Field(128, gt=1)
-    max_windows: int | None = Field(None, gt=0)
-    batch_size: int = Field(16, gt=0)
-    add_bos: bool = False
-    windows: Literal["disjoint", "rolling"] = "disjoint"  # rolling = lm-eval's protocol (needs add_bos)
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+BASELINES = ("teacher", "random_ffn", "random_init", "d2d")
 
 
 class Select(Strict):
+    """The selection rule between pre-distillation evaluation and distillation (§4.1): for each group of
+    `per` axes, the configuration with the lowest `best_by` over the `over` axes."""
+
     best_by: Literal["ppl_pre"] = "ppl_pre"
     per: list[str] = Field(default_factory=lambda: ["scoring", "grouping"])
     over: list[str] = Field(default_factory=lambda: ["K", "dp_scaling"])
@@ -121,45 +38,7 @@ class Select(Strict):
     @field_validator("per", "over")
     @classmethod
     def _axes(cls, v: list[str]) -> list[str]:
-        return _known(v, AXES, "axis")
-
-
-class Distill(Strict):
-    settings: dict[str, Any] = Field(default_factory=dict)  # workers.distill.DistillSpec fields
-    data: Data = Field(default_factory=Data)
-    val_data: Data = Field(default_factory=lambda: Data(split="valid"))
-    variants: list[dict[str, Any]] = Field(default_factory=list)  # extra runs: overrides of settings
-    variants_on: dict[str, Any] = Field(default_factory=dict)  # which selected configs get them
-    # data-parallel processes per distillation job: 1, N, or "gpus" (one per GPU the job holds; torchrun)
-    processes: int | Literal["gpus"] = 1
-
-    @field_validator("processes")
-    @classmethod
-    def _procs(cls, v: int | str) -> int | str:
-        if isinstance(v, int) and v < 1:
-            raise ValueError(f"must be >= 1 or 'gpus', got {v}")
-        return v
-
-
-class Evaluate(Strict):
-    suite: str | list[dict[str, Any]] = "tiny"
-    backend: Literal["hf", "vllm"] = "hf"
-    batch_size: int = Field(16, gt=0)
-    limit: int | None = None  # samples per task (for quick looks); None = all
-    ppl: bool = True  # also the post-distill perplexity
-
-    @field_validator("suite")
-    @classmethod
-    def _suite(cls, v: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
-        from workers.suites import validate_suite
-
-        validate_suite(v)
-        return v
-
-
-class Resources(Strict):
-    cpus: float = Field(1, gt=0)
-    gpus: float = Field(0, ge=0)
+        return known(v, AXES, "axis")
 
 
 class Execution(Strict):
@@ -170,51 +49,60 @@ class Execution(Strict):
     @field_validator("resources")
     @classmethod
     def _stages(cls, v: dict[str, Resources]) -> dict[str, Resources]:
-        _known(list(v), (*STAGES, "default"), "stage")
+        known(list(v), (*(s.name for s in stages()), "default"), "stage")
         return v
 
 
 class SweepSpec(Strict):
+    """The sections that belong to no stage; `sweep_model()` adds one field per stage section."""
+
     name: str
     description: str = ""
-    teacher: Teacher = Field(default_factory=Teacher)
-    dense_teacher: Teacher | None = None  # for the dense-to-dense baseline
-    calibration: Calibration = Field(default_factory=Calibration)
-    grid: Grid
-    ppl: Perplexity = Field(default_factory=Perplexity)
     select: Select | None = Field(default_factory=Select)
-    distill: Distill | None = None
-    evaluate: Evaluate | None = None
     baselines: list[str] = Field(default_factory=list)
     execution: Execution = Field(default_factory=Execution)
+
+    @field_validator("name")
+    @classmethod
+    def _slug(cls, v: str) -> str:
+        if not NAME.match(v):
+            raise ValueError(f"{v!r} is not a sweep name; allowed: letters, digits, '.', '_', '-' "
+                             "(starting with a letter or digit, at most 100)")
+        return v
 
     @field_validator("baselines")
     @classmethod
     def _baselines(cls, v: list[str]) -> list[str]:
-        return _known(v, BASELINES, "baseline")
+        return known(v, BASELINES, "baseline")
 
     @model_validator(mode="after")
     def _d2d_needs_dense(self) -> SweepSpec:
-        if "d2d" in self.baselines and self.dense_teacher is None:
+        if "d2d" in self.baselines and getattr(self, "dense_teacher", None) is None:
             raise ValueError("baseline 'd2d' needs a dense_teacher section")
         return self
 
     def resources(self, stage: str) -> Resources:
         r = self.execution.resources
-        return r.get(stage) or r.get("default") or Resources()
+        return r.get(stage) or r.get("default") or get_stage(stage).resources
 
 
-AXES = ("scoring", "grouping", "dp_scaling", "K")
-STAGES = ("teacher", "dense_teacher", "calibrate", "convert", "ppl_pre", "distill", "evaluate")
-BASELINES = ("teacher", "random_ffn", "random_init", "d2d")
+def sweep_model() -> type[SweepSpec]:
+    return _sweep_model(stages())
 
 
-def _known(values: list[str], allowed, what: str) -> list[str]:
-    allowed = list(allowed)
-    for v in values:
-        if v not in allowed:
-            raise ValueError(f"unknown {what} {v!r}; allowed: {', '.join(map(str, allowed))}")
-    return values
+@cache
+def _sweep_model(registered: tuple) -> type[SweepSpec]:
+    fields: dict[str, Any] = {}
+    for st in registered:
+        if st.section is None or st.section in fields:
+            continue
+        if st.section_default == "required":
+            fields[st.section] = (st.params, ...)
+        elif st.section_default == "default":
+            fields[st.section] = (st.params, Field(default_factory=st.params))
+        else:
+            fields[st.section] = (st.params | None, None)
+    return create_model("SweepSpec", __base__=SweepSpec, **fields)
 
 
 # ---- loading ------------------------------------------------------------------------------
@@ -228,11 +116,16 @@ def sweep_dirs() -> list[Path]:
 
 def find_sweep(name: str) -> Path:
     p = Path(name)
-    if p.suffix in (".yaml", ".yml") and p.exists():
-        return p
+    if p.suffix in (".yaml", ".yml") or os.sep in name:
+        if p.is_dir():
+            raise SpecError(f"{p}: is a directory; expected a sweep YAML file")
+        if p.is_file():
+            return p
+        if p.suffix in (".yaml", ".yml"):
+            raise SpecError(f"{p}: no such file")
     for d in sweep_dirs():
         f = d / f"{name}.yaml"
-        if f.exists():
+        if f.is_file():
             return f
     raise SpecError(f"no sweep named {name!r}; known: {', '.join(list_sweeps()) or 'none'}")
 
@@ -245,34 +138,71 @@ def list_sweeps() -> list[str]:
     return sorted(names)
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (YAML would keep the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                m = key_node.start_mark
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping (line {m.line + 1}, column {m.column + 1})",
+                    key_node.start_mark)
+            seen[key] = True
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path: Path) -> tuple[Any, str]:
+    """(parsed YAML, text) or a one-line SpecError with the line and column of the problem."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
+    except OSError as e:
+        raise SpecError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        return yaml.load(text, Loader=_StrictLoader), text  # noqa: S506  (a SafeLoader subclass)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        if "appears twice" in what:
+            where = ""
+        raise SpecError(f"{path}: not valid YAML{where}: {what}") from None
+
+
 def load_spec(name_or_path: str) -> tuple[SweepSpec, Path, str]:
     """(spec, file, text). Raises SpecError with one line naming the file and field."""
     path = find_sweep(name_or_path)
-    text = path.read_text()
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise SpecError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+    raw, text = read_yaml(path)
     if not isinstance(raw, dict):
         raise SpecError(f"{path}: expected a mapping at the top level")
     try:
-        spec = SweepSpec.model_validate(raw)
+        spec = sweep_model().model_validate(raw)
     except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            msg = "unknown key"
-        raise SpecError(f"{path}: {field}: {msg}" + (f" (got {err['input']!r})"
-                        if err["type"] not in ("extra_forbidden", "missing", "value_error") else "")) from None
+        raise SpecError(f"{path}: {_one_line(e)}") from None
     _check_worker_settings(spec, path)
     return spec, path, text
 
 
+def _one_line(e: ValidationError) -> str:
+    err = e.errors()[0]
+    field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif err["type"] == "missing":
+        msg = "required"
+    shown = err["type"] not in ("extra_forbidden", "missing", "value_error")
+    return f"{field}: {msg}" + (f" (got {err['input']!r})" if shown else "")
+
+
 def _check_worker_settings(spec: SweepSpec, path: Path) -> None:
-    """Validate pass-through sections with the workers' own dataclasses."""
-    from workers.distill import DistillSpec
-    from workers.tiny.teacher import TinyTeacherSpec
+    """Validate pass-through sections with the workers' own (torch-free) dataclasses."""
+    from workers.distill_spec import DistillSpec
+    from workers.tiny.spec import TinyTeacherSpec
 
     checks: list[tuple[str, type, dict]] = [("teacher.tiny", TinyTeacherSpec, spec.teacher.tiny)]
     if spec.dense_teacher is not None:
@@ -282,7 +212,7 @@ def _check_worker_settings(spec: SweepSpec, path: Path) -> None:
         for i, v in enumerate(spec.distill.variants):
             checks.append((f"distill.variants.{i}", DistillSpec, {**spec.distill.settings, **v}))
     for where, cls, values in checks:
-        fields = set(getattr(cls, "__dataclass_fields__", {}) or getattr(cls, "model_fields", {}))
+        fields = set(getattr(cls, "__dataclass_fields__", {}))
         for key in values:
             if key not in fields:
                 raise SpecError(f"{path}: {where}.{key}: unknown key; allowed: {', '.join(sorted(fields))}")
@@ -290,6 +220,24 @@ def _check_worker_settings(spec: SweepSpec, path: Path) -> None:
             cls(**values)
         except (TypeError, ValueError) as e:
             raise SpecError(f"{path}: {where}: {str(e).splitlines()[0]}") from None
+
+
+def data_sections(spec: SweepSpec) -> list[tuple[str, Data]]:
+    """Every data source a sweep names, with where it is named."""
+    out = [("calibration.data", spec.calibration.data), ("ppl.data", spec.ppl.data)]
+    if spec.distill is not None:
+        out += [("distill.data", spec.distill.data), ("distill.val_data", spec.distill.val_data)]
+    return out
+
+
+def check_local_paths(spec: SweepSpec, path: Path | str) -> None:
+    """A local data file that does not exist is an error when the plan is made, not after a teacher trained."""
+    for where, data in data_sections(spec):
+        if data.source == "jsonl" and not Path(data.path).is_file():
+            raise SpecError(f"{path}: {where}.path: no such file {data.path!r}")
+    if spec.teacher.source == "hf" and spec.teacher.model and (spec.teacher.model.startswith(("/", "./", "../"))
+                                                              and not Path(spec.teacher.model).is_dir()):
+        raise SpecError(f"{path}: teacher.model: no such directory {spec.teacher.model!r}")
 
 
 def spec_hash(text: str) -> str:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-DEFAULT_CHUNK = 1024
+from workers.distill_spec import DEFAULT_CHUNK
 
 
 def _kl_rows(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:

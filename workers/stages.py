@@ -1,4 +1,5 @@
-"""The stage functions: teacher, dense_teacher, calibrate, convert, ppl_pre, distill, evaluate.
+"""The run functions of the built-in stages (declared in orchestrator/stages/): teacher and
+dense_teacher, calibrate, convert, ppl_pre, distill, evaluate.
 
 Each takes a payload (see workers/jobs.py) and returns a plain record. They glue the science
 modules together and never touch the database.
@@ -330,14 +331,3 @@ def stage_evaluate(payload: dict, cache: dict, progress) -> dict:
     out = Path(payload["workdir"]) / "lm_eval_results.json"
     out.write_text(json.dumps(res["results_json"], indent=1, default=str, sort_keys=True))
     return {"outputs": {"avg": res.get("average")}, "metrics": metrics, "artifacts": [artifact("lm_eval_results", out)]}
-
-
-STAGES = {
-    "teacher": stage_teacher,
-    "dense_teacher": stage_teacher,
-    "calibrate": stage_calibrate,
-    "convert": stage_convert,
-    "ppl_pre": stage_ppl_pre,
-    "distill": stage_distill,
-    "evaluate": stage_evaluate,
-}

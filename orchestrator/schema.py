@@ -1,0 +1,83 @@
+"""Pieces of the sweep file schema that several stages share, and the one-line error type.
+
+Every stage owns its own section model (orchestrator/stages/*.py); orchestrator/spec.py assembles the
+whole schema from the stage registry. Nothing here imports torch: a dry run validates a sweep file
+from the source alone.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+
+
+class SpecError(ValueError):
+    """A sweep file problem, already phrased as one line for the user."""
+
+
+class Strict(BaseModel):
+    """Unknown keys are errors; values are not coerced between types (K: "4" or 4.0 is not 4)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+PosInt = Annotated[StrictInt, Field(gt=0)]
+
+
+class Data(Strict):
+    """Where text comes from: the embedded corpus, a local JSONL file, or a Hugging Face dataset."""
+
+    source: Literal["tiny", "jsonl", "hf"] = "tiny"
+    split: str = "train"
+    path: str | None = None  # jsonl file, or HF dataset path (e.g. "Salesforce/wikitext")
+    name: str | None = None  # HF config name (e.g. "wikitext-103-raw-v1")
+    text_field: str = "text"
+    streaming: bool = False
+
+    @model_validator(mode="after")
+    def _needs_path(self) -> Data:
+        if self.source in ("jsonl", "hf") and not self.path:
+            raise ValueError(f"source {self.source!r} needs a path")
+        return self
+
+
+class Teacher(Strict):
+    """The MoE teacher (or the dense teacher of the D2D baseline). E, k, renormalisation and shared
+    experts come from the model's config; stating them here is optional and checked against it."""
+
+    source: Literal["tiny", "hf"] = "tiny"
+    model: str | None = None  # HF id or local directory (source hf)
+    revision: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    variant: str | None = None  # a label such as "instruct" or "base"
+    label: str | None = None  # the model name shown in results (default: model id or "tiny")
+    num_experts: PosInt | None = None  # checked against the config; lets a dry run plan without it
+    top_k: PosInt | None = None
+    renormalize: bool | None = None
+    shared_experts: Annotated[StrictInt, Field(ge=0)] | None = None
+    tiny: dict[str, Any] = Field(default_factory=dict)  # workers.tiny.spec.TinyTeacherSpec fields
+
+    @model_validator(mode="after")
+    def _needs_model(self) -> Teacher:
+        if self.source == "hf" and not self.model:
+            raise ValueError("source 'hf' needs model (a Hugging Face id or a local path)")
+        return self
+
+
+class Resources(Strict):
+    cpus: Annotated[float, Field(gt=0, strict=False)] = 1
+    gpus: Annotated[float, Field(ge=0, strict=False)] = 0
+
+
+def known(values: list[Any], allowed, what: str) -> list[Any]:
+    """`values` unchanged if each is allowed and none repeats; else one ValueError line."""
+    allowed = list(allowed)
+    seen: set[Any] = set()
+    for v in values:
+        if v not in allowed:
+            raise ValueError(f"unknown {what} {v!r}; allowed: {', '.join(map(str, allowed))}")
+        if v in seen:
+            raise ValueError(f"{what} {v!r} is listed twice")
+        seen.add(v)
+    return values

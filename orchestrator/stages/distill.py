@@ -1,0 +1,108 @@
+"""distill: knowledge distillation of the selected students from their teacher (§3.5, §4.3).
+
+Which configurations are distilled is the sweep's selection rule (`select`, stored with the sweep),
+applied to the pre-distillation results; the d2d baseline distills its best candidate. `variants`
+are extra runs with overridden settings (e.g. another loss, expanded teacher routing k′) on the
+selected configurations that match `variants_on`: each is a configuration of its own with a
+`variant` label and `variant_of` pointing at the configuration it varies.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from orchestrator.schema import Data, Strict
+from orchestrator.stage import JobSpec, PlanContext, Stage
+from orchestrator.stages.teacher import teacher_ref
+
+
+class Distill(Strict):
+    settings: dict[str, Any] = Field(default_factory=dict)  # workers.distill_spec.DistillSpec fields
+    data: Data = Field(default_factory=Data)
+    val_data: Data = Field(default_factory=lambda: Data(split="valid"))
+    variants: list[dict[str, Any]] = Field(default_factory=list)  # extra runs: overrides of settings
+    variants_on: dict[str, Any] = Field(default_factory=dict)  # which selected configs get them
+    # data-parallel processes per distillation job: 1, N, or "gpus" (one per GPU the job holds; torchrun)
+    processes: int | Literal["gpus"] = 1
+
+    @field_validator("processes")
+    @classmethod
+    def _procs(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"must be >= 1 or 'gpus', got {v}")
+        return v
+
+
+def variant_label(overrides: dict[str, Any]) -> str:
+    """`loss=reverse_kl`, `teacher_top_k=16`, `steps=400,tau=2.0`: what a variant run changes."""
+    return ",".join(f"{k}={overrides[k]}" for k in sorted(overrides))
+
+
+def distill_job(ctx: PlanContext, ppl: JobSpec, overrides: dict[str, Any]) -> JobSpec:
+    student = ppl.params["student"]
+    which = "dense_teacher" if student["type"] == "d2d" else "teacher"  # d2d: from its own dense teacher
+    tparams, tdeps, resident = teacher_ref(ctx, which)
+    d = ctx.spec.distill
+    deps = {**ppl.deps, **tdeps}
+    params = {"teacher": tparams, "student": student, "teacher_of_student": ppl.params["teacher"],
+              "settings": {**d.settings, **overrides}, "data": d.data.model_dump(),
+              "val_data": d.val_data.model_dump(), "processes": d.processes}
+    return ctx.job("distill", params, deps, resident=resident,
+                   key_deps={k: v for k, v in deps.items() if k != "convert"})
+
+
+def plan(ctx: PlanContext) -> dict[str, JobSpec]:
+    from orchestrator.plan import distill_tokens
+
+    d = ctx.spec.distill
+    if d is None:
+        return {}
+    ppl = ctx.jobs.get("ppl_pre", {})
+    out: dict[str, JobSpec] = {}
+    variants: list[dict[str, Any]] = []
+    for ck in ctx.select():
+        if ck not in ppl:
+            continue
+        out[ck] = distill_job(ctx, ppl[ck], {})
+        cfg = ctx.config(ck)
+        for i, over in enumerate(d.variants):
+            if not all(cfg.get(a) == v for a, v in d.variants_on.items()):
+                continue
+            vk = f"{ck}|variant={i}"
+            variants.append({**cfg, "config_key": vk, "selected_for_distill": 1, "variant": variant_label(over),
+                             "variant_of": ck, "distill_loss": over.get("loss"),
+                             "teacher_top_k": over.get("teacher_top_k")})
+            out[vk] = distill_job(ctx, ppl[ck], over)
+    if variants:
+        ctx.add_configs(variants)
+    ctx.set_fields({ck: {"distill_tokens": distill_tokens(j.params["settings"])} for ck, j in out.items()})
+    return out
+
+
+def estimate(ctx: PlanContext, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    from itertools import product
+
+    spec = ctx.spec
+    if spec.distill is None:
+        return []
+    moe = [c for c in ctx.configs if c["kind"] == "moe2dense"]
+    others = [c for c in ctx.configs if c["kind"] != "moe2dense"]
+    sel = spec.select
+    groups = len(set(product(*[sorted({str(c[a]) for c in moe}) for a in sel.per]))) if sel else len(moe)
+    base = sum(1 for c in others if c["kind"] == "baseline" and not c["baseline"].startswith("d2d:"))
+    d2d = int(any(c["kind"] == "baseline" and c["baseline"].startswith("d2d:") for c in others))
+    variants = len(spec.distill.variants)
+    rule = f"best {sel.best_by} per {'×'.join(sel.per)} over {', '.join(sel.over)}" if sel else "all"
+    n = groups + base + d2d
+    return [{"stage": "select", "named": len(moe), "distinct": groups, "note": rule},
+            {"stage": "distill", "named": n + variants, "distinct": n + variants,
+             "note": f"{groups} selected + {base + d2d} baselines"
+                     + (f" + up to {variants} variant runs" if variants else "")}]
+
+
+STAGE = Stage(
+    name="distill", run="workers.stages:stage_distill", plan=plan, section="distill", params=Distill,
+    upstream=("ppl_pre",), records=frozenset({"outputs", "metrics", "artifacts"}), estimate=estimate,
+    summary="distill the selected students (and baselines) from their teacher")

@@ -1,0 +1,70 @@
+"""evaluate: lm-eval tasks (and the post-distillation perplexity) of every distilled student and of
+the teacher."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import field_validator
+
+from orchestrator.schema import PosInt, Strict
+from orchestrator.stage import JobSpec, PlanContext, Stage
+from orchestrator.stages.teacher import teacher_ref
+
+
+class Evaluate(Strict):
+    suite: str | list[dict[str, Any]] = "tiny"
+    backend: Literal["hf", "vllm"] = "hf"
+    batch_size: PosInt = 16
+    limit: PosInt | None = None  # samples per task (for quick looks); None = all
+    ppl: bool = True  # also the post-distill perplexity
+
+    @field_validator("suite")
+    @classmethod
+    def _suite(cls, v: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+        from workers.suites import validate_suite
+
+        validate_suite(v)
+        return v
+
+
+def evaluate_job(ctx: PlanContext, upstream: JobSpec) -> JobSpec:
+    """Evaluate a distilled student (upstream = its distill job) or the teacher (upstream = its ppl job)."""
+    tparams, tdeps, resident = teacher_ref(ctx)
+    params = {"evaluate": ctx.spec.evaluate.model_dump(), "ppl": ctx.spec.ppl.model_dump(), "teacher": tparams}
+    deps = dict(tdeps)
+    if upstream.stage == "distill":
+        deps["distill"] = upstream.key
+        params["student"] = {"type": "distilled"}
+    else:
+        params["student"] = upstream.params["student"]
+    return ctx.job("evaluate", params, deps, resident=resident)
+
+
+def plan(ctx: PlanContext) -> dict[str, JobSpec]:
+    if ctx.spec.evaluate is None:
+        return {}
+    done = ctx.outputs.get("distill", {})
+    out = {ck: evaluate_job(ctx, j) for ck, j in ctx.jobs.get("distill", {}).items() if j.key in done}
+    teacher = ctx.jobs.get("ppl_pre", {}).get("teacher")
+    if teacher is not None:
+        out["teacher"] = evaluate_job(ctx, teacher)
+    return out
+
+
+def estimate(ctx: PlanContext, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    ev = ctx.spec.evaluate
+    dist = next((r for r in rows if r["stage"] == "distill"), None)
+    if ev is None or dist is None:
+        return []
+    teacher = int(any(c["kind"] == "teacher" for c in ctx.configs))
+    n = dist["named"] + teacher
+    suite = ev.suite if isinstance(ev.suite, str) else "custom"
+    return [{"stage": "evaluate", "named": n, "distinct": n,
+             "note": f"suite {suite}" + (" + teacher" if teacher else "")}]
+
+
+STAGE = Stage(
+    name="evaluate", run="workers.stages:stage_evaluate", plan=plan, section="evaluate", params=Evaluate,
+    upstream=("distill",), records=frozenset({"outputs", "metrics", "artifacts"}), estimate=estimate,
+    summary="lm-eval suite and post-distillation perplexity")

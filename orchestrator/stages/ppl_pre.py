@@ -1,0 +1,85 @@
+"""ppl_pre: the perplexity of every student before distillation (and of the teacher and baselines).
+
+A student is keyed by what makes it — its conversion plan's content, not the job that wrote the plan —
+so configurations whose plans are equal (K = k makes grouping irrelevant; two scorings that keep the
+same experts) share one evaluation and are marked `duplicate_of` the first of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from orchestrator.schema import Data, PosInt, Strict
+from orchestrator.stage import JobSpec, PlanContext, Stage
+from orchestrator.stages.teacher import teacher_ref
+
+
+class Perplexity(Strict):
+    data: Data = Field(default_factory=lambda: Data(split="test"))
+    seq_len: PosInt = 128
+    max_windows: PosInt | None = None
+    batch_size: PosInt = 16
+    add_bos: bool = False
+    windows: Literal["disjoint", "rolling"] = "disjoint"  # rolling = lm-eval's protocol (needs add_bos)
+
+
+def student_recipe(cfg: dict[str, Any], plan_out: dict[str, Any] | None) -> dict[str, Any]:
+    """How a configuration's student is made, as content (what its evaluation and distillation keys hash)."""
+    if cfg["kind"] == "teacher":
+        return {"type": "teacher"}
+    if cfg["kind"] == "baseline":
+        b = cfg["baseline"]
+        if b.startswith("d2d:"):
+            return {"type": "d2d", "candidate": b.split(":", 1)[1]}
+        return {"type": b, "seed": 0}
+    assert plan_out is not None
+    return {"type": "plan", "plan_key": plan_out["plan_key"]}
+
+
+def ppl_job(ctx: PlanContext, cfg: dict[str, Any], stage: str = "ppl_pre") -> JobSpec:
+    convert = ctx.jobs.get("convert", {}).get(cfg["config_key"])
+    recipe = student_recipe(cfg, ctx.succeeded("convert", cfg["config_key"]))
+    which = "dense_teacher" if recipe["type"] == "d2d" else "teacher"
+    tparams, tdeps, resident = teacher_ref(ctx, which)
+    params = {"teacher": tparams, "student": recipe, "ppl": ctx.spec.ppl.model_dump()}
+    if recipe["type"] == "d2d":  # activation importance is measured on the calibration data
+        params["calibration"] = ctx.spec.calibration.model_dump()
+        params["moe_teacher"] = teacher_ref(ctx)[0]  # its K = k student's size is the pruning target
+    deps = {**tdeps, **({"convert": convert.key} if convert is not None else {})}
+    return ctx.job(stage, params, deps, resident=resident, key_deps=tdeps)
+
+
+def plan(ctx: PlanContext) -> dict[str, JobSpec]:
+    out = {}
+    for cfg in ctx.configs:
+        if cfg.get("variant_of") is not None:
+            continue
+        if cfg["kind"] == "moe2dense" and ctx.succeeded("convert", cfg["config_key"]) is None:
+            continue  # its conversion failed: nothing downstream of it runs
+        out[cfg["config_key"]] = ppl_job(ctx, cfg)
+    return out
+
+
+def after(ctx: PlanContext) -> None:
+    """Each configuration records the content key of its conversion plan."""
+    ctx.set_fields({ck: {"plan_key": ctx.succeeded("convert", ck)["plan_key"]}
+                    for ck in ctx.jobs.get("ppl_pre", {}) if ctx.succeeded("convert", ck)})
+
+
+def estimate(ctx: PlanContext, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    plans = {j.key for j in ctx.jobs.get("convert", {}).values()}
+    others = [c for c in ctx.configs if c["kind"] != "moe2dense"]
+    k = ctx.shape.top_k
+    at_k = sum(1 for c in ctx.configs if c["kind"] == "moe2dense" and c.get("K") == k)
+    groupings = len(ctx.spec.grid.grouping)
+    collapse = at_k - at_k // groupings if groupings else 0
+    return [{"stage": "ppl_pre", "named": len(ctx.configs), "distinct": len(plans) + len(others) - collapse,
+             "note": f"at most; {collapse} collapse at K = k (grouping irrelevant), more where plans coincide"}]
+
+
+STAGE = Stage(
+    name="ppl_pre", run="workers.stages:stage_ppl_pre", plan=plan, section="ppl", params=Perplexity,
+    section_default="default", upstream=("convert", "dense_teacher"), identity=True, after=after,
+    estimate=estimate, summary="perplexity of each distinct student before distillation")
