@@ -1,4 +1,4 @@
-"""Benchmark of the calibration statistics pass (workers/calibrate.py, DESIGN.md §2.1).
+"""Benchmark of the calibration statistics pass (workers/calibrate.py).
 
 Measured side by side in one run, on the same tokens of a random-weight Qwen3-MoE model:
   - plain teacher forward (no hooks);

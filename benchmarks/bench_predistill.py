@@ -1,4 +1,4 @@
-"""Benchmark of the pre-distill sweep (DESIGN.md §2.3): N conversions of one teacher, evaluated two ways.
+"""Benchmark of the pre-distill sweep: N conversions of one teacher, evaluated two ways.
 
 Measured side by side in one run, on the same plans, text and machine (each configuration does both
 paths back to back, after one untimed warm-up round):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_families import hand_plans, ids, make_teacher
+from families_cases import FAMILIES, H, hand_plans, ids, make_teacher, routed_scale, router_of
 
 from workers.convert import build_student_from_plans, layer_contexts, plan_ffns
 from workers.families import get_adapter
@@ -21,10 +21,14 @@ def fake_stats(e: int, seed: int) -> LayerStats:
                       sum_norm_sel=torch.rand(e, dtype=torch.float64), gram=torch.einsum("tid,tjd->ij", f, f))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "gpt_oss"])
-def test_layer_contexts(family):
-    teacher = make_teacher(family)
-    a = get_adapter(teacher)
+@pytest.fixture(scope="module", params=FAMILIES)
+def fam(request):
+    teacher = make_teacher(request.param)
+    return request.param, teacher, get_adapter(teacher)
+
+
+def test_layer_contexts(fam):
+    family, teacher, a = fam
     moe = a.moe_layers(teacher)
     e = a.num_experts(teacher)
     stats = {layer: fake_stats(e, layer) for layer in moe[1:]}  # a subset: only those layers get contexts
@@ -33,11 +37,10 @@ def test_layer_contexts(family):
     c = ctx[moe[1]]
     assert c.stats is stats[moe[1]] and c.top_k == a.top_k(teacher) and c.renormalized == a.renormalized(teacher)
     block = teacher.model.layers[moe[1]].mlp
-    router = block.router if family == "gpt_oss" else block.gate
-    assert torch.equal(c.router_weight, router.weight)
+    assert torch.equal(c.router_weight, router_of(family, block).weight)
     store = {p.untyped_storage().data_ptr() for p in block.experts.parameters()}
     assert c.experts.gate.untyped_storage().data_ptr() in store  # views, not copies
-    h = torch.randn(5, 32)
+    h = torch.randn(5, H)
     torch.testing.assert_close(ffn_forward(c.experts, h, expert=3), block.experts(
         h, torch.full((5, 1), 3), torch.ones(5, 1)), rtol=1e-5, atol=1e-5)
     dense = [i for i in range(len(teacher.model.layers)) if i not in moe]
@@ -48,41 +51,44 @@ def test_layer_contexts(family):
         layer_contexts(teacher, a, {moe[0]: fake_stats(e + 1, 0)})
 
 
-def test_plans_validated_and_progress_reported():
-    teacher = make_teacher("qwen3_moe")
-    a = get_adapter(teacher)
+def test_plans_validated_and_progress_reported(fam):
+    family, teacher, a = fam
+    moe = a.moe_layers(teacher)
     plans = hand_plans(a, teacher, merged=True)
     calls = []
     ffns = plan_ffns(teacher, a, plans, progress=lambda i, n: calls.append((i, n)))
-    assert calls == [(1, 2), (2, 2)] and sorted(ffns) == [1, 2]
+    assert calls == [(i, len(moe)) for i in range(1, len(moe) + 1)] and sorted(ffns) == moe
     with pytest.raises(ValueError, match="appears twice"):
         plan_ffns(teacher, a, [plans[0], plans[0]])
-    bad = LayerPlan(layer=0, selected=[0, 1], scores=[1.0] * 6, groups=[[0], [1]], merge_weights=[[1.0], [1.0]],
-                    alpha=[0.5, 0.5])
+    # a dense layer where the family has one (Qwen3-MoE, DeepSeek), else one past the last layer
+    not_moe = next(i for i in range(len(teacher.model.layers) + 1) if i not in moe)
+    e = a.num_experts(teacher)
+    bad = LayerPlan(layer=not_moe, selected=[0, 1], scores=[1.0] * e, groups=[[0], [1]],
+                    merge_weights=[[1.0], [1.0]], alpha=[0.5, 0.5])
     with pytest.raises(ValueError, match="not an MoE layer"):
         plan_ffns(teacher, a, [bad, *plans])
 
 
-def test_routed_scaling_folded_into_alpha():
+def test_routed_scaling_folded_into_alpha(fam):
     """DeepSeek: the router multiplies routed_scaling_factor into its weights, so the student's
-    routed part is scale·Σ_g α_g f_g(h) (shared experts stay at scale 1.0)."""
-    teacher = make_teacher("deepseek_v2")
-    a = get_adapter(teacher)
+    routed part is scale·Σ_g α_g f_g(h) (shared experts stay at scale 1.0); other families: scale 1."""
+    family, teacher, a = fam
+    scale = routed_scale(family, teacher)
+    assert (scale != 1.0) == family.startswith("deepseek")  # the fixture really exercises the factor
     plans = hand_plans(a, teacher, merged=False)
     ffns = plan_ffns(teacher, a, plans)
-    layer = plans[0].layer
-    ew = a.expert_weights(teacher, layer)
-    h = torch.randn(6, 32)
-    expect = sum(al * 1.5 * ffn_forward(ew, h, expert=g[0]) for al, g in zip(plans[0].alpha, plans[0].groups,
-                                                                             strict=True))
-    torch.testing.assert_close(ffn_forward(ffns[layer], h), expect, rtol=1e-5, atol=1e-6)
+    for pl in plans:
+        ew = a.expert_weights(teacher, pl.layer)
+        h = torch.randn(6, H)
+        expect = sum(al * scale * ffn_forward(ew, h, expert=g[0]) for al, g in zip(pl.alpha, pl.groups,
+                                                                                  strict=True))
+        torch.testing.assert_close(ffn_forward(ffns[pl.layer], h), expect, rtol=1e-5, atol=1e-6)
 
 
-def test_many_shared_students_leave_teacher_intact():
+def test_many_shared_students_leave_teacher_intact(fam):
     """The 350-grid fast path: students built in memory share the teacher's non-FFN tensors, copy
     nothing else, and never modify the teacher."""
-    teacher = make_teacher("mixtral")
-    a = get_adapter(teacher)
+    family, teacher, a = fam
     before = {k: v.clone() for k, v in teacher.state_dict().items()}
     x = ids()
     with torch.no_grad():

@@ -11,66 +11,13 @@ import copy
 
 import pytest
 import torch
+from families_cases import COMMON, FAMILIES, hand_plans, ids, make_teacher, routed_scale, router_of
 from torch import nn
 
 from workers.convert import build_student_from_plans
 from workers.families import get_adapter, supported
 from workers.merge import ffn_forward
 from workers.types import LayerPlan
-
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss"]
-V = 256
-COMMON = dict(vocab_size=V, hidden_size=32, num_attention_heads=4, max_position_embeddings=64,
-              pad_token_id=0, bos_token_id=1, eos_token_id=2)
-
-
-def tiny_config(family: str):
-    import transformers as tf
-
-    if family == "qwen3_moe":  # layer 0 dense (narrower than k·I: zero-padded)
-        return tf.Qwen3MoeConfig(**COMMON, num_key_value_heads=2, intermediate_size=24, moe_intermediate_size=16,
-                                 num_hidden_layers=3, num_experts=6, num_experts_per_tok=2,
-                                 norm_topk_prob=True, mlp_only_layers=[0])
-    if family == "qwen2_moe":
-        return tf.Qwen2MoeConfig(**COMMON, num_key_value_heads=2, intermediate_size=24, moe_intermediate_size=16,
-                                 shared_expert_intermediate_size=24, num_hidden_layers=2, num_experts=6,
-                                 num_experts_per_tok=2, norm_topk_prob=False)
-    if family == "mixtral":
-        return tf.MixtralConfig(**COMMON, num_key_value_heads=2, intermediate_size=16, num_hidden_layers=2,
-                                num_local_experts=6, num_experts_per_tok=2)
-    if family == "olmoe":
-        return tf.OlmoeConfig(**COMMON, num_key_value_heads=2, intermediate_size=16, num_hidden_layers=2,
-                              num_experts=6, num_experts_per_tok=2, norm_topk_prob=False)
-    mla = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
-               qk_nope_head_dim=8, v_head_dim=8, num_hidden_layers=3, first_k_dense_replace=1,
-               intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1,
-               num_experts_per_tok=2, n_group=2, topk_group=1)
-    if family == "deepseek_v2":
-        return tf.DeepseekV2Config(**COMMON, **mla, topk_method="group_limited_greedy", routed_scaling_factor=1.5)
-    if family == "deepseek_v3":
-        return tf.DeepseekV3Config(**COMMON, **mla, norm_topk_prob=True, routed_scaling_factor=2.5)
-    if family == "gpt_oss":
-        return tf.GptOssConfig(**COMMON, num_key_value_heads=2, head_dim=8, intermediate_size=16,
-                               num_hidden_layers=2, num_local_experts=6, num_experts_per_tok=2, sliding_window=4,
-                               layer_types=["sliding_attention", "full_attention"])
-    raise AssertionError(family)
-
-
-def make_teacher(family: str, seed: int = 0) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family)).eval()
-    with torch.no_grad():  # weights large enough that routing, clamps and biases all matter
-        for name, p in model.named_parameters():
-            if "norm" in name or "sinks" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.25)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0.0, 0.1)
-    return model
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -80,10 +27,6 @@ def fam(request):
 
 
 # ---- independent per-family reference math -----------------------------------------------------
-def router_of(family: str, block: nn.Module) -> nn.Module:
-    return block.router if family == "gpt_oss" else block.gate
-
-
 def ref_logits(family: str, block: nn.Module, h: torch.Tensor) -> torch.Tensor:
     r = router_of(family, block)
     z = h.float() @ r.weight.float().T
@@ -96,10 +39,6 @@ def ref_probs(family: str, logits: torch.Tensor) -> torch.Tensor:
         s = torch.sigmoid(logits)
         return s / s.sum(-1, keepdim=True)
     return torch.softmax(logits, -1)
-
-
-def routed_scale(family: str, teacher: nn.Module) -> float:
-    return float(teacher.config.routed_scaling_factor) if family.startswith("deepseek") else 1.0
 
 
 def renormalizes(family: str, teacher: nn.Module) -> bool:
@@ -162,33 +101,15 @@ def reference_model(family: str, teacher: nn.Module, plans: list[LayerPlan]) -> 
     return ref
 
 
-def hand_plans(adapter, teacher, merged: bool) -> list[LayerPlan]:
-    e = adapter.num_experts(teacher)
-    out = []
-    for i, layer in enumerate(adapter.moe_layers(teacher)):
-        if merged:  # K = 4 > k = 2: two groups of two, score-like merge weights
-            groups = [[(i + 1) % e, e - 1], [(i + 3) % e, 0]]
-            mw = [[0.3, 0.7], [0.6, 0.4]]
-        else:  # K = k: singleton groups
-            groups, mw = [[e - 1 - i], [i]], [[1.0], [1.0]]
-        sel = [x for g in groups for x in g]
-        out.append(LayerPlan(layer=layer, selected=sel, scores=[1.0] * e, groups=groups, merge_weights=mw,
-                             alpha=[0.7, 0.45]))
-    return out
-
-
 def student_mlp(family: str, student: nn.Module, layer: int, h: torch.Tensor) -> torch.Tensor:
     return block_out(family, student.model.layers[layer].mlp(h[None]))[0]
-
-
-def ids(n: int = 2, t: int = 12, seed: int = 1) -> torch.Tensor:
-    return torch.randint(3, V, (n, t), generator=torch.Generator().manual_seed(seed))
 
 
 # ---- structure ------------------------------------------------------------------------------------
 EXPECT = {  # moe layers, E, k
     "qwen3_moe": ([1, 2], 6, 2), "qwen2_moe": ([0, 1], 6, 2), "mixtral": ([0, 1], 6, 2), "olmoe": ([0, 1], 6, 2),
     "deepseek_v2": ([1, 2], 8, 2), "deepseek_v3": ([1, 2], 8, 2), "gpt_oss": ([0, 1], 6, 2)}
+SHARED = {"qwen2_moe": 1, "deepseek_v2": 1, "deepseek_v3": 1}  # shared experts per MoE layer
 
 
 def test_structure(fam):
@@ -198,6 +119,7 @@ def test_structure(fam):
     assert (a.moe_layers(teacher), a.num_experts(teacher), a.top_k(teacher)) == (layers, e, k)
     assert a.renormalized(teacher) == renormalizes(family, teacher)
     assert a.routed_scaling(teacher) == routed_scale(family, teacher)
+    assert a.num_shared_experts(teacher) == SHARED.get(family, 0)
     assert torch.equal(a.router_weight(teacher, layers[0]), router_of(family, teacher.model.layers[layers[0]].mlp).weight)
 
 

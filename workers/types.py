@@ -69,9 +69,23 @@ class DenseFFN:
         return self.gate.shape[0]
 
 
+@dataclass(frozen=True)
+class TeacherShape:
+    """The routed-MoE shape of a teacher as its family's architecture builds it from the config alone
+    (no weights): what a sweep's E and k must agree with."""
+
+    family: str  # adapter name, e.g. "qwen3_moe"
+    model_type: str  # config.model_type
+    num_experts: int  # E: routed experts per MoE layer
+    top_k: int  # k: experts the router picks per token
+    renormalize: bool  # whether the router divides its top-k weights by their sum
+    shared_experts: int  # always-on shared experts per MoE layer (K counts routed experts only)
+    moe_layers: int  # decoder layers whose FFN is a routed MoE block
+
+
 @dataclass
 class LayerStats:
-    """Sufficient statistics of one MoE layer over N calibration tokens (DESIGN.md §2.1).
+    """Sufficient statistics of one MoE layer over N calibration tokens.
 
     All sums are float64 over real (non-padding) tokens. p is the softmax over all E router
     logits; "selected"/"routed" means e is in the top-k set the router really used; g is the

@@ -1,6 +1,10 @@
-"""Family adapters: one per MoE block class (transformers 5.x). `get_adapter(model)` picks one."""
+"""Family adapters: one per MoE block class (transformers 5.x). `get_adapter(model)` picks one for a
+built model, `adapter_for_config(config)` for a config; `teacher_shape(config)` reads E, k and the rest
+of the routed-MoE shape from a config alone."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from torch import nn
 
@@ -11,6 +15,7 @@ from workers.families.mixtral import MixtralAdapter
 from workers.families.olmoe import OlmoeAdapter
 from workers.families.qwen2_moe import Qwen2MoeAdapter
 from workers.families.qwen3_moe import Qwen3MoeAdapter
+from workers.types import TeacherShape
 
 ADAPTERS: list[FamilyAdapter] = [Qwen3MoeAdapter(), Qwen2MoeAdapter(), MixtralAdapter(), OlmoeAdapter(),
                                  DeepseekV2Adapter(), DeepseekV3Adapter(), GptOssAdapter()]
@@ -33,3 +38,18 @@ def get_adapter(model: nn.Module) -> FamilyAdapter:
             return a
     raise ValueError(f"unsupported architecture model_type={model_type!r} ({type(model).__name__}); "
                      f"supported: {', '.join(supported())}")
+
+
+def adapter_for_config(config: Any) -> FamilyAdapter:
+    """The adapter for `config.model_type` (a transformers config; no model is built)."""
+    model_type = getattr(config, "model_type", None)
+    for a in ADAPTERS:
+        if model_type in a.model_types:
+            return a
+    types = [mt for a in ADAPTERS for mt in a.model_types]
+    raise ValueError(f"unsupported model_type={model_type!r}; supported model types: {', '.join(types)}")
+
+
+def teacher_shape(config: Any) -> TeacherShape:
+    """The teacher's routed-MoE shape from its config alone, as its family's modeling code builds it."""
+    return adapter_for_config(config).shape_from_config(config)

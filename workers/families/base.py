@@ -13,13 +13,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.types import DenseFFN, ExpertWeights
+from workers.types import DenseFFN, ExpertWeights, TeacherShape
 
 
 class FamilyAdapter(ABC):
     name: str = ""  # e.g. "qwen3_moe"
     model_types: tuple[str, ...] = ()  # config.model_type values this adapter handles
     block_classes: tuple[str, ...] = ()  # MoE block class names (transformers 5.x) this adapter handles
+
+    # --- structure from the config alone (no model built) ---------------------------------------
+    @abstractmethod
+    def shape_from_config(self, config: Any) -> TeacherShape:
+        """E, k, renormalization, shared experts and the number of MoE layers exactly as the family's
+        modeling code builds them from `config` (a transformers config of one of `model_types`).
+        Reads attributes only: no weights, no model. Raises ValueError for a config that builds no
+        routed MoE layer or an impossible k."""
+        ...
 
     # --- structure -------------------------------------------------------------------------
     @abstractmethod
@@ -64,6 +73,10 @@ class FamilyAdapter(ABC):
     def expert_weights(self, model: nn.Module, layer: int) -> ExpertWeights:
         """Canonical views of the routed experts of one layer."""
         ...
+
+    def num_shared_experts(self, model: nn.Module) -> int:
+        """Shared (always-on) experts per MoE layer of the built model."""
+        return 0
 
     def shared_ffn(self, model: nn.Module, layer: int) -> DenseFFN | None:
         """Shared experts of a layer as one dense FFN (copied into the student with scale 1.0)."""

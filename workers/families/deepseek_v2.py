@@ -13,7 +13,7 @@ biased scores) without the group limit (paper §4.3 Eq. 6 uses the k′ highest-
 
 Student: the same class with first_k_dense_replace = num_hidden_layers (every layer a dense MLP of
 width `width`); shared experts concatenated with scale 1.0 (K counts routed experts only); the
-teacher's dense layers zero-padded to the same width (DESIGN.md family rules). The routed part is
+teacher's dense layers zero-padded to the same width. The routed part is
 multiplied by routed_scaling_factor (see FamilyAdapter.routed_scaling).
 """
 
@@ -24,17 +24,41 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.families.fused import FusedMoeAdapter, copy_config
+from workers.families.fused import FusedMoeAdapter, _config_int, copy_config
 
 
-class DeepseekV2Adapter(FusedMoeAdapter):
+class _DeepseekAdapter(FusedMoeAdapter):
+    """What V2 and V3 share: layout of the layers, shared experts fused into one MLP."""
+
+    shared_attr = "shared_experts"
+    experts_key = "n_routed_experts"
+
+    def config_moe_layers(self, config: Any) -> list[int]:
+        n = _config_int(config, "num_hidden_layers")
+        return list(range(min(_config_int(config, "first_k_dense_replace"), n), n))
+
+    def config_shared_experts(self, config: Any) -> int:
+        return _config_int(config, "n_shared_experts")
+
+    def num_shared_experts(self, model: nn.Module) -> int:
+        """The shared MLP's width in units of one routed expert's width (moe_intermediate_size)."""
+        layer = self.moe_layers(model)[0]
+        width, unit = self.shared_ffn(model, layer).width, self.expert_weights(model, layer).intermediate
+        if width % unit:
+            raise ValueError(f"shared experts of width {width} are not a multiple of the expert width {unit}")
+        return width // unit
+
+
+class DeepseekV2Adapter(_DeepseekAdapter):
     name = "deepseek_v2"
     model_types = ("deepseek_v2",)
     block_classes = ("DeepseekV2Moe",)
-    shared_attr = "shared_experts"
 
     def native_renorm(self, router: nn.Module) -> bool:
         return False  # DeepseekV2TopkRouter never divides by the top-k sum
+
+    def config_renorm(self, config: Any) -> bool:
+        return False  # norm_topk_prob is in the config but the router ignores it
 
     def student_config(self, teacher: nn.Module, width: int) -> Any:
         from transformers import DeepseekV2Config
@@ -44,11 +68,10 @@ class DeepseekV2Adapter(FusedMoeAdapter):
                            first_k_dense_replace=n, output_router_logits=False)
 
 
-class DeepseekV3Adapter(FusedMoeAdapter):
+class DeepseekV3Adapter(_DeepseekAdapter):
     name = "deepseek_v3"
     model_types = ("deepseek_v3",)
     block_classes = ("DeepseekV3MoE",)
-    shared_attr = "shared_experts"
 
     def native_renorm(self, router: nn.Module) -> bool:
         return bool(router.norm_topk_prob)

@@ -19,7 +19,7 @@ from torch import nn
 
 from workers.families.base import FamilyAdapter
 from workers.merge import concat_blocks
-from workers.types import DenseFFN, ExpertWeights
+from workers.types import DenseFFN, ExpertWeights, TeacherShape
 
 _NOT_SET = object()
 # Config fields never carried from the teacher's config into the student's.
@@ -51,7 +51,7 @@ def _with_zero_biases(a: DenseFFN, b: DenseFFN) -> tuple[DenseFFN, DenseFFN]:
 
 
 def stack_ffns(a: DenseFFN, b: DenseFFN) -> DenseFFN:
-    """[a; b] with scale 1.0 on both (shared experts are added unscaled, DESIGN.md family rules)."""
+    """[a; b] with scale 1.0 on both (shared experts are added unscaled)."""
     if a.act != b.act:
         raise ValueError(f"cannot stack FFNs with activations {a.act!r} and {b.act!r}")
     a, b = _with_zero_biases(a, b)
@@ -89,6 +89,14 @@ def linear_ffn(mlp: nn.Module) -> DenseFFN:
                     up_bias=bias(mlp.up_proj), down_bias=bias(mlp.down_proj))
 
 
+def _config_int(config: Any, key: str) -> int:
+    value = getattr(config, key, None)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{getattr(config, 'model_type', type(config).__name__)} config: {key}={value!r}, "
+                         "expected an integer")
+    return value
+
+
 def _check_silu(act_fn: Any) -> None:
     if type(act_fn).__name__ not in ("SiLU", "SiLUActivation"):  # ACT2FN["silu"] / ACT2FN["swish"]
         raise ValueError(f"hidden_act={type(act_fn).__name__}: only silu experts are supported")
@@ -100,6 +108,37 @@ class FusedMoeAdapter(FamilyAdapter):
     router_attr: str = "gate"
     shared_attr: str | None = None  # attribute of the block holding ungated shared experts
     student_act: str = "silu"
+    experts_key: str = "num_experts"  # config field with the routed experts per MoE layer
+
+    # --- structure from the config alone -------------------------------------------------------
+    def config_moe_layers(self, config: Any) -> list[int]:
+        """Decoder layers the family's modeling code makes MoE blocks (every layer here)."""
+        return list(range(_config_int(config, "num_hidden_layers")))
+
+    def config_renorm(self, config: Any) -> bool:
+        """native_renorm as the router takes it from the config (its norm_topk_prob here)."""
+        return bool(getattr(config, "norm_topk_prob", False))
+
+    def config_shared_experts(self, config: Any) -> int:
+        return 0
+
+    def shape_from_config(self, config: Any) -> TeacherShape:
+        model_type = getattr(config, "model_type", None)
+        if model_type not in self.model_types:
+            raise ValueError(f"config model_type={model_type!r}: the {self.name} adapter handles "
+                             f"{', '.join(self.model_types)}")
+        e = _config_int(config, self.experts_key)
+        k = _config_int(config, "num_experts_per_tok")
+        layers = self.config_moe_layers(config)
+        if e < 1 or not layers:
+            raise ValueError(f"{model_type} config: {self.experts_key}={e} builds no routed MoE layer "
+                             f"(of {_config_int(config, 'num_hidden_layers')} layers)")
+        if not 1 <= k <= e:
+            raise ValueError(f"{model_type} config: num_experts_per_tok={k} must be in 1..{e} "
+                             f"({self.experts_key})")
+        return TeacherShape(family=self.name, model_type=model_type, num_experts=e, top_k=k,
+                            renormalize=self.config_renorm(config),
+                            shared_experts=self.config_shared_experts(config), moe_layers=len(layers))
 
     # --- structure -------------------------------------------------------------------------
     def layers(self, model: nn.Module) -> nn.ModuleList:

@@ -27,6 +27,10 @@ class GptOssAdapter(FusedMoeAdapter):
     block_classes = ("GptOssMLP",)
     router_attr = "router"
     student_act = "gptoss"
+    experts_key = "num_local_experts"
+
+    def config_renorm(self, config: Any) -> bool:
+        return True
 
     def native_renorm(self, router: nn.Module) -> bool:
         return True  # softmax over the chosen k logits = p renormalized over the k

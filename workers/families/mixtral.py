@@ -17,6 +17,10 @@ class MixtralAdapter(FusedMoeAdapter):
     name = "mixtral"
     model_types = ("mixtral",)
     block_classes = ("MixtralSparseMoeBlock",)
+    experts_key = "num_local_experts"
+
+    def config_renorm(self, config: Any) -> bool:
+        return True
 
     def native_renorm(self, router: nn.Module) -> bool:
         return True  # MixtralTopKRouter always divides by the top-k sum

@@ -2,7 +2,7 @@
 
 No dense HF class matches OLMoE's attention (q/k norm over the full projection; Olmo has none,
 Olmo2 is post-norm), so the student is the same class with one expert and top-1: the softmax over
-one logit is exactly 1, so each layer is exactly its dense FFN (DESIGN.md family rules).
+one logit is exactly 1, so each layer is exactly its dense FFN.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from typing import Any
 from torch import nn
 
 from workers.families.fused import FusedMoeAdapter, copy_config
+from workers.families.qwen3_moe import sparse_step_moe_layers
 
 
 class Qwen2MoeAdapter(FusedMoeAdapter):
@@ -22,6 +23,16 @@ class Qwen2MoeAdapter(FusedMoeAdapter):
     model_types = ("qwen2_moe",)
     block_classes = ("Qwen2MoeSparseMoeBlock",)
     shared_attr = "shared_expert"
+
+    def config_moe_layers(self, config: Any) -> list[int]:
+        return sparse_step_moe_layers(config)
+
+    def config_shared_experts(self, config: Any) -> int:
+        return 1 if int(config.shared_expert_intermediate_size) > 0 else 0
+
+    def num_shared_experts(self, model: nn.Module) -> int:
+        """The one gated shared expert (0 if it has no units)."""
+        return 1 if self.shared_ffn(model, self.moe_layers(model)[0]).width > 0 else 0
 
     def student_config(self, teacher: nn.Module, width: int) -> Any:
         from transformers import Qwen2Config

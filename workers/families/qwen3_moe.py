@@ -1,6 +1,6 @@
 """Qwen3-MoE (`Qwen3MoeSparseMoeBlock`): softmax router, top-k, renormalized iff `norm_topk_prob`.
 
-Student: a plain `Qwen3Config` model (same attention incl. q_norm/k_norm, DESIGN.md family rules);
+Student: a plain `Qwen3Config` model (same attention incl. q_norm/k_norm);
 dense teacher layers (`mlp_only_layers`, `decoder_sparse_step`) are zero-padded to the student width.
 """
 
@@ -10,13 +10,27 @@ from typing import Any
 
 from torch import nn
 
-from workers.families.fused import FusedMoeAdapter, copy_config
+from workers.families.fused import FusedMoeAdapter, _config_int, copy_config
+
+
+def sparse_step_moe_layers(config: Any) -> list[int]:
+    """Qwen2-MoE / Qwen3-MoE decoder layers built as MoE blocks: not in mlp_only_layers, and every
+    decoder_sparse_step-th layer (when the config has experts at all)."""
+    n = _config_int(config, "num_hidden_layers")
+    step = _config_int(config, "decoder_sparse_step")
+    dense = set(getattr(config, "mlp_only_layers", None) or [])
+    if int(config.num_experts) <= 0:
+        return []
+    return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
 
 
 class Qwen3MoeAdapter(FusedMoeAdapter):
     name = "qwen3_moe"
     model_types = ("qwen3_moe",)
     block_classes = ("Qwen3MoeSparseMoeBlock",)
+
+    def config_moe_layers(self, config: Any) -> list[int]:
+        return sparse_step_moe_layers(config)
 
     def student_config(self, teacher: nn.Module, width: int) -> Any:
         from transformers import Qwen3Config
