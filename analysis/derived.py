@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from workers.select_rule import select_best_rows
+from db.select_rule import select_best_rows
 
 SCORING_ORDER = ("SF", "PP", "PS", "CP", "ACP", "DO-CP", "DO-ACP", "REAP", "EAN", "frequency")
 GROUPING_ORDER = ("RR", "WC", "RC", "AB", "OC")
@@ -117,7 +117,7 @@ def top_k_of(rows: pd.DataFrame) -> int | None:
     return min(ks) if ks else None
 
 
-# ---- the selection rule (§4.1; one implementation in workers/select_rule.py) ------------------
+# ---- the selection rule (§4.1; one implementation in db/select_rule.py) -----------------------
 def select_best(df: pd.DataFrame, per: list[str], over: list[str], by: str = "ppl_pre") -> pd.DataFrame:
     """select_best_rows over a frame; returns the picked rows in the axes' order."""
     for a in [*per, *over, by]:

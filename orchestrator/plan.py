@@ -197,7 +197,7 @@ def ppl_job(spec: SweepSpec, cfg: dict[str, Any], convert_job: JobSpec | None, p
 
 def select_best(rows: list[dict[str, Any]], per: list[str], over: list[str]) -> list[dict[str, Any]]:
     """For each group of `per` axes, the row with the lowest finite ppl_pre over `over` (§4.1)."""
-    from workers.select_rule import select_best_rows
+    from db.select_rule import select_best_rows
 
     return select_best_rows(rows, per, over, "ppl_pre")
 
