@@ -1,20 +1,26 @@
-"""Derived facts, computed from the views' frames and never typed in (issue 6 §3).
+"""Derived facts, computed from the views' frames and never typed in.
 
 Pure functions over pandas frames (no SQL, no plotting): the selection rule and its picks, the
 disagreements between the rule and what was distilled, marginal means per design axis and their
-spread, how many pairs pick each K, gaps and ablation deltas, selection overlap and effective rank.
+spread, how many pairs pick each K, gaps and ablation deltas, selection overlap and effective rank,
+and whether a sweep's numbers come from more than one version of the code.
 Accuracies arrive as fractions and leave as percentages (pp) where said.
+
+Identities are read, never inferred from metric values or names: a distillation variant is a row
+with `variant_of` (the main configuration it varies), and a sweep's selection rule is the one stored
+with it (`select_json` of the `sweep_info` view).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from workers.select_rule import select_best_rows
+from db.select_rule import select_best_rows
 
 SCORING_ORDER = ("SF", "PP", "PS", "CP", "ACP", "DO-CP", "DO-ACP", "REAP", "EAN", "frequency")
 GROUPING_ORDER = ("RR", "WC", "RC", "AB", "OC")
@@ -28,7 +34,8 @@ ORDERS = {
     "task": TASK_ORDER,
     "distill_loss": LOSS_ORDER,
 }
-RULES = (("scoring", "grouping"), ("scoring", "grouping", "K"), ("scoring", "grouping", "K", "dp_scaling"))
+# the paper's rule (§4.1), used for a sweep that stores none (and said so wherever the rule is stated)
+DEFAULT_RULE = {"best_by": "ppl_pre", "per": ["scoring", "grouping"], "over": ["K", "dp_scaling"]}
 PRIOR_WORK = {("SF", "AB"): "MC-SMoE metrics", ("SF", "OC"): "HC-SMoE metrics"}  # Table 3 (§4.2)
 
 
@@ -89,8 +96,10 @@ def pct(x: Any) -> float | None:
 
 # ---- which rows are what ----------------------------------------------------------------------
 def is_variant(df: pd.DataFrame) -> pd.Series:
-    """Distillation variants (Tables 4/5): a non-default loss or teacher routing."""
-    return df["distill_loss"].notna() | df["teacher_top_k"].notna()
+    """Distillation variants (Tables 4/5): rows that name the main configuration they vary."""
+    if "variant_of" not in df.columns:
+        raise ValueError("rows: no column 'variant_of'; allowed: frames of the results view (analysis.load)")
+    return df["variant_of"].notna()
 
 
 def grid_rows(results: pd.DataFrame) -> pd.DataFrame:
@@ -117,7 +126,7 @@ def top_k_of(rows: pd.DataFrame) -> int | None:
     return min(ks) if ks else None
 
 
-# ---- the selection rule (§4.1; one implementation in workers/select_rule.py) ------------------
+# ---- the selection rule (§4.1; one implementation in db/select_rule.py) -----------------------
 def select_best(df: pd.DataFrame, per: list[str], over: list[str], by: str = "ppl_pre") -> pd.DataFrame:
     """select_best_rows over a frame; returns the picked rows in the axes' order."""
     for a in [*per, *over, by]:
@@ -127,15 +136,29 @@ def select_best(df: pd.DataFrame, per: list[str], over: list[str], by: str = "pp
     return sort_rows(df[df["config_id"].isin(ids)], per)
 
 
-def infer_rule(grid: pd.DataFrame) -> tuple[list[str], list[str]]:
-    """The coarsest rule the distilled set is consistent with: per scoring×grouping unless a pair
-    was distilled at several K (the cross-model sweeps distill per scoring×K)."""
-    chosen = grid[grid["selected_for_distill"] == 1]
-    for per in RULES:
-        keys = [tuple(plain(r[a]) for a in per) for r in chosen.to_dict("records")]
-        if len(keys) == len(set(keys)):
-            return list(per), [a for a in ("K", "dp_scaling") if a not in per]
-    return list(RULES[-1]), []
+def sweep_rule(rows: pd.DataFrame) -> tuple[dict[str, Any], str]:
+    """(rule, source): the selection rule stored with the rows' sweep (`select_json`) and "sweep", or the
+    paper's default (per scoring × grouping over K and scaling) and "default" when none is stored."""
+    stored = sorted({v for v in rows["select_json"] if v is not None}) if "select_json" in rows.columns else []
+    if len(stored) > 1:
+        raise ValueError(f"rows: {len(stored)} different selection rules; allowed: the rows of one sweep")
+    if not stored:
+        return dict(DEFAULT_RULE), "default"
+    try:
+        rule = json.loads(stored[0])
+    except json.JSONDecodeError:
+        rule = None
+    ok = (
+        isinstance(rule, dict)
+        and isinstance(rule.get("best_by", "ppl_pre"), str)
+        and all(isinstance(rule.get(k), list) and all(isinstance(a, str) for a in rule[k]) for k in ("per", "over"))
+    )
+    if not ok:
+        raise ValueError(
+            f"select_json {stored[0]!r}: not a rule; allowed: "
+            '{"best_by": "ppl_pre", "per": [axis, ...], "over": [axis, ...]}'
+        )
+    return {"best_by": rule.get("best_by", "ppl_pre"), "per": rule["per"], "over": rule["over"]}, "sweep"
 
 
 def _cell(r: dict[str, Any] | None, over: list[str]) -> dict[str, Any] | None:
@@ -144,14 +167,20 @@ def _cell(r: dict[str, Any] | None, over: list[str]) -> dict[str, Any] | None:
     return {**{a: plain(r[a]) for a in over}, "ppl_pre": r4(r["ppl_pre"]), "config_id": plain(r["config_id"])}
 
 
-def selection_report(grid: pd.DataFrame) -> dict[str, Any]:
+def selection_report(grid: pd.DataFrame, rule: dict[str, Any] | None = None) -> dict[str, Any]:
     """The rule's picks, how many pick each K, and every disagreement with what was distilled.
 
-    Also lists grid cells without a finite PPL, distilled cells whose published pre-distill PPL
-    differs from the grid's, and K = k rows that differ across groupings (one expert per group:
-    the grouping cannot change the student when the kept set is the same, §4.2)."""
-    per, over = infer_rule(grid)
-    picks = select_best(grid, per, over)
+    The rule is `rule`, else the one stored with the grid's sweep, else the paper's default (the
+    result's `rule.source` says which: "given", "sweep" or "default"). Also lists grid cells without a
+    finite PPL, distilled cells whose published pre-distill PPL differs from the grid's, and K = k rows
+    that differ across groupings (one expert per group: the grouping cannot change the student when
+    the kept set is the same, §4.2)."""
+    if rule is None:
+        rule, source = sweep_rule(grid)
+    else:
+        rule, source = {"best_by": "ppl_pre", **rule}, "given"
+    per, over, by = list(rule["per"]), list(rule["over"]), rule["best_by"]
+    picks = select_best(grid, per, over, by)
     chosen = grid[grid["selected_for_distill"] == 1]
 
     def key(r: dict[str, Any]) -> tuple:
@@ -216,7 +245,7 @@ def selection_report(grid: pd.DataFrame) -> dict[str, Any]:
             )
     counts = picks["K"].value_counts()
     return {
-        "rule": {"per": per, "over": over, "by": "ppl_pre (lowest finite)"},
+        "rule": {"per": per, "over": over, "by": f"{by} (lowest finite)", "source": source},
         "picks": [{**{a: plain(r[a]) for a in per}, **_cell(r, over)} for r in records(picks)],
         "k_counts": {int(k): int(counts[k]) for k in sorted(counts.index)},
         "distilled_k_counts": {int(k): int(n) for k, n in sorted(chosen["K"].value_counts().items())},
@@ -284,15 +313,22 @@ def baseline_avg(rows: pd.DataFrame, name: str) -> float | None:
 
 
 def ablations(rows: pd.DataFrame) -> list[dict[str, Any]]:
-    """Tables 4/5: per ablated student, accuracy per teacher routing k′ and per loss, Δ to the default."""
+    """Tables 4/5: per ablated student, accuracy per teacher routing k′ and per loss, Δ to the default.
+
+    The variants of a student are the rows whose `variant_of` is its configuration."""
     moe = rows[rows["kind"] == "moe2dense"]
     var = moe[is_variant(moe) & moe["avg"].notna()]
     base = distilled_rows(moe)
     axes = ["scoring", "grouping", "dp_scaling", "K"]
     out = []
-    students = {tuple(plain(r[a]) for a in axes) for r in records(var)}
-    for st in sorted(students, key=lambda t: tuple(order_key(a, v) for a, v in zip(axes, t, strict=True))):
-        v, b = _matching(var, axes, st), _matching(base, axes, st)
+    students = []
+    for main in {plain(m) for m in var["variant_of"]}:
+        v, b, m = var[var["variant_of"] == main], base[base["config_id"] == main], moe[moe["config_id"] == main]
+        first = records(m if len(m) else v)[0]  # the student's axes: its main configuration's
+        students.append((tuple(plain(first[a]) for a in axes), main, v, b))
+    for st, _, v, b in sorted(
+        students, key=lambda t: (tuple(order_key(a, x) for a, x in zip(axes, t[0], strict=True)), t[1])
+    ):
         k = top_k_of(v) or top_k_of(b)
         b_avg = pct(b["avg"].iloc[0]) if len(b) else None
         entry: dict[str, Any] = {**dict(zip(axes, st, strict=True)), "top_k": k}
@@ -319,12 +355,6 @@ def ablations(rows: pd.DataFrame) -> list[dict[str, Any]]:
             ]
         out.append(entry)
     return out
-
-
-def _matching(df: pd.DataFrame, axes: list[str], values: tuple) -> pd.DataFrame:
-    """Rows whose `axes` equal `values` (None matches a missing value)."""
-    keep = [all(plain(r[a]) == v for a, v in zip(axes, values, strict=True)) for r in df.to_dict("records")]
-    return df[keep]
 
 
 def _config_of(v: pd.DataFrame, b: pd.DataFrame, name: str, key: Any) -> int | None:
@@ -478,3 +508,52 @@ def effective_rank(
             }
         )
     return pd.DataFrame(rows, columns=cols)
+
+
+# ---- code versions -----------------------------------------------------------------------------
+def code_versions(code: pd.DataFrame) -> dict[str, Any]:
+    """Whether one sweep's numbers come from more than one version of the code (`config_code` rows).
+
+    `mixed`: {component: {hash: number of configurations}} for every component (a name in the jobs'
+    `code_json`) that the configurations' jobs carry with two or more hashes. `unknown`: {stage: number
+    of configurations} whose job of that stage records no `code_json` (written before jobs recorded
+    it); listed only when some job of the sweep does record one, since then those numbers may come from
+    other code. Both empty: one version throughout (or none recorded at all)."""
+    seen: dict[str, dict[str, set[int]]] = {}
+    missing: dict[str, set[int]] = {}
+    for r in records(code):
+        if r["code_json"] is None:
+            missing.setdefault(r["stage"], set()).add(r["config_id"])
+            continue
+        try:
+            comps = json.loads(r["code_json"])
+        except json.JSONDecodeError:
+            comps = None
+        if not isinstance(comps, dict) or not all(isinstance(h, str) for h in comps.values()):
+            raise ValueError(
+                f"job {r['job_key']}: code_json {r['code_json']!r} is not a JSON object; "
+                "allowed: {component: hash}"
+            )
+        for comp, h in comps.items():
+            seen.setdefault(comp, {}).setdefault(h, set()).add(r["config_id"])
+    mixed = {
+        comp: {h: len(ids) for h, ids in sorted(hashes.items())}
+        for comp, hashes in sorted(seen.items())
+        if len(hashes) > 1
+    }
+    unknown = {stage: len(ids) for stage, ids in sorted(missing.items())} if seen else {}
+    return {"mixed": mixed, "unknown": unknown}
+
+
+def code_versions_line(cv: dict[str, Any]) -> str | None:
+    """One sentence naming the mixed components and how many configurations each version covers."""
+    parts = []
+    for comp, hashes in cv["mixed"].items():
+        versions = ", ".join(f"{h} ({n} configuration{'s' * (n != 1)})" for h, n in hashes.items())
+        parts.append(f"{comp}: {versions}")
+    if cv["unknown"]:
+        stages = ", ".join(f"{s} ({n} configuration{'s' * (n != 1)})" for s, n in cv["unknown"].items())
+        parts.append(f"no recorded code version for {stages}")
+    if not parts:
+        return None
+    return "Numbers from more than one code version — " + "; ".join(parts) + "."

@@ -26,6 +26,8 @@ INT_COLUMNS = (
     "teacher_top_k",
     "selected_for_distill",
     "duplicate_of",
+    "variant_of",
+    "job_id",
     "layer",
     "expert",
     "step",
@@ -45,11 +47,18 @@ class Frames:
     """Everything a report needs about some sweeps, one frame per view."""
 
     sweeps: tuple[str, ...]
-    results: pd.DataFrame  # the `results` view + published columns + `avg`, one row per configuration
+    # the `results` view + published columns + `avg` + the sweep's `select_json`, one row per configuration
+    results: pd.DataFrame
     tasks: pd.DataFrame  # `task_scores` (post-distillation accuracies, fractions)
     selections: pd.DataFrame  # `selections` (kept experts per layer)
-    diagnostics: pd.DataFrame  # `layer_diagnostics` (effective rank, ...)
+    # `layer_diagnostics`, per layer and name: `effective_rank` (of the kept experts' kernel 𝒦_S with the
+    # scoring's own base score), `effective_rank_acp`, and for the D-optimal scorings `lambda` and `log_det`.
+    # `log_det` is the normalised objective F̃(S) = log det(I + 𝒦_S/λ) that the greedy maximises (the
+    # paper's Eq. 11), not Eq. 4's value log det(𝒦_S + λI); the two differ by K·log λ
+    diagnostics: pd.DataFrame
     curves: pd.DataFrame  # `curves` (validation CE during distillation)
+    info: pd.DataFrame  # `sweep_info`, one row per sweep: kind, source, stored selection rule (select_json)
+    code: pd.DataFrame  # `config_code`: per configuration and stage, the job and its code (code_json)
 
 
 def _read(engine: Engine, sql: str, names: list[str]) -> pd.DataFrame:
@@ -87,6 +96,9 @@ def load_frames(engine: Engine, sweeps: list[str]) -> Frames:
     # the accuracy analysis uses: a paper's own average where it gives one (its tasks are printed
     # rounded, its average is not), else the mean of the headline tasks (`results.avg_acc`)
     results["avg"] = results["avg_published"].where(results["avg_published"].notna(), results["avg_acc"])
+    info = _read(engine, "SELECT * FROM sweep_info WHERE sweep IN :names ORDER BY sweep", names)
+    rules = dict(zip(info["sweep"], info["select_json"], strict=True))
+    results["select_json"] = [rules.get(sw) for sw in results["sweep"]]
     tasks = _read(
         engine,
         "SELECT * FROM task_scores WHERE sweep IN :names ORDER BY sweep, config_id, task, metric",
@@ -105,4 +117,7 @@ def load_frames(engine: Engine, sweeps: list[str]) -> Frames:
     curves = _read(
         engine, "SELECT * FROM curves WHERE sweep IN :names ORDER BY sweep, config_id, who, step", names
     )
-    return Frames(tuple(names), results, tasks, selections, diagnostics, curves)
+    code = _read(
+        engine, "SELECT * FROM config_code WHERE sweep IN :names ORDER BY sweep, config_id, stage", names
+    )
+    return Frames(tuple(names), results, tasks, selections, diagnostics, curves, info, code)

@@ -1,4 +1,4 @@
-"""The core paper's published numbers as reference sweeps (issue 6, DESIGN.md §4).
+"""The core paper's published numbers as reference sweeps.
 
 Each paper table becomes configurations with the same axes and metric names as our own runs
 (workers/stages.py), so one query over the `results` view covers both. Accuracies are stored as
@@ -9,6 +9,11 @@ Reference sweeps mirror our sweep files: "paper:qwen3-30b-a3b" holds what sweeps
 runs (the 350-grid of Tables 10/11 with the 35 students of Table 12 marked as selected, the
 distillation variants of Tables 4/5, the baselines of Table 3 and the dense-to-dense search of
 Table 13).
+
+Identities are stored, never inferred: each sweep carries the selection rule the paper used for it
+(`select`, stored as `sweeps.select_json`), and the Table 4/5 rows are distillation variants with a
+`variant` label (e.g. `teacher_top_k=16`, `loss=reverse_kl`) and `variant_of_key`, the config_key of the
+main configuration they vary (stored as `configurations.variant_of`).
 """
 
 from __future__ import annotations
@@ -41,6 +46,13 @@ MODEL_LABEL = {
     "GPT-OSS-20B": "gpt-oss-20b",
 }
 MAIN = "paper:qwen3-30b-a3b"
+
+# the selection rules between stages (§4.1): the Qwen3 study picks, per scoring × grouping, the
+# (K, scaling) with the lowest pre-distill PPL; the base teacher (Table 8) and the cross-model sweeps
+# (Tables 16/17) distill each scoring at several K, one student per scoring × K
+RULE_PAIR = {"best_by": "ppl_pre", "per": ["scoring", "grouping"], "over": ["K", "dp_scaling"]}
+RULE_BASE = {"best_by": "ppl_pre", "per": ["scoring", "K"], "over": ["grouping", "dp_scaling"]}
+RULE_CROSS = {"best_by": "ppl_pre", "per": ["scoring", "K"], "over": ["dp_scaling"]}
 
 # Table 3 rows that are Table 12 students (printed to one decimal): not imported twice
 TABLE3_STUDENTS = {
@@ -242,6 +254,8 @@ def qwen3_main() -> dict[str, Any]:
                 **student,
                 "config_key": f"{stem}|teacher_top_k={kp}",
                 "teacher_top_k": kp,
+                "variant": f"teacher_top_k={kp}",
+                "variant_of_key": stem,
                 "table": "table4",
                 "metrics": _accuracies(r, "table4"),
             }
@@ -255,6 +269,8 @@ def qwen3_main() -> dict[str, Any]:
                 **student,
                 "config_key": f"{stem}|loss={loss}",
                 "distill_loss": loss,
+                "variant": f"loss={loss}",
+                "variant_of_key": stem,
                 "table": "table5",
                 "metrics": _accuracies(r, "table5"),
             }
@@ -288,9 +304,12 @@ def qwen3_main() -> dict[str, Any]:
             cfg["metrics"] += metrics
             continue
         out.append(_baseline_cfg(label, model, k, "table3", r["distill_tokens"] or None, metrics, "instruct"))
+    if stem not in configs:
+        raise ValueError(f"tables 4/5: the ablated student {stem!r} is not in the Table 10/11 grid")
     return {
         "name": MAIN,
         "source": SOURCE,
+        "select": RULE_PAIR,
         "configs": out,
         "description": f"{CITATION}: Qwen3-30B-A3B (instruct) study — Tables 10/11 (350-configuration "
         "pre-distill PPL grid), 12 (the 35 distilled students), 3 (baselines), 4/5 "
@@ -362,6 +381,7 @@ def qwen3_extended() -> dict[str, Any]:
     return {
         "name": "paper:qwen3-30b-a3b-4b",
         "source": SOURCE,
+        "select": RULE_PAIR,
         "configs": out,
         "description": f"{CITATION}: Table 6, ~4B-token distillation of Qwen3-30B-A3B students "
         "and baselines.",
@@ -409,6 +429,7 @@ def qwen3_base() -> dict[str, Any]:
     return {
         "name": "paper:qwen3-30b-a3b-base",
         "source": SOURCE,
+        "select": RULE_BASE,
         "configs": out,
         "description": f"{CITATION}: Appendix I, the base teacher Qwen3-30B-A3B-Base — Table 7 (best "
         "pre-distill PPL per scoring) and Table 8 (distilled at K=8 and K=16).",
@@ -464,6 +485,7 @@ def cross_model(csv_model: str) -> dict[str, Any]:
     return {
         "name": f"paper:{model.lower()}",
         "source": SOURCE,
+        "select": RULE_CROSS,
         "configs": out,
         "description": f"{CITATION}: {'Table 16' if table == 'table16' else 'Table 17'}, "
         f"cross-model validation on {csv_model} (§4.6), 0.3B-token distillation.",

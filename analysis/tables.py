@@ -264,6 +264,8 @@ def selection_table(
         f"The selection rule on {label}: per {' × '.join(AXIS_NAME[a] for a in per)}, the "
         f"({', '.join(AXIS_NAME[a] for a in over)}) with the lowest finite pre-distill perplexity (§4.1). "
     )
+    if sel["rule"].get("source") == "default":
+        cap += "The sweep stores no selection rule: this is the paper's default. "
     if compared:
         cap += f"Distilled: what the sweep distilled; ≠ marks the {n} disagreement(s) with the rule."
     counts = ", ".join(f"K={k}: {c}" for k, c in sel["k_counts"].items())

@@ -1,4 +1,4 @@
-"""SQLAlchemy models of the results database (DESIGN.md §4).
+"""SQLAlchemy models of the results database, matching the head migration (db/migrations).
 
 Jobs are content-addressed and shared between configurations and sweeps; configurations point
 to the jobs that produced their numbers through `config_jobs`. Metrics of our own runs belong to
@@ -35,6 +35,8 @@ class Sweep(Base):
     description: Mapped[str | None] = mapped_column(Text)
     spec_yaml: Mapped[str | None] = mapped_column(Text)
     spec_hash: Mapped[str | None] = mapped_column(String(64))
+    # the selection rule between stages: {"best_by": "ppl_pre", "per": [...], "over": [...]}; NULL: none
+    select_json: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(server_default=text("CURRENT_TIMESTAMP"))
     updated_at: Mapped[datetime | None]
 
@@ -55,7 +57,8 @@ class Job(Base):
     compute_s: Mapped[float | None] = mapped_column(Float)  # time inside the worker function
     error: Mapped[str | None] = mapped_column(Text)
     log_path: Mapped[str | None] = mapped_column(Text)
-    code_version: Mapped[str | None] = mapped_column(String(100))
+    code_version: Mapped[str | None] = mapped_column(String(100))  # short hash of all code components
+    code_json: Mapped[str | None] = mapped_column(Text)  # {component: hash} of the code that computed it
     versions_json: Mapped[str | None] = mapped_column(Text)  # library versions, backend, device
     outputs_json: Mapped[str | None] = mapped_column(Text)  # plain outputs read by later stages
 
@@ -92,6 +95,8 @@ class Configuration(Base):
     source_table: Mapped[str | None] = mapped_column(String(50))
     selected_for_distill: Mapped[int] = mapped_column(Integer, default=0)
     duplicate_of: Mapped[int | None] = mapped_column(ForeignKey("configurations.id"))
+    variant: Mapped[str | None] = mapped_column(String(200))  # e.g. loss=reverse_kl; NULL: a main config
+    variant_of: Mapped[int | None] = mapped_column(ForeignKey("configurations.id"))  # the main config varied
     plan_key: Mapped[str | None] = mapped_column(String(64))
     note: Mapped[str | None] = mapped_column(Text)
 

@@ -36,7 +36,7 @@ METRIC_FIELDS = ("name", "stage", "task", "who", "step", "value", "value_kind", 
                  "correct", "total", "stderr", "num_fewshot", "headline")
 CONFIG_FIELDS = ("model", "teacher_variant", "family", "kind", "baseline", "scoring", "grouping",
                  "dp_scaling", "K", "top_k", "distill_loss", "teacher_top_k", "distill_tokens",
-                 "source_table", "selected_for_distill", "plan_key", "note")
+                 "source_table", "selected_for_distill", "plan_key", "note", "variant")
 
 
 def home() -> Path:
@@ -104,15 +104,21 @@ class Store:
 
     # ---- sweeps ---------------------------------------------------------------------------
     def upsert_sweep(self, name: str, *, spec_yaml: str | None = None, spec_hash: str | None = None,
-                     description: str | None = None, kind: str = "own", source: str = "moesweep") -> int:
+                     description: str | None = None, kind: str = "own", source: str = "moesweep",
+                     select_json: str | None = None) -> int:
+        """Insert or update a sweep; `select_json`: its selection rule as JSON (None: none stored)."""
         with self.tx() as c:
-            sid = c.scalar(select(Sweep.id).where(Sweep.name == name))
-            values = dict(spec_yaml=spec_yaml, spec_hash=spec_hash, description=description, kind=kind,
-                          source=source, updated_at=now())
-            if sid is None:
-                return c.execute(insert(Sweep).values(name=name, **values)).inserted_primary_key[0]
-            c.execute(update(Sweep).where(Sweep.id == sid).values(**values))
-            return sid
+            return self._upsert_sweep(c, name, spec_yaml=spec_yaml, spec_hash=spec_hash,
+                                      description=description, kind=kind, source=source, select_json=select_json)
+
+    @staticmethod
+    def _upsert_sweep(c: Connection, name: str, **values: Any) -> int:
+        values["updated_at"] = now()
+        sid = c.scalar(select(Sweep.id).where(Sweep.name == name))
+        if sid is None:
+            return c.execute(insert(Sweep).values(name=name, **values)).inserted_primary_key[0]
+        c.execute(update(Sweep).where(Sweep.id == sid).values(**values))
+        return sid
 
     def sweep_id(self, name: str) -> int | None:
         with self.tx() as c:
@@ -303,21 +309,37 @@ class Store:
 
     # ---- reference data (papers) ------------------------------------------------------------
     def import_reference(self, sweeps: Iterable[dict[str, Any]]) -> dict[str, int]:
-        """Load published numbers as reference sweeps; re-importing replaces them (idempotent)."""
+        """Load published numbers as reference sweeps, all in one transaction (all or nothing);
+        re-importing replaces them (idempotent). A sweep may carry `select` (its selection rule, a dict
+        stored as JSON); a configuration may carry `variant` and `variant_of_key`, the config_key of the
+        main configuration of the same sweep that it varies."""
         counts: dict[str, int] = {}
-        for sw in sweeps:
-            sid = self.upsert_sweep(sw["name"], description=sw.get("description"), kind="reference",
-                                    source=sw.get("source", "paper"))
-            with self.tx() as c:
+        with self.tx() as c:
+            for sw in sweeps:
+                rule = sw.get("select")
+                sid = self._upsert_sweep(c, sw["name"], description=sw.get("description"), kind="reference",
+                                         source=sw.get("source", "paper"), spec_yaml=None, spec_hash=None,
+                                         select_json=json.dumps(rule, sort_keys=True) if rule else None)
                 c.execute(delete(Configuration).where(Configuration.sweep_id == sid))
+                ids: dict[str, int] = {}
                 for i, cfg in enumerate(sw["configs"]):
                     values = {f: cfg.get(f) for f in CONFIG_FIELDS if f in cfg}
                     values.setdefault("source_table", cfg.get("table"))
                     key = cfg.get("config_key") or f"{cfg.get('table', 'ref')}:{i}"
-                    cid = c.execute(insert(Configuration).values(
+                    ids[key] = c.execute(insert(Configuration).values(
                         sweep_id=sid, config_key=key, **values)).inserted_primary_key[0]
-                    self._write_records(c, {"metrics": cfg.get("metrics", [])}, config_id=cid)
-            counts[sw["name"]] = len(sw["configs"])
+                    self._write_records(c, {"metrics": cfg.get("metrics", [])}, config_id=ids[key])
+                for i, cfg in enumerate(sw["configs"]):
+                    main = cfg.get("variant_of_key")
+                    if main is None:
+                        continue
+                    key = cfg.get("config_key") or f"{cfg.get('table', 'ref')}:{i}"
+                    if main not in ids or main == key:
+                        raise ValueError(f"reference sweep {sw['name']!r}, configuration {key!r}: variant_of_key "
+                                         f"{main!r} is not another configuration of the sweep; allowed: its "
+                                         "other config_keys")
+                    c.execute(update(Configuration).where(Configuration.id == ids[key]).values(variant_of=ids[main]))
+                counts[sw["name"]] = len(sw["configs"])
         return counts
 
 

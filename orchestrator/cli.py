@@ -207,11 +207,14 @@ def sql(
 
 @app.command("import-paper")
 def import_paper(db: DbOpt = None) -> None:
-    """Load the core paper's published numbers as reference sweeps (idempotent)."""
+    """Load the core paper's published numbers as reference sweeps (idempotent, one transaction)."""
     from analysis.reference import reference_sweeps
 
     store = _store(db)
-    counts = store.import_reference(reference_sweeps())
+    try:
+        counts = store.import_reference(reference_sweeps())
+    except ValueError as e:
+        _fail(f"import-paper: {e}")
     for name, n in counts.items():
         out.print(f"{name}: {n} configurations")
 
@@ -223,26 +226,40 @@ def report(
     out_dir: Annotated[Path | None, typer.Option("--out", help="output folder (default: report/NAME)")] = None,
     compare: Annotated[str | None, typer.Option(help="'paper': our numbers beside the paper's")] = None,
 ) -> None:
-    """LaTeX tables, PNG/PDF figures and an index for a sweep, from the database only."""
+    """LaTeX tables, PNG/PDF figures and an index for a sweep, from the database only (reads, never writes
+    results; `moesweep import-paper` is what loads the paper's numbers)."""
+    from analysis.derived import code_versions, code_versions_line
     from analysis.load import load_frames
+    from analysis.reference import reference_sweeps
     from analysis.report import write_report
 
+    if compare is not None and compare != "paper":
+        _fail(f"--compare {compare!r}: allowed: paper")
     store = _store(db)
     if store.sweep_id(name) is None:
         _fail(f"no sweep {name!r} in {store.url} (moesweep import-paper loads the paper's)")
-    frames = load_frames(store.engine, [name])
-    cmp = None
-    if compare is not None:
-        if compare != "paper":
-            _fail(f"--compare {compare!r}: allowed: paper")
-        from analysis.reference import reference_sweeps
-
-        names = [s["name"] for s in reference_sweeps()]
-        if store.sweep_id(names[0]) is None:
-            store.import_reference(reference_sweeps())
-        cmp = load_frames(store.engine, names)
-    target = out_dir or Path("report") / name.replace(":", "_")  # paper:x -> report/paper_x
-    arts = write_report(frames, name, target, cmp)
+    refs = {s["name"]: json.dumps(s["select"], sort_keys=True) if s.get("select") else None
+            for s in reference_sweeps()}
+    needed = [n for n in refs if compare is not None or n == name]
+    stored = dict(store.query("SELECT sweep, select_json FROM sweep_info")[1])
+    missing = [n for n in needed if n not in stored]
+    if missing:
+        _fail(f"reference sweeps {', '.join(missing)} are not in {store.url}; run 'moesweep import-paper' first")
+    stale = [n for n in needed if stored[n] != refs[n]]
+    if stale:
+        _fail(f"reference sweeps {', '.join(stale)} were imported by an older moesweep (their stored selection "
+              "rule is not the paper's); run 'moesweep import-paper' first")
+    try:
+        frames = load_frames(store.engine, [name])
+        cmp = load_frames(store.engine, list(refs)) if compare is not None else None
+        target = out_dir or Path("report") / name.replace(":", "_")  # paper:x -> report/paper_x
+        arts = write_report(frames, name, target, cmp)
+        line = code_versions_line(code_versions(frames.code[frames.code["sweep"] == name]))
+    except ValueError as e:
+        _fail(str(e))
+    if line:
+        err.print(f"[yellow]warning:[/] sweep {name}: {line} (see {target / 'index.md'})", highlight=False,
+                  soft_wrap=True)
     out.print(f"{len(arts)} artefacts in {target}/ (index: {target / 'index.md'})")
 
 

@@ -38,7 +38,7 @@ def test_every_shipped_table_is_imported_with_known_fields():
         keys = [c["config_key"] for c in s["configs"]]
         assert len(keys) == len(set(keys)), s["name"]
         for c in s["configs"]:
-            assert set(c) <= set(CONFIG_FIELDS) | {"config_key", "table", "metrics"}, c["config_key"]
+            assert set(c) <= set(CONFIG_FIELDS) | {"config_key", "table", "metrics", "variant_of_key"}, c["config_key"]
             assert c["kind"] in ("moe2dense", "baseline", "teacher")
             for m in c["metrics"]:
                 assert set(m) <= set(METRIC_FIELDS) | {"extra"}, m

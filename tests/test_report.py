@@ -48,6 +48,7 @@ GROUP_F, SCALE_F, K_F = (
 )
 ACC = {"SF": 0.40, "CP": 0.44, "ACP": 0.45, "DO-ACP": 0.50}
 EFF_RANK = {"SF": 1.2, "CP": 1.5, "ACP": 1.6, "DO-ACP": 1.9}
+RULE = json.dumps({"best_by": "ppl_pre", "per": ["scoring", "grouping"], "over": ["K", "dp_scaling"]})
 
 
 def ppl_of(s: str, g: str, dp: str, K: int) -> float:
@@ -116,7 +117,7 @@ def _distill_record(start: float, end: float) -> dict:
 
 def build_own_sweep(store: Store) -> dict[str, int]:
     """The stage records of a small sweep, written through Store; returns config ids by config key."""
-    sid = store.upsert_sweep(OWN, spec_yaml=f"name: {OWN}", description="synthetic own sweep")
+    sid = store.upsert_sweep(OWN, spec_yaml=f"name: {OWN}", description="synthetic own sweep", select_json=RULE)
     configs = []
     for s in SCORINGS:
         for g in GROUPINGS:
@@ -241,16 +242,19 @@ def build_own_sweep(store: Store) -> dict[str, int]:
             **next(c for c in configs if c["config_key"] == picks[("DO-ACP", "RR")]),
             "config_key": picks[("DO-ACP", "RR")] + "|variant=0",
             "teacher_top_k": 4,
+            "variant": "teacher_top_k=4",
             "selected_for_distill": 1,
         },
         {
             **next(c for c in configs if c["config_key"] == picks[("DO-ACP", "RR")]),
             "config_key": picks[("DO-ACP", "RR")] + "|variant=1",
             "distill_loss": "reverse_kl",
+            "variant": "loss=reverse_kl",
             "selected_for_distill": 1,
         },
     ]
     ids.update(store.upsert_configs(sid, variants))
+    store.set_config_fields({ids[v["config_key"]]: {"variant_of": ids[picks[("DO-ACP", "RR")]]} for v in variants})
     links = []
     for ck in sorted(chosen) + [v["config_key"] for v in variants]:
         s = ck.split("|")[0]

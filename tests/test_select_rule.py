@@ -1,6 +1,6 @@
 """The §4.1 selection rule shared by the orchestrator and analysis."""
 
-from workers.select_rule import select_best_rows
+from db.select_rule import select_best_rows
 
 
 def _row(s, g, K, scaling, ppl, kind="finite"):
