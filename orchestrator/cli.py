@@ -168,12 +168,10 @@ def stages_cmd() -> None:
     """The stages a sweep runs, in order, with their sweep-file section, inputs and default resources."""
     from orchestrator.stage import stages
 
-    t = Table("stage", "section", "reads", "records", "default resources", "what it does")
     for s in stages():
-        t.add_row(s.name, s.section or "", ", ".join(s.upstream), ", ".join(sorted(s.records - {"outputs"})),
-                  f"{s.resources.cpus:g} CPU" + (f", {s.resources.gpus:g} GPU" if s.resources.gpus else ""),
-                  s.summary)
-    out.print(t)
+        res = f"{s.resources.cpus:g} CPU" + (f", {s.resources.gpus:g} GPU" if s.resources.gpus else "")
+        print(f"{s.name}: {s.summary}\n  section: {s.section or '-'}   reads: {', '.join(s.upstream) or '-'}   "
+              f"records: {', '.join(sorted(s.records - {'outputs'})) or '-'}   default resources: {res}")
 
 
 @app.command()

@@ -30,6 +30,10 @@ def plan_counts(spec: SweepSpec) -> tuple[list[dict[str, Any]], list[str]]:
         keys += [j.key for j in distinct]
         if jobs:
             rows.append({"stage": st.name, "named": len(jobs), "distinct": len(distinct), "note": st.summary})
+        elif any(ctx.jobs.get(u) for u in st.upstream):  # its plan needs results that do not exist yet
+            rows.append({"stage": st.name, "named": "–", "distinct": "–",
+                         "note": f"planned from the results of {', '.join(st.upstream)}" + (
+                             f"; {st.summary}" if st.summary else "")})
     return rows, keys
 
 

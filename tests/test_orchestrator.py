@@ -67,14 +67,30 @@ def fake(monkeypatch, tmp_path):
         def wrapped(p, cache, progress, fn=fn, name=name):
             calls.append((name, p["key"]))
             return fn(p, cache, progress)
-        monkeypatch.setitem(stages.STAGES, name, wrapped)
+        monkeypatch.setattr(stages, f"stage_{name}", wrapped)  # what the registry's run references resolve to
     monkeypatch.setenv("MOESWEEP_HOME", str(tmp_path / "home"))
+    state["sweep"] = fake_sweep(tmp_path)
     return calls, state
 
 
-def _launch(store: Store, **kw) -> int:
-    spec, _, text = load_spec(str(HERE / "sweeps" / "fake.yaml"))
-    return launch(spec, text, store, SerialExecutor(), console=Console(quiet=True), show_progress=False, **kw)
+def fake_sweep(tmp_path: Path, text: str | None = None) -> Path:
+    """tests/sweeps/fake.yaml with its teacher pointing at a local config (E = 8, k = 2, no weights)."""
+    from transformers import Qwen3MoeConfig
+
+    teacher = tmp_path / "teacher"
+    if not teacher.exists():
+        Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=16, moe_intermediate_size=8,
+                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, num_experts=8,
+                       num_experts_per_tok=2, norm_topk_prob=True).save_pretrained(teacher)
+    f = tmp_path / "fake.yaml"
+    f.write_text((text or (HERE / "sweeps" / "fake.yaml").read_text()).replace("fake/teacher", str(teacher)))
+    return f
+
+
+def _launch(store: Store, sweep: Path, **kw) -> int:
+    spec, path, text = load_spec(str(sweep))
+    return launch(spec, text, store, SerialExecutor(), console=Console(quiet=True), show_progress=False,
+                  path=str(path), **kw)
 
 
 def _results(store: Store) -> list[tuple]:
@@ -85,7 +101,7 @@ def _results(store: Store) -> list[tuple]:
 def test_failures_dedupe_resume_and_retry(fake, tmp_path):
     calls, state = fake
     store = Store(state["db"])
-    assert _launch(store) == 1  # a failing method fails the launch at the end, not at once
+    assert _launch(store, state["sweep"]) == 1  # a failing method fails the launch at the end, not at once
     # the failing conversion was tried 1 + retries times, then recorded with its traceback
     failed = store.query("SELECT attempts, error FROM jobs WHERE status = 'failed'")[1]
     assert len(failed) == 2 and all(a == 2 and "boom" in e for a, e in failed)
@@ -110,12 +126,12 @@ def test_failures_dedupe_resume_and_retry(fake, tmp_path):
     assert "random_ffn" in distilled and len(distilled) >= 4
 
     n = len(calls)
-    assert _launch(store) == 1  # resume: nothing new runs, the failure is still reported
+    assert _launch(store, state["sweep"]) == 1  # resume: nothing new runs, the failure is still reported
     assert len(calls) == n and _results(store) == rows
 
     done = {k for (k,) in store.query("SELECT key FROM jobs WHERE status = 'succeeded'")[1]}
     state["fail"] = False
-    assert _launch(store, retry_failed=True) == 0
+    assert _launch(store, state["sweep"], retry_failed=True) == 0
     assert {s for s, _ in calls[n:]} >= {"convert", "ppl_pre"}
     assert not done & {k for _, k in calls[n:]}  # nothing that had succeeded ran again
     assert store.query("SELECT COUNT(*) FROM jobs WHERE status <> 'succeeded'")[1] == [(0,)]
@@ -142,9 +158,10 @@ def test_bad_sweep_files_give_one_line_errors(tmp_path):
 
 def test_dry_run_of_the_paper_sweep_plans_350_35_35():
     spec, _, _ = load_spec("paper-qwen3-30b-a3b")
-    rows = {r["stage"]: r for r in dryrun.plan_counts(spec)}
+    rows = {r["stage"]: r for r in dryrun.plan_counts(spec)[0]}
     assert rows["calibrate"]["named"] == 350 and rows["calibrate"]["distinct"] == 1
-    # K = k = 8: the five groupings collapse to one student per scoring x scaling (7 x 2 x 4 duplicates)
-    assert rows["convert"]["named"] == 350 and rows["convert"]["distinct"] == 350 - 56
+    assert rows["convert"]["named"] == 350 and rows["convert"]["distinct"] == 350
+    # K = k = 8: the five groupings give one student per scoring x scaling (7 x 2 x 4 duplicates), + 8 others
+    assert rows["ppl_pre"]["named"] == 358 and rows["ppl_pre"]["distinct"] == 350 - 56 + 8
     assert rows["select"]["distinct"] == 35
     assert "35 selected" in rows["distill"]["note"]
