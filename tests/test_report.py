@@ -117,7 +117,9 @@ def _distill_record(start: float, end: float) -> dict:
 
 def build_own_sweep(store: Store) -> dict[str, int]:
     """The stage records of a small sweep, written through Store; returns config ids by config key."""
-    sid = store.upsert_sweep(OWN, spec_yaml=f"name: {OWN}", description="synthetic own sweep", select_json=RULE)
+    sid = store.upsert_sweep(
+        OWN, spec_yaml=f"name: {OWN}", description="synthetic own sweep", select_json=RULE
+    )
     configs = []
     for s in SCORINGS:
         for g in GROUPINGS:
@@ -254,7 +256,9 @@ def build_own_sweep(store: Store) -> dict[str, int]:
         },
     ]
     ids.update(store.upsert_configs(sid, variants))
-    store.set_config_fields({ids[v["config_key"]]: {"variant_of": ids[picks[("DO-ACP", "RR")]]} for v in variants})
+    store.set_config_fields(
+        {ids[v["config_key"]]: {"variant_of": ids[picks[("DO-ACP", "RR")]]} for v in variants}
+    )
     links = []
     for ck in sorted(chosen) + [v["config_key"] for v in variants]:
         s = ck.split("|")[0]
