@@ -178,3 +178,29 @@ def test_variants_are_read_from_variant_of_not_from_settings():
     assert list(D.distilled_rows(df)["config_id"]) == [1, 2]
     with pytest.raises(ValueError, match="variant_of"):
         D.grid_rows(df.drop(columns=["variant_of"]))
+
+
+def test_selection_report_applies_the_rule_it_is_given():
+    rows = [(1, "SF", "RR", 2, 5.0, 1), (2, "SF", "RR", 4, 4.0, 0), (3, "SF", "WC", 2, 3.0, 1)]
+    df = pd.DataFrame(
+        [
+            {
+                "config_id": i,
+                "scoring": s,
+                "grouping": g,
+                "dp_scaling": "uniform",
+                "K": K,
+                "top_k": 2,
+                "ppl_pre": p,
+                "ppl_pre_kind": "finite",
+                "selected_for_distill": sel,
+                "ppl_pre_published": None,
+            }
+            for i, s, g, K, p, sel in rows
+        ]
+    )
+    by_k = D.selection_report(df, {"per": ["scoring", "K"], "over": ["grouping", "dp_scaling"]})
+    assert by_k["rule"]["source"] == "given" and [p["config_id"] for p in by_k["picks"]] == [3, 2]
+    default = D.selection_report(df)  # no select_json column: the paper's rule, said so
+    assert default["rule"]["source"] == "default" and [p["config_id"] for p in default["picks"]] == [2, 3]
+    assert [d["grouping"] for d in default["disagreements"]] == ["RR"]
