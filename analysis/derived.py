@@ -139,7 +139,9 @@ def select_best(df: pd.DataFrame, per: list[str], over: list[str], by: str = "pp
 def sweep_rule(rows: pd.DataFrame) -> tuple[dict[str, Any], str]:
     """(rule, source): the selection rule stored with the rows' sweep (`select_json`) and "sweep", or the
     paper's default (per scoring × grouping over K and scaling) and "default" when none is stored."""
-    stored = sorted({v for v in rows["select_json"] if v is not None}) if "select_json" in rows.columns else []
+    stored = (
+        sorted({v for v in rows["select_json"] if v is not None}) if "select_json" in rows.columns else []
+    )
     if len(stored) > 1:
         raise ValueError(f"rows: {len(stored)} different selection rules; allowed: the rows of one sweep")
     if not stored:
@@ -151,12 +153,15 @@ def sweep_rule(rows: pd.DataFrame) -> tuple[dict[str, Any], str]:
     ok = (
         isinstance(rule, dict)
         and isinstance(rule.get("best_by", "ppl_pre"), str)
-        and all(isinstance(rule.get(k), list) and all(isinstance(a, str) for a in rule[k]) for k in ("per", "over"))
+        and all(
+            isinstance(rule.get(k), list) and all(isinstance(a, str) for a in rule[k])
+            for k in ("per", "over")
+        )
     )
     if not ok:
         raise ValueError(
-            f"select_json {stored[0]!r}: not a rule; allowed: "
-            '{"best_by": "ppl_pre", "per": [axis, ...], "over": [axis, ...]}'
+            f"select_json {stored[0]!r}: not a selection rule; allowed: a JSON object with "
+            '"per" and "over" (lists of axis names) and optionally "best_by" (a column, e.g. "ppl_pre")'
         )
     return {"best_by": rule.get("best_by", "ppl_pre"), "per": rule["per"], "over": rule["over"]}, "sweep"
 
@@ -323,7 +328,11 @@ def ablations(rows: pd.DataFrame) -> list[dict[str, Any]]:
     out = []
     students = []
     for main in {plain(m) for m in var["variant_of"]}:
-        v, b, m = var[var["variant_of"] == main], base[base["config_id"] == main], moe[moe["config_id"] == main]
+        v, b, m = (
+            var[var["variant_of"] == main],
+            base[base["config_id"] == main],
+            moe[moe["config_id"] == main],
+        )
         first = records(m if len(m) else v)[0]  # the student's axes: its main configuration's
         students.append((tuple(plain(first[a]) for a in axes), main, v, b))
     for st, _, v, b in sorted(

@@ -198,7 +198,9 @@ def write_report(frames: Frames, name: str, out_dir: Path, compare: Frames | Non
         (fact_path, "Derived facts (selection picks, disagreements, marginal means, spreads, gaps) as JSON")
     )
     index = out_dir / "index.md"
-    index.write_text(_index(name, res, w.items, ours_facts, ref_facts, matched, out_dir, code_versions_line(cv)))
+    index.write_text(
+        _index(name, res, w.items, ours_facts, ref_facts, matched, out_dir, code_versions_line(cv))
+    )
     return [p for p, _ in w.items] + [index]
 
 
@@ -237,9 +239,8 @@ def _fact_lines(f: dict[str, Any], who: str) -> list[str]:
         counts = ", ".join(f"K={k}: {n}" for k, n in sel["k_counts"].items())
         by = sel["rule"]["by"].split(" ")[0]
         metric = "pre-distill PPL" if by == "ppl_pre" else by
-        stated = (
-            " (the sweep stores no rule: the paper's default)" if sel["rule"].get("source") == "default" else ""
-        )
+        default = sel["rule"].get("source") == "default"
+        stated = " (the sweep stores no rule: the paper's default)" if default else ""
         out.append(
             f"- Selection rule ({who}){stated}: per {per}, the lowest finite {metric} over {over}; "
             f"{len(sel['picks'])} picks — {counts}."

@@ -109,7 +109,8 @@ class Store:
         """Insert or update a sweep; `select_json`: its selection rule as JSON (None: none stored)."""
         with self.tx() as c:
             return self._upsert_sweep(c, name, spec_yaml=spec_yaml, spec_hash=spec_hash,
-                                      description=description, kind=kind, source=source, select_json=select_json)
+                                      description=description, kind=kind, source=source,
+                                      select_json=select_json)
 
     @staticmethod
     def _upsert_sweep(c: Connection, name: str, **values: Any) -> int:
@@ -335,10 +336,11 @@ class Store:
                         continue
                     key = cfg.get("config_key") or f"{cfg.get('table', 'ref')}:{i}"
                     if main not in ids or main == key:
-                        raise ValueError(f"reference sweep {sw['name']!r}, configuration {key!r}: variant_of_key "
-                                         f"{main!r} is not another configuration of the sweep; allowed: its "
-                                         "other config_keys")
-                    c.execute(update(Configuration).where(Configuration.id == ids[key]).values(variant_of=ids[main]))
+                        raise ValueError(f"reference sweep {sw['name']!r}, configuration {key!r}: "
+                                         f"variant_of_key {main!r} is not another configuration of the "
+                                         "sweep; allowed: its other config_keys")
+                    c.execute(update(Configuration).where(Configuration.id == ids[key])
+                              .values(variant_of=ids[main]))
                 counts[sw["name"]] = len(sw["configs"])
         return counts
 

@@ -242,11 +242,12 @@ def report(
     stored = dict(store.query("SELECT sweep, select_json FROM sweep_info")[1])
     missing = [n for n in needed if n not in stored]
     if missing:
-        _fail(f"reference sweeps {', '.join(missing)} are not in {store.url}; run 'moesweep import-paper' first")
+        _fail(f"reference sweeps {', '.join(missing)} are not in {store.url}; "
+              "run 'moesweep import-paper' first")
     stale = [n for n in needed if stored[n] != refs[n]]
     if stale:
-        _fail(f"reference sweeps {', '.join(stale)} were imported by an older moesweep (their stored selection "
-              "rule is not the paper's); run 'moesweep import-paper' first")
+        _fail(f"reference sweeps {', '.join(stale)} were imported by an older moesweep (their stored "
+              "selection rule is not the paper's); run 'moesweep import-paper' first")
     try:
         frames = load_frames(store.engine, [name])
         cmp = load_frames(store.engine, list(refs)) if compare is not None else None

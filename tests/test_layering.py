@@ -38,7 +38,14 @@ def test_no_analysis_module_imports_workers():
 
 def test_the_check_sees_every_import_form():
     src = "import os, workers.stages\nfrom workers import x\ndef f():\n    from workers.y import z\n"
-    assert workers_imports(src, ("analysis",)) == ["workers", "workers.stages", "workers.x", "workers.y",
-                                                   "workers.y.z"]
+    assert workers_imports(src, ("analysis",)) == [
+        "workers",
+        "workers.stages",
+        "workers.x",
+        "workers.y",
+        "workers.y.z",
+    ]
     assert "analysis.derived" in imported_modules("from . import derived\n", ("analysis",))
-    assert workers_imports("from db.select_rule import select_best_rows\nimport pandas\n", ("analysis",)) == []
+    assert (
+        workers_imports("from db.select_rule import select_best_rows\nimport pandas\n", ("analysis",)) == []
+    )

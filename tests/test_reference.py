@@ -38,7 +38,9 @@ def test_every_shipped_table_is_imported_with_known_fields():
         keys = [c["config_key"] for c in s["configs"]]
         assert len(keys) == len(set(keys)), s["name"]
         for c in s["configs"]:
-            assert set(c) <= set(CONFIG_FIELDS) | {"config_key", "table", "metrics", "variant_of_key"}, c["config_key"]
+            assert set(c) <= set(CONFIG_FIELDS) | {"config_key", "table", "metrics", "variant_of_key"}, c[
+                "config_key"
+            ]
             assert c["kind"] in ("moe2dense", "baseline", "teacher")
             for m in c["metrics"]:
                 assert set(m) <= set(METRIC_FIELDS) | {"extra"}, m
@@ -191,3 +193,81 @@ def test_cli_report_on_the_paper_data(tmp_path):
     assert "tables/distilled_by_k.tex" in index and "figures/accuracy_by_scoring_k.png" in index
     tex = (out / "tables" / "distilled_by_k.tex").read_text()
     assert r"\textbf{42.39}" in tex and "Teacher (DeepSeek-V2-Lite)" in tex and "71.09" in tex
+
+
+def test_reference_identities_are_stored(tmp_path):
+    import json
+
+    store = Store(f"sqlite:///{tmp_path}/m.db")
+    store.import_reference(SWEEPS)
+    _, rows = store.query(
+        "SELECT r.variant, m.config_key FROM results r JOIN configurations m ON m.id = r.variant_of "
+        "WHERE r.sweep = :s ORDER BY r.config_id",
+        {"s": MAIN},
+    )
+    stem = "DO-ACP|RR|uniform|K=8"
+    assert rows == [
+        (f"teacher_top_k={r['k_prime']}", stem) for r in read_table("table4_expanded_routing")
+    ] + [("loss=forward_kl", stem), ("loss=intermediate", stem), ("loss=reverse_kl", stem)]
+    _, n = store.query("SELECT COUNT(*) FROM results WHERE variant IS NOT NULL AND variant_of IS NULL")
+    assert n == [(0,)]
+    _, info = store.query("SELECT sweep, kind, select_json FROM sweep_info ORDER BY sweep")
+    rules = {s: json.loads(r) if r else None for s, k, r in info if k == "reference"}
+    pair = {"best_by": "ppl_pre", "per": ["scoring", "grouping"], "over": ["K", "dp_scaling"]}
+    assert rules == {
+        MAIN: pair,
+        "paper:qwen3-30b-a3b-4b": pair,
+        "paper:qwen3-30b-a3b-base": {
+            "best_by": "ppl_pre",
+            "per": ["scoring", "K"],
+            "over": ["grouping", "dp_scaling"],
+        },
+        "paper:deepseek-v2-lite": {"best_by": "ppl_pre", "per": ["scoring", "K"], "over": ["dp_scaling"]},
+        "paper:gpt-oss-20b": {"best_by": "ppl_pre", "per": ["scoring", "K"], "over": ["dp_scaling"]},
+        "paper:architectures": None,
+    }
+
+
+def test_import_reference_is_all_or_nothing(tmp_path):
+    store = Store(f"sqlite:///{tmp_path}/m.db")
+    store.import_reference(SWEEPS)
+    before = _counts(store), store.query("SELECT name, description FROM sweeps ORDER BY name")[1]
+    changed = [
+        {**SWEEPS[0], "description": "changed", "configs": SWEEPS[0]["configs"][:3]},
+        {
+            "name": "paper:broken",
+            "source": "paper:x",
+            "configs": [
+                {
+                    "config_key": "a",
+                    "model": "M",
+                    "kind": "moe2dense",
+                    "variant_of_key": "nope",
+                    "metrics": [],
+                }
+            ],
+        },
+    ]
+    with pytest.raises(ValueError, match="variant_of_key 'nope'"):
+        store.import_reference(changed)
+    assert (_counts(store), store.query("SELECT name, description FROM sweeps ORDER BY name")[1]) == before
+
+
+def test_report_reads_only_and_asks_for_import_paper(tmp_path):
+    url = f"sqlite:///{tmp_path}/m.db"
+    store = Store(url)
+    sid = store.upsert_sweep("own")
+    store.upsert_configs(
+        sid, [{"config_key": "c", "model": "M", "kind": "moe2dense", "scoring": "SF", "K": 8}]
+    )
+    runner = CliRunner()
+    r = runner.invoke(
+        app, ["report", "own", "--db", url, "--out", str(tmp_path / "rep"), "--compare", "paper"]
+    )
+    assert r.exit_code == 2 and "run 'moesweep import-paper' first" in " ".join(r.output.split()), r.output
+    assert _counts(store) == (1, 1, 0) and not (tmp_path / "rep").exists()  # nothing written
+    assert runner.invoke(app, ["import-paper", "--db", url]).exit_code == 0
+    with store.tx() as c:  # as an import by an older moesweep left it: no stored rule
+        c.exec_driver_sql("UPDATE sweeps SET select_json = NULL WHERE name = ?", (MAIN,))
+    r = runner.invoke(app, ["report", MAIN, "--db", url, "--out", str(tmp_path / "rep")])
+    assert r.exit_code == 2 and "older moesweep" in r.output and MAIN in r.output, r.output

@@ -117,7 +117,9 @@ def _distill_record(start: float, end: float) -> dict:
 
 def build_own_sweep(store: Store) -> dict[str, int]:
     """The stage records of a small sweep, written through Store; returns config ids by config key."""
-    sid = store.upsert_sweep(OWN, spec_yaml=f"name: {OWN}", description="synthetic own sweep", select_json=RULE)
+    sid = store.upsert_sweep(
+        OWN, spec_yaml=f"name: {OWN}", description="synthetic own sweep", select_json=RULE
+    )
     configs = []
     for s in SCORINGS:
         for g in GROUPINGS:
@@ -254,7 +256,9 @@ def build_own_sweep(store: Store) -> dict[str, int]:
         },
     ]
     ids.update(store.upsert_configs(sid, variants))
-    store.set_config_fields({ids[v["config_key"]]: {"variant_of": ids[picks[("DO-ACP", "RR")]]} for v in variants})
+    store.set_config_fields(
+        {ids[v["config_key"]]: {"variant_of": ids[picks[("DO-ACP", "RR")]]} for v in variants}
+    )
     links = []
     for ck in sorted(chosen) + [v["config_key"] for v in variants]:
         s = ck.split("|")[0]
@@ -352,7 +356,7 @@ def test_selection_rule_on_the_paper_grid(paper_facts):
     counts = sel["k_counts"]
     assert counts.get(8, 0) + counts.get(16, 0) == 32 and sum(n for k, n in counts.items() if k >= 32) == 3
     assert counts == {8: 16, 16: 16, 32: 1, 64: 2}
-    # paper/README.md: exactly Table 12's three CP rows disagree with the grid's choice
+    # exactly Table 12's three CP rows disagree with the choice of the Tables 10/11 grid
     dis = {(d["scoring"], d["grouping"]): d for d in sel["disagreements"]}
     assert set(dis) == {("CP", "RR"), ("CP", "WC"), ("CP", "RC")}
     for d in dis.values():
@@ -363,7 +367,7 @@ def test_selection_rule_on_the_paper_grid(paper_facts):
     # the weight-cluster rows with four values: their K=128 cells are the paper's "–"
     cells = {(c["scoring"], c["grouping"], c["dp_scaling"], c["K"]) for c in sel["nonfinite_cells"]}
     assert cells == {(s, "WC", dp, 128) for s in ("SF", "PS", "CP") for dp in ("uniform", "proportional")}
-    # K = k: AB/OC rows differ from RR/WC/RC for SF, PP, PS and CP only (paper/README.md)
+    # K = k: AB/OC rows differ from RR/WC/RC for SF, PP, PS and CP only (Table 10/11 values)
     assert {d["scoring"] for d in sel["k_equals_topk_grouping_differences"]} == {"SF", "PP", "PS", "CP"}
 
 

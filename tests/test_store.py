@@ -129,3 +129,12 @@ def test_release_gives_back_every_running_job_of_one_owner(tmp_path):
     jobs = s.jobs(["a1", "a2", "b1"])
     assert [jobs[k]["status"] for k in ("a1", "a2", "b1")] == ["pending", "pending", "running"]
     assert jobs["a1"]["attempts"] == 0 and s.release("b", "b1") == 1
+
+
+def test_upsert_sweep_stores_the_selection_rule(tmp_path):
+    s = make_store(tmp_path)
+    rule = '{"best_by": "ppl_pre", "over": ["K"], "per": ["scoring"]}'
+    sid = s.upsert_sweep("x", select_json=rule)
+    assert s.query("SELECT select_json FROM sweep_info WHERE sweep = 'x'")[1] == [(rule,)]
+    assert s.upsert_sweep("x") == sid  # an update rewrites it like every other field
+    assert s.query("SELECT select_json FROM sweeps WHERE id = :i", {"i": sid})[1] == [(None,)]
