@@ -463,13 +463,9 @@ def read_only_authorizer(action: int, arg1: str | None, arg2: str | None, _db: s
 
 def parse_url(url: str) -> URL:
     try:
-        u = make_url(url)
+        return make_url(url)
     except ArgumentError:
         raise StoreError(f"{url!r} is not a database URL; expected {URL_EXAMPLES}", about_url=True) from None
-    if u.get_backend_name() not in ("sqlite", "postgresql"):
-        raise StoreError(f"{shown_url(url)!r}: unknown database kind {u.get_backend_name()!r}; allowed: "
-                         f"sqlite, postgresql (e.g. {URL_EXAMPLES})", about_url=True)
-    return u
 
 
 def shown_url(url: str) -> str:
@@ -538,22 +534,34 @@ def make_engine(url: str, read_only: bool = False) -> Engine:
     """An engine for `url`; StoreError (one line) for a malformed URL, a missing driver or, read-only,
     a database that does not exist. Read-write SQLite creates the database's folder."""
     u = parse_url(url)
-    if u.get_backend_name() == "sqlite":
+    backend = u.get_backend_name()
+    try:
+        driver = u.get_driver_name()
+    except NoSuchModuleError:
+        driver = None
+    unknown = StoreError(f"{u.render_as_string(hide_password=True)!r}: unknown or unsupported database kind "
+                         f"or driver {u.drivername!r}; expected {URL_EXAMPLES} (or another SQLAlchemy "
+                         "dialect)", about_url=True)
+    if driver is None or backend == "sqlite" and driver != "pysqlite":
+        raise unknown
+    if backend == "sqlite":
         return _sqlite_engine(url, u, read_only)
-    if read_only and u.get_driver_name() != "psycopg":
-        raise StoreError(f"{shown_url(url)}: reading PostgreSQL read-only needs the psycopg driver: write the"
-                         " URL as postgresql+psycopg://… (pip install 'moesweep[postgres]')", about_url=True)
-    args = {"connect_timeout": 10} if u.get_driver_name() in ("psycopg", "psycopg2") and \
-        "connect_timeout" not in u.query else {}
+    if read_only and (backend, driver) != ("postgresql", "psycopg"):
+        raise StoreError(f"{shown_url(url)}: read-only access needs SQLite or PostgreSQL through psycopg: "
+                         "write the URL as sqlite:///PATH or postgresql+psycopg://…", about_url=True)
+    args = {"connect_timeout": 10} if driver in ("psycopg", "psycopg2") and "connect_timeout" not in u.query \
+        else {}
     try:
         engine = create_engine(u, pool_pre_ping=True, connect_args=args)
-    except ImportError as e:
-        hint = "" if u.get_driver_name() == "psycopg" else " and write the URL as postgresql+psycopg://…"
-        raise StoreError(f"{shown_url(url)}: the PostgreSQL driver {e.name or u.get_driver_name()} is not "
-                         f"installed: pip install 'moesweep[postgres]'{hint}") from None
     except NoSuchModuleError:
-        raise StoreError(f"{shown_url(url)!r}: unknown database driver {u.get_driver_name()!r}; expected "
-                         f"{URL_EXAMPLES}", about_url=True) from None
+        raise unknown from None
+    except ImportError as e:
+        if backend != "postgresql":
+            raise StoreError(f"{shown_url(url)}: the {backend} driver {e.name or driver} is not installed "
+                             f"(pip install {e.name or driver})") from None
+        hint = "" if driver == "psycopg" else " and write the URL as postgresql+psycopg://…"
+        raise StoreError(f"{shown_url(url)}: the PostgreSQL driver {e.name or driver} is not installed: "
+                         f"pip install 'moesweep[postgres]'{hint}") from None
     if read_only:
         _pg_read_only(engine)
     return engine

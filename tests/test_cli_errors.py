@@ -56,9 +56,19 @@ def test_malformed_url_from_the_environment_is_named(cwd, monkeypatch):
     assert os.listdir(cwd) == []
 
 
-def test_unknown_database_kind(cwd):
-    for args in commands("mysql://u@host/x"):
-        assert "unknown database kind 'mysql'; allowed: sqlite, postgresql" in error_line(args)
+def test_unknown_database_kind_or_missing_driver(cwd, monkeypatch):
+    for args in commands("nosuchdb://u@host/x"):
+        assert "unknown or unsupported database kind or driver 'nosuchdb'; expected sqlite:///PATH" \
+            in error_line(args)
+    for url in ("postgresql+nosuchdriver://u:secret@h/x", "sqlite+aiosqlite:///x.db"):
+        line = error_line(["migrate", "--db", url])
+        assert "unknown or unsupported database kind or driver" in line and "secret" not in line
+    monkeypatch.setitem(sys.modules, "MySQLdb", None)
+    for args in commands("mysql://u@host/x")[2:]:
+        assert error_line(args) == ("error: mysql://u@host/x: the mysql driver MySQLdb is not installed "
+                                    "(pip install MySQLdb)")
+    for args in commands("mysql://u@host/x", read_only_only=True):
+        assert "read-only access needs SQLite or PostgreSQL through psycopg" in error_line(args)
     assert os.listdir(cwd) == []
 
 
@@ -69,8 +79,8 @@ def test_reading_a_missing_database_creates_nothing(cwd):
             assert line.startswith("error: no database at ") and "(moesweep launch" in line, line
     assert os.listdir(cwd) == []
     # the default database, when there is none yet
-    assert error_line(["sql", "SELECT 1"]) == (f"error: no database at {cwd}/home/moesweep.db (moesweep launch "
-                                               "or moesweep migrate creates one)")
+    assert error_line(["sql", "SELECT 1"]) == (f"error: no database at {cwd}/home/moesweep.db "
+                                               "(moesweep launch or moesweep migrate creates one)")
     assert os.listdir(cwd) == []
 
 
@@ -87,14 +97,15 @@ def test_missing_postgres_driver(cwd, monkeypatch):
     monkeypatch.setitem(sys.modules, "psycopg", None)  # `import psycopg` now fails as if not installed
     for args in commands(PG_DOWN):
         line = error_line(args)
-        assert "the PostgreSQL driver psycopg is not installed: pip install 'moesweep[postgres]'" in line, line
+        assert "PostgreSQL driver psycopg is not installed: pip install 'moesweep[postgres]'" in line, line
         assert "secret" not in line
     assert os.listdir(cwd) == []
 
 
 def test_read_only_postgres_needs_psycopg(cwd):
     line = error_line(["sql", "SELECT 1", "--db", "postgresql+pg8000://u@127.0.0.1:1/x"])
-    assert "read-only needs the psycopg driver" in line and "postgresql+psycopg://" in line
+    assert "read-only access needs SQLite or PostgreSQL through psycopg" in line
+    assert "postgresql+psycopg://" in line
 
 
 def test_a_file_that_is_not_a_database(cwd):
@@ -114,13 +125,15 @@ def test_a_folder_is_not_a_database(cwd):
 
 
 def test_in_memory_database_cannot_be_read(cwd):
-    assert "in-memory database cannot be opened read-only" in error_line(["sql", "SELECT 1", "--db", "sqlite://"])
+    line = error_line(["sql", "SELECT 1", "--db", "sqlite://"])
+    assert "in-memory database cannot be opened read-only" in line
 
 
 def test_database_under_a_file_cannot_be_created(cwd):
     (cwd / "afile").write_text("x")
     for args in commands(f"sqlite:///{cwd}/afile/x.db")[2:]:
-        assert error_line(args) == f"error: {cwd}/afile/x.db: cannot create it: {cwd}/afile is a file, not a folder"
+        line = error_line(args)
+        assert line == f"error: {cwd}/afile/x.db: cannot create it: {cwd}/afile is a file, not a folder"
     assert os.listdir(cwd) == ["afile"]
 
 
@@ -152,8 +165,8 @@ def test_errors_do_not_wrap_in_a_pipe(tmp_path):
     deep = tmp_path / ("a-long-folder-name-" * 6) / "x.db"
     env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="40")
     env.pop("MOESWEEP_DB", None)
-    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "sql", "SELECT 1", "--db", f"sqlite:///{deep}"],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    cmd = [sys.executable, "-m", "orchestrator.cli", "sql", "SELECT 1", "--db", f"sqlite:///{deep}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr == f"error: no database at {deep} (moesweep launch or moesweep migrate creates one)\n"
     assert len(proc.stderr) > 120
