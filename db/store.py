@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 import sqlite3
 import textwrap
@@ -392,8 +393,11 @@ class Store:
                     c.rollback()
         except DBAPIError as e:
             raise StoreError(refusal(sql, e) or " ".join(str(e.orig).split())) from None
-        except SQLAlchemyError as e:
-            raise StoreError(str(e).splitlines()[0]) from None
+        except SQLAlchemyError as e:  # raised before the database sees it, e.g. a `:name` with no value
+            msg = re.sub(r"^\(sqlalchemy[\w.]*\) ", "", str(e).splitlines()[0])
+            if "bind parameter" in msg and not params:
+                msg += " (write the value into the query: a :name is a parameter)"
+            raise StoreError(msg) from None
 
     def job_counts(self, sweep_id: int) -> dict[tuple[str, str], int]:
         with self.tx() as c:

@@ -157,6 +157,9 @@ def test_sql_errors_are_one_line(dbfile):
     assert one_error_line(sql(dbfile, "SELECT * FROM no_such_table")) == "error: no such table: no_such_table"
     assert "syntax error" in one_error_line(sql(dbfile, "SELEC 1"))
     assert "--format 'xml': allowed: table, csv, json" in one_error_line(sql(dbfile, "SELECT 1", "-f", "xml"))
+    assert one_error_line(sql(dbfile, "SELECT * FROM jobs WHERE key = :k")) == (
+        "error: A value is required for bind parameter 'k' (write the value into the query: a :name is a "
+        "parameter)")
 
 
 def test_status_reads_only(dbfile):
