@@ -1,7 +1,9 @@
-"""Every read and write of the results database goes through `Store` (DESIGN.md §4).
+"""Every read and write of the results database goes through `Store`.
 
 SQLite by default (WAL, busy timeout, foreign keys, BEGIN IMMEDIATE for every transaction so a
-read-then-write never loses an update); any SQLAlchemy URL works. Only the orchestrator writes.
+read-then-write never loses an update); any SQLAlchemy URL works. Only the orchestrator writes;
+`moesweep sql` and `status` open the database with `Store(url, read_only=True)`, which cannot change it.
+Every problem opening a database is one `StoreError` with a one-line message.
 """
 
 from __future__ import annotations
