@@ -1,7 +1,9 @@
-"""Every read and write of the results database goes through `Store` (DESIGN.md §4).
+"""Every read and write of the results database goes through `Store`.
 
 SQLite by default (WAL, busy timeout, foreign keys, BEGIN IMMEDIATE for every transaction so a
-read-then-write never loses an update); any SQLAlchemy URL works. Only the orchestrator writes.
+read-then-write never loses an update); any SQLAlchemy URL works. Only the orchestrator writes;
+`moesweep sql` and `status` open the database with `Store(url, read_only=True)`, which cannot change it.
+Every problem opening a database is one `StoreError` with a one-line message.
 """
 
 from __future__ import annotations
@@ -9,15 +11,19 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
+import sqlite3
+import textwrap
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, create_engine, delete, event, func, insert, select, text, update
-from sqlalchemy.engine import Engine
+from sqlalchemy import Connection, create_engine, delete, event, func, insert, inspect, select, text, update
+from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
 
 from db.models import (
     Artifact,
@@ -78,24 +84,106 @@ def classify(value: float | None) -> tuple[float | None, str]:
     return v, "finite"
 
 
+class StoreError(Exception):
+    """The database cannot be opened or used as asked. str(error) is one line meant for the user;
+    `about_url` marks a URL that is malformed or names an unknown database kind or driver."""
+
+    def __init__(self, message: str, about_url: bool = False) -> None:
+        super().__init__(" ".join(message.split()))
+        self.about_url = about_url
+
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+
+
+def head_revision() -> str:
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory(str(MIGRATIONS)).get_current_head()
+
+
 class Store:
-    def __init__(self, url: str | None = None, migrate: bool = True) -> None:
+    """`Store(url)` opens a database to read and write, creating and migrating it where needed.
+    `Store(url, read_only=True)` opens an existing one for reading only: it never migrates, never creates
+    a database, and refuses every write, DDL, ATTACH and state-changing PRAGMA (SQLite: `mode=ro`,
+    `query_only` and an authorizer; PostgreSQL: read-only transactions). Every problem opening the
+    database is one `StoreError`."""
+
+    def __init__(self, url: str | None = None, migrate: bool = True, read_only: bool = False) -> None:
         self.url = url or default_url()
-        self.engine = make_engine(self.url)
-        if migrate:
-            self.migrate()
+        self.read_only = read_only
+        self.shown = shown_url(self.url)
+        self.engine = make_engine(self.url, read_only=read_only)
+        try:
+            if read_only:
+                self.check_revision()
+            elif migrate:
+                self.migrate()
+        except StoreError:
+            self.engine.dispose()
+            raise
+
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
+        """Database and file-system errors become one StoreError."""
+        try:
+            yield
+        except StoreError:
+            raise
+        except (SQLAlchemyError, OSError) as e:
+            raise StoreError(explain(self.url, e, self.read_only)) from None
 
     # ---- schema ---------------------------------------------------------------------------
     def migrate(self) -> None:
         from alembic import command
         from alembic.config import Config
+        from alembic.util import CommandError
 
+        if self.read_only:
+            raise StoreError(f"{self.shown} was opened read-only: it cannot be migrated")
         cfg = Config()
-        cfg.set_main_option("script_location", str(Path(__file__).parent / "migrations"))
+        cfg.set_main_option("script_location", str(MIGRATIONS))
         cfg.set_main_option("sqlalchemy.url", self.url.replace("%", "%%"))
-        with self.engine.begin() as conn:
+        with self._errors(), self.engine.begin() as conn:
             cfg.attributes["connection"] = conn
-            command.upgrade(cfg, "head")
+            try:
+                command.upgrade(cfg, "head")
+            except CommandError as e:
+                why = str(e).splitlines()[0]
+                if "locate revision" in why:
+                    why += f", unknown to this moesweep (head {head_revision()}): a newer moesweep wrote it"
+                raise StoreError(f"cannot migrate {self.shown}: {why}") from None
+
+    @staticmethod
+    def revision(conn: Connection) -> str | None:
+        """The schema revision in the database, or None where there is no moesweep schema."""
+        if not inspect(conn).has_table(VERSION_TABLE):
+            return None
+        return conn.scalar(text(f"SELECT version_num FROM {VERSION_TABLE}"))
+
+    def check_revision(self) -> None:
+        """A StoreError unless the database has this moesweep's schema at the head revision."""
+        from alembic.script import ScriptDirectory
+        from alembic.util import CommandError
+
+        with self._errors(), self.engine.connect() as c:
+            rev = self.revision(c)
+        head = head_revision()
+        if rev == head:
+            return
+        upgrade = f"moesweep migrate --db '{make_url(self.url).render_as_string(hide_password=True)}'"
+        if rev is None:
+            raise StoreError(f"{self.shown} is not a moesweep database (no revision in {VERSION_TABLE}); "
+                             f"`moesweep launch` or `{upgrade}` creates the schema")
+        try:
+            known = ScriptDirectory(str(MIGRATIONS)).get_revision(rev) is not None
+        except CommandError:
+            known = False
+        if not known:
+            raise StoreError(f"{self.shown} is at schema revision {rev!r}, unknown to this moesweep (head "
+                             f"{head}): a newer moesweep wrote it; upgrade moesweep to read it")
+        raise StoreError(f"{self.shown} is at schema revision {rev}, this moesweep needs {head}: "
+                         f"upgrade it with `{upgrade}` (or `moesweep launch`)")
 
     @contextmanager
     def tx(self) -> Iterator[Connection]:
@@ -295,12 +383,31 @@ class Store:
 
     # ---- reading ----------------------------------------------------------------------------
     def query(self, sql: str, params: dict[str, Any] | None = None) -> tuple[list[str], list[tuple]]:
-        with self.engine.connect() as c:
-            res = c.execute(text(sql), params or {})
-            if not res.returns_rows:
-                c.commit()
-                return [], []
-            return list(res.keys()), [tuple(r) for r in res.all()]
+        """Run one statement. On a read-only store nothing is ever committed and every error is one
+        StoreError (a refused write says so)."""
+        if not self.read_only:
+            with self.engine.connect() as c:
+                res = c.execute(text(sql), params or {})
+                if not res.returns_rows:
+                    c.commit()
+                    return [], []
+                return list(res.keys()), [tuple(r) for r in res.all()]
+        try:
+            with self.engine.connect() as c:
+                try:
+                    res = c.execute(text(sql), params or {})
+                    if not res.returns_rows:
+                        return [], []
+                    return list(res.keys()), [tuple(r) for r in res.all()]
+                finally:
+                    c.rollback()
+        except DBAPIError as e:
+            raise StoreError(refusal(sql, e) or " ".join(str(e.orig).split())) from None
+        except SQLAlchemyError as e:  # raised before the database sees it, e.g. a `:name` with no value
+            msg = re.sub(r"^\(sqlalchemy[\w.]*\) ", "", str(e).splitlines()[0])
+            if "bind parameter" in msg and not params:
+                msg += " (write the value into the query: a :name is a parameter)"
+            raise StoreError(msg) from None
 
     def job_counts(self, sweep_id: int) -> dict[tuple[str, str], int]:
         with self.tx() as c:
@@ -345,25 +452,226 @@ class Store:
         return counts
 
 
-def make_engine(url: str) -> Engine:
-    if url.startswith("sqlite"):
-        path = url.split("///", 1)[-1]
-        if path and path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"timeout": 30, "isolation_level": None})
+URL_EXAMPLES = "sqlite:///PATH or postgresql+psycopg://USER@HOST/DB"
+# PRAGMAs a read-only connection may run: these only report (never with a value, `PRAGMA x=...`)...
+READ_PRAGMAS = frozenset({
+    "application_id", "auto_vacuum", "busy_timeout", "cache_size", "collation_list", "compile_options",
+    "data_version", "database_list", "encoding", "foreign_keys", "freelist_count", "function_list",
+    "journal_mode", "module_list", "page_count", "page_size", "pragma_list", "query_only",
+    "read_uncommitted", "schema_version", "synchronous", "user_version",
+})
+# ...and these take a table, index or row limit as their argument and still only report
+ARG_PRAGMAS = frozenset({
+    "foreign_key_check", "foreign_key_list", "index_info", "index_list", "index_xinfo", "integrity_check",
+    "quick_check", "table_info", "table_list", "table_xinfo",
+})
+# statements that change something: when one fails on a read-only store, it was refused (VACUUM, say,
+# fails as "cannot VACUUM from within a transaction" before SQLite asks the authorizer)
+WRITING_KEYWORDS = frozenset({
+    "ALTER", "ANALYZE", "ATTACH", "CLUSTER", "COMMENT", "COPY", "CREATE", "DELETE", "DETACH", "DROP",
+    "GRANT", "INSERT", "MERGE", "REFRESH", "REINDEX", "RELEASE", "REPLACE", "REVOKE", "SAVEPOINT",
+    "TRUNCATE", "UPDATE", "UPSERT", "VACUUM",
+})
+UNSAFE_FUNCTIONS = frozenset({"load_extension", "fts3_tokenizer"})
+_READING = frozenset({sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION,
+                      sqlite3.SQLITE_RECURSIVE, sqlite3.SQLITE_TRANSACTION})
 
-        @event.listens_for(engine, "connect")
-        def _pragmas(dbapi_conn, _record) -> None:
-            cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA busy_timeout=30000")
-            cur.execute("PRAGMA foreign_keys=ON")
-            cur.execute("PRAGMA synchronous=NORMAL")
-            cur.close()
+
+def read_only_authorizer(action: int, arg1: str | None, arg2: str | None, _db: str | None,
+                         _trigger: str | None) -> int:
+    """sqlite3 authorizer of a read-only connection: reading, functions, BEGIN/COMMIT/ROLLBACK and the
+    reporting PRAGMAs; everything else (writes, DDL, ATTACH/DETACH, VACUUM, REINDEX, ANALYZE,
+    SAVEPOINT, PRAGMA x=value, load_extension) is denied when the statement is prepared."""
+    if action in _READING:
+        return sqlite3.SQLITE_DENY if action == sqlite3.SQLITE_FUNCTION and arg2 in UNSAFE_FUNCTIONS \
+            else sqlite3.SQLITE_OK
+    if action == sqlite3.SQLITE_PRAGMA:
+        name = (arg1 or "").lower()
+        if name in ARG_PRAGMAS or (name in READ_PRAGMAS and arg2 is None):
+            return sqlite3.SQLITE_OK
+    return sqlite3.SQLITE_DENY
+
+
+def parse_url(url: str) -> URL:
+    try:
+        return make_url(url)
+    except ArgumentError:
+        raise StoreError(f"{url!r} is not a database URL; expected {URL_EXAMPLES}", about_url=True) from None
+
+
+def shown_url(url: str) -> str:
+    """The URL as messages show it: a SQLite file as its path, never a password."""
+    try:
+        u = make_url(url)
+    except ArgumentError:
+        return url
+    if u.get_backend_name() == "sqlite":
+        return u.database or ":memory:"
+    return u.render_as_string(hide_password=True)
+
+
+def sqlite_path(u: URL) -> Path | None:
+    """The file of a SQLite URL; None for an in-memory database."""
+    db = u.database
+    if not db or db == ":memory:" or db.startswith("file:") and "mode=memory" in db:
+        return None
+    return Path(db[5:].split("?", 1)[0] if db.startswith("file:") else db)
+
+
+def explain(url: str, e: BaseException, read_only: bool = False) -> str:
+    """One line for a database that cannot be opened or used: what, where, and what to do."""
+    where = shown_url(url)
+    if isinstance(e, DBAPIError) and e.orig is not None:
+        msg = " ".join(str(e.orig).split())
+    else:
+        msg = " ".join(str(e).split("\n[SQL")[0].split())
+    low = msg.lower()
+    if isinstance(e, OSError):
+        return f"{where}: cannot create or open it: {e.strerror or msg}" + (
+            f" ({e.filename})" if getattr(e, "filename", None) else "")
+    if "unable to open database file" in low:
+        if read_only:
+            return f"{where}: cannot open the database file for reading (may you read it?)"
+        return f"{where}: cannot open or create the database file (does its folder exist, may you write it?)"
+    if "readonly database" in low:
+        return f"{where}: the database or its folder is read-only; it cannot be written"
+    if "file is not a database" in low:
+        return f"{where} is not a SQLite database"
+    if "database is locked" in low:
+        return f"{where} is locked by another process (gave up after 30 s); try again when it is done"
+    if "connection" in low and any(w in low for w in ("refused", "failed", "timeout", "timed out")):
+        return f"cannot connect to {where}: {msg}"
+    return f"{where}: {msg}"
+
+
+def refusal(sql: str, e: DBAPIError) -> str | None:
+    """The one-line message when a read-only connection refuses a statement; None for other errors."""
+    msg = " ".join(str(e.orig).split()).lower()
+    head = textwrap.shorten(" ".join(sql.split()), 60, placeholder=" …")
+    if "one statement at a time" in msg or "multiple commands" in msg:
+        return (f"one statement at a time: {head!r} holds several; moesweep sql runs a single SELECT or "
+                "WITH query (nothing was changed)")
+    code = getattr(e.orig, "sqlstate", None)
+    first = (sql.split(None, 1) or [""])[0].upper()
+    refused = ("not authorized", "authorization denied", "readonly database", "query_only",
+               "read-only transaction", "read-write mode")
+    if code == "25006" or any(r in msg for r in refused) or first in WRITING_KEYWORDS:
+        return (f"refused {head!r}: the database is open read-only; moesweep sql only reads (SELECT, WITH, "
+                "reporting PRAGMAs), no writes, DDL, ATTACH, VACUUM or PRAGMA changes (nothing was changed)")
+    return None
+
+
+def make_engine(url: str, read_only: bool = False) -> Engine:
+    """An engine for `url`; StoreError (one line) for a malformed URL, a missing driver or, read-only,
+    a database that does not exist. Read-write SQLite creates the database's folder."""
+    u = parse_url(url)
+    backend = u.get_backend_name()
+    try:
+        driver = u.get_driver_name()
+    except NoSuchModuleError:
+        driver = None
+    unknown = StoreError(f"{u.render_as_string(hide_password=True)!r}: unknown or unsupported database kind "
+                         f"or driver {u.drivername!r}; expected {URL_EXAMPLES} (or another SQLAlchemy "
+                         "dialect)", about_url=True)
+    if driver is None or backend == "sqlite" and driver != "pysqlite":
+        raise unknown
+    if backend == "sqlite":
+        return _sqlite_engine(url, u, read_only)
+    if read_only and (backend, driver) != ("postgresql", "psycopg"):
+        raise StoreError(f"{shown_url(url)}: read-only access needs SQLite or PostgreSQL through psycopg: "
+                         "write the URL as sqlite:///PATH or postgresql+psycopg://…", about_url=True)
+    args = {"connect_timeout": 10} if driver in ("psycopg", "psycopg2") and "connect_timeout" not in u.query \
+        else {}
+    try:
+        engine = create_engine(u, pool_pre_ping=True, connect_args=args)
+    except NoSuchModuleError:
+        raise unknown from None
+    except ImportError as e:
+        if backend != "postgresql":
+            raise StoreError(f"{shown_url(url)}: the {backend} driver {e.name or driver} is not installed "
+                             f"(pip install {e.name or driver})") from None
+        hint = "" if driver == "psycopg" else " and write the URL as postgresql+psycopg://…"
+        raise StoreError(f"{shown_url(url)}: the PostgreSQL driver {e.name or driver} is not installed: "
+                         f"pip install 'moesweep[postgres]'{hint}") from None
+    if read_only:
+        _pg_read_only(engine)
+    return engine
+
+
+def _pg_read_only(engine: Engine) -> None:
+    """Every transaction read-only, its mode fixed before the caller's statement (SET TRANSACTION READ
+    WRITE is then refused); statements are prepared, so one call cannot smuggle in a COMMIT and a second
+    statement."""
+
+    @event.listens_for(engine, "connect")
+    def _session(dbapi_conn, _record) -> None:
+        with dbapi_conn.cursor() as cur:
+            cur.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
+        dbapi_conn.commit()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn) -> None:
+        conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+        conn.exec_driver_sql("SELECT 1")  # takes the snapshot: the mode can no longer change
+
+    @event.listens_for(engine, "do_execute")
+    def _execute(cursor, statement, parameters, _context) -> bool:
+        cursor.execute(statement, parameters, prepare=True)
+        return True
+
+    @event.listens_for(engine, "do_execute_no_params")
+    def _execute_no_params(cursor, statement, _context) -> bool:
+        cursor.execute(statement, prepare=True)
+        return True
+
+
+def _sqlite_engine(url: str, u: URL, read_only: bool) -> Engine:
+    path = sqlite_path(u)
+    if read_only:
+        if path is None:
+            raise StoreError(f"{url!r}: an in-memory database cannot be opened read-only; give a file, "
+                             "sqlite:///PATH", about_url=True)
+        if not path.exists():
+            raise StoreError(f"no database at {path} (moesweep launch or moesweep migrate creates one)")
+        if path.is_dir():
+            raise StoreError(f"{path} is a folder, not a database file")
+        uri = f"{path.resolve().as_uri()}?mode=ro"
+
+        def connect() -> sqlite3.Connection:
+            conn = sqlite3.connect(uri, uri=True, timeout=30, isolation_level=None, check_same_thread=False)
+            conn.execute("PRAGMA query_only=ON")
+            conn.set_authorizer(read_only_authorizer)  # last: the PRAGMA above needs no permission
+            return conn
+
+        engine = create_engine(u, creator=connect)
 
         @event.listens_for(engine, "begin")
-        def _begin(conn) -> None:
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+        def _begin_deferred(conn) -> None:
+            conn.exec_driver_sql("BEGIN")  # BEGIN IMMEDIATE would take a write lock
 
         return engine
-    return create_engine(url, pool_pre_ping=True)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise StoreError(f"{path}: cannot create it: {path.parent} is a file, not a folder") from None
+        except OSError as e:
+            raise StoreError(f"{path}: cannot create its folder {path.parent}: {e.strerror}") from None
+        if path.is_dir():
+            raise StoreError(f"{path} is a folder, not a database file")
+    engine = create_engine(u, connect_args={"timeout": 30, "isolation_level": None})
+
+    @event.listens_for(engine, "connect")
+    def _pragmas(dbapi_conn, _record) -> None:
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine

@@ -1,4 +1,4 @@
-"""The `moesweep` command: launch, status, sweeps, sql, report, import-paper."""
+"""The `moesweep` command: launch, status, sweeps, sql, migrate, report, import-paper."""
 
 from __future__ import annotations
 
@@ -23,14 +23,21 @@ DbOpt = Annotated[str | None, typer.Option("--db", help="SQLAlchemy URL (default
                                                         "sqlite:///$MOESWEEP_HOME/moesweep.db)")]
 
 
-def _store(db: str | None, migrate: bool = True):
-    from db.store import Store
+def _store(db: str | None, migrate: bool = True, read_only: bool = False):
+    """The database of --db (else $MOESWEEP_DB, else the default file); any problem opening it is one line
+    and exit 2. Read-only: an existing database at the current schema, opened so nothing can change it."""
+    from db.store import Store, StoreError
 
-    return Store(db, migrate=migrate)
+    try:
+        return Store(db, migrate=migrate, read_only=read_only)
+    except StoreError as e:
+        source = "--db" if db else "$MOESWEEP_DB" if os.environ.get("MOESWEEP_DB") else "database URL"
+        _fail(f"{source}: {e}" if e.about_url else str(e))
 
 
 def _fail(msg: str, code: int = 2) -> None:
-    err.print(f"[red]error:[/] {msg}", highlight=False)
+    """One plain line on stderr (never wrapped, whatever the terminal), then exit `code`."""
+    print("error: " + " ".join(str(msg).split()), file=sys.stderr, flush=True)
     raise typer.Exit(code)
 
 
@@ -63,7 +70,7 @@ def launch(
         from orchestrator.dryrun import dry_run as show
 
         try:
-            show(spec, _store(db) if db or os.environ.get("MOESWEEP_DB") or _default_db_exists() else None, out)
+            show(spec, _store(db, read_only=True) if db or os.environ.get("MOESWEEP_DB") or _default_db_exists() else None, out)
         except SpecError as e:
             _fail(str(e) if str(e).startswith(str(path)) else f"{path}: {e}")
         return
@@ -123,10 +130,10 @@ def status(name: str, db: DbOpt = None) -> None:
     duplicate (configurations served by another configuration's job), and the failures."""
     from orchestrator.stage import is_stale, stages
 
-    store = _store(db)
+    store = _store(db, read_only=True)
     sid = store.sweep_id(name)
     if sid is None:
-        _fail(f"no sweep {name!r} in {store.url}")
+        _fail(f"no sweep {name!r} in {store.shown}")
     _, jobs = store.query(
         "SELECT j.stage, j.status, j.params_json, j.code_json FROM jobs j JOIN sweep_jobs sj ON sj.job_id = j.id "
         "WHERE sj.sweep_id = :s", {"s": sid})
@@ -180,14 +187,18 @@ def sql(
     db: DbOpt = None,
     format: Annotated[str, typer.Option("--format", "-f", help="table | csv | json")] = "table",
 ) -> None:
-    """Run a query against the results database and print the rows."""
-    from sqlalchemy.exc import SQLAlchemyError
+    """Run one read-only query (SELECT / WITH) against the results database and print the rows.
 
-    store = _store(db)
+    The database is opened read-only: writes, DDL, ATTACH and PRAGMA changes are refused."""
+    from db.store import StoreError
+
+    if format not in ("table", "csv", "json"):
+        _fail(f"--format {format!r}: allowed: table, csv, json")
+    store = _store(db, read_only=True)
     try:
         cols, rows = store.query(query)
-    except SQLAlchemyError as e:
-        _fail(str(e.orig if hasattr(e, "orig") else e).splitlines()[0])
+    except StoreError as e:
+        _fail(str(e))
     if format == "csv":
         w = csv.writer(sys.stdout)
         w.writerow(cols)
@@ -199,8 +210,15 @@ def sql(
         for r in rows:
             t.add_row(*("" if v is None else f"{v:.6g}" if isinstance(v, float) else str(v) for v in r))
         out.print(t)
-    else:
-        _fail(f"--format {format!r}: allowed: table, csv, json")
+
+
+@app.command()
+def migrate(db: DbOpt = None) -> None:
+    """Create the database, or upgrade its schema to this moesweep's revision (launch does this too)."""
+    from db.store import head_revision
+
+    store = _store(db)
+    print(f"{store.shown}: schema at revision {head_revision()}")
 
 
 @app.command("import-paper")
@@ -233,16 +251,16 @@ def report(
 
     if compare is not None and compare != "paper":
         _fail(f"--compare {compare!r}: allowed: paper")
-    store = _store(db)
+    store = _store(db, read_only=True)
     if store.sweep_id(name) is None:
-        _fail(f"no sweep {name!r} in {store.url} (moesweep import-paper loads the paper's)")
+        _fail(f"no sweep {name!r} in {store.shown} (moesweep import-paper loads the paper's)")
     refs = {s["name"]: json.dumps(s["select"], sort_keys=True) if s.get("select") else None
             for s in reference_sweeps()}
     needed = [n for n in refs if compare is not None or n == name]
     stored = dict(store.query("SELECT sweep, select_json FROM sweep_info")[1])
     missing = [n for n in needed if n not in stored]
     if missing:
-        _fail(f"reference sweeps {', '.join(missing)} are not in {store.url}; "
+        _fail(f"reference sweeps {', '.join(missing)} are not in {store.shown}; "
               "run 'moesweep import-paper' first")
     stale = [n for n in needed if stored[n] != refs[n]]
     if stale:
