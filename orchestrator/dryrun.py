@@ -49,5 +49,5 @@ def dry_run(spec: SweepSpec, store, console: Console) -> None:
     console.print(t)
     if store is not None:
         done = sum(1 for r in store.jobs(keys).values() if r["status"] == "succeeded")
-        console.print(f"already done in {store.url}: {done} of {len(keys)} jobs planned so far "
+        console.print(f"already done in {store.shown}: {done} of {len(keys)} jobs planned so far "
                       "(later stages are planned from earlier results)")

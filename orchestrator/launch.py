@@ -327,7 +327,7 @@ def _summary(console: Console, reports: list[StageReport], store: Store, sid: in
             t.add_row(r.stage, str(r.total), str(r.cached), str(r.ran), str(len(r.failed)), str(r.blocked))
         failures += [(r.stage, k, e) for k, e in r.failed]
     console.print(t)
-    console.print(f"results: {store.url}   (try: moesweep sql \"SELECT * FROM results\")")
+    console.print(f"results: {store.shown}   (try: moesweep sql \"SELECT * FROM results\")")
     if failures:
         console.print(f"[red]{len(failures)} job(s) failed[/] (moesweep status shows them; "
                       "--retry-failed runs them again):")
