@@ -206,9 +206,11 @@ class Fingerprints:
         return None
 
 
-def function_unit(ref: str) -> Unit:
-    """'module:function' → the unit of that top-level function."""
-    module, _, name = ref.partition(":")
-    if not name:
-        raise ValueError(f"{ref!r}: expected 'module:function'")
-    return (module, name)
+def clear_caches() -> None:
+    """Forget parsed sources (for a process that edits them, e.g. a test)."""
+    from workers.registry import module_ast, module_path
+
+    module_ast.cache_clear()
+    module_path.cache_clear()
+    _scope.cache_clear()
+

@@ -1,0 +1,235 @@
+"""Keys that see the code: what a code version covers, and a real edit of one scoring relaunched."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from orchestrator.axes import method_registries
+from orchestrator.codever import Fingerprints, clear_caches
+from orchestrator.stage import code_components
+from workers.registry import registry_names
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def toy_pkg(tmp_path, monkeypatch):
+    """A package `cvtoy` on sys.path whose files the test rewrites."""
+    pkg = tmp_path / "cvtoy"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    clear_caches()
+    yield pkg
+    clear_caches()
+
+
+def _write(pkg: Path, name: str, text: str) -> None:
+    (pkg / f"{name}.py").write_text(textwrap.dedent(text))
+    clear_caches()
+
+
+def _digest(unit: tuple[str, ...]) -> str:
+    return Fingerprints(stop={("cvtoy.methods", "METHODS")}, extra_roots={"cvtoy"}).digest([unit])
+
+
+def test_docstrings_comments_and_layout_do_not_count_code_does(toy_pkg):
+    _write(toy_pkg, "helpers", '''
+        SCALE = 2.0
+
+        def scaled(x):
+            return x * SCALE
+    ''')
+    _write(toy_pkg, "stage", '''
+        from cvtoy.helpers import scaled
+
+        def run(x):
+            """Run it."""
+            return scaled(x) + 1
+    ''')
+    base = _digest(("cvtoy.stage", "run"))
+    _write(toy_pkg, "stage", '''
+        from cvtoy.helpers import scaled  # a comment
+
+
+        def unrelated():
+            return 0
+
+
+        def run(x):
+            """Run it, with a longer docstring that says more."""
+            # a comment inside
+            return scaled(x)    +    1
+    ''')
+    assert _digest(("cvtoy.stage", "run")) == base
+    _write(toy_pkg, "helpers", '''
+        SCALE = 3.0
+
+        def scaled(x):
+            return x * SCALE
+    ''')  # a constant two modules away, reached through a function the stage calls
+    assert _digest(("cvtoy.stage", "run")) != base
+
+
+def test_a_registry_entry_is_its_own_component_and_not_followed_from_a_stage(toy_pkg):
+    _write(toy_pkg, "methods", '''
+        def a(x):
+            return x + 1
+
+        def b(x):
+            return helper(x) * 2
+
+        def helper(x):
+            return x - 1
+
+        METHODS = {"A": a, "B": b}
+
+        def get(name):
+            return METHODS[name]
+    ''')
+    _write(toy_pkg, "stage", '''
+        import cvtoy.methods as m
+
+        def run(name, x):
+            return m.get(name)(x)
+    ''')
+    before = {u: _digest(u) for u in [("cvtoy.stage", "run"), ("cvtoy.methods", "METHODS", "A"),
+                                      ("cvtoy.methods", "METHODS", "B")]}
+    _write(toy_pkg, "methods", '''
+        def a(x):
+            return x + 1
+
+        def b(x):
+            return helper(x) * 2
+
+        def helper(x):
+            return x - 2
+
+        METHODS = {"A": a, "B": b}
+
+        def get(name):
+            return METHODS[name]
+    ''')  # edit B's helper: only B's component changes
+    after = {u: _digest(u) for u in before}
+    changed = {u for u in before if before[u] != after[u]}
+    assert changed == {("cvtoy.methods", "METHODS", "B")}
+
+
+def test_every_registry_reads_the_same_names_from_source_as_at_run_time():
+    import workers.baselines
+    import workers.grouping
+    import workers.losses
+    import workers.scaling
+    import workers.scoring
+
+    for (module, name), obj in {("workers.scoring", "SCORINGS"): workers.scoring.SCORINGS,
+                                ("workers.grouping", "GROUPINGS"): workers.grouping.GROUPINGS,
+                                ("workers.scaling", "SCALINGS"): workers.scaling.SCALINGS,
+                                ("workers.losses", "LOSSES"): workers.losses.LOSSES,
+                                ("workers.baselines", "_CANDIDATES"): workers.baselines._CANDIDATES}.items():
+        assert registry_names(module, name) == list(obj), name
+    assert {m for m, _ in method_registries()} == {"workers.scoring", "workers.grouping", "workers.scaling"}
+
+
+def test_a_conversion_depends_on_its_own_methods_only():
+    sf = code_components("convert", {"scoring": "SF", "grouping": "RR", "dp_scaling": "uniform", "K": 2})
+    pp = code_components("convert", {"scoring": "PP", "grouping": "RR", "dp_scaling": "uniform", "K": 2})
+    assert set(sf) == {"stage:convert", "scoring:SF", "grouping:RR", "dp_scaling:uniform"}
+    assert sf["stage:convert"] == pp["stage:convert"] and sf["scoring:SF"] != pp["scoring:PP"]
+    fp = Fingerprints(stop=method_registries())
+    stage = fp.closure([("workers.stages", "stage_convert")])
+    assert ("workers.scoring", "pp") not in stage and ("workers.scoring", "sf") not in stage
+    assert ("workers.scoring", "pp") in fp.closure([("workers.scoring", "SCORINGS", "PP")])
+    # frequency is SF under another name: the same code, the same component hash
+    assert fp.digest([("workers.scoring", "SCORINGS", "SF")]) != fp.digest([("workers.scoring", "SCORINGS", "PP")])
+
+
+SWEEP = """\
+name: codeedit
+teacher:
+  source: tiny
+  tiny: {experts: 8, top_k: 2, hidden: 32, layers: 2, heads: 2, kv_heads: 1, moe_intermediate: 32, vocab: 512,
+         steps: 20, batch_size: 8, seq_len: 64, warmup: 2, corpus_chars: 300000, eval_windows: 8}
+calibration: {data: {source: tiny, split: train}, n_samples: 8, seq_len: 64, batch_size: 8}
+grid: {scoring: [SF, PP], grouping: [RR], dp_scaling: [uniform], K: [2, 4]}
+ppl: {data: {source: tiny, split: test}, seq_len: 64, max_windows: 4}
+select: {best_by: ppl_pre, per: [scoring, grouping], over: [K, dp_scaling]}
+distill:
+  settings: {steps: 1, batch_size: 2, seq_len: 64, warmup: 0, eval_every: 1, val_windows: 2}
+  data: {source: tiny, split: train}
+  val_data: {source: tiny, split: valid}
+evaluate: {suite: tiny, batch_size: 8, limit: 4}
+baselines: [teacher]
+execution: {retries: 0}
+"""
+
+
+def _cli(src: Path, home: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(src), "MOESWEEP_HOME": str(home), "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=home, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+def _jobs(db: Path) -> dict[str, tuple[str, frozenset[str]]]:
+    """job key → (stage, the scorings of the configurations linked to it)."""
+    with sqlite3.connect(db) as c:
+        rows = c.execute("SELECT j.key, j.stage, c.scoring FROM jobs j LEFT JOIN config_jobs cj ON cj.job_id = j.id "
+                         "LEFT JOIN configurations c ON c.id = cj.config_id").fetchall()
+    out: dict[str, tuple[str, set[str]]] = {}
+    for key, stage, scoring in rows:
+        out.setdefault(key, (stage, set()))[1].add(scoring or "-")
+    return {k: (s, frozenset(v)) for k, (s, v) in out.items()}
+
+
+@pytest.mark.slow
+def test_editing_one_scoring_reruns_exactly_its_configurations(tmp_path):
+    """A copy of the code, a real sweep, an edit of PP's formula, a relaunch: the conversions of PP and
+    everything downstream of them run again; the teacher, the calibration and every SF job are reused."""
+    src = tmp_path / "src"
+    for pkg in ("workers", "orchestrator", "db", "analysis", "sweeps"):
+        shutil.copytree(ROOT / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "codeedit.yaml").write_text(SWEEP)
+    db = home / "r.db"
+    launch = ["launch", str(home / "codeedit.yaml"), "--executor", "serial", "--db", f"sqlite:///{db}"]
+    first = _cli(src, home, *launch)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = _jobs(db)
+
+    scoring = src / "workers" / "scoring.py"
+    text = scoring.read_text()
+    old = "    return _f64(ctx.stats.sum_p) / _n(ctx.stats)\n"
+    assert text.count(old) == 1
+    scoring.write_text(text.replace(old, "    return 1.0 - _f64(ctx.stats.sum_p) / _n(ctx.stats)\n"))
+
+    status = _cli(src, home, "status", "codeedit", "--db", f"sqlite:///{db}")
+    assert status.returncode == 0, status.stderr
+    row = next(ln for ln in status.stdout.splitlines() if re.search(r"\bconvert\b", ln))
+    assert re.findall(r"\d+|–", row)[:5] == ["2", "0", "0", "0", "2"]  # succeeded … stale: PP's two plans
+
+    second = _cli(src, home, *launch)
+    assert second.returncode == 0, second.stderr[-3000:]
+    after = _jobs(db)
+    new = {k: v for k, v in after.items() if k not in before}
+    by_stage: dict[str, int] = {}
+    for stage, scorings in new.values():
+        assert scorings == {"PP"}, (stage, scorings)  # nothing new serves another configuration
+        by_stage[stage] = by_stage.get(stage, 0) + 1
+    assert by_stage == {"convert": 2, "ppl_pre": 2, "distill": 1, "evaluate": 1}
+    # every job of the other configurations (teacher, calibration, SF, the teacher baseline) was reused
+    with sqlite3.connect(db) as c:
+        linked = c.execute("SELECT DISTINCT j.key FROM config_jobs cj JOIN jobs j ON j.id = cj.job_id "
+                           "JOIN configurations c ON c.id = cj.config_id WHERE c.scoring IS NOT 'PP'").fetchall()
+    assert {k for (k,) in linked} <= set(before)
+    assert "stale" in _cli(src, home, "status", "codeedit", "--db", f"sqlite:///{db}").stdout
