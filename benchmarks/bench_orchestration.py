@@ -127,9 +127,9 @@ def quick_sweep(name: str, root: Path) -> str:
     """A copy of the sweep with --quick's shorter trainings and evaluation; returns its path."""
     import yaml
 
-    from orchestrator.spec import find_sweep
+    from orchestrator.spec import load_spec
 
-    raw = yaml.safe_load(find_sweep(name).read_text())
+    raw = yaml.safe_load(load_spec(name)[2])
     raw["name"] = f"{raw['name']}-quick"
     dense = raw.get("dense_teacher")
     if dense and dense.get("source", "tiny") == "tiny":
