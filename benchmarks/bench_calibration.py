@@ -11,6 +11,7 @@ Issue targets: batched ≥5× the loop, ≥50% of the raw matmul throughput. No 
 
   .venv/bin/python benchmarks/bench_calibration.py                       # tiny, CPU
   python benchmarks/bench_calibration.py --preset real --device cuda     # Qwen3-30B-A3B layer shapes
+  .venv/bin/python benchmarks/bench_calibration.py --smoke               # seconds: does it still run?
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from workers.merge import ffn_forward  # noqa: E402
 PRESETS = {
     "tiny": dict(hidden=64, inter=32, experts=16, top_k=4, layers=2, heads=4, kv_heads=2, head_dim=16,
                  vocab=512, seq_len=128, batch_size=4, batches=4, chunk_tokens=256, dtype="float32"),
+    # --smoke: seconds, the same code paths (a check that the script still runs, not a measurement)
+    "smoke": dict(hidden=32, inter=16, experts=8, top_k=2, layers=1, heads=2, kv_heads=1, head_dim=16,
+                  vocab=128, seq_len=32, batch_size=2, batches=2, chunk_tokens=24, dtype="float32"),
     # Qwen3-30B-A3B layer shapes (hidden 2048, moe_intermediate 768, 128 experts, top-8), a few layers
     "real": dict(hidden=2048, inter=768, experts=128, top_k=8, layers=4, heads=32, kv_heads=4, head_dim=128,
                  vocab=8192, seq_len=2048, batch_size=2, batches=4, chunk_tokens=4096, dtype="bfloat16"),
@@ -42,6 +46,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a seconds-long run through the same code paths: --preset smoke, 1 repeat "
+                         "(checks the script runs; its timings mean nothing)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     for name, default in PRESETS["tiny"].items():
         kind = str if isinstance(default, str) else int
@@ -50,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement (median)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.preset, args.repeats = "smoke", 1
     for name, value in PRESETS[args.preset].items():
         if getattr(args, name) is None:
             setattr(args, name, value)

@@ -20,6 +20,7 @@ Target (issue): overhead ≤ 10%. No assert on timings: it only prints.
   .venv/bin/python benchmarks/bench_orchestration.py                 # micro sweep, Ray (2 CPUs) and serial
   .venv/bin/python benchmarks/bench_orchestration.py --sweep tiny    # the embedded default (long)
   .venv/bin/python benchmarks/bench_orchestration.py --sweep tiny --quick --seed-cache .moesweep/bench/cache/tiny
+  .venv/bin/python benchmarks/bench_orchestration.py --smoke         # seconds: does it still run? (serial, micro)
 """
 
 from __future__ import annotations
@@ -33,10 +34,13 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+MICRO = REPO / "tests" / "sweeps" / "micro.yaml"  # the smallest real sweep (the whole pipeline at test size)
+sys.path.insert(0, str(REPO))
 from machine import cpu_name  # noqa: E402  (benchmarks/machine.py, beside this script)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -45,7 +49,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sweep", default="tests/sweeps/micro.yaml", help="sweep name or YAML path")
+    ap.add_argument("--sweep", default=str(MICRO), help="sweep name or YAML path (default: tests/sweeps/micro.yaml)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a seconds-long run through the same code paths (checks the script runs; its timings mean "
+                         "nothing): the serial executor on tests/sweeps/micro.yaml")
     ap.add_argument("--executors", default="ray,serial", help="comma-separated: ray, serial")
     ap.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray (RayExecutor(num_cpus=...))")
     ap.add_argument("--home", default=None, help="parent of the fresh MOESWEEP_HOMEs (default: a temp dir)")
@@ -57,6 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="a cache/tiny directory copied into each fresh home first (teachers trained before are "
                          "then cache hits, as in a home that ran a sweep before)")
     a = ap.parse_args(argv)
+    if a.smoke:
+        if a.quick or a.seed_cache:
+            ap.error("--smoke runs tests/sweeps/micro.yaml as it is: no --quick, no --seed-cache")
+        a.sweep, a.executors = str(MICRO), "serial"
     a.executors = [e.strip() for e in a.executors.split(",") if e.strip()]
     for e in a.executors:
         if e not in ("ray", "serial"):
@@ -66,27 +77,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 class TimedExecutor:
     """Delegates to an executor, timing each executor.run (one per stage and resource shape) and the
-    orchestrator's result callbacks (DB writes) inside it."""
+    orchestrator's result callbacks (DB writes) inside it. Whatever else the orchestrator passes to
+    run (progress, poll, claim, ...) and any other attribute it reads go to the executor unchanged."""
 
     def __init__(self, inner: Any) -> None:
         self.inner, self.name = inner, inner.name
         self.run_s: dict[str, float] = defaultdict(float)
         self.on_done_s: dict[str, float] = defaultdict(float)
 
-    def run(self, payloads, on_done, progress=None, poll=None) -> None:
+    def run(self, payloads: list[dict[str, Any]], on_done: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         stage = payloads[0]["stage"] if payloads else "?"
 
-        def timed_done(*args: Any) -> None:
+        def timed_done(*a: Any, **kw: Any) -> Any:
             t0 = time.perf_counter()
-            on_done(*args)
-            self.on_done_s[stage] += time.perf_counter() - t0
+            try:
+                return on_done(*a, **kw)
+            finally:
+                self.on_done_s[stage] += time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        self.inner.run(payloads, timed_done, progress, poll)
-        self.run_s[stage] += time.perf_counter() - t0
+        try:
+            self.inner.run(payloads, timed_done, *args, **kwargs)
+        finally:
+            self.run_s[stage] += time.perf_counter() - t0
 
     def close(self) -> None:
         self.inner.close()
+
+    def __getattr__(self, name: str) -> Any:  # only called for attributes not set above
+        return getattr(self.inner, name)
 
 
 def ideal_stage(rows: list[dict[str, Any]], cpus_total: float | None) -> float:
@@ -108,9 +127,9 @@ def quick_sweep(name: str, root: Path) -> str:
     """A copy of the sweep with --quick's shorter trainings and evaluation; returns its path."""
     import yaml
 
-    from orchestrator.spec import find_sweep
+    from orchestrator.spec import load_spec
 
-    raw = yaml.safe_load(find_sweep(name).read_text())
+    raw = yaml.safe_load(load_spec(name)[2])
     raw["name"] = f"{raw['name']}-quick"
     dense = raw.get("dense_teacher")
     if dense and dense.get("source", "tiny") == "tiny":
@@ -160,12 +179,11 @@ def run_one(kind: str, a: argparse.Namespace, root: Path) -> dict[str, Any]:
 
         ray.shutdown()
 
-    # cpus per job, by stage, from the sweep's resources (the DB keeps params, not resources)
-    cpus_of = {st: spec.resources(st).cpus for st in ("teacher", "dense_teacher", "calibrate", "convert",
-                                                      "ppl_pre", "distill", "evaluate")}
     rows = job_rows(store)
-    for r in rows:
-        r["cpus"] = cpus_of[r["stage"]]
+    if kind == "ray":  # cpus per job, from the sweep's resources (the DB keeps params, not resources)
+        cpus_of: dict[str, float] = {}
+        for r in rows:
+            r["cpus"] = cpus_of.setdefault(r["stage"], spec.resources(r["stage"]).cpus)
     by_stage: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         by_stage[r["stage"]].append(r)

@@ -18,6 +18,7 @@ No assert on timings: it only prints.
   .venv/bin/python benchmarks/bench_predistill.py                        # small tiny teacher, CPU
   .venv/bin/python benchmarks/bench_predistill.py --spec default         # the `tiny` sweep's teacher
   python benchmarks/bench_predistill.py --preset real --device cuda      # Qwen3-30B-A3B shapes, 2 layers
+  .venv/bin/python benchmarks/bench_predistill.py --smoke                # seconds: does it still run?
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ from machine import describe  # noqa: E402  (benchmarks/machine.py, beside this 
 # a small tiny teacher: trains in well under a minute on 2 CPU cores, cached under --home
 SMALL_SPEC = dict(experts=16, top_k=2, hidden=64, layers=2, heads=4, kv_heads=2, moe_intermediate=64, vocab=512,
                   steps=60, batch_size=8, seq_len=64, corpus_chars=300_000, eval_windows=16)
+# --smoke: a tiny teacher trained for a few steps on a short corpus (seconds; timings mean nothing)
+SMOKE_SPEC = dict(experts=8, top_k=2, hidden=32, layers=2, heads=2, kv_heads=1, moe_intermediate=32, vocab=512,
+                  steps=4, batch_size=4, seq_len=32, warmup=1, corpus_chars=100_000, eval_windows=4)
+SMOKE_SIZES = dict(n=2, seq_len=32, max_windows=4, batch_size=4, calib_samples=8)
 # Qwen3-30B-A3B's config cut to 2 layers, random weights (no download ever)
 REAL = dict(hidden=2048, moe_intermediate=768, experts=128, top_k=8, layers=2, heads=32, kv_heads=4,
             head_dim=128, vocab=151936)
@@ -65,7 +70,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=16, help="perplexity batch size")
     ap.add_argument("--calib-samples", type=int, default=64, help="calibration windows")
     ap.add_argument("--tol", type=float, default=1e-4, help="max relative |Δppl| between the two paths")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"a seconds-long run through the same code paths (checks the script runs; its timings "
+                         f"mean nothing): tiny preset, a {SMOKE_SPEC['steps']}-step teacher, "
+                         + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in SMOKE_SIZES.items()))
     a = ap.parse_args(argv)
+    if a.smoke:
+        if a.preset != "tiny":
+            ap.error("--smoke runs the tiny preset")
+        a.spec = "smoke"
+        for k, v in SMOKE_SIZES.items():
+            setattr(a, k, v)
     a.dtype = a.dtype or ("bfloat16" if a.preset == "real" else "float32")
     if a.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA device")
@@ -95,7 +110,7 @@ def tiny_teacher(a: argparse.Namespace):
 
     from workers.tiny.teacher import TinyTeacherSpec, train_tiny_teacher
 
-    spec = TinyTeacherSpec(**(SMALL_SPEC if a.spec == "small" else {}))
+    spec = TinyTeacherSpec(**{"small": SMALL_SPEC, "smoke": SMOKE_SPEC}.get(a.spec, {}))
     home = Path(a.home)
     out = home / "predistill" / f"teacher-{a.spec}"
     t0 = time.perf_counter()

@@ -143,9 +143,10 @@ def test_batched_stats_equal_naive_per_expert_loop(family):
         assert (st.sum_p_sel <= st.sum_p + 1e-12).all() and (st.sum_norm_sel > 0).any()
 
 
-def test_fp32_model_matches_naive_loop():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp32_model_matches_naive_loop(family):
     """The production dtype: expert matmuls in fp32, sums in float64."""
-    model = tiny_model("qwen3_moe", dtype=torch.float32)
+    model = tiny_model(family, dtype=torch.float32)
     adapter = get_adapter(model)
     batches = padded_batches(seed=3)
     stats = collect_stats(model, adapter, batches, chunk_tokens=7)
@@ -172,8 +173,9 @@ def test_padding_is_excluded(family):
     assert not torch.allclose(with_pad[layer].sum_sq, padded[layer].sum_sq)
 
 
-def test_chunk_size_does_not_change_results():
-    model = tiny_model("qwen3_moe", seed=5)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunk_size_does_not_change_results(family):
+    model = tiny_model(family, seed=5)
     adapter = get_adapter(model)
     batches = padded_batches(seed=6)
     ref = collect_stats(model, adapter, batches, chunk_tokens=10**6)

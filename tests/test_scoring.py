@@ -79,7 +79,8 @@ def test_ps_equals_sf_times_cp(seed):
 
 
 def test_acp_and_reap_differ_as_the_digest_says():
-    """ACP uses the all-token RMS and raw p; REAP the routed-token mean of g·‖f‖ (seeds-001-002.md point 6)."""
+    """ACP uses the all-token RMS and raw p; REAP the routed-token mean of g·‖f‖ (they differ in which
+    tokens and which weights they average)."""
     ctx = random_token_ctx(5)
     s = ctx.stats
     rms = (s.sum_sq / s.n_tokens).sqrt()

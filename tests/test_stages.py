@@ -19,9 +19,13 @@ def test_d2d_target_of_a_real_moe_comes_from_its_config_alone(tmp_path):
     assert moe_student_params({"params": {"moe_teacher": {"source": "tiny"}}}) is None
 
 
-def test_processes_setting():
-    assert _processes(1) == 1 and _processes(3) == 3
-    assert _processes("gpus") >= 1
+def test_processes_setting(monkeypatch):
+    import torch
+
+    assert _processes(1) == 1 and _processes(3) == 3 and _processes("2") == 2
+    for gpus, procs in ((0, 1), (1, 1), (4, 4)):  # "gpus": one process per visible GPU, at least one
+        monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
+        assert _processes("gpus") == procs
 
 
 def test_streamed_training_data_is_batched_in_stream_order(tmp_path):

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.families.fused import FusedMoeAdapter, _config_int, copy_config
+from workers.families.fused import FusedMoeAdapter, config_int, copy_config
 
 
 class _DeepseekAdapter(FusedMoeAdapter):
@@ -34,11 +34,11 @@ class _DeepseekAdapter(FusedMoeAdapter):
     experts_key = "n_routed_experts"
 
     def config_moe_layers(self, config: Any) -> list[int]:
-        n = _config_int(config, "num_hidden_layers")
-        return list(range(min(_config_int(config, "first_k_dense_replace"), n), n))
+        n = config_int(config, "num_hidden_layers")
+        return list(range(min(config_int(config, "first_k_dense_replace"), n), n))
 
     def config_shared_experts(self, config: Any) -> int:
-        return _config_int(config, "n_shared_experts")
+        return config_int(config, "n_shared_experts")
 
     def num_shared_experts(self, model: nn.Module) -> int:
         """The shared MLP's width in units of one routed expert's width (moe_intermediate_size)."""

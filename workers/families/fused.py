@@ -89,7 +89,8 @@ def linear_ffn(mlp: nn.Module) -> DenseFFN:
                     up_bias=bias(mlp.up_proj), down_bias=bias(mlp.down_proj))
 
 
-def _config_int(config: Any, key: str) -> int:
+def config_int(config: Any, key: str) -> int:
+    """An integer field of a model config (ValueError naming the field otherwise, e.g. a None default)."""
     value = getattr(config, key, None)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{getattr(config, 'model_type', type(config).__name__)} config: {key}={value!r}, "
@@ -113,7 +114,7 @@ class FusedMoeAdapter(FamilyAdapter):
     # --- structure from the config alone -------------------------------------------------------
     def config_moe_layers(self, config: Any) -> list[int]:
         """Decoder layers the family's modeling code makes MoE blocks (every layer here)."""
-        return list(range(_config_int(config, "num_hidden_layers")))
+        return list(range(config_int(config, "num_hidden_layers")))
 
     def config_renorm(self, config: Any) -> bool:
         """native_renorm as the router takes it from the config (its norm_topk_prob here)."""
@@ -127,12 +128,12 @@ class FusedMoeAdapter(FamilyAdapter):
         if model_type not in self.model_types:
             raise ValueError(f"config model_type={model_type!r}: the {self.name} adapter handles "
                              f"{', '.join(self.model_types)}")
-        e = _config_int(config, self.experts_key)
-        k = _config_int(config, "num_experts_per_tok")
+        e = config_int(config, self.experts_key)
+        k = config_int(config, "num_experts_per_tok")
         layers = self.config_moe_layers(config)
         if e < 1 or not layers:
             raise ValueError(f"{model_type} config: {self.experts_key}={e} builds no routed MoE layer "
-                             f"(of {_config_int(config, 'num_hidden_layers')} layers)")
+                             f"(of {config_int(config, 'num_hidden_layers')} layers)")
         if not 1 <= k <= e:
             raise ValueError(f"{model_type} config: num_experts_per_tok={k} must be in 1..{e} "
                              f"({self.experts_key})")

@@ -30,7 +30,7 @@ class GptOssAdapter(FusedMoeAdapter):
     experts_key = "num_local_experts"
 
     def config_renorm(self, config: Any) -> bool:
-        return True
+        return True  # no config flag: the router always renormalizes (native_renorm)
 
     def native_renorm(self, router: nn.Module) -> bool:
         return True  # softmax over the chosen k logits = p renormalized over the k

@@ -20,7 +20,7 @@ class MixtralAdapter(FusedMoeAdapter):
     experts_key = "num_local_experts"
 
     def config_renorm(self, config: Any) -> bool:
-        return True
+        return True  # no config flag: the router always renormalizes (native_renorm)
 
     def native_renorm(self, router: nn.Module) -> bool:
         return True  # MixtralTopKRouter always divides by the top-k sum

@@ -10,14 +10,14 @@ from typing import Any
 
 from torch import nn
 
-from workers.families.fused import FusedMoeAdapter, _config_int, copy_config
+from workers.families.fused import FusedMoeAdapter, config_int, copy_config
 
 
 def sparse_step_moe_layers(config: Any) -> list[int]:
     """Qwen2-MoE / Qwen3-MoE decoder layers built as MoE blocks: not in mlp_only_layers, and every
     decoder_sparse_step-th layer (when the config has experts at all)."""
-    n = _config_int(config, "num_hidden_layers")
-    step = _config_int(config, "decoder_sparse_step")
+    n = config_int(config, "num_hidden_layers")
+    step = config_int(config, "decoder_sparse_step")
     dense = set(getattr(config, "mlp_only_layers", None) or [])
     if int(config.num_experts) <= 0:
         return []
