@@ -38,7 +38,7 @@ HEADLINE = {
 }
 FEWSHOT = {"winogrande": 5, "hellaswag": 10, "arc_easy": 25, "arc_challenge": 25, "mmlu": 5}  # §4.1
 
-# model label = the last part of the Hugging Face id, as our sweeps write it (orchestrator.plan.teacher_label)
+# model label = the last part of the Hugging Face id, as our sweeps write it (orchestrator.stages.teacher.teacher_label)
 MODEL_LABEL = {
     "Qwen3-30B-A3B": "Qwen3-30B-A3B",
     "Qwen3-30B-A3B-Base": "Qwen3-30B-A3B-Base",

@@ -1,4 +1,4 @@
-"""`moesweep launch NAME --dry-run`: the plan, stage by stage, without running, downloading or importing
+"""`moesweep launch NAME --dry-run`: the jobs, stage by stage, without running, downloading or importing
 torch (the teacher's shape comes from the sweep file or the tiny teacher's settings)."""
 
 from __future__ import annotations
@@ -8,23 +8,23 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator import plan as P
+from orchestrator import configs as P
 from orchestrator.spec import SweepSpec
-from orchestrator.stage import PlanContext, stages, unique
+from orchestrator.stage import SweepContext, stages, unique
 
 
 def plan_counts(spec: SweepSpec) -> tuple[list[dict[str, Any]], list[str]]:
     """(per stage: jobs named by configurations, distinct jobs, a note; the keys of the jobs planned
     without running anything). Pure, for tests too."""
     shape = P.stated_shape(spec)
-    ctx = PlanContext(spec, shape, P.build_configs(spec, shape))
+    ctx = SweepContext(spec, shape, P.build_configs(spec, shape))
     rows: list[dict[str, Any]] = []
     keys: list[str] = []
     for st in stages():
         if st.estimate is not None:
             rows += st.estimate(ctx, rows)
             continue
-        jobs = st.plan(ctx)
+        jobs = st.jobs(ctx)
         ctx.jobs[st.name] = jobs
         distinct = unique(jobs.values())
         keys += [j.key for j in distinct]
@@ -43,7 +43,7 @@ def dry_run(spec: SweepSpec, store, console: Console) -> None:
     console.print(f"[bold]{spec.name}[/]: teacher {P.teacher_label(spec)} (E={shape.num_experts}, k={shape.top_k}, "
                   f"from the {shape.source}); "
                   + " × ".join(f"{len(getattr(spec.grid, a))} {a}" for a in type(spec.grid).model_fields))
-    t = Table("stage", "named by configs", "distinct jobs", "notes", title="plan (nothing is run)")
+    t = Table("stage", "named by configs", "distinct jobs", "notes", title="jobs (nothing is run)")
     for r in rows:
         t.add_row(r["stage"], str(r["named"]), str(r["distinct"]), r["note"])
     console.print(t)

@@ -19,9 +19,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from db.store import Store, home, owner_id
-from orchestrator import plan as P
+from orchestrator import configs as P
 from orchestrator.spec import SweepSpec, check_local_paths, spec_hash
-from orchestrator.stage import JobSpec, PlanContext, Stage, TeacherShape, stages, unique
+from orchestrator.stage import JobSpec, Stage, SweepContext, TeacherShape, stages, unique
 
 
 @dataclass
@@ -212,7 +212,7 @@ def launch(spec: SweepSpec, spec_text: str, store: Store, executor, *, retry_fai
     try:
         with progress:
             for stage in stages():
-                jobs = stage.plan(ctx)
+                jobs = stage.jobs(ctx)
                 ctx.jobs[stage.name] = jobs
                 ctx.outputs[stage.name] = runner.run_stage(stage, jobs.values())
                 _link(store, cfg_ids, jobs, stage.name)
@@ -242,9 +242,9 @@ def launch(spec: SweepSpec, spec_text: str, store: Store, executor, *, retry_fai
 
 
 def _context(spec: SweepSpec, shape, configs: list[dict[str, Any]], store: Store, sid: int,
-             cfg_ids: dict[str, int]) -> PlanContext:
-    """The planning context with the launcher's hooks: the selection rule, new configurations, fields."""
-    ctx = PlanContext(spec, shape, configs)
+             cfg_ids: dict[str, int]) -> SweepContext:
+    """The sweep context with the launcher's hooks: the selection rule, new configurations, fields."""
+    ctx = SweepContext(spec, shape, configs)
     chosen: list[str] | None = None
 
     def select() -> list[str]:

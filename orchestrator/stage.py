@@ -31,7 +31,7 @@ LIBS = ("torch", "transformers", "lm_eval")
 class Stage:
     name: str
     run: str | Callable[..., dict]  # "module:function" (resolved in the worker), or the function
-    plan: Callable[[PlanContext], dict[str, JobSpec]]  # config_key (or a label) → its job
+    jobs: Callable[[SweepContext], dict[str, JobSpec]]  # config_key (or a label) → its job
     section: str | None = None  # its section of the sweep file …
     params: type[BaseModel] | None = None  # … and that section's model
     section_default: str = "optional"  # "required" | "optional" (None when absent) | "default" (model())
@@ -41,9 +41,9 @@ class Stage:
     shared: bool = False  # one job serves many configurations by design (teacher, calibration)
     identity: bool = False  # configurations sharing this stage's job are one student (duplicate_of)
     summary: str = ""
-    estimate: Callable[[PlanContext, list[dict[str, Any]]], list[dict[str, Any]]] | None = None  # dry-run rows
-    # (given the rows of earlier stages) for a stage whose plan needs earlier outputs
-    after: Callable[[PlanContext], None] | None = None  # orchestrator bookkeeping once its jobs ran
+    estimate: Callable[[SweepContext, list[dict[str, Any]]], list[dict[str, Any]]] | None = None  # dry-run rows
+    # (given the rows of earlier stages) for a stage whose jobs need earlier outputs
+    after: Callable[[SweepContext], None] | None = None  # orchestrator bookkeeping once its jobs ran
 
     def run_ref(self) -> tuple[str, str]:
         if callable(self.run):
@@ -192,10 +192,10 @@ def unique(jobs) -> list[JobSpec]:
     return list(seen.values())
 
 
-# ---- what a stage's planner sees ----------------------------------------------------------------------
+# ---- what a stage's `jobs` function sees ----------------------------------------------------------------------
 @dataclass
 class TeacherShape:
-    """The teacher's routing as planning needs it; `source` says where it was read ("config" or the
+    """The teacher's routing as the configurations need it; `source` says where it was read ("config" or the
     sweep file for a dry run that cannot read the config)."""
 
     num_experts: int | None
@@ -207,7 +207,7 @@ class TeacherShape:
 
 
 @dataclass
-class PlanContext:
+class SweepContext:
     """The sweep, the teacher's shape, the configurations, and what earlier stages planned and produced.
 
     `jobs[stage]` maps a configuration key (or a label, for a stage without configurations) to its job;

@@ -49,7 +49,7 @@ def test_every_shipped_table_is_imported_with_known_fields():
 
 
 def test_main_sweep_matches_our_paper_sweep_axes():
-    from orchestrator.plan import build_configs, stated_shape, teacher_label
+    from orchestrator.configs import build_configs, stated_shape, teacher_label
     from orchestrator.spec import load_spec
 
     spec, _, _ = load_spec("paper-qwen3-30b-a3b")

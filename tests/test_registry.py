@@ -23,7 +23,7 @@ from orchestrator.execute import SerialExecutor
 from orchestrator.launch import launch
 from orchestrator.schema import PosInt, SpecError, Strict
 from orchestrator.spec import load_spec
-from orchestrator.stage import JobSpec, PlanContext, Stage, get_stage, register, stages, unregister
+from orchestrator.stage import JobSpec, Stage, SweepContext, get_stage, register, stages, unregister
 from tests.test_orchestrator import fake, fake_sweep  # noqa: F401  (the fake stage functions fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +41,7 @@ def toy_run(payload: dict, cache: dict, progress) -> dict:
     return {"outputs": {"toy": value}, "metrics": [{"name": "toy_metric", "stage": "toy", "value": value}]}
 
 
-def toy_plan(ctx: PlanContext) -> dict[str, JobSpec]:
+def toy_jobs(ctx: SweepContext) -> dict[str, JobSpec]:
     out = {}
     for ck, conv in ctx.jobs.get("convert", {}).items():
         if ctx.succeeded("convert", ck) is not None:
@@ -50,7 +50,7 @@ def toy_plan(ctx: PlanContext) -> dict[str, JobSpec]:
     return out
 
 
-TOY = Stage(name="toy", run=toy_run, plan=toy_plan, section="toy", params=ToyParams, section_default="default",
+TOY = Stage(name="toy", run=toy_run, jobs=toy_jobs, section="toy", params=ToyParams, section_default="default",
             upstream=("convert",), records=frozenset({"outputs", "metrics"}), summary="a toy stage")
 
 
@@ -96,7 +96,7 @@ def test_a_section_key_of_an_unknown_stage_is_an_error(tmp_path):
 
 def test_a_record_the_stage_does_not_declare_fails_the_job(fake, tmp_path):  # noqa: F811
     calls, state = fake
-    register(Stage(name="toy2", run=_bad_record, plan=lambda ctx: {
+    register(Stage(name="toy2", run=_bad_record, jobs=lambda ctx: {
         ck: ctx.job("toy2", {"n": 1}, {"convert": j.key}) for ck, j in ctx.jobs["convert"].items()},
         upstream=("convert",), records=frozenset({"outputs"})))
     try:
@@ -120,7 +120,7 @@ def test_stage_order_follows_upstream_and_rejects_unknown_inputs():
     assert names == ["teacher", "dense_teacher", "calibrate", "convert", "ppl_pre", "distill", "evaluate"]
     for s in stages():
         assert all(names.index(u) < names.index(s.name) for u in s.upstream)
-    register(Stage(name="orphan", run=_bad_record, plan=lambda ctx: {}, upstream=("nowhere",)))
+    register(Stage(name="orphan", run=_bad_record, jobs=lambda ctx: {}, upstream=("nowhere",)))
     try:
         with pytest.raises(ValueError, match="upstream \\['nowhere'\\] not registered"):
             stages()

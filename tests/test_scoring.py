@@ -1,4 +1,4 @@
-"""Scorings against their formulas (paper §3.2, Appendix C; REAP seed 002 Eq. 9, Eq. 13)."""
+"""Scorings against their formulas (paper §3.2, Appendix C; REAP paper Eq. 9, Eq. 13)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Calibration statistics of every MoE layer in one teacher forward pass (DESIGN.md §2.1).
+"""Calibration statistics of every MoE layer in one teacher forward pass.
 
 A forward hook on each layer's router module sees the tokens entering the MoE block (the router's
 input is exactly the experts' input in every supported family: the post-attention-norm hidden
@@ -154,7 +154,7 @@ class LayerAccumulator:
             norm_dtype = torch.float64 if f.dtype == torch.float64 else torch.float32
             norms = torch.linalg.vector_norm(f, dim=-1, dtype=norm_dtype).double()  # [E, t]
             s["sum_sq"] += norms.square().sum(1)
-            # REAP (seed 002): Σ g·‖f‖ over routed tokens; EAN: Σ ‖f‖ over routed tokens
+            # REAP (Lasby et al., Eq. 9): Σ g·‖f‖ over routed tokens; EAN: Σ ‖f‖ over routed tokens
             sel = idx[lo:hi].T  # [k, t]
             nsel = norms.gather(0, sel)  # ‖f_e(t)‖ for the routed (t, e), [k, t]
             s["sum_norm_sel"].index_add_(0, sel.reshape(-1), nsel.reshape(-1))

@@ -39,7 +39,7 @@ def jaccard(a: Iterable[int], b: Iterable[int]) -> float:
 
 
 def stats_from_tokens(p: torch.Tensor, routed: torch.Tensor, g: torch.Tensor, f: torch.Tensor) -> LayerStats:
-    """Reference reduction of token-level records to LayerStats (DESIGN.md §2.1), for tests and small checks.
+    """Reference reduction of token-level records to LayerStats (the sums calibration keeps: counts, Σp, Σp over routed tokens, Σ‖f‖², REAP/EAN sums, the Gram matrix), for tests and small checks.
 
     p [N, E] router softmax over all experts; routed [N, E] bool, e ∈ S(t); g [N, E] the weight the
     model applied (ignored outside S(t)); f [N, E, d] every expert's output on every token.

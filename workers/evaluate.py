@@ -1,4 +1,4 @@
-"""Downstream evaluation of one model on a suite with lm-eval's ``simple_evaluate`` (DESIGN.md §2 step 6).
+"""Downstream evaluation of one model on a suite with lm-eval's ``simple_evaluate`` (after distillation).
 
 The HF backend wraps the in-memory model (no checkpoint needed); the vLLM backend (the ``[gpu]`` extra)
 loads ``model_path`` (the model is saved to ``workdir`` first when there is none). lm-eval's response

@@ -1,4 +1,4 @@
-"""Token-level perplexity with a recorded protocol (pre- and post-distill PPL, DESIGN.md §2 steps 3 and 6).
+"""Token-level perplexity with a recorded protocol (before and after distillation).
 
 Protocol (the record's ``protocol`` dict repeats it):
 

@@ -42,7 +42,8 @@ def load_model(path: str, dtype: str = "float32", revision: str | None = None):
 
 
 def resident_teacher(payload: dict[str, Any], cache: dict, role: str = "teacher"):
-    """The teacher stays loaded across the jobs of one worker (DESIGN.md §2.3)."""
+    """The teacher stays loaded across the jobs of one worker, so the pre-distillation evaluation of many
+    students is built from it in memory (no save/load round trip per configuration)."""
     ref = payload["params"]["teacher"]
     path = teacher_path(payload, role)
     key = f"{role}:{path}:{ref.get('dtype')}:{ref.get('revision')}"

@@ -1,7 +1,7 @@
 """Expert scorings: a base score s_e per expert, and the selector that picks the K kept experts.
 
 Paper §3.2 and Appendix C (SF, PP, PS, CP, ACP, DO-CP, DO-ACP); REAP and EAN from the REAP paper
-(seed 002, Eq. 9 and Appendix D). Adding a scoring = one function `(ctx) -> Tensor[E]` plus one registry line.
+(Lasby et al., "REAP the Experts", Eq. 9 and Appendix D). Adding a scoring = one function `(ctx) -> Tensor[E]` plus one registry line.
 Pure tensor code: no transformers import.
 """
 
@@ -61,12 +61,12 @@ def acp(ctx: LayerContext) -> torch.Tensor:
 
 
 def reap(ctx: LayerContext) -> torch.Tensor:
-    """REAP saliency: mean over routed tokens of g_e(t)·‖f_e(t)‖, 0 if never routed (seed 002, Eq. 9)."""
+    """REAP saliency: mean over routed tokens of g_e(t)·‖f_e(t)‖, 0 if never routed (REAP paper, Eq. 9)."""
     return _per_routed(ctx.stats.sum_gnorm_sel, ctx.stats.count)
 
 
 def ean(ctx: LayerContext) -> torch.Tensor:
-    """EAN: Σ over routed tokens of ‖f_e(t)‖ (seed 002, Appendix D, Eq. 13)."""
+    """EAN: Σ over routed tokens of ‖f_e(t)‖ (REAP paper, Appendix D, Eq. 13)."""
     return _f64(ctx.stats.sum_norm_sel)
 
 

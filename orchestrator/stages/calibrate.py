@@ -10,7 +10,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from orchestrator.schema import Data, PosInt, Strict
-from orchestrator.stage import JobSpec, PlanContext, Stage
+from orchestrator.stage import JobSpec, Stage, SweepContext
 from orchestrator.stages.teacher import teacher_ref
 
 
@@ -23,14 +23,14 @@ class Calibration(Strict):
     chunk_tokens: PosInt = 2048
 
 
-def plan(ctx: PlanContext) -> dict[str, JobSpec]:
+def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
     tparams, tdeps, resident = teacher_ref(ctx)
     job = ctx.job("calibrate", {"teacher": tparams, **ctx.spec.calibration.model_dump()}, tdeps, resident=resident)
     return {c["config_key"]: job for c in ctx.configs if c["kind"] == "moe2dense"}
 
 
 STAGE = Stage(
-    name="calibrate", run="workers.stages:stage_calibrate", plan=plan, section="calibration", params=Calibration,
+    name="calibrate", run="workers.stages:stage_calibrate", jobs=jobs, section="calibration", params=Calibration,
     section_default="default", upstream=("teacher",), shared=True,
     records=frozenset({"outputs", "metrics", "artifacts"}),
     summary="one pass, shared by every configuration")

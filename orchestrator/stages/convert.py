@@ -12,7 +12,7 @@ from pydantic import StrictInt, create_model, field_validator
 
 from orchestrator.axes import AXES
 from orchestrator.schema import Strict, known
-from orchestrator.stage import JobSpec, PlanContext, Stage
+from orchestrator.stage import JobSpec, Stage, SweepContext
 from orchestrator.stages.teacher import teacher_ref
 
 
@@ -51,7 +51,7 @@ def grid_configs(spec, model: str, top_k: int | None) -> list[dict[str, Any]]:
     return out
 
 
-def plan(ctx: PlanContext) -> dict[str, JobSpec]:
+def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
     tparams, tdeps, resident = teacher_ref(ctx)
     out = {}
     for c in ctx.configs:
@@ -64,7 +64,7 @@ def plan(ctx: PlanContext) -> dict[str, JobSpec]:
 
 
 STAGE = Stage(
-    name="convert", run="workers.stages:stage_convert", plan=plan, section="grid", params=Grid,
+    name="convert", run="workers.stages:stage_convert", jobs=jobs, section="grid", params=Grid,
     section_default="required", upstream=("calibrate",),
     records=frozenset({"outputs", "plan_rows", "layer_diag", "artifacts"}),
     summary="a conversion plan per configuration; equal plans are one student")

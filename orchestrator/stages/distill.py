@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from orchestrator.schema import Data, Strict
-from orchestrator.stage import JobSpec, PlanContext, Stage
+from orchestrator.stage import JobSpec, Stage, SweepContext
 from orchestrator.stages.teacher import teacher_ref
 
 
@@ -40,7 +40,7 @@ def variant_label(overrides: dict[str, Any]) -> str:
     return ",".join(f"{k}={overrides[k]}" for k in sorted(overrides))
 
 
-def distill_job(ctx: PlanContext, ppl: JobSpec, overrides: dict[str, Any]) -> JobSpec:
+def distill_job(ctx: SweepContext, ppl: JobSpec, overrides: dict[str, Any]) -> JobSpec:
     student = ppl.params["student"]
     which = "dense_teacher" if student["type"] == "d2d" else "teacher"  # d2d: from its own dense teacher
     tparams, tdeps, resident = teacher_ref(ctx, which)
@@ -53,8 +53,8 @@ def distill_job(ctx: PlanContext, ppl: JobSpec, overrides: dict[str, Any]) -> Jo
                    key_deps={k: v for k, v in deps.items() if k != "convert"})
 
 
-def plan(ctx: PlanContext) -> dict[str, JobSpec]:
-    from orchestrator.plan import distill_tokens
+def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
+    from orchestrator.configs import distill_tokens
 
     d = ctx.spec.distill
     if d is None:
@@ -81,7 +81,7 @@ def plan(ctx: PlanContext) -> dict[str, JobSpec]:
     return out
 
 
-def estimate(ctx: PlanContext, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     from itertools import product
 
     spec = ctx.spec
@@ -103,6 +103,6 @@ def estimate(ctx: PlanContext, rows: list[dict[str, Any]]) -> list[dict[str, Any
 
 
 STAGE = Stage(
-    name="distill", run="workers.stages:stage_distill", plan=plan, section="distill", params=Distill,
+    name="distill", run="workers.stages:stage_distill", jobs=jobs, section="distill", params=Distill,
     upstream=("ppl_pre",), records=frozenset({"outputs", "metrics", "artifacts"}), estimate=estimate,
     summary="distill the selected students (and baselines) from their teacher")

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import field_validator
 
 from orchestrator.schema import PosInt, Strict
-from orchestrator.stage import JobSpec, PlanContext, Stage
+from orchestrator.stage import JobSpec, Stage, SweepContext
 from orchestrator.stages.teacher import teacher_ref
 
 
@@ -28,7 +28,7 @@ class Evaluate(Strict):
         return v
 
 
-def evaluate_job(ctx: PlanContext, upstream: JobSpec) -> JobSpec:
+def evaluate_job(ctx: SweepContext, upstream: JobSpec) -> JobSpec:
     """Evaluate a distilled student (upstream = its distill job) or the teacher (upstream = its ppl job)."""
     tparams, tdeps, resident = teacher_ref(ctx)
     params = {"evaluate": ctx.spec.evaluate.model_dump(), "ppl": ctx.spec.ppl.model_dump(), "teacher": tparams}
@@ -41,7 +41,7 @@ def evaluate_job(ctx: PlanContext, upstream: JobSpec) -> JobSpec:
     return ctx.job("evaluate", params, deps, resident=resident)
 
 
-def plan(ctx: PlanContext) -> dict[str, JobSpec]:
+def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
     if ctx.spec.evaluate is None:
         return {}
     done = ctx.outputs.get("distill", {})
@@ -52,7 +52,7 @@ def plan(ctx: PlanContext) -> dict[str, JobSpec]:
     return out
 
 
-def estimate(ctx: PlanContext, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ev = ctx.spec.evaluate
     dist = next((r for r in rows if r["stage"] == "distill"), None)
     if ev is None or dist is None:
@@ -65,6 +65,6 @@ def estimate(ctx: PlanContext, rows: list[dict[str, Any]]) -> list[dict[str, Any
 
 
 STAGE = Stage(
-    name="evaluate", run="workers.stages:stage_evaluate", plan=plan, section="evaluate", params=Evaluate,
+    name="evaluate", run="workers.stages:stage_evaluate", jobs=jobs, section="evaluate", params=Evaluate,
     upstream=("distill",), records=frozenset({"outputs", "metrics", "artifacts"}), estimate=estimate,
     summary="lm-eval suite and post-distillation perplexity")

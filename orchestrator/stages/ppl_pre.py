@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from orchestrator.schema import Data, PosInt, Strict
-from orchestrator.stage import JobSpec, PlanContext, Stage
+from orchestrator.stage import JobSpec, Stage, SweepContext
 from orchestrator.stages.teacher import teacher_ref
 
 
@@ -38,7 +38,7 @@ def student_recipe(cfg: dict[str, Any], plan_out: dict[str, Any] | None) -> dict
     return {"type": "plan", "plan_key": plan_out["plan_key"]}
 
 
-def ppl_job(ctx: PlanContext, cfg: dict[str, Any], stage: str = "ppl_pre") -> JobSpec:
+def ppl_job(ctx: SweepContext, cfg: dict[str, Any], stage: str = "ppl_pre") -> JobSpec:
     convert = ctx.jobs.get("convert", {}).get(cfg["config_key"])
     recipe = student_recipe(cfg, ctx.succeeded("convert", cfg["config_key"]))
     which = "dense_teacher" if recipe["type"] == "d2d" else "teacher"
@@ -51,7 +51,7 @@ def ppl_job(ctx: PlanContext, cfg: dict[str, Any], stage: str = "ppl_pre") -> Jo
     return ctx.job(stage, params, deps, resident=resident, key_deps=tdeps)
 
 
-def plan(ctx: PlanContext) -> dict[str, JobSpec]:
+def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
     out = {}
     for cfg in ctx.configs:
         if cfg.get("variant_of") is not None:
@@ -62,13 +62,13 @@ def plan(ctx: PlanContext) -> dict[str, JobSpec]:
     return out
 
 
-def after(ctx: PlanContext) -> None:
+def after(ctx: SweepContext) -> None:
     """Each configuration records the content key of its conversion plan."""
     ctx.set_fields({ck: {"plan_key": ctx.succeeded("convert", ck)["plan_key"]}
                     for ck in ctx.jobs.get("ppl_pre", {}) if ctx.succeeded("convert", ck)})
 
 
-def estimate(ctx: PlanContext, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     plans = {j.key for j in ctx.jobs.get("convert", {}).values()}
     others = [c for c in ctx.configs if c["kind"] != "moe2dense"]
     k = ctx.shape.top_k
@@ -80,6 +80,6 @@ def estimate(ctx: PlanContext, rows: list[dict[str, Any]]) -> list[dict[str, Any
 
 
 STAGE = Stage(
-    name="ppl_pre", run="workers.stages:stage_ppl_pre", plan=plan, section="ppl", params=Perplexity,
+    name="ppl_pre", run="workers.stages:stage_ppl_pre", jobs=jobs, section="ppl", params=Perplexity,
     section_default="default", upstream=("convert", "dense_teacher"), identity=True, after=after,
     estimate=estimate, summary="perplexity of each distinct student before distillation")

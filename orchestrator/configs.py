@@ -1,4 +1,7 @@
-"""Sweep spec → configurations, the teacher's shape, and the planning context the stages fill in.
+"""Sweep spec → the teacher's shape and the sweep's configurations (the rows of `results`).
+
+("Plan" in moesweep means a conversion plan: kept experts, groups, merge weights and α per layer.
+What the orchestrator builds from a sweep is its configurations and their jobs.)
 
 Stages (orchestrator/stages/) turn the configurations into content-keyed jobs: a job's key hashes its
 stage, parameters, upstream keys, the code that computes it and library versions, so a calibration is
@@ -12,7 +15,7 @@ from typing import Any
 
 from orchestrator.schema import SpecError
 from orchestrator.spec import SweepSpec
-from orchestrator.stage import JobSpec, PlanContext, TeacherShape, content_key, stages, unique  # noqa: F401
+from orchestrator.stage import JobSpec, SweepContext, TeacherShape, content_key, stages, unique  # noqa: F401
 from orchestrator.stages.convert import grid_configs
 from orchestrator.stages.teacher import teacher_label
 
