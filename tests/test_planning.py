@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 
@@ -116,6 +117,14 @@ def test_plan_signature_equal_iff_plans_equal_and_ignores_layer_order():
     assert plan_signature(b) != sig
     c = [plan_layer(layer, ctx, "CP", "RR", "proportional", 4) for layer in range(3)]
     assert plan_signature(c) != sig
+    # the order of the groups (the dense FFN's blocks) does not change the student; α stays with its group
+    c_sig = plan_signature(c)
+    d = copy.deepcopy(c)
+    d[0].groups, d[0].merge_weights, d[0].alpha = d[0].groups[::-1], d[0].merge_weights[::-1], d[0].alpha[::-1]
+    assert plan_signature(d) == c_sig
+    assert c[0].alpha[0] != c[0].alpha[1]
+    d[0].alpha = d[0].alpha[::-1]
+    assert plan_signature(d) != c_sig
 
 
 def test_determinism():

@@ -143,7 +143,10 @@ class LayerPlan:
     extras: dict = field(default_factory=dict)  # e.g. {"effective_rank": 3.2}
 
     def signature(self) -> tuple:
-        """What determines the student's weights (scores and extras excluded)."""
+        """What determines the student's function: per group its experts, merge weights and α, in a
+        canonical group order (the order of the dense FFN's blocks does not change what it computes, so
+        at K = k every grouping gives one student). Scores and extras are excluded."""
         r = lambda xs: tuple(round(float(x), 10) for x in xs)  # noqa: E731
-        return (self.layer, tuple(tuple(g) for g in self.groups),
-                tuple(r(w) for w in self.merge_weights), r(self.alpha))
+        blocks = sorted((tuple(g), r(w), round(float(a), 10))
+                        for g, w, a in zip(self.groups, self.merge_weights, self.alpha, strict=True))
+        return (self.layer, tuple(blocks))
