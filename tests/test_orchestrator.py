@@ -165,3 +165,30 @@ def test_dry_run_of_the_paper_sweep_plans_350_35_35():
     assert rows["ppl_pre"]["named"] == 358 and rows["ppl_pre"]["distinct"] == 350 - 56 + 8
     assert rows["select"]["distinct"] == 35
     assert "35 selected" in rows["distill"]["note"]
+
+
+def test_variants_and_the_selection_rule_are_stored_as_identities(fake, tmp_path):
+    calls, state = fake
+    state["fail"] = False
+    text = (HERE / "sweeps" / "fake.yaml").read_text().replace(
+        "  settings: {steps: 1, batch_size: 1, seq_len: 8}",
+        "  settings: {steps: 1, batch_size: 1, seq_len: 8}\n"
+        "  variants: [{loss: reverse_kl}, {steps: 2, teacher_top_k: 4}]\n"
+        "  variants_on: {scoring: SF, grouping: RR}")
+    store = Store(state["db"])
+    assert _launch(store, fake_sweep(tmp_path, text)) == 0
+    rows = store.query("SELECT v.config_key, v.variant, m.config_key, v.distill_loss, v.teacher_top_k, "
+                       "v.distill_tokens FROM configurations v JOIN configurations m ON m.id = v.variant_of "
+                       "ORDER BY v.config_key")[1]
+    main = store.query("SELECT config_key FROM configurations WHERE scoring = 'SF' AND grouping = 'RR' "
+                       "AND selected_for_distill = 1 AND variant_of IS NULL")[1][0][0]
+    assert rows == [(f"{main}|variant=0", "loss=reverse_kl", main, "reverse_kl", None, "8"),
+                    (f"{main}|variant=1", "steps=2,teacher_top_k=4", main, None, 4, "16")]
+    # the results view carries them, and each variant was distilled and evaluated on its own
+    res = store.query("SELECT variant, avg_acc IS NOT NULL FROM results WHERE variant_of IS NOT NULL "
+                      "ORDER BY variant")[1]
+    assert res == [("loss=reverse_kl", 1), ("steps=2,teacher_top_k=4", 1)]
+    rule = store.query("SELECT select_json FROM sweep_info WHERE sweep = 'fake'")[1][0][0]
+    assert json.loads(rule) == {"best_by": "ppl_pre", "per": ["scoring", "grouping"], "over": ["K", "dp_scaling"]}
+    n = len(calls)
+    assert _launch(store, fake_sweep(tmp_path, text)) == 0 and len(calls) == n  # a relaunch reuses all of it
