@@ -233,8 +233,7 @@ class SweepContext:
         return None if job is None else self.outputs.get(stage, {}).get(job.key)
 
     def resources(self, stage: str) -> dict[str, float]:
-        r = self.spec.execution.resources
-        res = r.get(stage) or r.get("default") or get_stage(stage).resources
+        res = self.spec.resources(stage)
         return {"cpus": res.cpus, "gpus": res.gpus}
 
     def job(self, stage: str, params: dict[str, Any], deps: dict[str, str] | None = None, *,
