@@ -135,8 +135,12 @@ def throwaway_server():
     """Start a fresh cluster in a temporary folder; yield its PgServer; stop it and delete the folder."""
     bindir = find_bindir()
     user = _server_user()
-    # not under pytest's basetemp: /tmp/pytest-of-root is 0700, where the postgres user cannot go
-    top = Path(tempfile.mkdtemp(prefix="moesweep-pg-"))
+    # not under pytest's basetemp (/tmp/pytest-of-root is 0700, where the postgres user cannot go), and
+    # short: the server's socket path, FOLDER/.s.PGSQL.5432, must fit in 107 bytes
+    base = tempfile.gettempdir()
+    if (user is not None or len(base) > 60) and os.path.isdir("/tmp"):
+        base = "/tmp"
+    top = Path(tempfile.mkdtemp(prefix="moesweep-pg-", dir=base))
     data, log = top / "data", top / "server.log"
     as_user = {}
     if user is not None:
