@@ -173,6 +173,7 @@ def throwaway_server():
         ])
         run("pg_ctl", "-D", str(data), "-l", str(log), "-o", options, "-w", "-t", "60", "start")
         started = True
+        _watchdog(data, top)
         admin = URL.create("postgresql+psycopg", username="moesweep", database="postgres",
                            query={"host": str(top), "port": "5432"})
         yield PgServer(admin.render_as_string(hide_password=False), owned=True)
@@ -181,3 +182,18 @@ def throwaway_server():
             with contextlib.suppress(NoPostgres):
                 run("pg_ctl", "-D", str(data), "-m", "immediate", "-w", "-t", "60", "stop")
         shutil.rmtree(top, ignore_errors=True)
+
+
+WATCHDOG = """
+while kill -0 "$1" 2>/dev/null; do sleep 2; done
+[ -f "$2/postmaster.pid" ] && kill -QUIT "$(head -n 1 "$2/postmaster.pid")" 2>/dev/null && sleep 2
+rm -rf "$3"
+"""
+
+
+def _watchdog(data: Path, top: Path) -> None:
+    """Should this process die without its clean-up (SIGKILL, SIGTERM), a detached shell stops the server
+    (SIGQUIT: immediate shutdown) and deletes its folder."""
+    subprocess.Popen(["sh", "-c", WATCHDOG, "moesweep-pg-watchdog", str(os.getpid()), str(data), str(top)],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     start_new_session=True)
