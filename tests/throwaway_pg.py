@@ -4,10 +4,10 @@ Without MOESWEEP_TEST_PG_URL the tests start their own server from the PostgreSQ
 (Debian/Ubuntu: `apt-get install postgresql`, found in /usr/lib/postgresql/*/bin; elsewhere initdb and
 pg_ctl on PATH; or the folder MOESWEEP_TEST_PG_BINDIR names): a cluster in a fresh temporary folder,
 listening on a unix socket in that folder only (no TCP port), trust authentication, stopped and deleted
-when the test session ends. As root, the server runs as the user `postgres` (or `nobody`), since
-PostgreSQL refuses to run as root.
+when the test session ends (a detached watchdog does it should the test process be killed). As root,
+the server runs as the user `postgres` (or `nobody`), since PostgreSQL refuses to run as root.
 
-Each test module asks for its own database (`PgServer.create_database`), so tests never see each other's
+Each test or test module asks for its own database (`PgServer.create_database`), so tests never see each other's
 rows; with MOESWEEP_TEST_PG_URL the user must therefore be allowed to CREATE DATABASE, and the databases
 (moesweep_test_*) are dropped at the end.
 """
