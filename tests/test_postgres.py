@@ -21,8 +21,8 @@ from tests import test_migrations, test_store
 from tests.test_orchestrator import _launch, fake  # noqa: F401  (the fake stage functions fixture)
 
 runner = CliRunner()
-RESULTS = ('SELECT scoring, grouping, "K", dp_scaling, kind, baseline, ppl_pre, selected_for_distill, avg_acc '
-           "FROM results WHERE sweep = 'fake'")
+RESULTS = ('SELECT scoring, grouping, "K", dp_scaling, kind, baseline, ppl_pre, selected_for_distill, avg_acc, '
+           "ppl_pre_kind FROM results WHERE sweep = 'fake'")  # ppl_pre_kind: the diverged student's 'inf'
 
 
 def results(store: Store) -> list[tuple]:
@@ -57,6 +57,7 @@ def test_a_fake_launch_writes_the_same_results_and_report_into_postgresql(fake, 
     assert rows["postgresql"] == rows["sqlite"] and types(rows["postgresql"]) == types(rows["sqlite"])
     assert jobs["postgresql"] == jobs["sqlite"]
     assert any(r[7] == 1 for r in rows["sqlite"]) and any(r[8] is not None for r in rows["sqlite"])
+    assert any(r[9] == "inf" for r in rows["sqlite"])
     assert state["live"] and all(seen == [(4.0,)] for seen in state["live"])  # live metrics, both times
 
     for kind, store in stores.items():  # retrying the failed method
