@@ -11,3 +11,37 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)  # tiny models: threads cost more than they give
+
+import contextlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def pg_database():
+    """`pg_database(label)` -> the URL of a new, empty PostgreSQL database (postgresql+psycopg://).
+
+    The server is the one MOESWEEP_TEST_PG_URL names, else a throwaway cluster started for this session
+    from the installed PostgreSQL server programs (tests/throwaway_pg.py). With neither, a test that asks
+    for a database fails (it does not skip) and says what to install."""
+    from throwaway_pg import NoPostgres, external_server, throwaway_server
+
+    with contextlib.ExitStack() as stack:
+        problem = None
+        server = None
+        try:
+            server = external_server() or stack.enter_context(throwaway_server())
+        except NoPostgres as e:
+            problem = str(e)
+
+        def make(label: str = "db") -> str:
+            if server is None:
+                pytest.fail(problem, pytrace=False)
+            try:
+                return server.create_database(label)
+            except NoPostgres as e:
+                pytest.fail(str(e), pytrace=False)
+
+        yield make
+        if server is not None and not server.owned:
+            server.drop_databases()

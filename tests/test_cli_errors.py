@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -85,7 +86,7 @@ def test_reading_a_missing_database_creates_nothing(cwd):
 
 
 def test_unreachable_postgres(cwd):
-    pytest.importorskip("psycopg")
+    import psycopg  # noqa: F401  (the dev extra installs it; without it this test fails, it does not skip)
     for args in commands(PG_DOWN):
         line = error_line(args)
         assert line.startswith("error: cannot connect to postgresql+psycopg://u:***@127.0.0.1:1/x: "), line
@@ -147,14 +148,29 @@ def test_database_in_a_folder_nobody_may_write(cwd):
     assert not path.exists()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root may write to a read-only folder")
 def test_database_in_a_read_only_folder(cwd):
+    """A folder the user may not write. Root may write any folder, so as root the commands run without
+    the capabilities that let root override file permissions (setpriv, from util-linux)."""
     folder = cwd / "ro"
     folder.mkdir()
     folder.chmod(0o555)
+    prefix = []
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.fail("as root this test needs setpriv (util-linux) to run moesweep without "
+                        "CAP_DAC_OVERRIDE, the capability that lets root write a read-only folder")
+        prefix = [setpriv, "--inh-caps=-dac_override,-dac_read_search",
+                  "--bounding-set=-dac_override,-dac_read_search", "--"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MOESWEEP_HOME=str(cwd / "home"))
+    env.pop("MOESWEEP_DB", None)
     try:
         for args in commands(f"sqlite:///{folder}/x.db")[2:]:
-            assert "cannot open or create the database file" in error_line(args)
+            proc = subprocess.run([*prefix, sys.executable, "-m", "orchestrator.cli", *args], capture_output=True,
+                                  text=True, env=env, cwd=cwd, timeout=300)
+            assert proc.returncode == 2, (args, proc.returncode, proc.stderr[-2000:])
+            assert proc.stderr == (f"error: {folder}/x.db: cannot open or create the database file (does its "
+                                   "folder exist, may you write it?)\n"), (args, proc.stderr[-2000:])
         assert os.listdir(folder) == []
     finally:
         folder.chmod(0o755)

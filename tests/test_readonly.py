@@ -230,19 +230,15 @@ def test_a_database_without_the_schema_is_named_and_migrate_adds_it(tmp_path):
     assert r.exit_code == 0 and r.stdout.splitlines() == ["n", "0"]
 
 
-# ---- PostgreSQL: set MOESWEEP_TEST_PG_URL=postgresql+psycopg://USER@HOST/DB (the test adds the schema and
-# the paper's reference sweeps to that database, and checks that nothing else can change it)
-PG_URL = os.environ.get("MOESWEEP_TEST_PG_URL")
-
-
+# ---- PostgreSQL: a database of its own on the tests' server (a throwaway cluster, or MOESWEEP_TEST_PG_URL's;
+# see tests/throwaway_pg.py), with the schema and the paper's reference sweeps; nothing may change it
 @pytest.fixture(scope="module")
-def pg_url():
-    if not PG_URL:
-        pytest.skip("MOESWEEP_TEST_PG_URL is not set")
-    s = Store(PG_URL)
+def pg_url(pg_database):
+    url = pg_database("readonly")
+    s = Store(url)
     s.import_reference(reference_sweeps())
     s.engine.dispose()
-    return PG_URL
+    return url
 
 
 def pg_counts(url) -> dict:
