@@ -88,6 +88,7 @@ class Runner:
         self.cache_epoch = 0  # grows when an artifact is recomputed in place: workers drop what they loaded
         self._consumed: dict[str, dict[str, dict[str, str]]] = {}  # job key -> the input artifacts it reads
         self._recomputing: set[str] = set()
+        self._announced: set[str] = set()  # stale jobs this launch already named on the console
 
     def held(self) -> list[str]:
         with self._lock:
@@ -137,6 +138,12 @@ class Runner:
                     rep.blocked += 1
                     self._advance(bar)
                     continue
+                err = rows[j.key]["error"] or ""
+                if status == "pending" and err.startswith("stale: ") and j.key not in self._announced:
+                    self._announced.add(j.key)  # marked stale earlier (by `moesweep verify`, or a launch cut short)
+                    self.console.print(f"{stage} {j.key[:8]}…: {err[len('stale: '):]}; recomputing",
+                                       highlight=False, soft_wrap=True)
+                    rep.stale += 1
                 self._consumed[j.key] = _inputs_of(j, arts)
                 payloads.append(self._payload(st, j, rows))
             retry: list[JobSpec] = []
@@ -214,6 +221,7 @@ class Runner:
         """Mark a succeeded job stale and say so in one line; False if it was not succeeded any more."""
         if not self.store.mark_stale(key, why):
             return False
+        self._announced.add(key)
         self.console.print(f"{st.name} {key[:8]}…: {why}; recomputing", highlight=False, soft_wrap=True)
         if rep is not None:
             rep.stale += 1
