@@ -63,6 +63,11 @@ class JobLog:
     def isatty(self) -> bool:
         return False
 
+    def __getattr__(self, name: str):  # anything else a library asks of sys.stdout (encoding, buffer, ...)
+        if name in ("file", "memory"):
+            raise AttributeError(name)
+        return getattr(self.file if self.file is not None else self.memory, name)
+
     def fileno(self) -> int:
         if self.file is None:
             raise io.UnsupportedOperation("the job's log is kept in memory")

@@ -3,6 +3,14 @@
 Each stage registers its jobs (by content key), skips what already succeeded, claims the rest
 atomically (so two launches never run one job twice), runs them on the executor and writes each
 result in its own transaction as it arrives. A crash loses at most the jobs in flight.
+
+Artifacts are checked before they are used again. A succeeded job is reused only if its own artifacts
+match their records (size and mtime; the content hash where either moved) and the upstream artifacts it
+read are still the ones recorded when it ran; a job runs only once the artifacts it reads match their
+records. Otherwise the job that wrote the artifact goes back to `pending` with the error `stale: <why>`,
+the launch says so in one line and recomputes it (first, when a later job is about to read it), and
+every job that had read other content than the recomputed one is recomputed in turn. A background
+thread heartbeats every job the launch holds, whatever the executor is doing.
 """
 
 from __future__ import annotations
