@@ -8,6 +8,8 @@ content hash only where either changed (`check`), every hash with `moesweep veri
 from __future__ import annotations
 
 import hashlib
+import json
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,8 +34,11 @@ def stat(path: str | Path) -> tuple[int, float] | None:
     return size, mtime / 1e9
 
 
-def content_hash(path: str | Path) -> str:
-    """sha256 of a file; of a folder: over its files in sorted order, each file's name then its bytes."""
+def content_hash(path: str | Path, canonical: bool = True) -> str:
+    """sha256 of a file; of a folder: over its files in sorted order, each file's name then its content.
+    A .safetensors file's content is its header with the keys sorted, then its tensor bytes: safetensors
+    writes the header's `__metadata__` in an arbitrary order, so two writes of the same tensors and metadata
+    differ in bytes but not in content (`canonical=False`: the raw bytes, as hashes were recorded before)."""
     p = Path(path)
     h = hashlib.sha256()
     files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
@@ -41,9 +46,27 @@ def content_hash(path: str | Path) -> str:
         if p.is_dir():
             h.update(f.name.encode())
         with open(f, "rb") as fh:
+            if canonical and f.suffix == ".safetensors":
+                _safetensors_header(fh, h)
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 h.update(chunk)
     return h.hexdigest()
+
+
+def _safetensors_header(fh, h) -> None:
+    """Hash the header of a safetensors file with its keys sorted and leave `fh` after it; a file that is
+    not valid safetensors is left at its start (hashed as plain bytes)."""
+    head = fh.read(8)
+    n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+    if 0 <= n <= 100 << 20:
+        try:
+            header = json.loads(fh.read(n))
+        except ValueError:
+            header = None
+        if isinstance(header, dict):
+            h.update(b"safetensors\0" + json.dumps(header, sort_keys=True, separators=(",", ":")).encode())
+            return
+    fh.seek(0)
 
 
 def record(kind: str, path: str | Path) -> dict:
@@ -65,6 +88,11 @@ class Check:
     hashed: bool = False
 
 
+def _files(path: str | Path) -> list[Path]:
+    p = Path(path)
+    return [f for f in p.rglob("*") if f.is_file()] if p.is_dir() else [p]
+
+
 def name(path: str | Path) -> str:
     p = Path(path)
     return p.name + ("/" if p.is_dir() else "")
@@ -81,6 +109,9 @@ def check(row: dict, full: bool = False) -> Check:
     if not full and row.get("mtime") is not None and size == row.get("size_bytes") and mtime == row["mtime"]:
         return Check()
     digest = content_hash(path)
+    if digest != row.get("content_hash") and any(f.suffix == ".safetensors" for f in _files(path)) \
+            and content_hash(path, canonical=False) == row.get("content_hash"):
+        digest = row["content_hash"]  # recorded as raw bytes (before canonical safetensors headers): unchanged
     if row.get("content_hash") in (None, digest):
         moved = mtime != row.get("mtime") or size != row.get("size_bytes")
         return Check(mtime=mtime if moved else None, size=size if moved else None, hashed=True)

@@ -173,7 +173,7 @@ def test_overwritten_statistics_same_size_are_recomputed_and_nothing_else(arts, 
     before = _results(store)
     stats = _path(store, "calibration_stats")
     good = stats.read_bytes()
-    time.sleep(0.01)
+    time.sleep(0.05)  # past the file system's timestamp tick
     stats.write_bytes(b"x" * len(good))  # same size, other bytes: found by hash because mtime moved
     n = len(calls)
     code, lines = _launch(store, state["sweep"])
@@ -280,3 +280,42 @@ def test_an_artifact_broken_mid_launch_is_recomputed_before_it_is_read(arts, tmp
     assert [s for s, _ in calls].count("calibrate") == 2
     assert store.query("SELECT COUNT(*) FROM jobs WHERE status <> 'succeeded'")[1] == [(0,)]
     assert _results(store) == _reference(tmp_path, state["sweep"])
+
+
+def test_fingerprints_of_files_and_folders(tmp_path):
+    """Size and mtime of a folder cover every file in it (added, removed, changed); a safetensors file is
+    hashed by its content, whatever order its header's keys were written in; a hash recorded over the raw
+    bytes (before that) still matches."""
+    import struct
+
+    from db.artifacts import check, content_hash, stat
+
+    d = tmp_path / "model"
+    _write(d / "a.bin", "a" * 100, "0")
+    row = record("model", d)
+    assert check(row).problem is None and not check(row).hashed  # size and mtime as recorded: no hash
+    time.sleep(0.05)  # past the file system's timestamp tick (a change within it shows only to `verify`)
+    (d / "extra.txt").write_text("")  # an empty file added: the size is the same, the folder's mtime moved
+    c = check(row)
+    assert c.hashed and "model/ changed since it was recorded (same size" in c.problem
+    (d / "extra.txt").unlink()
+    c = check(row)
+    assert c.problem is None and c.mtime is not None and c.mtime != row["mtime"]  # same content: new mtime
+    assert stat(tmp_path / "nowhere") is None and "is missing" in check({**row, "path": str(tmp_path / "x")}).problem
+
+    def safetensors(meta_order: list[str]) -> bytes:
+        header = {"__metadata__": {k: "v" + k for k in meta_order}, "t": {"dtype": "F32", "shape": [1],
+                                                                          "data_offsets": [0, 4]}}
+        blob = json.dumps(header).encode()
+        return struct.pack("<Q", len(blob)) + blob + b"\0\0\x80?"
+
+    f = tmp_path / "stats.safetensors"
+    f.write_bytes(safetensors(["a", "b", "c"]))
+    raw, canon = content_hash(f, canonical=False), content_hash(f)
+    g = tmp_path / "other.safetensors"
+    g.write_bytes(safetensors(["c", "a", "b"]))
+    assert content_hash(g) == canon and content_hash(g, canonical=False) != raw
+    legacy = {**record("calibration_stats", f), "content_hash": raw, "mtime": None}
+    assert check(legacy).problem is None  # a raw-bytes hash recorded before still matches
+    f.write_bytes(safetensors(["a", "b", "c"])[:-1] + b"@")
+    assert "changed since it was recorded" in check(legacy).problem
