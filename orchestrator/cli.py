@@ -161,7 +161,8 @@ def status(name: str, db: DbOpt = None) -> None:
         "SELECT j.stage, j.key, j.error FROM jobs j JOIN sweep_jobs sj ON sj.job_id = j.id "
         "WHERE sj.sweep_id = :s AND j.status = 'pending' AND j.error LIKE 'stale: %' ORDER BY j.stage", {"s": sid})
     for stage, key, error in stale_art:
-        out.print(f"[yellow]to recompute[/] {stage} {key[:12]}: {error[len('stale: '):]}", highlight=False)
+        out.print(f"[yellow]to recompute[/] {stage} {key[:12]}: {error[len('stale: '):]}", highlight=False,
+                  soft_wrap=True)
     cols, rows = store.query(
         "SELECT COUNT(*), COUNT(duplicate_of), SUM(selected_for_distill) FROM configurations "
         "WHERE sweep_id = :s", {"s": sid})

@@ -206,6 +206,9 @@ def test_restored_mtime_is_caught_by_verify(arts, tmp_path):
     assert "1 job(s) with a changed or missing artifact marked stale" in r.output
     status = store.query("SELECT status, error FROM jobs WHERE stage = 'calibrate'")[1]
     assert status[0][0] == "pending" and status[0][1].startswith("stale: stats.safetensors changed")
+    r = CliRunner().invoke(app, ["status", "fake", "--db", state["db"]])
+    assert any(ln.startswith("to recompute calibrate ") and "stats.safetensors changed" in ln
+               for ln in r.output.splitlines()), r.output
     code, lines = _launch(store, state["sweep"])
     assert code == 0 and len(lines) == 1 and lines[0].startswith("calibrate ") and "stats.safetensors" in lines[0]
     assert _stages_run(calls, n) == ["calibrate"]
