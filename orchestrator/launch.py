@@ -54,7 +54,7 @@ class Heartbeat:
 
     def __init__(self, store: Store, owner: str, held: Callable[[], list[str]], interval_s: float) -> None:
         self.store, self.owner, self.held, self.interval_s = store, owner, held, interval_s
-        self.beats = 0
+        self.failures = 0
         self.last_error: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="moesweep-heartbeat", daemon=True)
@@ -67,8 +67,8 @@ class Heartbeat:
         while not self._stop.wait(self.interval_s):
             try:
                 self.store.heartbeat(self.held(), self.owner)
-                self.beats += 1
             except Exception as e:  # a busy or unreachable DB: the next beat tries again
+                self.failures += 1
                 self.last_error = str(e).splitlines()[0] if str(e) else type(e).__name__
 
     def stop(self) -> None:
@@ -400,6 +400,9 @@ def launch(spec: SweepSpec, spec_text: str, store: Store, executor, *, retry_fai
         return 130
     finally:
         beat.stop()
+        if beat.failures:
+            console.print(f"[yellow]warning:[/] {beat.failures} heartbeat(s) could not be written "
+                          f"(last: {beat.last_error})", highlight=False, soft_wrap=True)
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
         executor.close()
