@@ -322,3 +322,23 @@ def test_fingerprints_of_files_and_folders(tmp_path):
     assert check(legacy).problem is None  # a raw-bytes hash recorded before still matches
     f.write_bytes(safetensors(["a", "b", "c"])[:-1] + b"@")
     assert "changed since it was recorded" in check(legacy).problem
+
+
+def test_verify_names_a_deleted_student_and_refuses_an_unknown_sweep_in_one_line(arts):
+    calls, state = arts
+    store = Store(state["db"])
+    assert _launch(store, state["sweep"])[0] == 0
+    r = CliRunner().invoke(app, ["verify", "fake", "--db", state["db"]])
+    assert r.exit_code == 0 and "all as recorded" in r.output, r.output
+    student = _path(store, "student")
+    shutil.rmtree(student)
+    r = CliRunner().invoke(app, ["verify", "--db", state["db"]])
+    assert r.exit_code == 1
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("distill ") and "student is missing" in lines[0], r.output
+    n = len(calls)
+    code, said = _launch(store, state["sweep"])
+    assert code == 0 and len(said) == 1 and said[0].startswith("distill ") and student.is_dir()
+    assert _stages_run(calls, n) == ["distill"]
+    r = CliRunner().invoke(app, ["verify", "nope", "--db", state["db"]])
+    assert r.exit_code == 2 and "error: no sweep 'nope' in" in r.output  # (_fail wraps at the terminal's width)
