@@ -324,7 +324,7 @@ def test_fingerprints_of_files_and_folders(tmp_path):
     assert "changed since it was recorded" in check(legacy).problem
 
 
-def test_verify_names_a_deleted_student_and_refuses_an_unknown_sweep_in_one_line(arts):
+def test_verify_names_a_deleted_student_and_refuses_an_unknown_sweep(arts):
     calls, state = arts
     store = Store(state["db"])
     assert _launch(store, state["sweep"])[0] == 0
