@@ -61,6 +61,8 @@ class Job(Base):
     code_json: Mapped[str | None] = mapped_column(Text)  # {component: hash} of the code that computed it
     versions_json: Mapped[str | None] = mapped_column(Text)  # library versions, backend, device
     outputs_json: Mapped[str | None] = mapped_column(Text)  # plain outputs read by later stages
+    # what it read: {upstream job key: {artifact path: content hash}} (NULL: recorded before 0003)
+    inputs_json: Mapped[str | None] = mapped_column(Text)
 
 
 class SweepJob(Base):
@@ -148,7 +150,8 @@ class Artifact(Base):
     kind: Mapped[str] = mapped_column(String(50))
     path: Mapped[str] = mapped_column(Text)
     content_hash: Mapped[str | None] = mapped_column(String(64))
-    size_bytes: Mapped[int | None] = mapped_column(Integer)
+    size_bytes: Mapped[int | None] = mapped_column(Integer)  # of a folder: its files together
+    mtime: Mapped[float | None] = mapped_column(Float)  # seconds; of a folder: the latest in it
 
 
 class PlanRow(Base):

@@ -72,6 +72,18 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+STALE_AFTER_S = 600.0  # a running job of another host whose heartbeat is older than this is taken over
+
+
+def owner_dead(owner: str | None, heartbeat_at: datetime | None, stale_after_s: float = STALE_AFTER_S) -> bool:
+    """Whether the launch that holds a running job is gone: on this host its process has ended; on
+    another host (whose processes cannot be seen from here) its heartbeat is older than `stale_after_s`."""
+    ohost, _, opid = (owner or "").rpartition(":")
+    if ohost == socket.gethostname() and opid.isdigit():
+        return not pid_alive(int(opid))
+    return heartbeat_at is None or heartbeat_at < now() - timedelta(seconds=stale_after_s)
+
+
 def classify(value: float | None) -> tuple[float | None, str]:
     """(value to store, value_kind): non-finite numbers are kept explicit, not as NULL noise."""
     if value is None:
@@ -258,17 +270,13 @@ class Store:
             c.execute(update(Job).where(Job.key.in_(keys), Job.owner == owner, Job.status == "running")
                       .values(heartbeat_at=now()))
 
-    def release_stale(self, stale_after_s: float = 600.0) -> int:
+    def release_stale(self, stale_after_s: float = STALE_AFTER_S) -> int:
         """Running jobs whose orchestrator is gone go back to pending (nothing they wrote counts)."""
-        host = socket.gethostname()
         released = 0
         with self.tx() as c:
             rows = c.execute(select(Job.key, Job.owner, Job.heartbeat_at).where(Job.status == "running")).all()
             for key, owner, beat in rows:
-                ohost, _, opid = (owner or "").rpartition(":")
-                dead = ohost == host and opid.isdigit() and not pid_alive(int(opid))
-                old = beat is None or beat < now() - timedelta(seconds=stale_after_s)
-                if dead or (ohost != host and old):
+                if owner_dead(owner, beat, stale_after_s):
                     c.execute(update(Job).where(Job.key == key, Job.status == "running")
                               .values(status="pending", owner=None))
                     released += 1
@@ -283,8 +291,9 @@ class Store:
                                                              attempts=Job.attempts - 1)).rowcount
 
     def finish(self, key: str, owner: str, result: dict[str, Any], duration_s: float,
-               log_path: str | None = None) -> bool:
-        """Write a job's records and mark it succeeded, in one transaction (idempotent per job)."""
+               log_path: str | None = None, inputs: dict[str, dict[str, str]] | None = None) -> bool:
+        """Write a job's records and mark it succeeded, in one transaction (idempotent per job).
+        `inputs`: the upstream artifacts it read, {upstream job key: {path: content hash}}."""
         with self.tx() as c:
             jid = c.scalar(select(Job.id).where(Job.key == key, Job.owner == owner, Job.status == "running"))
             if jid is None:
@@ -296,8 +305,47 @@ class Store:
                 status="succeeded", finished_at=now(), duration_s=duration_s,
                 compute_s=result.get("compute_s"), log_path=log_path,
                 versions_json=json.dumps(result.get("versions", {}), sort_keys=True),
-                outputs_json=json.dumps(result.get("outputs", {}), sort_keys=True)))
+                outputs_json=json.dumps(result.get("outputs", {}), sort_keys=True),
+                inputs_json=None if inputs is None else json.dumps(inputs, sort_keys=True), error=None))
             return True
+
+    # ---- artifacts --------------------------------------------------------------------------
+    def artifacts(self, keys: Iterable[str]) -> dict[str, list[dict[str, Any]]]:
+        """{job key: its artifact rows} for the given jobs (every key present, [] for none)."""
+        keys = list(dict.fromkeys(keys))
+        out: dict[str, list[dict[str, Any]]] = {k: [] for k in keys}
+        with self.tx() as c:
+            for i in range(0, len(keys), 500):
+                q = (select(Job.key, Artifact.id, Artifact.kind, Artifact.path, Artifact.content_hash,
+                            Artifact.size_bytes, Artifact.mtime)
+                     .join(Job, Job.id == Artifact.job_id).where(Job.key.in_(keys[i:i + 500]))
+                     .order_by(Artifact.id))
+                for row in c.execute(q).mappings():
+                    out[row["key"]].append(dict(row))
+        return out
+
+    def artifact_jobs(self, sweep_id: int | None = None) -> list[dict[str, Any]]:
+        """Succeeded jobs that recorded artifacts (of one sweep, or all): key, stage, job id."""
+        q = (select(Job.key, Job.stage, Job.id).where(Job.status == "succeeded")
+             .where(Job.id.in_(select(Artifact.job_id))).order_by(Job.id))
+        if sweep_id is not None:
+            q = q.where(Job.id.in_(select(SweepJob.job_id).where(SweepJob.sweep_id == sweep_id)))
+        with self.tx() as c:
+            return [dict(r) for r in c.execute(q).mappings()]
+
+    def update_artifact(self, artifact_id: int, *, mtime: float | None, size_bytes: int | None) -> None:
+        """The content is unchanged but its size/mtime fingerprint moved (or was never stored): store it."""
+        with self.tx() as c:
+            c.execute(update(Artifact).where(Artifact.id == artifact_id)
+                      .values(mtime=mtime, size_bytes=size_bytes))
+
+    def mark_stale(self, key: str, reason: str) -> bool:
+        """A succeeded job whose artifact changed, or whose input was recomputed with other content, goes
+        back to `pending` with `reason` as its error: the next launch (or this one) recomputes it. Its
+        records stay until the recomputation replaces them. False if it was not succeeded (any more)."""
+        with self.tx() as c:
+            return c.execute(update(Job).where(Job.key == key, Job.status == "succeeded").values(
+                status="pending", owner=None, error=f"stale: {reason}"[-4000:])).rowcount == 1
 
     def add_partial_metrics(self, key: str, owner: str, metrics: list[dict[str, Any]]) -> int:
         """Metrics a running job reports before it ends (its final record replaces them in `finish`)."""

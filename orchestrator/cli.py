@@ -1,4 +1,4 @@
-"""The `moesweep` command: launch, status, sweeps, sql, migrate, report, import-paper."""
+"""The `moesweep` command: launch, status, verify, stages, sweeps, sql, migrate, report, import-paper."""
 
 from __future__ import annotations
 
@@ -126,8 +126,10 @@ def sweeps() -> None:
 
 @app.command()
 def status(name: str, db: DbOpt = None) -> None:
-    """Per stage: succeeded / running / failed / pending, stale (computed by code that has changed since),
-    duplicate (configurations served by another configuration's job), and the failures."""
+    """Per stage: succeeded / running / dead (running, but its launch is gone) / failed / pending, stale
+    (computed by code that has changed since), duplicate (configurations served by another configuration's
+    job), and the failures."""
+    from db.store import owner_dead
     from orchestrator.stage import is_stale, stages
 
     store = _store(db, read_only=True)
@@ -135,27 +137,39 @@ def status(name: str, db: DbOpt = None) -> None:
     if sid is None:
         _fail(f"no sweep {name!r} in {store.shown}")
     _, jobs = store.query(
-        "SELECT j.stage, j.status, j.params_json, j.code_json FROM jobs j JOIN sweep_jobs sj ON sj.job_id = j.id "
-        "WHERE sj.sweep_id = :s", {"s": sid})
+        "SELECT j.stage, j.status, j.params_json, j.code_json, j.key FROM jobs j "
+        "JOIN sweep_jobs sj ON sj.job_id = j.id WHERE sj.sweep_id = :s", {"s": sid})
+    running = store.jobs(key for _, st, _, _, key in jobs if st == "running")
+    dead = {k for k, r in running.items() if owner_dead(r["owner"], r["heartbeat_at"])}
     counts: dict[tuple[str, str], int] = {}
-    for stage, st, params, code in jobs:
-        col = "stale" if is_stale(stage, json.loads(params), code) else st
+    for stage, st, params, code, key in jobs:
+        col = "dead" if key in dead else "stale" if is_stale(stage, json.loads(params), code) else st
         counts[(stage, col)] = counts.get((stage, col), 0) + 1
     _, shared = store.query(
         "SELECT cj.stage, COUNT(*) - COUNT(DISTINCT cj.job_id) FROM config_jobs cj "
         "JOIN configurations c ON c.id = cj.config_id WHERE c.sweep_id = :s GROUP BY cj.stage", {"s": sid})
     dup_by_stage = dict(shared)
     declared = {s.name: s for s in stages()}
-    t = Table("stage", "succeeded", "running", "failed", "pending", "stale", "duplicate", title=f"sweep {name}")
+    t = Table("stage", "succeeded", "running", "dead", "failed", "pending", "stale", "duplicate",
+              title=f"sweep {name}")
     order = list(declared)
     for stage in sorted({s for s, _ in counts}, key=lambda s: order.index(s) if s in order else len(order)):
         shared_by_design = stage in declared and declared[stage].shared
-        t.add_row(stage, *(str(counts.get((stage, st), 0)) for st in ("succeeded", "running", "failed", "pending",
-                                                                        "stale")),
+        t.add_row(stage, *(str(counts.get((stage, st), 0)) for st in ("succeeded", "running", "dead", "failed",
+                                                                        "pending", "stale")),
                   "–" if shared_by_design else str(dup_by_stage.get(stage, 0)))
     out.print(t)
     out.print("stale = computed by code that has changed since (the next launch recomputes what the sweep uses); "
               "duplicate = configurations served by another configuration's job (same content key)", soft_wrap=True)
+    if dead:
+        out.print(f"dead = {len(dead)} job(s) marked running whose launch is gone (its process ended, or no "
+                  "heartbeat from its host for 10 minutes): the next launch takes them over", soft_wrap=True)
+    _, stale_art = store.query(
+        "SELECT j.stage, j.key, j.error FROM jobs j JOIN sweep_jobs sj ON sj.job_id = j.id "
+        "WHERE sj.sweep_id = :s AND j.status = 'pending' AND j.error LIKE 'stale: %' ORDER BY j.stage", {"s": sid})
+    for stage, key, error in stale_art:
+        out.print(f"[yellow]to recompute[/] {stage} {key[:12]}: {error[len('stale: '):]}", highlight=False,
+                  soft_wrap=True)
     cols, rows = store.query(
         "SELECT COUNT(*), COUNT(duplicate_of), SUM(selected_for_distill) FROM configurations "
         "WHERE sweep_id = :s", {"s": sid})
@@ -168,6 +182,46 @@ def status(name: str, db: DbOpt = None) -> None:
     for stage, key, error, log in fails:
         last = [ln for ln in (error or "").splitlines() if ln.strip()][-1:] or [""]
         out.print(f"[red]failed[/] {stage} {key[:12]}: {last[0]}  (log: {log})", highlight=False)
+
+
+@app.command()
+def verify(
+    name: Annotated[str | None, typer.Argument(help="sweep name (default: every sweep)")] = None,
+    db: DbOpt = None,
+) -> None:
+    """Rehash every recorded artifact (of a sweep, or all) and compare it with its record: one line per
+    problem and a summary. The job that produced a changed or missing artifact is marked stale (the next
+    launch recomputes it, and what read other content). Exit 1 if anything was wrong, else 0."""
+    from db.artifacts import check
+
+    store = _store(db)
+    sid = None
+    if name is not None:
+        sid = store.sweep_id(name)
+        if sid is None:
+            _fail(f"no sweep {name!r} in {store.url}")
+    jobs = store.artifact_jobs(sid)
+    arts = store.artifacts(j["key"] for j in jobs)
+    n, bad = 0, 0
+    for j in jobs:
+        problems = []
+        for a in arts[j["key"]]:
+            n += 1
+            c = check(a, full=True)
+            if c.problem:
+                problems.append(c.problem)
+                out.print(f"{j['stage']} {j['key'][:12]}: {c.problem}", highlight=False, soft_wrap=True)
+            elif c.mtime is not None or c.size is not None:
+                store.update_artifact(a["id"], mtime=c.mtime, size_bytes=c.size)
+        if problems:
+            bad += 1
+            store.mark_stale(j["key"], problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    where = f"sweep {name}" if name else "every sweep"
+    if bad:
+        out.print(f"{n} artifact(s) of {len(jobs)} job(s) in {where}: {bad} job(s) with a changed or missing "
+                  "artifact marked stale; the next launch recomputes them", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+    out.print(f"{n} artifact(s) of {len(jobs)} job(s) in {where}: all as recorded", highlight=False, soft_wrap=True)
 
 
 @app.command("stages")

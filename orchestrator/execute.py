@@ -8,6 +8,7 @@ holding a teacher evaluates many conversions without reloading it. Neither touch
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import time
 import traceback
@@ -21,24 +22,99 @@ Progress = Callable[[str, float, float, str, list | None], None]
 Claim = Callable[[dict[str, Any]], bool]  # take the job just before it starts; False: someone else has it
 
 
-def run_payload(payload: dict[str, Any], cache: dict, progress: Progress | None) -> tuple[dict | None, str | None]:
-    """Run one job with its output going to its log file; returns (result, error text)."""
-    from workers.jobs import run_job
+class JobLog:
+    """A job's log file that never fails the job: when it cannot be opened or written (a full disk, a
+    folder that cannot be made) its text goes on in memory, `error` says why, and the job runs on."""
 
-    log_path = payload.get("log_path")
-    if log_path:
-        os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    cb = (lambda d, t, desc="", metrics=None: progress(payload["key"], d, t, desc, metrics)) if progress else None
-    with open(log_path or os.devnull, "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+    encoding = "utf-8"
+
+    def __init__(self, path: str | None) -> None:
+        self.path, self.error, self.file = path, None, None
+        self.memory = io.StringIO()
         try:
-            t0 = time.perf_counter()
-            result = run_job(payload, cache, cb)
-            result.setdefault("compute_s", time.perf_counter() - t0)
-            return result, None
-        except Exception:  # a failing job is a result for the orchestrator, not a crash
-            tb = traceback.format_exc()
-            log.write(tb)
-            return None, tb
+            if path:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+            self.file = open(path or os.devnull, "a")  # noqa: SIM115  (closed in close())
+        except OSError as e:
+            self._lost(e)
+
+    def _lost(self, e: OSError) -> None:
+        self.error = self.error or f"cannot write the log {self.path}: {e}"
+        f, self.file = self.file, None
+        if f is not None:
+            with contextlib.suppress(OSError):
+                f.close()
+
+    def write(self, text: str) -> int:
+        if self.file is not None:
+            try:
+                return self.file.write(text)
+            except OSError as e:
+                self._lost(e)
+        return self.memory.write(text)
+
+    def flush(self) -> None:
+        if self.file is not None:
+            try:
+                self.file.flush()
+            except OSError as e:
+                self._lost(e)
+
+    def isatty(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str):  # anything else a library asks of sys.stdout (encoding, buffer, ...)
+        if name in ("file", "memory"):
+            raise AttributeError(name)
+        return getattr(self.file if self.file is not None else self.memory, name)
+
+    def fileno(self) -> int:
+        if self.file is None:
+            raise io.UnsupportedOperation("the job's log is kept in memory")
+        return self.file.fileno()
+
+    def close(self) -> None:
+        self.flush()
+        if self.file is not None:
+            try:
+                self.file.close()
+            except OSError as e:
+                self._lost(e)
+            self.file = None
+
+
+def run_payload(payload: dict[str, Any], cache: dict, progress: Progress | None) -> tuple[dict | None, str | None]:
+    """Run one job with its output going to its log file; returns (result, error text). Never raises an
+    Exception: a job that cannot write its log still runs, and its error (with why the log is missing)
+    comes back to the orchestrator, which records it."""
+    cb = (lambda d, t, desc="", metrics=None: progress(payload["key"], d, t, desc, metrics)) if progress else None
+    log = JobLog(payload.get("log_path"))
+    result, err = None, None
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            try:
+                from workers.jobs import run_job
+
+                t0 = time.perf_counter()
+                result = run_job(payload, cache, cb)
+                result.setdefault("compute_s", time.perf_counter() - t0)
+            except Exception:  # a failing job is a result for the orchestrator, not a crash
+                err = traceback.format_exc()
+                log.write(err)
+    finally:
+        log.close()
+    if err is not None and log.error:
+        err += f"\n(its log is incomplete: {log.error})"
+    return result, err
+
+
+def fresh_cache(cache: dict, epoch: int, payload: dict[str, Any]) -> int:
+    """A payload's `cache_epoch` grows when the orchestrator recomputed an artifact in place (same path,
+    new content): what a worker loaded before (a resident teacher, calibration statistics) is dropped."""
+    new = payload.get("cache_epoch", 0)
+    if new != epoch:
+        cache.clear()
+    return new
 
 
 class SerialExecutor:
@@ -46,12 +122,14 @@ class SerialExecutor:
 
     def __init__(self) -> None:
         self.cache: dict = {}
+        self.epoch = 0
 
     def run(self, payloads: list[dict[str, Any]], on_done: Done, progress: Progress | None = None,
             poll: Callable[[], None] | None = None, claim: Claim | None = None) -> None:
         for p in payloads:
             if claim is not None and not claim(p):
                 continue
+            self.epoch = fresh_cache(self.cache, self.epoch, p)
             t0 = time.perf_counter()
             result, err = run_payload(p, self.cache, progress)
             on_done(p, result, err, time.perf_counter() - t0)
@@ -209,8 +287,11 @@ def _worker_actor(ray):
                 torch.set_num_threads(max(1, int(cpus)))
                 self.hub = hub
                 self.cache: dict = {}
+                self.epoch = 0
 
             def run(self, payload: dict[str, Any]):
+                self.epoch = fresh_cache(self.cache, self.epoch, payload)
+
                 def report(key: str, done: float, total: float, desc: str = "", metrics: list | None = None) -> None:
                     self.hub.put.remote(key, done, total, desc, metrics)
 

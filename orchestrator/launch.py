@@ -3,22 +3,34 @@
 Each stage registers its jobs (by content key), skips what already succeeded, claims the rest
 atomically (so two launches never run one job twice), runs them on the executor and writes each
 result in its own transaction as it arrives. A crash loses at most the jobs in flight.
+
+Artifacts are checked before they are used again. A succeeded job is reused only if its own artifacts
+match their records (size and mtime; the content hash where either moved) and the upstream artifacts it
+read are still the ones recorded when it ran; a job runs only once the artifacts it reads match their
+records. Otherwise the job that wrote the artifact goes back to `pending` with the error `stale: <why>`,
+the launch says so in one line and recomputes it (first, when a later job is about to read it), and
+every job that had read other content than the recomputed one is recomputed in turn. A background
+thread heartbeats every job the launch holds, whatever the executor is doing.
 """
 
 from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
-from collections.abc import Iterable
+import traceback
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from db.store import Store, home, owner_id
+from db.artifacts import check as artifact_check
+from db.store import STALE_AFTER_S, Store, home, owner_id
 from orchestrator import configs as P
 from orchestrator.spec import SweepSpec, check_local_paths, spec_hash
 from orchestrator.stage import JobSpec, Stage, SweepContext, TeacherShape, stages, unique
@@ -32,37 +44,93 @@ class StageReport:
     ran: int = 0
     failed: list[tuple[str, str]] = field(default_factory=list)  # (key, last error line)
     blocked: int = 0
+    stale: int = 0  # succeeded jobs found stale (an artifact changed or an input was recomputed): recomputed
+
+
+class Heartbeat:
+    """The heartbeat of every job a launch holds, every `interval_s`, from a thread of its own (with its own
+    connection from the store's pool) whatever the executor is doing: a long job that the serial executor
+    runs in the orchestrator's thread is not taken over by another launch while its owner lives."""
+
+    def __init__(self, store: Store, owner: str, held: Callable[[], list[str]], interval_s: float) -> None:
+        self.store, self.owner, self.held, self.interval_s = store, owner, held, interval_s
+        self.failures = 0
+        self.last_error: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="moesweep-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.store.heartbeat(self.held(), self.owner)
+            except Exception as e:  # a busy or unreachable DB: the next beat tries again
+                self.failures += 1
+                self.last_error = str(e).splitlines()[0] if str(e) else type(e).__name__
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
 
 
 class Runner:
     def __init__(self, store: Store, executor, sweep_id: int, spec: SweepSpec, *, retry_failed: bool,
-                 console: Console, progress: Progress | None) -> None:
+                 console: Console, progress: Progress | None, owner: str | None = None,
+                 stale_after_s: float = STALE_AFTER_S, wait_s: float = 1.0) -> None:
         self.store, self.executor, self.sweep_id, self.spec = store, executor, sweep_id, spec
         self.retry_failed = retry_failed
-        self.owner = owner_id()
+        self.owner = owner or owner_id()
+        self.stale_after_s, self.wait_s = stale_after_s, wait_s
         self.console = console
         self.progress = progress
         self.claimed: set[str] = set()
+        self._lock = threading.Lock()  # `claimed` is read by the heartbeat thread
         self.interrupted = False  # set by Ctrl-C: a job that fails now failed because of it
         self.reports: list[StageReport] = []
         self._job_bars: dict[str, Any] = {}
-        self._last_beat = time.monotonic()
+        self.known: dict[str, tuple[Stage, JobSpec]] = {}  # every job this launch planned, by key
+        self.cache_epoch = 0  # grows when an artifact is recomputed in place: workers drop what they loaded
+        self._consumed: dict[str, dict[str, dict[str, str]]] = {}  # job key -> the input artifacts it reads
+        self._recomputing: set[str] = set()
+        self._announced: set[str] = set()  # stale jobs this launch already named on the console
+
+    def held(self) -> list[str]:
+        with self._lock:
+            return list(self.claimed)
 
     # ---- one stage ---------------------------------------------------------------------------
-    def run_stage(self, st: Stage, jobs: Iterable[JobSpec | None]) -> dict[str, dict[str, Any]]:
-        """Run a stage's distinct jobs; returns {job key: outputs} of those that succeeded."""
+    def run_stage(self, st: Stage, jobs: Iterable[JobSpec | None],
+                  rep: StageReport | None = None) -> dict[str, dict[str, Any]]:
+        """Run a stage's distinct jobs; returns {job key: outputs} of those that succeeded. A succeeded job
+        is reused only if its artifacts are as recorded and its inputs are those it read; a job runs only
+        once the artifacts it reads are as recorded (else their producer is recomputed first).
+        `rep`: recompute jobs of a stage that already ran (counted in its report)."""
         stage = st.name
         jobs = unique(jobs)
-        rep = StageReport(stage, total=len(jobs))
-        self.reports.append(rep)
+        nested = rep is not None
+        if rep is None:
+            rep = StageReport(stage, total=len(jobs))
+            self.reports.append(rep)
         if not jobs:
             return {}
+        for j in jobs:
+            self.known[j.key] = (st, j)
         self.store.register_jobs(self.sweep_id, [j.record() for j in jobs])
-        bar = self.progress.add_task(f"{stage}", total=len(jobs)) if self.progress else None
+        bar = self.progress.add_task(f"{stage}", total=len(jobs)) if self.progress and not nested else None
         tries: dict[str, int] = {}
+        checked: set[str] = set()  # succeeded jobs whose artifacts and inputs were checked in this call
+        waited: set[str] = set()  # jobs another launch held: a failure there is not retried here
         pending = list(jobs)
         while pending:
+            self._inputs_ready(pending)
+            self._check_reuse(st, [j for j in pending if j.key not in checked], rep)
+            checked.update(j.key for j in pending)
             rows = self.store.jobs([j.key for j in pending] + [d for j in pending for d in j.deps.values()])
+            arts = self.store.artifacts(d for j in pending for d in j.deps.values())
             payloads, waiting = [], []
             for j in pending:
                 status = rows[j.key]["status"]
@@ -70,7 +138,7 @@ class Runner:
                     rep.cached += 1
                     self._advance(bar)
                     continue
-                if status == "failed" and not (self.retry_failed and tries.get(j.key, 0) == 0):
+                if status == "failed" and (j.key in waited or not (self.retry_failed and tries.get(j.key, 0) == 0)):
                     rep.failed.append((j.key, _last_line(rows[j.key]["error"])))
                     self._advance(bar)
                     continue
@@ -78,6 +146,13 @@ class Runner:
                     rep.blocked += 1
                     self._advance(bar)
                     continue
+                err = rows[j.key]["error"] or ""
+                if status == "pending" and err.startswith("stale: ") and j.key not in self._announced:
+                    self._announced.add(j.key)  # marked stale earlier (by `moesweep verify`, or a launch cut short)
+                    self.console.print(f"{stage} {j.key[:8]}…: {err[len('stale: '):]}; recomputing",
+                                       highlight=False, soft_wrap=True)
+                    rep.stale += 1
+                self._consumed[j.key] = _inputs_of(j, arts)
                 payloads.append(self._payload(st, j, rows))
             retry: list[JobSpec] = []
             by_key = {j.key: j for j in pending}
@@ -89,7 +164,8 @@ class Runner:
                 if not self.store.claim(p["key"], self.owner, retry_failed=self.retry_failed):
                     waiting.append(by_key[p["key"]])  # another launch holds it (or finished it)
                     return False
-                self.claimed.add(p["key"])
+                with self._lock:
+                    self.claimed.add(p["key"])
                 tries[p["key"]] = tries.get(p["key"], 0) + 1
                 return True
 
@@ -100,7 +176,14 @@ class Runner:
                 if err is None and stray:  # a record the stage does not declare is a bug in its run function
                     result, err = None, f"stage {stage!r} returned {stray}; it declares records {sorted(st.records)}"
                 if err is None and result is not None:
-                    self.store.finish(key, self.owner, result, dt, log_path=p["log_path"])
+                    try:
+                        self.store.finish(key, self.owner, result, dt, log_path=p["log_path"],
+                                          inputs=self._consumed.get(key))
+                    except Exception as e:  # e.g. a record the schema refuses: the job failed, the launch goes on
+                        if self.interrupted:
+                            raise KeyboardInterrupt from e
+                        result, err = None, f"recording its result failed: {traceback.format_exc()}"
+                if err is None and result is not None:
                     rep.ran += 1
                     self._advance(bar)
                 else:
@@ -114,36 +197,112 @@ class Runner:
                         self._advance(bar)
                     else:
                         retry.append(by_key[key])
-                self.claimed.discard(key)
+                with self._lock:
+                    self.claimed.discard(key)
+                self._consumed.pop(key, None)
 
             for group in _by_shape(payloads).values():
-                self.executor.run(group, on_done, self._on_progress, self._poll, claim)
-            pending = retry + self._wait_for_others(waiting)
+                self.executor.run(group, on_done, self._on_progress, None, claim)
+            others = self._wait_for_others(waiting)
+            waited.update(j.key for j in others)
+            pending = retry + others
         self._finish_bar(bar)
         return {k: json.loads(r["outputs_json"] or "{}") for k, r in
                 self.store.jobs([j.key for j in jobs]).items() if r["status"] == "succeeded"}
 
+    # ---- artifacts: checked before they are used again -----------------------------------------
+    def _problem(self, rows: list[dict[str, Any]], full: bool = False) -> str | None:
+        """One line on what is wrong with a job's artifacts (None: all as recorded). An artifact whose
+        size or mtime moved but whose content is the same gets its new size and mtime stored."""
+        problems = []
+        for a in rows:
+            c = artifact_check(a, full=full)
+            if c.problem:
+                problems.append(c.problem)
+            elif c.mtime is not None or c.size is not None:
+                self.store.update_artifact(a["id"], mtime=c.mtime, size_bytes=c.size)
+        if not problems:
+            return None
+        return problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+
+    def _stale(self, st: Stage, key: str, why: str, rep: StageReport | None) -> bool:
+        """Mark a succeeded job stale and say so in one line; False if it was not succeeded any more."""
+        if not self.store.mark_stale(key, why):
+            return False
+        self._announced.add(key)
+        self.console.print(f"{st.name} {key[:8]}…: {why}; recomputing", highlight=False, soft_wrap=True)
+        if rep is not None:
+            rep.stale += 1
+        return True
+
+    def _check_reuse(self, st: Stage, jobs: list[JobSpec], rep: StageReport) -> None:
+        """Succeeded jobs about to be reused: their own artifacts as recorded, and every upstream artifact
+        they read still the one recorded then (an upstream job recomputed with other content makes them
+        stale too). Stale ones go back to pending and run in this call."""
+        rows = self.store.jobs(j.key for j in jobs)
+        done = [j for j in jobs if rows.get(j.key, {}).get("status") == "succeeded"]
+        if not done:
+            return
+        arts = self.store.artifacts([j.key for j in done] + [d for j in done for d in j.deps.values()])
+        for j in done:
+            why = self._problem(arts[j.key])
+            recorded = json.loads(rows[j.key].get("inputs_json") or "null") or {}
+            if why is None and recorded:
+                now = _inputs_of(j, arts)
+                for d in j.deps.values():
+                    if d in recorded and recorded[d] != now.get(d):
+                        changed = sorted({Path(p).name for p in set(recorded[d]) | set(now.get(d, {}))
+                                          if recorded[d].get(p) != now.get(d, {}).get(p)})
+                        up = self.known[d][0].name if d in self.known else "upstream"
+                        why = f"its input {up} {d[:8]}… was recomputed with other content ({', '.join(changed)})"
+                        break
+            if why is not None:
+                self._stale(st, j.key, why, rep)
+
+    def _inputs_ready(self, jobs: list[JobSpec]) -> None:
+        """The artifacts these jobs read are checked (size and mtime; hash where either moved); a broken
+        one's producer is marked stale and recomputed now, before anything reads it."""
+        deps = list(dict.fromkeys(d for j in jobs for d in j.deps.values()
+                                  if d in self.known and d not in self._recomputing))
+        if not deps:
+            return
+        rows = self.store.jobs(deps)
+        arts = self.store.artifacts(d for d in deps if rows.get(d, {}).get("status") == "succeeded")
+        for d, recs in arts.items():
+            why = self._problem(recs)
+            if why is None:
+                continue
+            st, spec = self.known[d]
+            rep = next((r for r in reversed(self.reports) if r.stage == st.name), None)
+            self._stale(st, d, why, rep)
+            self._recomputing.add(d)
+            try:
+                self.run_stage(st, [spec], rep=rep or StageReport(st.name))
+            finally:
+                self._recomputing.discard(d)
+            self.cache_epoch += 1  # workers drop what they loaded from the old artifact
+
     def _payload(self, st: Stage, j: JobSpec, rows: dict[str, dict]) -> dict[str, Any]:
         inputs = {role: json.loads(rows[d]["outputs_json"] or "{}") for role, d in j.deps.items()}
         root = home()
-        return {"key": j.key, "stage": j.stage, "run": ":".join(st.run_ref()), "params": j.params, "inputs": inputs, "resident": j.resident,
-                "cpus": j.cpus, "gpus": j.gpus, "home": str(root),
+        return {"key": j.key, "stage": j.stage, "run": ":".join(st.run_ref()), "params": j.params, "inputs": inputs,
+                "resident": j.resident, "cpus": j.cpus, "gpus": j.gpus, "home": str(root),
                 "workdir": str(root / "artifacts" / j.stage / j.key),
-                "log_path": str(root / "logs" / j.stage / f"{j.key}.log")}
+                "log_path": str(root / "logs" / j.stage / f"{j.key}.log"), "cache_epoch": self.cache_epoch}
 
     def _wait_for_others(self, waiting: list[JobSpec]) -> list[JobSpec]:
-        """Jobs another launch is running: wait for them; take them over if their owner died."""
+        """Jobs another launch holds: wait while they run, taking over those whose owner died (on this host
+        its process ended; elsewhere its heartbeat is older than `stale_after_s`). Returns them all once one
+        is not running any more: to be claimed (released), reused (succeeded) or listed (failed)."""
         while waiting:
-            self.store.release_stale()
+            self.store.release_stale(self.stale_after_s)
             rows = self.store.jobs([j.key for j in waiting])
-            if any(rows[j.key]["status"] == "pending" for j in waiting):
-                return waiting  # released: go round again and claim them
-            waiting = [j for j in waiting if rows[j.key]["status"] == "running"]
-            if waiting:
-                time.sleep(1.0)
+            if any(rows[j.key]["status"] != "running" for j in waiting):
+                return waiting
+            time.sleep(self.wait_s)
         return []
 
-    # ---- progress / liveness ------------------------------------------------------------------
+    # ---- progress ------------------------------------------------------------------------------
     def _advance(self, bar) -> None:
         if self.progress is not None and bar is not None:
             self.progress.advance(bar)
@@ -160,16 +319,16 @@ class Runner:
             if key not in self._job_bars:
                 self._job_bars[key] = self.progress.add_task(f"  {desc or key[:8]}", total=total)
             self.progress.update(self._job_bars[key], completed=done, total=total)
-        self._poll()
-
-    def _poll(self) -> None:
-        if time.monotonic() - self._last_beat > 10:
-            self.store.heartbeat(self.claimed, self.owner)
-            self._last_beat = time.monotonic()
 
     def release_claimed(self) -> None:
         self.store.release(self.owner)
-        self.claimed.clear()
+        with self._lock:
+            self.claimed.clear()
+
+
+def _inputs_of(j: JobSpec, arts: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, str]]:
+    """{upstream job key: {artifact path: content hash}}: what a job reads, as recorded now."""
+    return {d: {a["path"]: a["content_hash"] for a in arts.get(d, [])} for d in j.deps.values()}
 
 
 def _by_shape(payloads: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
@@ -196,19 +355,24 @@ def prepare(spec: SweepSpec, path: str | None = None) -> tuple[TeacherShape, lis
 
 def launch(spec: SweepSpec, spec_text: str, store: Store, executor, *, retry_failed: bool = False,
            console: Console | None = None, show_progress: bool = True, path: str | None = None,
-           prepared: tuple[TeacherShape, list[dict[str, Any]]] | None = None) -> int:
-    """Run the sweep; returns the process exit code (0 = everything succeeded)."""
+           prepared: tuple[TeacherShape, list[dict[str, Any]]] | None = None, owner: str | None = None,
+           heartbeat_s: float = 10.0, stale_after_s: float = STALE_AFTER_S) -> int:
+    """Run the sweep; returns the process exit code (0 = everything succeeded). `owner` (default
+    host:pid) names this launch on the jobs it claims; it heartbeats them every `heartbeat_s`, and takes
+    over another host's running job only when its heartbeat is older than `stale_after_s`."""
     console = console or Console(stderr=True)
     shape, configs = prepared or prepare(spec, path)
     sid = store.upsert_sweep(spec.name, spec_yaml=spec_text, spec_hash=spec_hash(spec_text),
                              description=spec.description, select_json=P.select_json(spec))
-    store.release_stale()
+    store.release_stale(stale_after_s)
     cfg_ids = store.upsert_configs(sid, configs)
     progress = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, disable=not show_progress, transient=False)
-    runner = Runner(store, executor, sid, spec, retry_failed=retry_failed, console=console, progress=progress)
+    runner = Runner(store, executor, sid, spec, retry_failed=retry_failed, console=console, progress=progress,
+                    owner=owner, stale_after_s=stale_after_s)
     ctx = _context(spec, shape, configs, store, sid, cfg_ids)
     previous = _on_sigint(runner)
+    beat = Heartbeat(store, runner.owner, runner.held, heartbeat_s).start()
     try:
         with progress:
             for stage in stages():
@@ -235,6 +399,10 @@ def launch(spec: SweepSpec, spec_text: str, store: Store, executor, *, retry_fai
         console.print("[yellow]interrupted[/]: finished jobs are kept; `moesweep launch` resumes.")
         return 130
     finally:
+        beat.stop()
+        if beat.failures:
+            console.print(f"[yellow]warning:[/] {beat.failures} heartbeat(s) could not be written "
+                          f"(last: {beat.last_error})", highlight=False, soft_wrap=True)
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
         executor.close()
@@ -319,19 +487,22 @@ def _select(spec: SweepSpec, store: Store, sid: int, cfg_ids: dict[str, int]) ->
     return chosen
 def _summary(console: Console, reports: list[StageReport], store: Store, sid: int) -> int:
     t = Table(title="moesweep launch", show_lines=False)
-    for col in ("stage", "jobs", "cached", "ran", "failed", "blocked"):
+    for col in ("stage", "jobs", "cached", "ran", "failed", "blocked", "stale"):
         t.add_column(col, justify="right" if col != "stage" else "left")
     failures = []
     for r in reports:
         if r.total:
-            t.add_row(r.stage, str(r.total), str(r.cached), str(r.ran), str(len(r.failed)), str(r.blocked))
+            t.add_row(r.stage, str(r.total), str(r.cached), str(r.ran), str(len(r.failed)), str(r.blocked),
+                      str(r.stale))
         failures += [(r.stage, k, e) for k, e in r.failed]
     console.print(t)
     console.print(f"results: {store.shown}   (try: moesweep sql \"SELECT * FROM results\")")
+    blocked = sum(r.blocked for r in reports)
     if failures:
         console.print(f"[red]{len(failures)} job(s) failed[/] (moesweep status shows them; "
                       "--retry-failed runs them again):")
         for stage, key, err in failures[:20]:
-            console.print(f"  {stage} {key[:12]}: {err}")
-        return 1
-    return 0
+            console.print(f"  {stage} {key[:12]}: {err}", highlight=False)
+    if blocked:
+        console.print(f"[red]{blocked} job(s) blocked[/]: a job they read did not succeed", highlight=False)
+    return 1 if failures or blocked else 0

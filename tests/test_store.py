@@ -22,7 +22,7 @@ def test_migration_creates_schema_views_and_own_version_table(tmp_path):
     assert {"results", "task_scores", "selections", "curves", "layer_diagnostics"} <= set(insp.get_view_names())
     Store(s.url)  # migrating again is a no-op
     _, rows = s.query("SELECT version_num FROM moesweep_alembic_version")
-    assert rows == [("0002",)]
+    assert rows == [("0003",)]
 
 
 def test_sqlite_pragmas(tmp_path):

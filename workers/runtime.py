@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -84,18 +83,13 @@ def eval_texts(payload: dict[str, Any], cache: dict, data: dict[str, Any]) -> li
 
 
 def dir_hash(path: Path) -> str:
-    h = hashlib.sha256()
-    for f in sorted(p for p in Path(path).rglob("*") if p.is_file()):
-        h.update(f.name.encode())
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()
+    from db.artifacts import content_hash
+
+    return content_hash(path)
 
 
 def artifact(kind: str, path: Path) -> dict[str, Any]:
-    path = Path(path)
-    size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
-    return {"kind": kind, "path": str(path), "content_hash": dir_hash(path) if path.is_dir() else
-            hashlib.sha256(path.read_bytes()).hexdigest(), "size_bytes": size}
+    """The record of an artifact a job wrote: kind, path, content hash, size and mtime (see db.artifacts)."""
+    from db.artifacts import record
 
+    return record(kind, path)

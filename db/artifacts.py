@@ -1,0 +1,121 @@
+"""Size, modification time and content hash of an artifact (a file, or a folder of files).
+
+Workers record them when a job writes an artifact (workers.runtime.artifact); the orchestrator
+compares them before a recorded artifact is used again: size and mtime on every use (cheap), the
+content hash only where either changed (`check`), every hash with `moesweep verify`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def stat(path: str | Path) -> tuple[int, float] | None:
+    """(size in bytes, mtime in seconds) of a file, or of a folder over everything in it: the sum of its
+    files' sizes and the latest mtime of the folder, its subfolders and its files (so adding or removing a
+    file shows too). None when the path does not exist."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        return None
+    if not p.is_dir():
+        return st.st_size, st.st_mtime_ns / 1e9
+    size, mtime = 0, st.st_mtime_ns
+    for f in p.rglob("*"):
+        s = f.stat()
+        mtime = max(mtime, s.st_mtime_ns)
+        if f.is_file():
+            size += s.st_size
+    return size, mtime / 1e9
+
+
+def content_hash(path: str | Path, canonical: bool = True) -> str:
+    """sha256 of a file; of a folder: over its files in sorted order, each file's name then its content.
+    A .safetensors file's content is its header with the keys sorted, then its tensor bytes: safetensors
+    writes the header's `__metadata__` in an arbitrary order, so two writes of the same tensors and metadata
+    differ in bytes but not in content (`canonical=False`: the raw bytes, as hashes were recorded before)."""
+    p = Path(path)
+    h = hashlib.sha256()
+    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+    for f in files:
+        if p.is_dir():
+            h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            if canonical and f.suffix == ".safetensors":
+                _safetensors_header(fh, h)
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _safetensors_header(fh, h) -> None:
+    """Hash the header of a safetensors file with its keys sorted and leave `fh` after it; a file that is
+    not valid safetensors is left at its start (hashed as plain bytes)."""
+    head = fh.read(8)
+    n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+    if 0 <= n <= 100 << 20:
+        try:
+            header = json.loads(fh.read(n))
+        except ValueError:
+            header = None
+        if isinstance(header, dict):
+            h.update(b"safetensors\0" + json.dumps(header, sort_keys=True, separators=(",", ":")).encode())
+            return
+    fh.seek(0)
+
+
+def record(kind: str, path: str | Path) -> dict:
+    """An `artifacts` row as a job reports it."""
+    size, mtime = stat(path) or (None, None)
+    if size is None:
+        raise FileNotFoundError(f"artifact {kind!r}: {path} does not exist")
+    return {"kind": kind, "path": str(path), "content_hash": content_hash(path), "size_bytes": size, "mtime": mtime}
+
+
+@dataclass
+class Check:
+    """The outcome of comparing an artifact with its record: `problem` (one line) or None; `mtime` and
+    `size` to store when the content is unchanged but the cheap fingerprint moved (or was never stored)."""
+
+    problem: str | None = None
+    mtime: float | None = None
+    size: int | None = None
+    hashed: bool = False
+
+
+def _files(path: str | Path) -> list[Path]:
+    p = Path(path)
+    return [f for f in p.rglob("*") if f.is_file()] if p.is_dir() else [p]
+
+
+def name(path: str | Path) -> str:
+    p = Path(path)
+    return p.name + ("/" if p.is_dir() else "")
+
+
+def check(row: dict, full: bool = False) -> Check:
+    """Compare an artifact with its stored row (path, size_bytes, mtime, content_hash). Size and mtime
+    first; the content hash only when one of them differs, the row has no mtime, or `full`."""
+    path = row["path"]
+    now = stat(path)
+    if now is None:
+        return Check(f"{Path(path).name} is missing (recorded at {path})")
+    size, mtime = now
+    if not full and row.get("mtime") is not None and size == row.get("size_bytes") and mtime == row["mtime"]:
+        return Check()
+    digest = content_hash(path)
+    if digest != row.get("content_hash") and any(f.suffix == ".safetensors" for f in _files(path)) \
+            and content_hash(path, canonical=False) == row.get("content_hash"):
+        digest = row["content_hash"]  # recorded as raw bytes (before canonical safetensors headers): unchanged
+    if row.get("content_hash") in (None, digest):
+        moved = mtime != row.get("mtime") or size != row.get("size_bytes")
+        return Check(mtime=mtime if moved else None, size=size if moved else None, hashed=True)
+    was = row.get("size_bytes")
+    how = f"size {was} → {size}" if was is not None and was != size else \
+        f"same size, content hash {row['content_hash'][:8]}… → {digest[:8]}…"
+    return Check(f"{name(path)} changed since it was recorded ({how})", hashed=True)
