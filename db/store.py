@@ -42,7 +42,7 @@ METRIC_FIELDS = ("name", "stage", "task", "who", "step", "value", "value_kind", 
                  "correct", "total", "stderr", "num_fewshot", "headline")
 CONFIG_FIELDS = ("model", "teacher_variant", "family", "kind", "baseline", "scoring", "grouping",
                  "dp_scaling", "K", "top_k", "distill_loss", "teacher_top_k", "distill_tokens",
-                 "source_table", "selected_for_distill", "plan_key", "note", "variant")
+                 "source_table", "selected_for_distill", "plan_key", "note", "variant", "output", "recovery")
 
 
 def home() -> Path:

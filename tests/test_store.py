@@ -6,7 +6,7 @@ import multiprocessing as mp
 
 from sqlalchemy import inspect
 
-from db.store import Store
+from db.store import Store, head_revision
 
 
 def make_store(tmp_path) -> Store:
@@ -22,7 +22,7 @@ def test_migration_creates_schema_views_and_own_version_table(tmp_path):
     assert {"results", "task_scores", "selections", "curves", "layer_diagnostics"} <= set(insp.get_view_names())
     Store(s.url)  # migrating again is a no-op
     _, rows = s.query("SELECT version_num FROM moesweep_alembic_version")
-    assert rows == [("0003",)]
+    assert rows == [(head_revision(),)]
 
 
 def test_sqlite_pragmas(tmp_path):

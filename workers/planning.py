@@ -49,6 +49,21 @@ def plan_layer(layer: int, ctx: LayerContext, scoring: str, grouping: str, scali
                      merge_weights=merge_weights(groups, scores), alpha=[float(a) for a in alpha], extras=extras)
 
 
+def select_layer(layer: int, ctx: LayerContext, scoring: str, K: int) -> LayerPlan:
+    """The kept experts of one layer for a smaller-MoE output: the scoring's K selected experts, each its
+    own group (weight 1, α 1: a pruned MoE keeps its router, so nothing is merged or scaled)."""
+    sc = get_scoring(scoring)
+    E = ctx.stats.num_experts
+    if not ctx.top_k <= K <= E:
+        raise ValueError(f"K={K} out of range; allowed k <= K <= E: {ctx.top_k}..{E}")
+    scores = sc.score(ctx).to("cpu", torch.float64)
+    sel = sc.select(ctx, scores, K)
+    kept = sorted(sel.selected)
+    extras = {"effective_rank": selected_kernel_rank(ctx, scores, kept), **sel.extras}
+    return LayerPlan(layer=layer, selected=list(sel.selected), scores=scores.tolist(), groups=[[e] for e in kept],
+                     merge_weights=[[1.0] for _ in kept], alpha=[1.0] * len(kept), extras=extras)
+
+
 def plan_signature(plans: list[LayerPlan]) -> str:
     """sha256 of the plans' signatures (layer order does not matter): equal students ⇔ equal signature."""
     sigs = sorted((p.signature() for p in plans), key=lambda s: s[0])

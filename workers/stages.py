@@ -78,7 +78,7 @@ def stage_convert(payload: dict, cache: dict, progress) -> dict:
     from workers.calibrate import load_stats
     from workers.convert import layer_contexts
     from workers.families import get_adapter
-    from workers.planning import plan_layer, plan_signature
+    from workers.planning import plan_layer, plan_signature, select_layer
 
     p = payload["params"]
     model, _ = resident_teacher(payload, cache)
@@ -88,9 +88,11 @@ def stage_convert(payload: dict, cache: dict, progress) -> dict:
     if ckey not in cache:
         cache[ckey] = layer_contexts(model, adapter, load_stats(stats_path))
     contexts = cache[ckey]
-    grouping = "RR" if p["grouping"] == "*" else p["grouping"]  # K = k: every grouping is the same
-    plans = [plan_layer(layer, ctx, p["scoring"], grouping, p["dp_scaling"], p["K"])
-             for layer, ctx in sorted(contexts.items())]
+    if p.get("output", "dense") == "moe":  # a smaller MoE keeps the selected experts and their router
+        plans = [select_layer(layer, ctx, p["scoring"], p["K"]) for layer, ctx in sorted(contexts.items())]
+    else:
+        plans = [plan_layer(layer, ctx, p["scoring"], p["grouping"], p["dp_scaling"], p["K"])
+                 for layer, ctx in sorted(contexts.items())]
     plan_key = plan_signature(plans)
     path = Path(payload["workdir"]) / "plan.json"
     path.write_text(json.dumps([plan_to_dict(pl) for pl in plans], indent=1))
@@ -133,10 +135,10 @@ def make_student(payload: dict, cache: dict, recipe: dict[str, Any], *, for_trai
         return (copy.deepcopy(model) if for_training else model), tok
     adapter = get_adapter(model)
     if kind == "plan":
-        from workers.convert import build_student_from_plans
+        from workers.outputs import OUTPUTS
 
         plans = load_plans(payload["inputs"]["convert"]["plan_path"])
-        student = build_student_from_plans(model, adapter, plans, share_weights=not for_training)
+        student = OUTPUTS[recipe.get("output", "dense")](model, adapter, plans, share_weights=not for_training)
     elif kind == "random_ffn":
         from workers.baselines import random_ffn_student
 
@@ -205,7 +207,8 @@ def stage_ppl_pre(payload: dict, cache: dict, progress) -> dict:
     student, tok = make_student(payload, cache, recipe, for_training=False)
     with torch.no_grad():
         m = ppl_record(student, tok, payload, cache, "pre")
-    return {"outputs": {"ppl": m["value"], "value_kind": m["value_kind"]}, "metrics": [m]}
+    params = _metric("params", float(sum(t.numel() for t in student.parameters())), stage="pre")
+    return {"outputs": {"ppl": m["value"], "value_kind": m["value_kind"]}, "metrics": [m, params]}
 
 
 # ---- distillation -------------------------------------------------------------------------------

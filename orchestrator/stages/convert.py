@@ -1,5 +1,6 @@
-"""convert: one conversion plan per configuration of the grid (score → keep K → k groups → merge
-weights → α per layer), stored as rows. The `grid` section lists each axis's values; every
+"""convert: one conversion plan per configuration of the grid, stored as rows — for a dense output:
+score → keep K → k groups → merge weights → α per layer; for a smaller MoE: score → keep K. The `grid`
+section lists each axis's values (or is a list of such sub-grids, e.g. one per output); every
 combination is a configuration.
 """
 
@@ -8,47 +9,64 @@ from __future__ import annotations
 from itertools import product
 from typing import Any
 
-from pydantic import StrictInt, create_model, field_validator
+from pydantic import StrictInt, create_model, model_validator
 
-from orchestrator.axes import AXES
+from orchestrator.axes import AXES, config_key
 from orchestrator.schema import Strict, known
 from orchestrator.stage import JobSpec, Stage, SweepContext
 from orchestrator.stages.teacher import teacher_ref
 
 
-def _axis_validator(name: str):
-    axis = AXES[name]
+class SubGrid(Strict):
+    """One product of axis values; `grid:` is one of these or a list of them (their union)."""
 
-    def check(cls, v: list[Any]) -> list[Any]:
-        if not v:
-            raise ValueError(f"{name} must be a non-empty list")
-        if axis.registry:
-            return known(v, axis.allowed(), name)
-        if any(x < 1 for x in v):
-            raise ValueError(f"{name} must be positive integers, got {v}")
-        return known(v, v, name)  # no repeats
-
-    return field_validator(name)(classmethod(check))
+    @model_validator(mode="after")
+    def _complete(self) -> SubGrid:
+        outputs = self.output or list(AXES["output"].default)
+        for name, axis in AXES.items():
+            value = getattr(self, name)
+            applies = all(axis.applies(o) for o in outputs)
+            if not applies:
+                if value is not None:
+                    raise ValueError(f"{name} does not apply to output {', '.join(outputs)}; it applies to "
+                                     f"{', '.join(axis.outputs or ())}: give it in a sub-grid of its own")
+                continue
+            if value is None:
+                if axis.default is None:
+                    raise ValueError(f"{name} is required")
+                setattr(self, name, list(axis.default))
+            elif not value:
+                raise ValueError(f"{name} must be a non-empty list")
+            elif axis.kind is str:
+                known(value, axis.allowed(), name)
+            elif any(x < 1 for x in value):
+                raise ValueError(f"{name} must be positive integers, got {value}")
+            else:
+                known(value, value, name)  # no repeats
+        return self
 
 
 Grid = create_model(
-    "Grid", __base__=Strict,
-    __validators__={f"_{n}": _axis_validator(n) for n in AXES},
-    **{n: (list[a.kind if a.kind is str else StrictInt], list(a.default) if a.default else ...)
-       for n, a in AXES.items()},
+    "Grid", __base__=SubGrid,
+    **{n: (list[a.kind if a.kind is str else StrictInt] | None, None) for n, a in AXES.items()},
 )
 
 
+def subgrids(spec) -> list:
+    return spec.grid if isinstance(spec.grid, list) else [spec.grid]
+
+
 def grid_configs(spec, model: str, top_k: int | None) -> list[dict[str, Any]]:
-    """Every combination of the grid's axes, as configurations (`config_key` e.g. SF|RR|uniform|K=8)."""
-    grid = spec.grid
-    out = []
-    for values in product(*(getattr(grid, n) for n in AXES)):
-        axes = dict(zip(AXES, values, strict=True))
-        key = "|".join(f"{n}={v}" if AXES[n].kind is int else str(v) for n, v in axes.items())
-        out.append({"config_key": key, "model": model, "kind": "moe2dense", "teacher_variant": spec.teacher.variant,
-                    "top_k": top_k, **axes})
-    return out
+    """Every combination of each sub-grid's axes, as configurations (`config_key` e.g. SF|RR|uniform|K=8)."""
+    out: dict[str, dict[str, Any]] = {}
+    for grid in subgrids(spec):
+        names = [n for n in AXES if getattr(grid, n) is not None]
+        for values in product(*(getattr(grid, n) for n in names)):
+            axes = {n: None for n in AXES} | dict(zip(names, values, strict=True))
+            key = config_key(axes)
+            out.setdefault(key, {"config_key": key, "model": model, "kind": "moe2dense",
+                                 "teacher_variant": spec.teacher.variant, "top_k": top_k, **axes})
+    return list(out.values())
 
 
 def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
@@ -58,13 +76,13 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
         calib = ctx.jobs.get("calibrate", {}).get(c["config_key"])
         if c["kind"] != "moe2dense" or calib is None:
             continue
-        params = {"teacher": tparams, **{n: c[n] for n in AXES}}
+        params = {"teacher": tparams, **{n: c[n] for n in AXES if c[n] is not None and not AXES[n].after_student}}
         out[c["config_key"]] = ctx.job("convert", params, {**tdeps, "calibrate": calib.key}, resident=resident)
     return out
 
 
 STAGE = Stage(
-    name="convert", run="workers.stages:stage_convert", jobs=jobs, section="grid", params=Grid,
+    name="convert", run="workers.stages:stage_convert", jobs=jobs, section="grid", params=Grid | list[Grid],
     section_default="required", upstream=("calibrate",),
     records=frozenset({"outputs", "plan_rows", "layer_diag", "artifacts"}),
     summary="a conversion plan per configuration; equal plans are one student")
