@@ -17,7 +17,8 @@ from workers.registry import lookup
 from workers.selection import Selection, d_optimal_greedy, importance_kernel, top_k
 from workers.types import LayerContext, LayerStats
 
-Selector = Callable[[LayerContext, torch.Tensor, int], Selection]
+# (ctx, scores, K, forced=()) -> Selection; `forced` experts are kept first (e.g. protected super experts)
+Selector = Callable[..., Selection]
 
 
 def _f64(t: torch.Tensor) -> torch.Tensor:
@@ -89,19 +90,19 @@ def ean(ctx: LayerContext) -> torch.Tensor:
     return _f64(ctx.stats.sum_norm_sel)
 
 
-def select_top_k(ctx: LayerContext, scores: torch.Tensor, K: int) -> Selection:
-    """Independent scoring: keep the K best, ties → lower expert id."""
-    return Selection(top_k(scores, K))
+def select_top_k(ctx: LayerContext, scores: torch.Tensor, K: int, forced: tuple[int, ...] = ()) -> Selection:
+    """Independent scoring: keep the K best, ties → lower expert id (after the `forced` experts)."""
+    return Selection(top_k(scores, K, forced))
 
 
-def select_d_optimal(ctx: LayerContext, scores: torch.Tensor, K: int) -> Selection:
+def select_d_optimal(ctx: LayerContext, scores: torch.Tensor, K: int, forced: tuple[int, ...] = ()) -> Selection:
     """Greedy D-optimal on 𝒦 = sqrt(I_i I_j)·G_ij with I = the base score and λ = trace(𝒦)/(K·E) (Algorithm 2).
 
     With this (the paper's) λ the greedy may keep two identical experts (Appendix E.1 with K ≥ 4):
     see d_optimal_greedy.
     """
     kernel = importance_kernel(ctx.stats.gram, ctx.stats.n_tokens, scores)
-    return d_optimal_greedy(kernel, K)
+    return d_optimal_greedy(kernel, K, forced=forced)
 
 
 @dataclass(frozen=True)
