@@ -191,16 +191,19 @@ def test_pruning_to_all_experts_reproduces_the_teacher_exactly(family, tmp_path)
 
 
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
-@pytest.mark.parametrize("case", ["uneven", "indivisible"])
+@pytest.mark.parametrize("case", ["uneven", "indivisible", "one_per_group"])
 def test_deepseek_drops_the_group_limit_when_the_groups_cannot_survive(family, case, tmp_path):
-    """n_group = 2 groups of 4: keeping 3 of one group and 1 of the other, or 5 experts (not divisible
-    by 2), leaves no contiguous-block grouping equal to the teacher's: the pruned config has
+    """n_group = 2 groups of 4, topk_group = 1, k = 2: keeping 3 of one group and 1 of the other, 5
+    experts (not divisible by 2), or 1 per group (the one chosen group could not supply k = 2 experts)
+    leaves no contiguous-block grouping that routes as the teacher's: the pruned config has
     n_group = topk_group = 1 and routes as the teacher without the dropped experts and without the limit."""
     model = teacher(family, seed=1)
     adapter = get_adapter(model)
     layers = adapter.moe_layers(model)
-    kept = {layer: ([0, 2, 3, 6] if case == "uneven" else [1, 2, 4, 5, 7]) for layer in layers}
-    kept[layers[-1]] = [5, 6, 7, 1] if case == "uneven" else [0, 3, 4, 5, 6]
+    first, last = {"uneven": ([0, 2, 3, 6], [5, 6, 7, 1]), "indivisible": ([1, 2, 4, 5, 7], [0, 3, 4, 5, 6]),
+                   "one_per_group": ([1, 6], [3, 4])}[case]
+    kept = {layer: first for layer in layers}
+    kept[layers[-1]] = last
     pruned = adapter.pruned_moe_student(model, kept)
     back = check_pruned_checkpoint(family, model, kept, pruned, tmp_path)
     assert (back.config.n_group, back.config.topk_group) == (1, 1)

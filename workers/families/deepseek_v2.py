@@ -20,8 +20,8 @@ Pruned MoE (pruned_moe_student): router rows, V3's e_score_correction_bias and t
 kept ids (ascending), routed_scaling_factor, k and norm_topk_prob unchanged. Group-limited routing
 (V2 topk_method="group_limited_greedy", V3 always) splits the E experts into n_group contiguous blocks.
 The groups are kept (n_group, topk_group unchanged) when every layer keeps the same number E'/n_group
-of experts from every original group, at least k of them in any topk_group groups and, for V3 (whose
-group score is the sum of the group's top-2 scores), at least 2 per group: then the pruned router's
+of experts from every original group, topk_group × E'/n_group >= k (the chosen groups can supply k
+experts) and, for V3 (whose group score is the sum of the group's top-2 scores), E'/n_group >= 2: then the pruned router's
 contiguous blocks are exactly the original groups minus the dropped experts, and the pruned model
 routes as the teacher with the dropped experts excluded. Otherwise (E' not divisible by n_group, or an
 uneven pick across groups) the pruned config sets n_group = topk_group = 1, i.e. plain (V3: bias-corrected)

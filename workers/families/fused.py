@@ -453,6 +453,8 @@ def rebuild(cfg: Any, teacher: nn.Module, replaced: dict[str, torch.Tensor]) -> 
     for name, b in list(student.named_buffers(remove_duplicate=False)):
         mod_name, _, leaf = name.rpartition(".")
         student.get_submodule(mod_name)._buffers[leaf] = tensor(name, b)[1]
+    if getattr(teacher, "generation_config", None) is not None:
+        student.generation_config = copy.deepcopy(teacher.generation_config)
     for mod_name, mod in student.named_modules():
         for key, v in vars(mod).items():
             if isinstance(v, torch.Tensor) and v.is_meta and key not in ("_parameters", "_buffers"):
