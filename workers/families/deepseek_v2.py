@@ -16,19 +16,20 @@ width `width`); shared experts concatenated with scale 1.0 (K counts routed expe
 teacher's dense layers zero-padded to the same width. The routed part is
 multiplied by routed_scaling_factor (see FamilyAdapter.routed_scaling).
 
-Pruned MoE (pruned_moe_student): router rows, V3's e_score_correction_bias and the experts sliced to the
-kept ids (ascending), routed_scaling_factor, k and norm_topk_prob unchanged. Group-limited routing
+Pruned MoE (pruned_moe_student): router rows, V3's e_score_correction_bias and the experts sliced to
+the kept ids (ascending); routed_scaling_factor, k and norm_topk_prob unchanged. Group-limited routing
 (V2 topk_method="group_limited_greedy", V3 always) splits the E experts into n_group contiguous blocks.
-The groups are kept (n_group, topk_group unchanged) when every layer keeps the same number E'/n_group
-of experts from every original group, topk_group × E'/n_group >= k (the chosen groups can supply k
-experts) and, for V3 (whose group score is the sum of the group's top-2 scores), E'/n_group >= 2: then the pruned router's
-contiguous blocks are exactly the original groups minus the dropped experts, and the pruned model
-routes as the teacher with the dropped experts excluded. Otherwise (E' not divisible by n_group, or an
-uneven pick across groups) the pruned config sets n_group = topk_group = 1, i.e. plain (V3: bias-corrected)
-top-k over the survivors: re-cutting the survivors into n_group new contiguous blocks would group
-experts that were never grouped, an arbitrary constraint, while dropping the group limit keeps
-everything else of the teacher's rule (the limit bounds which devices a token visits; it is no part
-of the experts' function). V2 "greedy" routing ignores the groups and leaves n_group/topk_group as they are.
+The groups are kept (n_group, topk_group unchanged) when every layer keeps E'/n_group experts of every
+original group, topk_group × E'/n_group >= k (the chosen groups can supply k experts) and, for V3
+(whose group score sums the group's top-2 scores), E'/n_group >= 2: the pruned router's contiguous
+blocks are then exactly the original groups minus the dropped experts, and the pruned model routes as
+the teacher with the dropped experts excluded. Otherwise (E' not divisible by n_group, an uneven pick
+across the groups, too few per group) the pruned config sets n_group = topk_group = 1: plain top-k over
+the survivors (V3: of the bias-corrected scores). Re-cutting the survivors into n_group new contiguous
+blocks would group experts that were never grouped, an arbitrary constraint; dropping the group limit
+keeps the rest of the teacher's rule (DeepSeek motivates the limit by the devices a token's experts
+sit on, not by what the experts compute). V2 "greedy" routing ignores the groups: n_group/topk_group
+are left as they are.
 """
 
 from __future__ import annotations

@@ -274,6 +274,7 @@ class FusedMoeAdapter(FamilyAdapter):
         E' >= k in every layer (an HF config has one expert count). Returns the ids sorted ascending:
         expert j of the pruned layer is its j-th smallest kept id."""
         layers, E, k = self.moe_layers(model), self.num_experts(model), self.top_k(model)
+        kept = {int(layer): ids for layer, ids in kept.items()}  # JSON keys are strings
         if sorted(kept) != layers:
             raise ValueError(f"kept lists layers {sorted(kept)}; the model's MoE layers are {layers}")
         out: dict[int, list[int]] = {}
@@ -409,7 +410,6 @@ def assemble(cfg: Any, teacher: nn.Module, ffn_tensors: dict[str, torch.Tensor],
             if isinstance(v, torch.Tensor) and v.is_meta and key not in ("_parameters", "_buffers"):
                 raise ValueError(f"student tensor attribute {mod_name}.{key} left on the meta device")
     return student.eval()
-
 
 
 def rebuild(cfg: Any, teacher: nn.Module, replaced: dict[str, torch.Tensor]) -> nn.Module:
