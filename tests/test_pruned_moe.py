@@ -231,3 +231,29 @@ def test_bad_kept_gives_one_line_errors(family):
         with pytest.raises(ValueError, match=msg) as e:
             adapter.pruned_moe_student(model, kept)
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_calibrate_select_prune_end_to_end(family):
+    """Calibration statistics → select_pruned (REAP, super experts protected) → pruned checkpoint whose
+    router rows are the selected experts' rows, with finite logits."""
+    from workers.calibrate import collect_stats
+    from workers.convert import layer_contexts
+    from workers.pruning import select_pruned
+
+    model = teacher(family, seed=2)
+    adapter = get_adapter(model)
+    x = ids(4, 10, seed=7)
+    stats = collect_stats(model, adapter, [(x, torch.ones_like(x))], chunk_tokens=16)
+    E, k = adapter.num_experts(model), adapter.top_k(model)
+    kept, protected = {}, 0
+    for layer, c in layer_contexts(model, adapter, stats).items():
+        sel = select_pruned(c, "REAP", max(k, E // 2), super_factor=1.0)  # above the median
+        assert set(sel.extras["protected"]) <= set(sel.selected)
+        kept[layer], protected = sel.selected, protected + len(sel.extras["protected"])
+    assert protected > 0
+    pruned = adapter.pruned_moe_student(model, kept)
+    for layer, block in moe_blocks(pruned).items():
+        t_router = router_of(family, moe_blocks(model)[layer])
+        assert torch.equal(router_of(family, block).weight, t_router.weight[sorted(kept[layer])])
+    assert torch.isfinite(logits(pruned, ids(2, 8, seed=8))).all()
