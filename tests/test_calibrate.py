@@ -93,11 +93,13 @@ def naive_stats(model, adapter, batches) -> dict[int, dict[str, torch.Tensor]]:
                         acc["sum_p_sel"][e] += float(p[t, e])
                         acc["sum_norm_sel"][e] += norm
                         acc["sum_gnorm_sel"][e] += float(w[t, j]) * norm
+                        acc["sum_pnorm_sel"][e] += float(p[t, e]) * norm
+                        acc["max_norm_sel"][e] = max(float(acc["max_norm_sel"][e]), norm)
         out[layer] = {"n_tokens": n, **acc}
     return out
 
 
-ROUTER_FIELDS = ("sum_p", "sum_p_sel", "sum_gnorm_sel")  # sums of the router's p or weights
+ROUTER_FIELDS = ("sum_p", "sum_p_sel", "sum_gnorm_sel", "sum_pnorm_sel")  # sums of the router's p or weights
 
 
 def assert_stats_close(got, want, rtol: float, router_rtol: float | None = None) -> None:
@@ -141,6 +143,13 @@ def test_batched_stats_equal_naive_per_expert_loop(family):
         torch.testing.assert_close(st.gram, st.gram.T, rtol=1e-12, atol=0)
         assert float(torch.linalg.eigvalsh(st.gram).min()) > -1e-9 * float(st.gram.diagonal().max())
         assert (st.sum_p_sel <= st.sum_p + 1e-12).all() and (st.sum_norm_sel > 0).any()
+        # per routed token max ≤ sum, mean ≤ max
+        routed = st.count > 0
+        assert (st.max_norm_sel <= st.sum_norm_sel + 1e-12).all() and bool((st.max_norm_sel[~routed] == 0).all())
+        assert (st.sum_norm_sel[routed] / st.count[routed] <= st.max_norm_sel[routed] * (1 + 1e-12)).all()
+        # p·‖f‖ and g·‖f‖ agree iff the gate is the plain softmax p (no renormalization, no scale)
+        g_is_p = not adapter.renormalized(model) and adapter.routed_scaling(model) == 1.0
+        assert torch.allclose(st.sum_pnorm_sel, st.sum_gnorm_sel, rtol=1e-6) == g_is_p
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -232,6 +241,20 @@ def test_save_load_round_trip_is_exact(tmp_path):
             assert a.dtype == b.dtype and torch.equal(a, b), name
     meta = stats_metadata(path)
     assert meta["teacher"] == "tiny" and meta["layers"] == ",".join(map(str, sorted(stats)))
+
+
+def test_loading_stats_without_the_pruning_sums_says_recompute(tmp_path):
+    """A file written before sum_pnorm_sel / max_norm_sel existed: a one-line error, not a KeyError."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_model("olmoe", seed=9)
+    path = tmp_path / "stats.safetensors"
+    save_stats(collect_stats(model, get_adapter(model), padded_batches(seed=10), chunk_tokens=8), path)
+    old = {k: v for k, v in load_file(str(path)).items() if not k.endswith(("sum_pnorm_sel", "max_norm_sel"))}
+    save_file(old, str(tmp_path / "old.safetensors"), metadata={"format": "moesweep.layerstats/1"})
+    with pytest.raises(ValueError, match="recompute the calibration statistics") as e:
+        load_stats(tmp_path / "old.safetensors")
+    assert "\n" not in str(e.value) and "sum_pnorm_sel, max_norm_sel" in str(e.value)
 
 
 def test_hooks_removed_and_mode_restored_on_error():

@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from workers.diagnostics import stats_from_tokens
-from workers.scoring import SCORINGS, Scoring, acp, cp, ean, get_scoring, pp, ps, reap, sf
-from workers.selection import top_k
+from workers.scoring import (
+    SCORINGS,
+    Scoring,
+    acp,
+    cp,
+    ean,
+    get_scoring,
+    pp,
+    ps,
+    reap,
+    reap_p,
+    select_d_optimal,
+    sf,
+)
+from workers.selection import d_optimal_greedy, importance_kernel, top_k
 from workers.types import ExpertWeights, LayerContext, LayerStats
 
 
@@ -38,7 +52,8 @@ def hand_ctx() -> LayerContext:
 
 
 def test_registry_names_are_exactly_the_papers_plus_reap_family():
-    assert set(SCORINGS) == {"SF", "PP", "PS", "CP", "ACP", "DO-CP", "DO-ACP", "REAP", "EAN", "frequency"}
+    assert set(SCORINGS) == {"SF", "PP", "PS", "CP", "ACP", "DO-CP", "DO-ACP", "REAP", "REAP-p", "DO-REAP", "EAN",
+                             "frequency"}
     assert all(isinstance(s, Scoring) for s in SCORINGS.values())
 
 
@@ -54,10 +69,13 @@ def test_each_scoring_matches_hand_computed_values():
     close(reap(ctx), [(0.5 / 0.8 * 2 + 0.6 / 0.9 * 2 + 0.5 * 2) / 3,
                       (0.3 / 0.8 + 0.5 / 0.8 + 0.5) / 3,
                       (0.3 / 0.8 * 4 + 0.3 / 0.9 * 0) / 2, 0.0])
+    # REAP-p: the same mean with the raw softmax p (not renormalized over the token's two experts)
+    close(reap_p(ctx), [(0.5 * 2 + 0.6 * 2 + 0.4 * 2) / 3, (0.3 + 0.5 + 0.4) / 3, (0.3 * 4 + 0.3 * 0) / 2, 0.0])
     close(ean(ctx), [6.0, 3.0, 4.0, 0.0])  # Σ over routed tokens of |f|
     # The registry wires the same functions.
     for name, fn in [("SF", sf), ("PP", pp), ("PS", ps), ("CP", cp), ("ACP", acp), ("DO-CP", cp),
-                     ("DO-ACP", acp), ("REAP", reap), ("EAN", ean), ("frequency", sf)]:
+                     ("DO-ACP", acp), ("REAP", reap), ("REAP-p", reap_p), ("DO-REAP", reap), ("EAN", ean),
+                     ("frequency", sf)]:
         torch.testing.assert_close(SCORINGS[name].score(ctx), fn(ctx))
         assert SCORINGS[name].score(ctx).dtype == torch.float64
 
@@ -104,16 +122,49 @@ def test_top_k_breaks_ties_by_lower_id():
 
 def test_independent_selectors_are_top_k_and_do_selectors_use_the_greedy():
     ctx = random_token_ctx(7)
-    for name in ("SF", "PP", "PS", "CP", "ACP", "REAP", "EAN", "frequency"):
+    for name in ("SF", "PP", "PS", "CP", "ACP", "REAP", "REAP-p", "EAN", "frequency"):
         sc = SCORINGS[name]
         assert sc.select(ctx, sc.score(ctx), 5).selected == top_k(sc.score(ctx), 5)
-    for name in ("DO-CP", "DO-ACP"):
+    for name in ("DO-CP", "DO-ACP", "DO-REAP"):
         sc = SCORINGS[name]
         sel = sc.select(ctx, sc.score(ctx), 5)
         E = ctx.stats.num_experts
         kernel_trace = float((sc.score(ctx) * torch.diagonal(ctx.stats.gram) / ctx.stats.n_tokens).sum())
         assert math.isclose(sel.extras["lambda"], kernel_trace / (5 * E), rel_tol=1e-12)
         assert len(set(sel.selected)) == 5
+
+
+def test_do_reap_is_the_greedy_on_the_reap_kernel_and_differs_from_reap_top_k():
+    """DO-REAP: greedy D-optimal on 𝒦 = sqrt(REAP_i REAP_j)·G_ij; on random layers it does not
+    collapse to REAP's top-K."""
+    differs = False
+    for seed in range(6):
+        ctx = random_token_ctx(seed, E=12, k=3)
+        got = SCORINGS["DO-REAP"].select(ctx, reap(ctx), 4).selected
+        want = d_optimal_greedy(importance_kernel(ctx.stats.gram, ctx.stats.n_tokens, reap(ctx)), 4).selected
+        assert got == want == select_d_optimal(ctx, reap(ctx), 4).selected
+        differs |= sorted(got) != sorted(top_k(reap(ctx), 4))
+    assert differs
+
+
+def test_reap_ties_go_to_the_lower_expert_id():
+    """Two experts with the same routed mean of g·‖f‖ (different counts): top-K keeps the lower id."""
+    ctx = hand_ctx()
+    s = ctx.stats
+    count = torch.tensor([2.0, 4.0, 1.0, 3.0], dtype=torch.float64)
+    gnorm = torch.tensor([1.0, 2.0, 0.25, 0.75], dtype=torch.float64)  # REAP = 0.5, 0.5, 0.25, 0.25
+    tied = dataclasses.replace(s, count=count, sum_gnorm_sel=gnorm)
+    ctx = dataclasses.replace(ctx, stats=tied)
+    assert reap(ctx).tolist() == [0.5, 0.5, 0.25, 0.25]
+    for K, want in ((1, [0]), (2, [0, 1]), (3, [0, 1, 2])):
+        assert SCORINGS["REAP"].select(ctx, reap(ctx), K).selected == want
+
+
+def test_reap_p_without_its_sum_says_recompute():
+    ctx = hand_ctx()
+    ctx = dataclasses.replace(ctx, stats=dataclasses.replace(ctx.stats, sum_pnorm_sel=None))
+    with pytest.raises(ValueError, match="lack sum_pnorm_sel: recompute the calibration statistics"):
+        reap_p(ctx)
 
 
 def test_bad_inputs_give_one_line_errors():

@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 from workers.merge import activation
-from workers.types import ExpertWeights, LayerStats
+from workers.types import STATS_TENSORS, ExpertWeights, LayerStats
 
-STAT_FIELDS = ("count", "sum_p", "sum_p_sel", "sum_sq", "sum_gnorm_sel", "sum_norm_sel", "gram")
-FORMAT = "moesweep.layerstats/1"
+STAT_FIELDS = STATS_TENSORS
+FORMAT = "moesweep.layerstats/2"  # /2 added sum_pnorm_sel and max_norm_sel
 
 
 # ---- all experts on all tokens -----------------------------------------------------------------
@@ -159,6 +159,10 @@ class LayerAccumulator:
             nsel = norms.gather(0, sel)  # ‖f_e(t)‖ for the routed (t, e), [k, t]
             s["sum_norm_sel"].index_add_(0, sel.reshape(-1), nsel.reshape(-1))
             s["sum_gnorm_sel"].index_add_(0, sel.reshape(-1), (w64[lo:hi].T * nsel).reshape(-1))
+            # REAP-p: the same sum with the full-softmax p in place of the applied gate g
+            s["sum_pnorm_sel"].index_add_(0, sel.reshape(-1), (p64[lo:hi].gather(1, sel.T).T * nsel).reshape(-1))
+            # super-expert detection: the largest routed output norm (padding rows have norm 0)
+            s["max_norm_sel"].scatter_reduce_(0, sel.reshape(-1), nsel.reshape(-1), reduce="amax")
             s["gram"] += _gram(f).double()
             del f
 
@@ -236,7 +240,10 @@ def load_stats(path: str | Path, device: str | torch.device = "cpu") -> dict[int
     layers = sorted({int(key.split(".")[1]) for key in tensors if key.startswith("layer.")})
     if not layers:
         raise ValueError(f"{path}: no 'layer.<i>.' tensors; not a calibration statistics file")
-    return {layer: LayerStats.from_tensors(tensors, f"layer.{layer}.") for layer in layers}
+    try:
+        return {layer: LayerStats.from_tensors(tensors, f"layer.{layer}.") for layer in layers}
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def stats_metadata(path: str | Path) -> dict[str, str]:

@@ -1,7 +1,8 @@
 """Expert scorings: a base score s_e per expert, and the selector that picks the K kept experts.
 
-Paper §3.2 and Appendix C (SF, PP, PS, CP, ACP, DO-CP, DO-ACP); REAP and EAN from the REAP paper
-(Lasby et al., "REAP the Experts", Eq. 9 and Appendix D). Adding a scoring = one function `(ctx) -> Tensor[E]` plus one registry line.
+Paper §3.2 and Appendix C (SF, PP, PS, CP, ACP, DO-CP, DO-ACP); REAP, REAP-p and EAN from the REAP paper
+(Lasby et al., "REAP the Experts", Eq. 9 and Appendix D); DO-REAP = the D-optimal selection with REAP
+as its importance. Adding a scoring = one function `(ctx) -> Tensor[E]` plus one registry line.
 Pure tensor code: no transformers import.
 """
 
@@ -16,7 +17,8 @@ from workers.registry import lookup
 from workers.selection import Selection, d_optimal_greedy, importance_kernel, top_k
 from workers.types import LayerContext, LayerStats
 
-Selector = Callable[[LayerContext, torch.Tensor, int], Selection]
+# (ctx, scores, K, forced=()) -> Selection; `forced` experts are kept first (e.g. protected super experts)
+Selector = Callable[..., Selection]
 
 
 def _f64(t: torch.Tensor) -> torch.Tensor:
@@ -61,8 +63,26 @@ def acp(ctx: LayerContext) -> torch.Tensor:
 
 
 def reap(ctx: LayerContext) -> torch.Tensor:
-    """REAP saliency: mean over routed tokens of g_e(t)·‖f_e(t)‖, 0 if never routed (REAP paper, Eq. 9)."""
+    """REAP saliency: mean over routed tokens of g_e(t)·‖f_e(t)‖, 0 if never routed (REAP paper, Sec. 4, Eq. 9).
+
+    g is the gate the model really applied (renormalized over the top-k where the router does, times
+    DeepSeek's routed scaling factor): the paper's definition. `REAP-p` (reap_p) is the variant with the
+    full-softmax probability p in place of g, what the REAP repository's earlier code used as the gate.
+    How REAP differs from ACP (paper §3.2), which also weighs an expert's output by its router mass:
+      - gate: REAP uses the applied gate g (REAP-p: p), ACP the raw softmax p over all E;
+      - tokens: REAP averages over the tokens routed to e only, ACP's norm is the RMS over all tokens;
+      - combination: REAP is one joint conditional mean E[g·‖f‖ | e routed], ACP a product of two
+        separate means, CP_e × sqrt(E_t ‖f_e‖²).
+    Selection keeps the K largest; on equal scores the lower expert id wins (workers.selection.top_k).
+    """
     return _per_routed(ctx.stats.sum_gnorm_sel, ctx.stats.count)
+
+
+def reap_p(ctx: LayerContext) -> torch.Tensor:
+    """REAP-p: mean over routed tokens of p_e(t)·‖f_e(t)‖ with p the softmax over all E router logits
+    (REAP paper Eq. 9 with the REAP repository's earlier gate), 0 if never routed."""
+    ctx.stats.require("sum_pnorm_sel")
+    return _per_routed(ctx.stats.sum_pnorm_sel, ctx.stats.count)
 
 
 def ean(ctx: LayerContext) -> torch.Tensor:
@@ -70,19 +90,19 @@ def ean(ctx: LayerContext) -> torch.Tensor:
     return _f64(ctx.stats.sum_norm_sel)
 
 
-def select_top_k(ctx: LayerContext, scores: torch.Tensor, K: int) -> Selection:
-    """Independent scoring: keep the K best, ties → lower expert id."""
-    return Selection(top_k(scores, K))
+def select_top_k(ctx: LayerContext, scores: torch.Tensor, K: int, forced: tuple[int, ...] = ()) -> Selection:
+    """Independent scoring: keep the K best, ties → lower expert id (after the `forced` experts)."""
+    return Selection(top_k(scores, K, forced))
 
 
-def select_d_optimal(ctx: LayerContext, scores: torch.Tensor, K: int) -> Selection:
+def select_d_optimal(ctx: LayerContext, scores: torch.Tensor, K: int, forced: tuple[int, ...] = ()) -> Selection:
     """Greedy D-optimal on 𝒦 = sqrt(I_i I_j)·G_ij with I = the base score and λ = trace(𝒦)/(K·E) (Algorithm 2).
 
     With this (the paper's) λ the greedy may keep two identical experts (Appendix E.1 with K ≥ 4):
     see d_optimal_greedy.
     """
     kernel = importance_kernel(ctx.stats.gram, ctx.stats.n_tokens, scores)
-    return d_optimal_greedy(kernel, K)
+    return d_optimal_greedy(kernel, K, forced=forced)
 
 
 @dataclass(frozen=True)
@@ -102,6 +122,8 @@ SCORINGS: dict[str, Scoring] = {
     "DO-CP": Scoring(cp, select_d_optimal),
     "DO-ACP": Scoring(acp, select_d_optimal),
     "REAP": Scoring(reap),
+    "REAP-p": Scoring(reap_p),
+    "DO-REAP": Scoring(reap, select_d_optimal),
     "EAN": Scoring(ean),
     "frequency": Scoring(sf),
 }

@@ -24,12 +24,23 @@ class Selection:
     extras: dict = field(default_factory=dict)
 
 
-def top_k(scores: torch.Tensor, K: int) -> list[int]:
-    """The K highest scores, ties broken by the lower expert id (Algorithm 1 line 1)."""
+def check_forced(forced: list[int] | tuple[int, ...], K: int, E: int) -> list[int]:
+    """Experts a selection must start with: distinct ids in 0..E-1, at most K of them."""
+    out = [int(e) for e in forced]
+    if len(set(out)) != len(out) or not all(0 <= e < E for e in out) or len(out) > K:
+        raise ValueError(f"forced={out}: need at most K={K} distinct expert ids in 0..{E - 1}")
+    return out
+
+
+def top_k(scores: torch.Tensor, K: int, forced: list[int] | tuple[int, ...] = ()) -> list[int]:
+    """The K highest scores, ties broken by the lower expert id (Algorithm 1 line 1). With `forced`:
+    those experts first, in their order, then the highest scores among the others."""
     s = scores.detach().to("cpu", torch.float64).tolist()
     if not 1 <= K <= len(s):
         raise ValueError(f"K={K} out of range; allowed 1 <= K <= E={len(s)}")
-    return sorted(range(len(s)), key=lambda e: (-s[e], e))[:K]
+    first = check_forced(forced, K, len(s))
+    rest = sorted((e for e in range(len(s)) if e not in first), key=lambda e: (-s[e], e))
+    return (first + rest)[:K]
 
 
 def importance_kernel(gram: torch.Tensor, n_tokens: int, importance: torch.Tensor) -> torch.Tensor:
@@ -69,7 +80,8 @@ def argmax_low_id(values: torch.Tensor, available: torch.Tensor) -> int:
 
 
 def d_optimal_greedy(kernel: torch.Tensor, K: int, lam: float | None = None,
-                     progress: Callable[[int, int], None] | None = None) -> Selection:
+                     progress: Callable[[int, int], None] | None = None,
+                     forced: list[int] | tuple[int, ...] = ()) -> Selection:
     """Greedy D-optimal selection (Algorithm 2): maximize log det(𝒦_S + λI) one expert at a time.
 
     Each step adds the e with the largest Schur complement σ_e = 𝒦_ee + λ − 𝒦_eS (𝒦_S + λI)^{-1} 𝒦_Se
@@ -81,6 +93,8 @@ def d_optimal_greedy(kernel: torch.Tensor, K: int, lam: float | None = None,
     identical expert for K ≥ 4 instead of a specialist; with the proof's λ = β (the specialists'
     kernel diagonal) it keeps one redundant expert and all specialists. This is what Eq. 4 with the
     paper's λ does, not a defect of the greedy; pass `lam` to choose another regularizer.
+    `forced`: experts taken as the first picks, in order (e.g. protected super experts); the greedy
+    then continues from that set.
     Extras: `lambda`, `log_gains` (log σ of each pick, in order), `log_det` = F̃(S) = log det(I + 𝒦_S/λ).
     """
     km = kernel.detach().to("cpu", torch.float64)
@@ -89,6 +103,7 @@ def d_optimal_greedy(kernel: torch.Tensor, K: int, lam: float | None = None,
     E = km.shape[0]
     if not 1 <= K <= E:
         raise ValueError(f"K={K} out of range; allowed 1 <= K <= E={E}")
+    first = check_forced(forced, K, E)
     lam = default_lambda(km, K) if lam is None else float(lam)
     if not (lam > 0 and math.isfinite(lam)):
         raise ValueError(f"lambda={lam}; must be finite and > 0")
@@ -99,7 +114,7 @@ def d_optimal_greedy(kernel: torch.Tensor, K: int, lam: float | None = None,
     selected: list[int] = []
     gains: list[float] = []
     for step in range(K):
-        j = argmax_low_id(sigma, available)
+        j = first[step] if step < len(first) else argmax_low_id(sigma, available)
         selected.append(j)
         gains.append(math.log(float(sigma[j])))
         available[j] = False

@@ -83,6 +83,11 @@ class TeacherShape:
     moe_layers: int  # decoder layers whose FFN is a routed MoE block
 
 
+# Every tensor of LayerStats, in file order.
+STATS_TENSORS = ("count", "sum_p", "sum_p_sel", "sum_sq", "sum_gnorm_sel", "sum_norm_sel", "gram",
+                 "sum_pnorm_sel", "max_norm_sel")
+
+
 @dataclass
 class LayerStats:
     """Sufficient statistics of one MoE layer over N calibration tokens.
@@ -100,22 +105,37 @@ class LayerStats:
     sum_gnorm_sel: torch.Tensor  # [E] Σ_{t: e∈S(t)} g_e(t)·‖f_e(t)‖   (REAP numerator)
     sum_norm_sel: torch.Tensor  # [E] Σ_{t: e∈S(t)} ‖f_e(t)‖          (EAN)
     gram: torch.Tensor  # [E, E] Σ_t ⟨f_i(t), f_j(t)⟩ over all tokens (a sum: divide by n_tokens for G)
+    # Optional only for statistics built by hand (tests, token-level references); calibration always
+    # fills them and load_stats requires them.
+    sum_pnorm_sel: torch.Tensor | None = None  # [E] Σ_{t: e∈S(t)} p_e(t)·‖f_e(t)‖  (REAP-p numerator)
+    max_norm_sel: torch.Tensor | None = None  # [E] max_{t: e∈S(t)} ‖f_e(t)‖, 0 if never routed
 
     @property
     def num_experts(self) -> int:
         return self.count.shape[0]
 
+    def require(self, *names: str) -> None:
+        """One-line ValueError if any of the optional statistics `names` is missing."""
+        missing = [n for n in names if getattr(self, n) is None]
+        if missing:
+            raise ValueError(f"layer statistics lack {', '.join(missing)}: recompute the calibration statistics")
+
     def to_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        """Flatten for safetensors; `prefix` is e.g. 'layer.3.'."""
+        """Flatten for safetensors; `prefix` is e.g. 'layer.3.'. Missing optional statistics are left out."""
         out = {f"{prefix}n_tokens": torch.tensor([self.n_tokens], dtype=torch.int64)}
-        for name in ("count", "sum_p", "sum_p_sel", "sum_sq", "sum_gnorm_sel", "sum_norm_sel", "gram"):
-            out[prefix + name] = getattr(self, name).contiguous()
+        for name in STATS_TENSORS:
+            if getattr(self, name) is not None:
+                out[prefix + name] = getattr(self, name).contiguous()
         return out
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str) -> LayerStats:
-        kw = {name: tensors[prefix + name] for name in
-              ("count", "sum_p", "sum_p_sel", "sum_sq", "sum_gnorm_sel", "sum_norm_sel", "gram")}
+        """The inverse of to_tensors; every statistic (optional ones included) must be present."""
+        missing = [name for name in ("n_tokens", *STATS_TENSORS) if prefix + name not in tensors]
+        if missing:
+            raise ValueError(f"statistics '{prefix}*' lack {', '.join(missing)} (written by an older "
+                             "moesweep): recompute the calibration statistics")
+        kw = {name: tensors[prefix + name] for name in STATS_TENSORS}
         return cls(n_tokens=int(tensors[prefix + "n_tokens"].item()), **kw)
 
 

@@ -103,6 +103,15 @@ class FamilyAdapter(ABC):
         architecture's own rule). Restores the model on exit; never copies it."""
         ...
 
+    # --- pruned MoE student ------------------------------------------------------------------
+    @abstractmethod
+    def pruned_moe_student(self, model: nn.Module, kept: dict[int, list[int]]) -> nn.Module:
+        """A model of the same HF class whose config has E' = len(kept[l]) routed experts in every MoE
+        layer l: the router rows (and any per-expert router bias) and the expert tensors sliced to
+        kept[l] (new tensors), shared experts and dense layers copied, top-k and renormalization rule
+        unchanged. Every MoE layer must be listed with the same E' >= k (one-line ValueError)."""
+        ...
+
     # --- student ---------------------------------------------------------------------------
     @abstractmethod
     def student_config(self, teacher: nn.Module, width: int) -> Any:

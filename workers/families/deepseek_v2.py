@@ -15,10 +15,26 @@ Student: the same class with first_k_dense_replace = num_hidden_layers (every la
 width `width`); shared experts concatenated with scale 1.0 (K counts routed experts only); the
 teacher's dense layers zero-padded to the same width. The routed part is
 multiplied by routed_scaling_factor (see FamilyAdapter.routed_scaling).
+
+Pruned MoE (pruned_moe_student): router rows, V3's e_score_correction_bias and the experts sliced to
+the kept ids (ascending); routed_scaling_factor, k and norm_topk_prob unchanged. Group-limited routing
+(V2 topk_method="group_limited_greedy", V3 always) splits the E experts into n_group contiguous blocks.
+The groups are kept (n_group, topk_group unchanged) when every layer keeps E'/n_group experts of every
+original group, topk_group × E'/n_group >= k (the chosen groups can supply k experts) and, for V3
+(whose group score sums the group's top-2 scores), E'/n_group >= 2: the pruned router's contiguous
+blocks are then exactly the original groups minus the dropped experts, and the pruned model routes as
+the teacher with the dropped experts excluded. Otherwise (E' not divisible by n_group, an uneven pick
+across the groups, too few per group) the pruned config sets n_group = topk_group = 1: plain top-k over
+the survivors (V3: of the bias-corrected scores). Re-cutting the survivors into n_group new contiguous
+blocks would group experts that were never grouped, an arbitrary constraint; dropping the group limit
+keeps the rest of the teacher's rule (DeepSeek motivates the limit by the devices a token's experts
+sit on, not by what the experts compute). V2 "greedy" routing ignores the groups: n_group/topk_group
+are left as they are.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -40,6 +56,33 @@ class _DeepseekAdapter(FusedMoeAdapter):
     def config_shared_experts(self, config: Any) -> int:
         return config_int(config, "n_shared_experts")
 
+    min_group: int = 1  # experts a group must keep for the router's group score (V3: top-2 sum)
+
+    def group_limited(self, config: Any) -> bool:
+        """Does the router restrict each token to topk_group of n_group expert groups?"""
+        return True
+
+    def groups_survive(self, config: Any, kept: Mapping[int, Sequence[int]]) -> bool:
+        """Can the pruned router keep n_group/topk_group and route exactly as the teacher without the
+        dropped experts (module docstring)?"""
+        E, e_new = config_int(config, self.experts_key), len(next(iter(kept.values())))
+        n_group, topk_group = config_int(config, "n_group"), config_int(config, "topk_group")
+        k = config_int(config, "num_experts_per_tok")
+        if e_new % n_group or e_new // n_group < self.min_group or topk_group * (e_new // n_group) < k:
+            return False
+        size = E // n_group
+        return all(sorted(e // size for e in ids) == sorted(list(range(n_group)) * (e_new // n_group))
+                   for ids in kept.values())
+
+    def pruned_config(self, model: nn.Module, kept: dict[int, list[int]]) -> Any:
+        cfg = super().pruned_config(model, kept)
+        if self.group_limited(model.config) and not self.groups_survive(model.config, kept):
+            cfg.n_group, cfg.topk_group = 1, 1
+        if self.group_limited(cfg) and len(next(iter(kept.values()))) // cfg.n_group < self.min_group:
+            raise ValueError(f"{self.name}: its group score needs >= {self.min_group} experts per group; "
+                             f"kept {len(next(iter(kept.values())))} experts")
+        return cfg
+
     def num_shared_experts(self, model: nn.Module) -> int:
         """The shared MLP's width in units of one routed expert's width (moe_intermediate_size)."""
         layer = self.moe_layers(model)[0]
@@ -53,6 +96,9 @@ class DeepseekV2Adapter(_DeepseekAdapter):
     name = "deepseek_v2"
     model_types = ("deepseek_v2",)
     block_classes = ("DeepseekV2Moe",)
+
+    def group_limited(self, config: Any) -> bool:
+        return getattr(config, "topk_method", None) == "group_limited_greedy"
 
     def native_renorm(self, router: nn.Module) -> bool:
         return False  # DeepseekV2TopkRouter never divides by the top-k sum
@@ -72,6 +118,8 @@ class DeepseekV3Adapter(_DeepseekAdapter):
     name = "deepseek_v3"
     model_types = ("deepseek_v3",)
     block_classes = ("DeepseekV3MoE",)
+    expert_tensors = ("gate.weight", "gate.e_score_correction_bias", "experts.gate_up_proj", "experts.down_proj")
+    min_group = 2
 
     def native_renorm(self, router: nn.Module) -> bool:
         return bool(router.norm_topk_prob)

@@ -9,7 +9,8 @@ expanded routing, student assembly).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import copy
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import fields
 from typing import Any
@@ -107,6 +108,8 @@ class FusedMoeAdapter(FamilyAdapter):
     """Adapter for an MoE block `layer.mlp` with `experts` (fused) and a top-k router."""
 
     router_attr: str = "gate"
+    # Tensors of the block with a leading expert axis, relative to the block: sliced by the pruned MoE.
+    expert_tensors: tuple[str, ...] = ("gate.weight", "experts.gate_up_proj", "experts.down_proj")
     shared_attr: str | None = None  # attribute of the block holding ungated shared experts
     student_act: str = "silu"
     experts_key: str = "num_experts"  # config field with the routed experts per MoE layer
@@ -265,6 +268,54 @@ class FusedMoeAdapter(FamilyAdapter):
 
         return forward
 
+    # --- pruned MoE student (REAP paper, Sec. 4: drop experts, keep the router rows of the rest) ---
+    def check_kept(self, model: nn.Module, kept: Mapping[int, Sequence[int]]) -> dict[int, list[int]]:
+        """`kept` validated: every MoE layer listed once, distinct expert ids in 0..E-1, the same count
+        E' >= k in every layer (an HF config has one expert count). Returns the ids sorted ascending:
+        expert j of the pruned layer is its j-th smallest kept id."""
+        layers, E, k = self.moe_layers(model), self.num_experts(model), self.top_k(model)
+        kept = {int(layer): ids for layer, ids in kept.items()}  # JSON keys are strings
+        if sorted(kept) != layers:
+            raise ValueError(f"kept lists layers {sorted(kept)}; the model's MoE layers are {layers}")
+        out: dict[int, list[int]] = {}
+        for layer in layers:
+            ids = [int(e) for e in kept[layer]]
+            if len(set(ids)) != len(ids) or not all(0 <= e < E for e in ids):
+                raise ValueError(f"kept[{layer}]={ids}: expert ids must be distinct and in 0..{E - 1}")
+            out[layer] = sorted(ids)
+        sizes = {layer: len(ids) for layer, ids in out.items()}
+        if len(set(sizes.values())) != 1:
+            raise ValueError(f"kept lists differ in length across layers ({sizes}): the HF config has one "
+                             "expert count, keep the same E' in every MoE layer")
+        e_new = next(iter(sizes.values()))
+        if e_new < k:
+            raise ValueError(f"kept {e_new} experts per layer but the router picks k={k}: need E' >= k")
+        return out
+
+    def pruned_config(self, model: nn.Module, kept: dict[int, list[int]]) -> Any:
+        """The teacher's config with E' routed experts; everything else (k, renormalization) unchanged."""
+        cfg = copy.deepcopy(model.config)
+        setattr(cfg, self.experts_key, len(next(iter(kept.values()))))
+        return cfg
+
+    def pruned_moe_student(self, model: nn.Module, kept: Mapping[int, Sequence[int]]) -> nn.Module:
+        """A model of the teacher's class with E' experts per MoE layer: the router rows (and router or
+        score-correction biases) and the expert tensors sliced to `kept[layer]` (new, smaller tensors),
+        everything else (attention, norms, shared experts, dense layers) copied. See check_kept."""
+        ids = self.check_kept(model, kept)
+        cfg = self.pruned_config(model, ids)
+        named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        sliced: dict[str, torch.Tensor] = {}
+        for layer, kept_ids in ids.items():
+            idx = torch.tensor(kept_ids, dtype=torch.long)
+            for rel in self.expert_tensors:
+                name = f"model.layers.{layer}.mlp.{rel}"
+                if name not in named:
+                    raise ValueError(f"{name}: no such tensor in the {self.name} model")
+                t = named[name].detach()
+                sliced[name] = t.index_select(0, idx.to(t.device))
+        return rebuild(cfg, model, sliced)
+
     # --- student ---------------------------------------------------------------------------
     def student_ffn_params(self, layer: int, ffn: DenseFFN) -> dict[str, torch.Tensor]:
         """Student parameter name → tensor for one layer's FFN (a plain gate/up/down MLP here)."""
@@ -360,3 +411,52 @@ def assemble(cfg: Any, teacher: nn.Module, ffn_tensors: dict[str, torch.Tensor],
                 raise ValueError(f"student tensor attribute {mod_name}.{key} left on the meta device")
     return student.eval()
 
+
+def rebuild(cfg: Any, teacher: nn.Module, replaced: dict[str, torch.Tensor]) -> nn.Module:
+    """A model of `cfg` (built on the meta device) whose parameters and buffers are `replaced[name]`
+    where given, else a copy of the teacher's tensor of the same name (tied tensors stay tied). Every
+    shape must match what `cfg` builds; nothing is shared with the teacher."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        student = AutoModelForCausalLM.from_config(cfg)
+    if type(student) is not type(teacher):
+        raise ValueError(f"config builds {type(student).__name__}, the teacher is {type(teacher).__name__}")
+    source = {**dict(teacher.named_parameters(remove_duplicate=False)),
+              **dict(teacher.named_buffers(remove_duplicate=False))}
+    # one new tensor (and one Parameter) per source object: the teacher's tied names stay tied
+    memo: dict[tuple, torch.Tensor] = {}
+    params: dict[tuple, nn.Parameter] = {}
+
+    def tensor(name: str, like: torch.Tensor) -> tuple[tuple, torch.Tensor]:
+        if name in replaced:
+            key = ("replaced", name)
+            if key not in memo:
+                memo[key] = replaced[name].detach().contiguous()
+        elif name in source:
+            key = ("teacher", id(source[name]))
+            if key not in memo:
+                memo[key] = source[name].detach().clone()
+        else:
+            raise ValueError(f"{name}: the pruned model needs it, the teacher has no such tensor")
+        t = memo[key]
+        if tuple(t.shape) != tuple(like.shape):
+            raise ValueError(f"{name}: shape {tuple(t.shape)} but the pruned config builds {tuple(like.shape)}")
+        return key, t
+
+    for name, p in list(student.named_parameters(remove_duplicate=False)):
+        key, t = tensor(name, p)
+        if key not in params:
+            params[key] = nn.Parameter(t, requires_grad=p.requires_grad)
+        mod_name, _, leaf = name.rpartition(".")
+        student.get_submodule(mod_name)._parameters[leaf] = params[key]
+    for name, b in list(student.named_buffers(remove_duplicate=False)):
+        mod_name, _, leaf = name.rpartition(".")
+        student.get_submodule(mod_name)._buffers[leaf] = tensor(name, b)[1]
+    if getattr(teacher, "generation_config", None) is not None:
+        student.generation_config = copy.deepcopy(teacher.generation_config)
+    for mod_name, mod in student.named_modules():
+        for key, v in vars(mod).items():
+            if isinstance(v, torch.Tensor) and v.is_meta and key not in ("_parameters", "_buffers"):
+                raise ValueError(f"pruned model tensor attribute {mod_name}.{key} left on the meta device")
+    return student.eval()

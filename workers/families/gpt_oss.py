@@ -8,6 +8,9 @@ Experts (transformers 5.x) are transposed and interleaved with biases: gate_up_p
 
 No dense twin (attention sinks, sliding layers): the student is the same class with one expert and
 top-1 (softmax over one logit = 1), the FFN's biases and clamped SwiGLU kept.
+
+Pruned MoE: the router's weight rows and bias entries and every expert tensor (biases included) sliced
+to the kept experts; top-k over the surviving logits, softmax over the chosen k, as in the teacher.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ class GptOssAdapter(FusedMoeAdapter):
     model_types = ("gpt_oss",)
     block_classes = ("GptOssMLP",)
     router_attr = "router"
+    expert_tensors = ("router.weight", "router.bias", "experts.gate_up_proj", "experts.gate_up_proj_bias",
+                      "experts.down_proj", "experts.down_proj_bias")
     student_act = "gptoss"
     experts_key = "num_local_experts"
 
