@@ -68,8 +68,10 @@ def model_shape(spec: SweepSpec, path: str | None = None) -> TeacherShape:
 
 
 def check_k(spec: SweepSpec, shape: TeacherShape) -> None:
+    from orchestrator.stages.convert import subgrids
+
     E, k = shape.num_experts, shape.top_k
-    for K in spec.grid.K:
+    for K in sorted({K for g in subgrids(spec) for K in g.K}):
         if k is not None and K < k:
             raise SpecError(f"grid.K: {K} is below the router's top-k ({k}); allowed: {k} ≤ K ≤ {E}")
         if E is not None and K > E:

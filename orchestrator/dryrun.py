@@ -11,6 +11,7 @@ from rich.table import Table
 from orchestrator import configs as P
 from orchestrator.spec import SweepSpec
 from orchestrator.stage import SweepContext, stages, unique
+from orchestrator.stages.convert import subgrids
 
 
 def plan_counts(spec: SweepSpec) -> tuple[list[dict[str, Any]], list[str]]:
@@ -40,9 +41,10 @@ def plan_counts(spec: SweepSpec) -> tuple[list[dict[str, Any]], list[str]]:
 def dry_run(spec: SweepSpec, store, console: Console) -> None:
     rows, keys = plan_counts(spec)
     shape = P.stated_shape(spec)
+    grids = "; ".join(" × ".join(f"{len(v)} {a}" for a, v in g.model_dump().items() if v is not None)
+                      for g in subgrids(spec))
     console.print(f"[bold]{spec.name}[/]: teacher {P.teacher_label(spec)} (E={shape.num_experts}, k={shape.top_k}, "
-                  f"from the {shape.source}); "
-                  + " × ".join(f"{len(getattr(spec.grid, a))} {a}" for a in type(spec.grid).model_fields))
+                  f"from the {shape.source}); {grids}")
     t = Table("stage", "named by configs", "distinct jobs", "notes", title="jobs (nothing is run)")
     for r in rows:
         t.add_row(r["stage"], str(r["named"]), str(r["distinct"]), r["note"])

@@ -32,6 +32,7 @@ from rich.table import Table
 from db.artifacts import check as artifact_check
 from db.store import STALE_AFTER_S, Store, home, owner_id
 from orchestrator import configs as P
+from orchestrator.axes import AXES
 from orchestrator.spec import SweepSpec, check_local_paths, spec_hash
 from orchestrator.stage import JobSpec, Stage, SweepContext, TeacherShape, stages, unique
 
@@ -381,7 +382,7 @@ def launch(spec: SweepSpec, spec_text: str, store: Store, executor, *, retry_fai
                 ctx.outputs[stage.name] = runner.run_stage(stage, jobs.values())
                 _link(store, cfg_ids, jobs, stage.name)
                 if stage.identity:
-                    _mark_duplicates(store, cfg_ids, jobs)
+                    _mark_duplicates(store, cfg_ids, jobs, ctx)
                 if stage.after is not None:
                     stage.after(ctx)
         if runner.interrupted:
@@ -458,14 +459,17 @@ def _link(store: Store, cfg_ids: dict[str, int], jobs: dict[str, JobSpec], stage
     store.link([(cfg_ids[ck], stage, rows[j.key]["id"]) for ck, j in linked.items() if j.key in rows])
 
 
-def _mark_duplicates(store: Store, cfg_ids: dict[str, int], jobs: dict[str, JobSpec]) -> None:
-    """Configurations sharing one student are marked duplicates of the first of them."""
-    first: dict[str, int] = {}
+def _mark_duplicates(store: Store, cfg_ids: dict[str, int], jobs: dict[str, JobSpec], ctx: SweepContext) -> None:
+    """Configurations sharing one student (the same job, and the same values of the axes that change a
+    student after its conversion, such as recovery) are marked duplicates of the first of them."""
+    later = [a.name for a in AXES.values() if a.after_student]
+    first: dict[tuple, int] = {}
     updates: dict[int, dict[str, Any]] = {}
     for ck, j in sorted(((ck, j) for ck, j in jobs.items() if ck in cfg_ids), key=lambda kv: cfg_ids[kv[0]]):
         cid = cfg_ids[ck]
-        first.setdefault(j.key, cid)
-        updates[cid] = {"duplicate_of": None if first[j.key] == cid else first[j.key]}
+        ident = (j.key, *(ctx.config(ck).get(a) for a in later))
+        first.setdefault(ident, cid)
+        updates[cid] = {"duplicate_of": None if first[ident] == cid else first[ident]}
     store.set_config_fields(updates)
 
 
@@ -475,7 +479,9 @@ def _select(spec: SweepSpec, store: Store, sid: int, cfg_ids: dict[str, int]) ->
     rows = [dict(zip(cols, r, strict=True)) for r in rows]
     key_of = {cid: ck for ck, cid in cfg_ids.items()}
     main = [r for r in rows if r.get("variant_of") is None and r["config_id"] in key_of]
-    moe = [r for r in main if r["kind"] == "moe2dense"]  # duplicates compete too: same numbers
+    # the rule picks dense students to distill (a smaller MoE is recovered by its own `recovery` axis);
+    # duplicates compete too: same numbers
+    moe = [r for r in main if r["kind"] == "moe2dense" and r.get("output") in (None, "dense")]
     picked = P.select_best(moe, spec.select.per, spec.select.over) if spec.select else moe
     chosen = [key_of[r["config_id"]] for r in picked]
     base = [r for r in main if r["kind"] == "baseline"]

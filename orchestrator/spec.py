@@ -202,11 +202,13 @@ def _one_line(e: ValidationError) -> str:
 def _check_worker_settings(spec: SweepSpec, path: Path) -> None:
     """Validate pass-through sections with the workers' own (torch-free) dataclasses."""
     from workers.distill_spec import DistillSpec
+    from workers.router_kd_spec import RouterKDSpec
     from workers.tiny.spec import TinyTeacherSpec
 
     checks: list[tuple[str, type, dict]] = [("teacher.tiny", TinyTeacherSpec, spec.teacher.tiny)]
     if spec.dense_teacher is not None:
         checks.append(("dense_teacher.tiny", TinyTeacherSpec, spec.dense_teacher.tiny))
+    checks.append(("router_kd.settings", RouterKDSpec, spec.router_kd.settings))
     if spec.distill is not None:
         checks.append(("distill.settings", DistillSpec, spec.distill.settings))
         for i, v in enumerate(spec.distill.variants):
@@ -224,7 +226,8 @@ def _check_worker_settings(spec: SweepSpec, path: Path) -> None:
 
 def data_sections(spec: SweepSpec) -> list[tuple[str, Data]]:
     """Every data source a sweep names, with where it is named."""
-    out = [("calibration.data", spec.calibration.data), ("ppl.data", spec.ppl.data)]
+    out = [("calibration.data", spec.calibration.data), ("ppl.data", spec.ppl.data),
+           ("router_kd.data", spec.router_kd.data)]
     if spec.distill is not None:
         out += [("distill.data", spec.distill.data), ("distill.val_data", spec.distill.val_data)]
     return out

@@ -62,7 +62,12 @@ def fake(monkeypatch, tmp_path):
         return {"outputs": {}, "metrics": [{"name": "ppl", "stage": "post", "value": 5.0},
                                            {"name": "acc", "stage": "post", "task": "t", "value": v, "headline": 1}]}
 
-    fns = dict(calibrate=calibrate, convert=convert, ppl_pre=ppl_pre, distill=distill, evaluate=evaluate)
+    def router_kd(p, cache, progress):
+        return {"outputs": {"delta": "nowhere"}, "metrics": [{"name": "train_loss", "stage": "router_kd",
+                                                             "who": "student", "step": 0, "value": 1.0}]}
+
+    fns = dict(calibrate=calibrate, convert=convert, ppl_pre=ppl_pre, distill=distill, evaluate=evaluate,
+               router_kd=router_kd)
     for name, fn in fns.items():
         def wrapped(p, cache, progress, fn=fn, name=name):
             calls.append((name, p["key"]))

@@ -294,25 +294,79 @@ def _distill_multiprocess(payload: dict, student, tok, teacher_dir: str, role: s
     return rec
 
 
+# ---- router KD -------------------------------------------------------------------------------------
+def stage_router_kd(payload: dict, cache: dict, progress) -> dict:
+    """Retrain only the routers of a smaller MoE against its teacher (the Router KD paper, §4); the
+    result is a router delta: the router tensors and the identity of the student they apply to."""
+    from workers.families import get_adapter
+    from workers.router_kd import calibration_batches, router_kd, save_router_delta
+    from workers.router_kd_spec import RouterKDSpec
+
+    p = payload["params"]
+    spec = RouterKDSpec(**p["settings"])
+    student, tok = make_student(payload, cache, p["student"], for_training=True)
+    teacher, _ = resident_teacher(payload, cache)
+    ids = windows(payload, cache, tok, p["data"], spec.max_len, spec.max_samples, spec.seed)
+    cb = (lambda i, n: progress(i, n, "router_kd")) if progress else None
+    rec = router_kd(student, teacher, get_adapter(student), calibration_batches(ids, spec), spec, progress=cb)
+    path = Path(payload["workdir"]) / "router_delta.safetensors"
+    save_router_delta(path, rec["router_delta"], parent_hash=_recipe_hash(p["student"]),
+                      metadata={"kd_loss_norm": rec["kd_loss_norm"], "steps": rec["steps"]})
+    metrics = [_metric("train_loss", v, stage="router_kd", who="student", step=i)
+               for i, v in enumerate(rec["loss_curve"])]
+    metrics += [_metric("trainable_params", float(rec["trainable_params"]), stage="router_kd"),
+                _metric("kd_tokens", float(rec["tokens"]), stage="router_kd", n_tokens=rec["tokens"],
+                        extra={"router_renorm": rec["router_renorm"], "kd_loss_norm": rec["kd_loss_norm"],
+                               "steps": rec["steps"], "sequences": rec["sequences"]})]
+    return {"outputs": {"delta": str(path), "parent": _recipe_hash(p["student"]), "steps": rec["steps"]},
+            "metrics": metrics, "artifacts": [artifact("router_delta", path)]}
+
+
+def _recipe_hash(recipe: dict[str, Any]) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def recovered_student(payload: dict, cache: dict, recipe: dict[str, Any]):
+    """The student a recipe names, with a Router KD delta applied when the recipe says so."""
+    if recipe["type"] != "router_kd":
+        return make_student(payload, cache, recipe, for_training=False)
+    from workers.router_kd import apply_router_delta, load_router_delta
+
+    student, tok = make_student(payload, cache, recipe["base"], for_training=True)
+    delta, _ = load_router_delta(payload["inputs"]["router_kd"]["delta"], parent_hash=_recipe_hash(recipe["base"]))
+    apply_router_delta(student, delta)
+    return student, tok
+
+
 # ---- evaluation ------------------------------------------------------------------------------------
 def stage_evaluate(payload: dict, cache: dict, progress) -> dict:
     from workers.evaluate import run_suite
 
     p = payload["params"]
-    if p["student"]["type"] == "distilled":
+    ev = p["evaluate"]
+    kind = p["student"]["type"]
+    if kind == "distilled":
         path = payload["inputs"]["distill"]["path"]
         model, tok = load_model(path)
         model_key = payload["key"]
-    else:
+    elif kind == "teacher":
         model, tok = resident_teacher(payload, cache)
         path = teacher_path(payload)
         model_key = f"teacher-{payload['key']}"
+    else:  # a student built from its recipe (a smaller MoE, with its routers retrained by Router KD or not)
+        model, tok = recovered_student(payload, cache, p["student"])
+        path = str(Path(payload["workdir"]) / "student")
+        if ev["backend"] == "vllm":  # vLLM loads a checkpoint from disk
+            model.save_pretrained(path)
+            tok.save_pretrained(path)
+        model_key = payload["key"]
     metrics = []
-    ev = p["evaluate"]
     if ev.get("ppl", True):
         with torch.no_grad():
             metrics.append(ppl_record(model, tok, payload, cache, "post"))
-    if ev["backend"] == "vllm" and p["student"]["type"] == "distilled":  # vLLM loads it from disk itself
+    if ev["backend"] == "vllm" and kind != "teacher":  # vLLM loads it from disk itself
         del model
         model = None
         if torch.cuda.is_available():

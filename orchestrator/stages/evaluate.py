@@ -29,16 +29,24 @@ class Evaluate(Strict):
 
 
 def evaluate_job(ctx: SweepContext, upstream: JobSpec) -> JobSpec:
-    """Evaluate a distilled student (upstream = its distill job) or the teacher (upstream = its ppl job)."""
+    """Evaluate a distilled student (upstream = its distill job), a smaller MoE with its routers retrained
+    (upstream = its router_kd job), or a student as converted, and the teacher (upstream = its ppl job)."""
     tparams, tdeps, resident = teacher_ref(ctx)
     params = {"evaluate": ctx.spec.evaluate.model_dump(), "ppl": ctx.spec.ppl.model_dump(), "teacher": tparams}
     deps = dict(tdeps)
     if upstream.stage == "distill":
         deps["distill"] = upstream.key
         params["student"] = {"type": "distilled"}
+        return ctx.job("evaluate", params, deps, resident=resident)
+    if upstream.stage == "router_kd":
+        deps["router_kd"] = upstream.key
+        params["student"] = {"type": "router_kd", "base": upstream.params["student"]}
     else:
         params["student"] = upstream.params["student"]
-    return ctx.job("evaluate", params, deps, resident=resident)
+    if "convert" in upstream.deps:  # a student built from its plan: keyed by the plan's content
+        deps["convert"] = upstream.deps["convert"]
+    return ctx.job("evaluate", params, deps, resident=resident,
+                   key_deps={k: v for k, v in deps.items() if k != "convert"})
 
 
 def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
@@ -49,6 +57,12 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
     teacher = ctx.jobs.get("ppl_pre", {}).get("teacher")
     if teacher is not None:
         out["teacher"] = evaluate_job(ctx, teacher)
+    for c in ctx.configs:  # every smaller MoE is evaluated, as converted or with its routers retrained
+        ck, recovery = c["config_key"], c.get("recovery")
+        if recovery == "none" and ctx.succeeded("ppl_pre", ck) is not None:
+            out[ck] = evaluate_job(ctx, ctx.jobs["ppl_pre"][ck])
+        elif recovery == "router_kd" and ctx.succeeded("router_kd", ck) is not None:
+            out[ck] = evaluate_job(ctx, ctx.jobs["router_kd"][ck])
     return out
 
 
@@ -58,13 +72,14 @@ def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, An
     if ev is None or dist is None:
         return []
     teacher = int(any(c["kind"] == "teacher" for c in ctx.configs))
-    n = dist["named"] + teacher
+    moe = sum(1 for c in ctx.configs if c.get("recovery") is not None)
+    n = dist["named"] + teacher + moe
     suite = ev.suite if isinstance(ev.suite, str) else "custom"
     return [{"stage": "evaluate", "named": n, "distinct": n,
-             "note": f"suite {suite}" + (" + teacher" if teacher else "")}]
+             "note": f"suite {suite}" + (" + teacher" if teacher else "") + (f" + {moe} smaller MoEs" if moe else "")}]
 
 
 STAGE = Stage(
     name="evaluate", run="workers.stages:stage_evaluate", jobs=jobs, section="evaluate", params=Evaluate,
-    upstream=("distill",), records=frozenset({"outputs", "metrics", "artifacts"}), estimate=estimate,
+    upstream=("distill", "router_kd"), records=frozenset({"outputs", "metrics", "artifacts"}), estimate=estimate,
     summary="lm-eval suite and post-distillation perplexity")

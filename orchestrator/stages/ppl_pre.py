@@ -13,6 +13,7 @@ from pydantic import Field
 
 from orchestrator.schema import Data, PosInt, Strict
 from orchestrator.stage import JobSpec, Stage, SweepContext
+from orchestrator.stages.convert import subgrids
 from orchestrator.stages.teacher import teacher_ref
 
 
@@ -35,7 +36,10 @@ def student_recipe(cfg: dict[str, Any], plan_out: dict[str, Any] | None) -> dict
             return {"type": "d2d", "candidate": b.split(":", 1)[1]}
         return {"type": b, "seed": 0}
     assert plan_out is not None
-    return {"type": "plan", "plan_key": plan_out["plan_key"]}
+    recipe = {"type": "plan", "plan_key": plan_out["plan_key"]}
+    if cfg.get("output") not in (None, "dense"):
+        recipe["output"] = cfg["output"]
+    return recipe
 
 
 def ppl_job(ctx: SweepContext, cfg: dict[str, Any], stage: str = "ppl_pre") -> JobSpec:
@@ -72,9 +76,11 @@ def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, An
     plans = {j.key for j in ctx.jobs.get("convert", {}).values()}
     others = [c for c in ctx.configs if c["kind"] != "moe2dense"]
     k = ctx.shape.top_k
-    at_k = sum(1 for c in ctx.configs if c["kind"] == "moe2dense" and c.get("K") == k)
-    groupings = len(ctx.spec.grid.grouping)
-    collapse = at_k - at_k // groupings if groupings else 0
+    collapse = 0
+    for g in subgrids(ctx.spec):
+        if g.grouping:  # K = k: every grouping of a dense sub-grid gives one student
+            at_k = sum(1 for K in g.K if K == k) * len(g.scoring) * len(g.dp_scaling) * len(g.grouping)
+            collapse += at_k - at_k // len(g.grouping)
     return [{"stage": "ppl_pre", "named": len(ctx.configs), "distinct": len(plans) + len(others) - collapse,
              "note": f"at most; {collapse} collapse at K = k (grouping irrelevant), more where plans coincide"}]
 

@@ -1,0 +1,73 @@
+"""Two outputs, one pipeline: dense students and smaller MoEs (with or without Router KD) in one sweep."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from db.store import Store
+from orchestrator import dryrun
+from orchestrator.axes import config_key
+from orchestrator.spec import SpecError, load_spec
+from tests.test_orchestrator import HERE, _launch, fake, fake_sweep  # noqa: F401
+
+GRID = [{"scoring": ["SF", "CP"], "grouping": ["RR", "WC"], "K": [2, 4]},
+        {"output": ["moe"], "scoring": ["SF", "REAP"], "K": [2, 4], "recovery": ["none", "router_kd"]}]
+
+
+def _sweep(tmp_path, grid=GRID):
+    raw = yaml.safe_load((HERE / "sweeps" / "fake.yaml").read_text())
+    raw["grid"] = grid
+    return fake_sweep(tmp_path, yaml.safe_dump(raw, sort_keys=False))
+
+
+def test_configuration_keys_stay_those_of_dense_students():
+    assert config_key({"output": "dense", "scoring": "SF", "grouping": "RR", "dp_scaling": "uniform", "K": 8,
+                       "recovery": None}) == "SF|RR|uniform|K=8"
+    assert config_key({"output": "moe", "scoring": "REAP", "grouping": None, "dp_scaling": None, "K": 16,
+                       "recovery": "router_kd"}) == "moe|REAP|K=16|recovery=router_kd"
+
+
+def test_dense_and_moe_outputs_in_one_sweep(fake, tmp_path):  # noqa: F811
+    calls, state = fake
+    state["fail"] = False
+    sweep = _sweep(tmp_path)
+    store = Store(state["db"])
+    assert _launch(store, sweep) == 0
+    rows = store.query("SELECT config_key, output, grouping, dp_scaling, recovery, selected_for_distill, "
+                       "duplicate_of IS NOT NULL, avg_acc IS NOT NULL FROM results WHERE sweep = 'fake' "
+                       "AND kind = 'moe2dense' ORDER BY config_id")[1]
+    dense = [r for r in rows if r[1] == "dense"]
+    moe = [r for r in rows if r[1] == "moe"]
+    assert len(dense) == 8 and len(moe) == 8
+    assert all(r[2] is None and r[3] is None and r[4] in ("none", "router_kd") for r in moe)
+    assert all(r[5] == 0 for r in moe)  # the selection rule picks dense students to distill
+    assert all(r[7] == 1 for r in moe)  # every smaller MoE is evaluated, with or without Router KD
+    assert not any(r[6] for r in moe)  # router_kd and none are different final students
+    assert sum(r[5] for r in dense) == 4
+    stages = [s for s, _ in calls]
+    assert stages.count("router_kd") == 4
+    # the same pre-distillation evaluation serves both recoveries of one smaller MoE
+    assert stages.count("ppl_pre") == len({k for s, k in calls if s == "ppl_pre"})
+    keys = {r[0] for r in moe}
+    assert "moe|REAP|K=4|recovery=router_kd" in keys and "moe|SF|K=2|recovery=none" in keys
+    # the dry run counts both outputs
+    spec, _, _ = load_spec(str(sweep))
+    rows = {r["stage"]: r for r in dryrun.plan_counts(spec)[0]}
+    assert rows["convert"]["named"] == 16 and rows["router_kd"]["named"] == 4
+    assert "8 smaller MoEs" in rows["evaluate"]["note"]
+
+
+@pytest.mark.parametrize("grid, expect", [
+    ([{"output": ["moe"], "scoring": ["SF"], "grouping": ["RR"], "K": [2]}],
+     "grid.0: grouping does not apply to output moe; it applies to dense"),
+    ([{"scoring": ["SF"], "K": [2], "recovery": ["router_kd"]}],
+     "grid.0: recovery does not apply to output dense; it applies to moe"),
+    ({"output": ["moe"], "scoring": ["SF"], "K": [2], "recovery": ["full"]},
+     "grid: unknown recovery 'full'; allowed: none, router_kd"),
+    ({"output": ["sparse"], "scoring": ["SF"], "K": [2]}, "grid: unknown output 'sparse'; allowed: dense, moe"),
+])
+def test_axes_that_do_not_apply_to_an_output_are_errors(tmp_path, grid, expect):
+    with pytest.raises(SpecError) as e:
+        load_spec(str(_sweep(tmp_path, grid)))
+    assert expect in str(e.value), str(e.value)
