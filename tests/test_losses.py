@@ -11,6 +11,7 @@ from workers.losses import (
     forward_kl,
     head_cross_entropy,
     head_divergence,
+    head_weighted_divergence,
     hidden_mse,
     intermediate,
     reverse_kl,
@@ -127,6 +128,24 @@ def test_head_divergence_matches_materialised_logits():
         assert a.item() == pytest.approx(b.item(), 1e-5)
     assert torch.allclose(ws1.grad, ws2.grad, atol=1e-5)
     assert torch.allclose(hs1.grad, hs2.grad, atol=1e-5)
+
+
+def test_head_weighted_divergence_is_the_weighted_sum_of_token_divergences():
+    torch.manual_seed(4)
+    ht, hs = torch.randn(2, 6, 8), torch.randn(2, 6, 8, requires_grad=True)
+    wt, ws = torch.randn(13, 8), torch.randn(13, 8)
+    bt, bs = torch.randn(13), torch.randn(13)
+    w = torch.rand(2, 6)
+    a = head_weighted_divergence(LOSSES["forward_kl"].token_loss, ht, wt, hs, ws, w, tau=2.0, chunk=5,
+                                 teacher_bias=bt, student_bias=bs)
+    per_token = token_forward_kl(F.linear(ht, wt, bt).reshape(-1, 13), F.linear(hs, ws, bs).reshape(-1, 13), 2.0)
+    b = (per_token * w.reshape(-1)).sum()
+    assert a.item() == pytest.approx(b.item(), 1e-5)
+    (ga,) = torch.autograd.grad(a, hs)
+    (gb,) = torch.autograd.grad(b, hs)
+    assert torch.allclose(ga, gb, atol=1e-5)
+    with pytest.raises(ValueError, match="weights has 11 entries"):
+        head_weighted_divergence(LOSSES["forward_kl"].token_loss, ht, wt, hs, ws, w.reshape(-1)[:11])
 
 
 def test_head_cross_entropy():

@@ -175,6 +175,36 @@ def head_divergence(token_loss: TokenLoss, teacher_hidden: torch.Tensor, teacher
     return _chunked_sum(fn, [t, s], m, chunk) / m.sum().clamp(min=1)
 
 
+def head_weighted_divergence(token_loss: TokenLoss, teacher_hidden: torch.Tensor, teacher_head: torch.Tensor,
+                             student_hidden: torch.Tensor, student_head: torch.Tensor, weights: torch.Tensor,
+                             tau: float = 1.0, chunk: int = DEFAULT_CHUNK,
+                             teacher_bias: torch.Tensor | None = None,
+                             student_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ_t w_t · ℓ_t: the per-token divergence weighted by `weights` [...] (one float per token), summed.
+
+    Like head_divergence (chunked through the LM heads, teacher logits recomputed in the chunk), but the
+    caller owns the normalisation, e.g. Router KD's per-sequence 1/N_x ("the Router KD paper" §4, Eq. 3)."""
+    _check(tau, chunk)
+    s = student_hidden.reshape(-1, student_hidden.shape[-1])
+    t = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
+    if s.shape[0] != t.shape[0]:
+        raise ValueError(f"teacher has {t.shape[0]} tokens, student {s.shape[0]}")
+    if teacher_head.shape[0] != student_head.shape[0]:
+        raise ValueError(f"vocabularies differ: teacher {teacher_head.shape[0]}, student {student_head.shape[0]}")
+    w = weights.reshape(-1).to(device=s.device, dtype=torch.float32)
+    if w.numel() != s.shape[0]:
+        raise ValueError(f"weights has {w.numel()} entries, expected one per token ({s.shape[0]})")
+    t = t.to(s.device)
+
+    def fn(tc: torch.Tensor, sc: torch.Tensor, wc: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            tl = F.linear(tc.to(teacher_head.dtype), teacher_head, teacher_bias).to(sc.device)
+        sl = F.linear(sc, student_head, student_bias)
+        return (token_loss(tl, sl, tau) * wc).sum()
+
+    return _chunked_sum(fn, [t, s], w, chunk)
+
+
 def head_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor,
                        mask: torch.Tensor | None = None, chunk: int = DEFAULT_CHUNK,
                        bias: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:

@@ -70,6 +70,13 @@ class FamilyAdapter(ABC):
         ...
 
     @abstractmethod
+    def router_parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        """The routers' trainable parameters, in layer order: in each MoE block the linear map from the
+        hidden size to the block's routed experts (weight [E, H]) and the router's logit bias [E] where
+        it has one. Selected by role (the block's router, checked against E and H), never by name."""
+        ...
+
+    @abstractmethod
     def expert_weights(self, model: nn.Module, layer: int) -> ExpertWeights:
         """Canonical views of the routed experts of one layer."""
         ...

@@ -178,6 +178,32 @@ class FusedMoeAdapter(FamilyAdapter):
     def router_weight(self, model: nn.Module, layer: int) -> torch.Tensor:
         return self.router_module(model, layer).weight.detach()
 
+    def router_parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        """Each MoE block's router weight [E, H] and, where the router module owns one, its logit bias [E]
+        (GPT-OSS). Buffers are not parameters: DeepSeek-V3's e_score_correction_bias is moved by its
+        load-balancing rule, not by gradients, and enters only the (non-differentiable) top-k choice, so it
+        is left out. Any other parameter on a router module is refused (an adapter must say what it is)."""
+        hidden = config_int(model.config, "hidden_size")
+        out: list[nn.Parameter] = []
+        for layer in self.moe_layers(model):
+            router = self.router_module(model, layer)
+            e = int(self.block(model, layer).experts.gate_up_proj.shape[0])
+            own = dict(router.named_parameters(recurse=False))
+            weight = router.weight
+            if not isinstance(weight, nn.Parameter) or tuple(weight.shape) != (e, hidden):
+                raise ValueError(f"layer {layer}: router weight {tuple(weight.shape)} is not the linear map from "
+                                 f"the hidden size to the routed experts ({e}, {hidden})")
+            out.append(weight)
+            rest = [p for p in own.values() if p is not weight]
+            for p in rest:
+                if tuple(p.shape) != (e,):
+                    raise ValueError(f"layer {layer}: router parameter of shape {tuple(p.shape)} is neither "
+                                     f"the [E, H] weight nor an [E] logit bias (E={e})")
+                out.append(p)
+        if not out:
+            raise ValueError(f"model has no {'/'.join(self.block_classes)} layer")
+        return out
+
     # --- router semantics (overridden per family) -------------------------------------------
     def native_renorm(self, router: nn.Module) -> bool:
         """Does the router divide its top-k weights by their sum (before any constant factor)?"""
