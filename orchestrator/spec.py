@@ -189,7 +189,8 @@ def load_spec(name_or_path: str) -> tuple[SweepSpec, Path, str]:
 
 def _one_line(e: ValidationError) -> str:
     err = e.errors()[0]
-    field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    loc = [p for p in err["loc"] if not (isinstance(p, str) and (p.startswith("__") or "[" in p))]
+    field = ".".join(str(p) for p in loc) or "(top level)"
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         msg = "unknown key"

@@ -137,7 +137,8 @@ def test_every_registry_reads_the_same_names_from_source_as_at_run_time():
                                 ("workers.losses", "LOSSES"): workers.losses.LOSSES,
                                 ("workers.baselines", "_CANDIDATES"): workers.baselines._CANDIDATES}.items():
         assert registry_names(module, name) == list(obj), name
-    assert {m for m, _ in method_registries()} == {"workers.scoring", "workers.grouping", "workers.scaling"}
+    assert {m for m, _ in method_registries()} == {"workers.outputs", "workers.scoring", "workers.grouping",
+                                                   "workers.scaling"}
 
 
 def test_a_conversion_depends_on_its_own_methods_only():
@@ -216,7 +217,8 @@ def test_editing_one_scoring_reruns_exactly_its_configurations(tmp_path):
     status = _cli(src, home, "status", "codeedit", "--db", f"sqlite:///{db}")
     assert status.returncode == 0, status.stderr
     row = next(ln for ln in status.stdout.splitlines() if re.search(r"\bconvert\b", ln))
-    assert re.findall(r"\d+|–", row)[:5] == ["2", "0", "0", "0", "2"]  # succeeded … stale: PP's two plans
+    # succeeded, running, dead, failed, pending, stale: PP's two plans are stale
+    assert re.findall(r"\d+|–", row)[:6] == ["2", "0", "0", "0", "0", "2"]
 
     second = _cli(src, home, *launch)
     assert second.returncode == 0, second.stderr[-3000:]

@@ -64,8 +64,8 @@ def test_dense_and_moe_outputs_in_one_sweep(fake, tmp_path):  # noqa: F811
     ([{"scoring": ["SF"], "K": [2], "recovery": ["router_kd"]}],
      "grid.0: recovery does not apply to output dense; it applies to moe"),
     ({"output": ["moe"], "scoring": ["SF"], "K": [2], "recovery": ["full"]},
-     "grid: unknown recovery 'full'; allowed: none, router_kd"),
-    ({"output": ["sparse"], "scoring": ["SF"], "K": [2]}, "grid: unknown output 'sparse'; allowed: dense, moe"),
+     "grid.recovery: unknown recovery 'full'; allowed: none, router_kd"),
+    ({"output": ["sparse"], "scoring": ["SF"], "K": [2]}, "grid.output: unknown output 'sparse'; allowed: dense, moe"),
 ])
 def test_axes_that_do_not_apply_to_an_output_are_errors(tmp_path, grid, expect):
     with pytest.raises(SpecError) as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -36,14 +37,14 @@ def fake(monkeypatch, tmp_path):
         q = p["params"]
         if state["fail"] and q["scoring"] == "CP" and q["K"] == 4:
             raise ValueError("boom: a deliberately failing method")
-        g = "*" if q["K"] == 2 else q["grouping"]
-        return {"outputs": {"plan_key": f"{q['scoring']}|{g}|{q['dp_scaling']}|{q['K']}"},
+        g = "*" if q["K"] == 2 else q.get("grouping")
+        return {"outputs": {"plan_key": f"{q.get('output')}|{q['scoring']}|{g}|{q.get('dp_scaling')}|{q['K']}"},
                 "plan_rows": [{"layer": 0, "expert": 1, "score": 0.5, "selected_rank": 0, "group_idx": 0,
                                "merge_weight": 1.0, "alpha": 0.5}]}
 
     def ppl_pre(p, cache, progress):
         s = p["params"]["student"]
-        v = float("inf") if s.get("plan_key", "").startswith("SF|WC") else _num(s)
+        v = float("inf") if s.get("plan_key", "").startswith("dense|SF|WC") else _num(s)
         return {"outputs": {"ppl": v}, "metrics": [{"name": "ppl", "stage": "pre", "value": v}]}
 
     def distill(p, cache, progress):
@@ -94,8 +95,8 @@ def fake_sweep(tmp_path: Path, text: str | None = None) -> Path:
 
 def _launch(store: Store, sweep: Path, **kw) -> int:
     spec, path, text = load_spec(str(sweep))
-    return launch(spec, text, store, SerialExecutor(), console=Console(quiet=True), show_progress=False,
-                  path=str(path), **kw)
+    return launch(spec, text, store, SerialExecutor(), console=Console(quiet=not os.environ.get("MOESWEEP_TEST_VERBOSE")),
+                  show_progress=False, path=str(path), **kw)
 
 
 def _results(store: Store) -> list[tuple]:

@@ -15,7 +15,7 @@ from sqlalchemy import inspect, text
 from typer.testing import CliRunner
 
 from db.models import Base
-from db.store import VERSION_TABLE, Store
+from db.store import VERSION_TABLE, Store, head_revision
 from orchestrator.cli import app
 from tests import test_migrations, test_store
 from tests.test_orchestrator import _launch, fake  # noqa: F401  (the fake stage functions fixture)
@@ -168,7 +168,7 @@ def test_upgrade_from_0001_keeps_every_row_on_postgresql(pg_database):
                 c.execute(text(f"INSERT INTO {table} ({cols}) VALUES ({', '.join(':' + k for k in r)})"), r)
     old.engine.dispose()
     store = Store(old.url)  # migrates to head
-    assert store.query(f"SELECT version_num FROM {VERSION_TABLE}")[1] == [("0002",)]
+    assert store.query(f"SELECT version_num FROM {VERSION_TABLE}")[1] == [(head_revision(),)]
     for table, rows in test_migrations.ROWS_0001.items():
         got = test_migrations._rows(store, table, list(rows[0]))
         assert [{k: _plain(v) for k, v in r.items()} for r in got] == rows, table

@@ -65,7 +65,7 @@ CASES = [
     ("JSONL data without a path", ("calibration.data", {"source": "jsonl"}), "source 'jsonl' needs a path"),
     ("a JSONL file that is missing", ("calibration.data", {"source": "jsonl", "path": "/nonexistent/c.jsonl"}),
      "calibration.data.path: no such file '/nonexistent/c.jsonl'"),
-    ("an unknown selection axis", ("select.per", ["colour"]), "select.per: unknown axis 'colour'; allowed: scoring"),
+    ("an unknown selection axis", ("select.per", ["colour"]), "select.per: unknown axis 'colour'; allowed: output, scoring"),
     ("an unknown selection metric", ("select.best_by", "accuracy"), "select.best_by: Input should be 'ppl_pre'"),
     ("zero distillation steps", ("distill.settings.steps", 0), "distill.settings: DistillSpec.steps: 0 is not allowed"),
     ("an unknown distillation setting", ("distill.settings.lr_schedule", "linear"),

@@ -7,14 +7,31 @@ combination is a configuration.
 from __future__ import annotations
 
 from itertools import product
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import StrictInt, create_model, model_validator
+from pydantic import Discriminator, StrictInt, Tag, create_model, field_validator, model_validator
 
 from orchestrator.axes import AXES, config_key
 from orchestrator.schema import Strict, known
 from orchestrator.stage import JobSpec, Stage, SweepContext
 from orchestrator.stages.teacher import teacher_ref
+
+
+def _axis_validator(name: str):
+    axis = AXES[name]
+
+    def check(cls, v: list[Any] | None) -> list[Any] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError(f"{name} must be a non-empty list")
+        if axis.kind is str:
+            return known(v, axis.allowed(), name)
+        if any(x < 1 for x in v):
+            raise ValueError(f"{name} must be positive integers, got {v}")
+        return known(v, v, name)  # no repeats
+
+    return field_validator(name)(classmethod(check))
 
 
 class SubGrid(Strict):
@@ -24,32 +41,28 @@ class SubGrid(Strict):
     def _complete(self) -> SubGrid:
         outputs = self.output or list(AXES["output"].default)
         for name, axis in AXES.items():
-            value = getattr(self, name)
-            applies = all(axis.applies(o) for o in outputs)
-            if not applies:
-                if value is not None:
+            if not all(axis.applies(o) for o in outputs):
+                if getattr(self, name) is not None:
                     raise ValueError(f"{name} does not apply to output {', '.join(outputs)}; it applies to "
                                      f"{', '.join(axis.outputs or ())}: give it in a sub-grid of its own")
-                continue
-            if value is None:
+            elif getattr(self, name) is None:
                 if axis.default is None:
                     raise ValueError(f"{name} is required")
                 setattr(self, name, list(axis.default))
-            elif not value:
-                raise ValueError(f"{name} must be a non-empty list")
-            elif axis.kind is str:
-                known(value, axis.allowed(), name)
-            elif any(x < 1 for x in value):
-                raise ValueError(f"{name} must be positive integers, got {value}")
-            else:
-                known(value, value, name)  # no repeats
         return self
 
 
 Grid = create_model(
     "Grid", __base__=SubGrid,
+    __validators__={f"_{n}": _axis_validator(n) for n in AXES},
     **{n: (list[a.kind if a.kind is str else StrictInt] | None, None) for n, a in AXES.items()},
 )
+
+
+# `grid:` is one sub-grid or a list of them; the discriminator validates only the form given, so an error
+# names the field that is wrong (the tags are left out of error locations: see spec._one_line)
+GridSection = Annotated[Annotated[Grid, Tag("__one__")] | Annotated[list[Grid], Tag("__many__")],
+                        Discriminator(lambda v: "__many__" if isinstance(v, list) else "__one__")]
 
 
 def subgrids(spec) -> list:
@@ -82,7 +95,7 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
 
 
 STAGE = Stage(
-    name="convert", run="workers.stages:stage_convert", jobs=jobs, section="grid", params=Grid | list[Grid],
+    name="convert", run="workers.stages:stage_convert", jobs=jobs, section="grid", params=GridSection,
     section_default="required", upstream=("calibrate",),
     records=frozenset({"outputs", "plan_rows", "layer_diag", "artifacts"}),
     summary="a conversion plan per configuration; equal plans are one student")

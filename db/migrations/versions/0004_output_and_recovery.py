@@ -8,7 +8,8 @@ Two axes of the grid become columns: `output` (what a configuration's conversion
 core paper's dense student, or `moe`, a smaller MoE with the kept experts and their router rows) and
 `recovery` (what recovers a smaller MoE before evaluation: `none` or `router_kd`). Rows written before
 this revision are dense students (`output` NULL reads as dense). `results` gains both and `params`,
-the student's parameter count as measured on the model built for its pre-distillation evaluation.
+the student's parameter count as measured on the model built for its pre-distillation evaluation,
+and `config_key`.
 Like every revision it carries its own copy of the view SQL it creates.
 """
 
@@ -30,7 +31,7 @@ VIEWS_SQL = """
 -- output: dense | moe; recovery: none | router_kd (moe outputs); params: the student's measured size.
 CREATE VIEW results AS
 SELECT s.name AS sweep, s.kind AS sweep_kind, s.source AS source, c.id AS config_id,
-       c.model AS model, c.teacher_variant AS teacher_variant, c.family AS family, c.kind AS kind,
+       c.config_key AS config_key, c.model AS model, c.teacher_variant AS teacher_variant, c.family AS family, c.kind AS kind,
        c.baseline AS baseline, c.scoring AS scoring, c.grouping AS grouping,
        c.dp_scaling AS dp_scaling, c."K" AS "K", c.output AS output, c.recovery AS recovery,
        c.top_k AS top_k, c.distill_loss AS distill_loss,
