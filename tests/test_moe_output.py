@@ -71,3 +71,51 @@ def test_axes_that_do_not_apply_to_an_output_are_errors(tmp_path, grid, expect):
     with pytest.raises(SpecError) as e:
         load_spec(str(_sweep(tmp_path, grid)))
     assert expect in str(e.value), str(e.value)
+
+
+@pytest.mark.slow
+def test_a_real_sweep_writes_smaller_moes_that_reload_with_fewer_experts(tmp_path, monkeypatch):
+    """The tiny teacher pruned to K experts per layer (REAP and SF), as converted and after Router KD:
+    each evaluated, its checkpoint reloaded from disk with K experts, Router KD changing only routers."""
+    import json
+
+    import torch
+    from rich.console import Console
+    from transformers import AutoModelForCausalLM
+
+    from orchestrator.execute import SerialExecutor
+    from orchestrator.launch import launch
+
+    monkeypatch.setenv("MOESWEEP_HOME", str(tmp_path / "home"))
+    spec, path, text = load_spec(str(HERE / "sweeps" / "moe.yaml"))
+    store = Store(f"sqlite:///{tmp_path}/r.db")
+    assert launch(spec, text, store, SerialExecutor(), console=Console(quiet=True), show_progress=False,
+                  path=str(path)) == 0
+    rows = store.query("SELECT config_id, config_key, K, recovery, params, ppl_pre, ppl_post, avg_acc FROM results "
+                       "WHERE output = 'moe' ORDER BY config_id")[1]
+    assert len(rows) == 8 and all(r[5] is not None and r[6] is not None and r[7] is not None for r in rows)
+    teacher_params = store.query("SELECT params FROM results WHERE kind = 'teacher'")[1][0][0]
+    assert all(r[4] < teacher_params for r in rows)
+    assert {r[2]: r[4] for r in rows}[2] < {r[2]: r[4] for r in rows}[4]  # measured, not computed from flags
+    # Router KD ran for the router_kd configurations and recorded its loss curve
+    n_kd = store.query("SELECT COUNT(DISTINCT j.id) FROM jobs j WHERE j.stage = 'router_kd' AND j.status = "
+                       "'succeeded'")[1][0][0]
+    assert n_kd == 4
+    saved = dict(store.query(
+        "SELECT cj.config_id, a.path FROM config_jobs cj JOIN artifacts a ON a.job_id = cj.job_id "
+        "WHERE cj.stage = 'evaluate' AND a.kind = 'student'")[1])
+    teacher_dir = json.loads(store.query("SELECT outputs_json FROM jobs WHERE stage = 'teacher'")[1][0][0])["path"]
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir)
+    by_id = {r[0]: r for r in rows}
+    students = {}
+    for cid, p in saved.items():
+        m = AutoModelForCausalLM.from_pretrained(p)
+        assert type(m) is type(teacher) and m.config.num_experts == by_id[cid][2]
+        assert m.config.num_experts_per_tok == teacher.config.num_experts_per_tok
+        students[by_id[cid][1]] = m
+    assert len(students) == 8
+    # Router KD changed the routers and nothing else
+    plain, kd = students["moe|REAP|K=4|recovery=none"], students["moe|REAP|K=4|recovery=router_kd"]
+    changed = {n for (n, a), (_, b) in zip(plain.state_dict().items(), kd.state_dict().items(), strict=True)
+               if not torch.equal(a, b)}
+    assert changed and all(n.endswith("mlp.gate.weight") for n in changed), changed

@@ -347,6 +347,7 @@ def stage_evaluate(payload: dict, cache: dict, progress) -> dict:
     p = payload["params"]
     ev = p["evaluate"]
     kind = p["student"]["type"]
+    saved: list[dict[str, Any]] = []
     if kind == "distilled":
         path = payload["inputs"]["distill"]["path"]
         model, tok = load_model(path)
@@ -358,9 +359,10 @@ def stage_evaluate(payload: dict, cache: dict, progress) -> dict:
     else:  # a student built from its recipe (a smaller MoE, with its routers retrained by Router KD or not)
         model, tok = recovered_student(payload, cache, p["student"])
         path = str(Path(payload["workdir"]) / "student")
-        if ev["backend"] == "vllm":  # vLLM loads a checkpoint from disk
+        if ev["backend"] == "vllm" or ev.get("save"):  # vLLM loads a checkpoint from disk
             model.save_pretrained(path)
             tok.save_pretrained(path)
+            saved.append(artifact("student", Path(path)))
         model_key = payload["key"]
     metrics = []
     if ev.get("ppl", True):
@@ -387,4 +389,5 @@ def stage_evaluate(payload: dict, cache: dict, progress) -> dict:
             metrics.append(_metric(name, value, stage="post", task=t["task"]))
     out = Path(payload["workdir"]) / "lm_eval_results.json"
     out.write_text(json.dumps(res["results_json"], indent=1, default=str, sort_keys=True))
-    return {"outputs": {"avg": res.get("average")}, "metrics": metrics, "artifacts": [artifact("lm_eval_results", out)]}
+    return {"outputs": {"avg": res.get("average"), **({"student": saved[0]["path"]} if saved else {})},
+            "metrics": metrics, "artifacts": [artifact("lm_eval_results", out), *saved]}

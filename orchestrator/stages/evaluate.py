@@ -18,6 +18,7 @@ class Evaluate(Strict):
     batch_size: PosInt = 16
     limit: PosInt | None = None  # samples per task (for quick looks); None = all
     ppl: bool = True  # also the post-distill perplexity
+    save: bool = False  # also write each student built from its plan (a smaller MoE…) as a checkpoint
 
     @field_validator("suite")
     @classmethod
