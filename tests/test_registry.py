@@ -191,3 +191,15 @@ def test_dry_run_and_sweeps_import_no_torch():
                          env={**os.environ, "MOESWEEP_HOME": "/nonexistent-moesweep-home"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "paper-qwen3-30b-a3b", "paper-deepseek-v2-lite",
+                                  "paper-gpt-oss-20b", "seed002-reap-qwen3-30b-a3b",
+                                  "seed001-router-kd-qwen3-30b-a3b"])
+def test_every_named_sweep_is_planned_by_the_dry_run(name):
+    from orchestrator.spec import list_sweeps
+
+    assert name in list_sweeps()
+    spec, _, _ = load_spec(name)
+    rows = {r["stage"]: r for r in dryrun.plan_counts(spec)[0]}
+    assert rows["calibrate"]["distinct"] == 1 and rows["convert"]["named"] >= 1 and "evaluate" in rows

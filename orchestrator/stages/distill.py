@@ -87,7 +87,7 @@ def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, An
     spec = ctx.spec
     if spec.distill is None:
         return []
-    moe = [c for c in ctx.configs if c["kind"] == "moe2dense"]
+    moe = [c for c in ctx.configs if c["kind"] == "moe2dense" and c.get("output") in (None, "dense")]
     others = [c for c in ctx.configs if c["kind"] != "moe2dense"]
     sel = spec.select
     groups = len(set(product(*[sorted({str(c[a]) for c in moe}) for a in sel.per]))) if sel else len(moe)

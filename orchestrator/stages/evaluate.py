@@ -69,8 +69,8 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
 
 def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ev = ctx.spec.evaluate
-    dist = next((r for r in rows if r["stage"] == "distill"), None)
-    if ev is None or dist is None:
+    dist = next((r for r in rows if r["stage"] == "distill"), {"named": 0})
+    if ev is None:
         return []
     teacher = int(any(c["kind"] == "teacher" for c in ctx.configs))
     moe = sum(1 for c in ctx.configs if c.get("recovery") is not None)

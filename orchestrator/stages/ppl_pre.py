@@ -82,7 +82,8 @@ def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, An
             at_k = sum(1 for K in g.K if K == k) * len(g.scoring) * len(g.dp_scaling) * len(g.grouping)
             collapse += at_k - at_k // len(g.grouping)
     return [{"stage": "ppl_pre", "named": len(ctx.configs), "distinct": len(plans) + len(others) - collapse,
-             "note": f"at most; {collapse} collapse at K = k (grouping irrelevant), more where plans coincide"}]
+             "note": "at most" + (f"; {collapse} collapse at K = k (grouping irrelevant)" if collapse else "")
+                     + ", fewer where plans coincide"}]
 
 
 STAGE = Stage(
