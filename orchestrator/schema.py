@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 
 class SpecError(ValueError):
@@ -58,6 +58,13 @@ class Teacher(Strict):
     shared_experts: Annotated[StrictInt, Field(ge=0)] | None = None
     tiny: dict[str, Any] = Field(default_factory=dict)  # workers.tiny.spec.TinyTeacherSpec fields
 
+    @field_validator("tiny")
+    @classmethod
+    def _tiny(cls, v: dict[str, Any]) -> dict[str, Any]:
+        from workers.tiny.spec import TinyTeacherSpec
+
+        return worker_settings(TinyTeacherSpec, v)
+
     @model_validator(mode="after")
     def _needs_model(self) -> Teacher:
         if self.source == "hf" and not self.model:
@@ -68,6 +75,21 @@ class Teacher(Strict):
 class Resources(Strict):
     cpus: Annotated[float, Field(gt=0, strict=False)] = 1
     gpus: Annotated[float, Field(ge=0, strict=False)] = 0
+
+
+def worker_settings(cls: type, values: dict[str, Any], where: str = "") -> dict[str, Any]:
+    """`values` checked by a worker's torch-free settings dataclass (the worker builds the same object
+    from them): an unknown key or a value the dataclass refuses is one ValueError line."""
+    fields = sorted(getattr(cls, "__dataclass_fields__", {}))
+    at = f"{where}." if where else ""
+    for key in values:
+        if key not in fields:
+            raise ValueError(f"{at}{key}: unknown key; allowed: {', '.join(fields)}")
+    try:
+        cls(**values)
+    except (TypeError, ValueError) as e:
+        raise ValueError((f"{where}: " if where else "") + str(e).splitlines()[0]) from None
+    return values
 
 
 def known(values: list[Any], allowed, what: str) -> list[Any]:

@@ -183,7 +183,6 @@ def load_spec(name_or_path: str) -> tuple[SweepSpec, Path, str]:
         spec = sweep_model().model_validate(raw)
     except ValidationError as e:
         raise SpecError(f"{path}: {_one_line(e)}") from None
-    _check_worker_settings(spec, path)
     return spec, path, text
 
 
@@ -198,31 +197,6 @@ def _one_line(e: ValidationError) -> str:
         msg = "required"
     shown = err["type"] not in ("extra_forbidden", "missing", "value_error")
     return f"{field}: {msg}" + (f" (got {err['input']!r})" if shown else "")
-
-
-def _check_worker_settings(spec: SweepSpec, path: Path) -> None:
-    """Validate pass-through sections with the workers' own (torch-free) dataclasses."""
-    from workers.distill_spec import DistillSpec
-    from workers.router_kd_spec import RouterKDSpec
-    from workers.tiny.spec import TinyTeacherSpec
-
-    checks: list[tuple[str, type, dict]] = [("teacher.tiny", TinyTeacherSpec, spec.teacher.tiny)]
-    if spec.dense_teacher is not None:
-        checks.append(("dense_teacher.tiny", TinyTeacherSpec, spec.dense_teacher.tiny))
-    checks.append(("router_kd.settings", RouterKDSpec, spec.router_kd.settings))
-    if spec.distill is not None:
-        checks.append(("distill.settings", DistillSpec, spec.distill.settings))
-        for i, v in enumerate(spec.distill.variants):
-            checks.append((f"distill.variants.{i}", DistillSpec, {**spec.distill.settings, **v}))
-    for where, cls, values in checks:
-        fields = set(getattr(cls, "__dataclass_fields__", {}))
-        for key in values:
-            if key not in fields:
-                raise SpecError(f"{path}: {where}.{key}: unknown key; allowed: {', '.join(sorted(fields))}")
-        try:
-            cls(**values)
-        except (TypeError, ValueError) as e:
-            raise SpecError(f"{path}: {where}: {str(e).splitlines()[0]}") from None
 
 
 def data_sections(spec: SweepSpec) -> list[tuple[str, Data]]:

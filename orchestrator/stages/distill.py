@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from orchestrator.schema import Data, Strict
+from orchestrator.schema import Data, Strict, worker_settings
 from orchestrator.stage import JobSpec, Stage, SweepContext
 from orchestrator.stages.teacher import teacher_ref
 
@@ -26,6 +26,21 @@ class Distill(Strict):
     variants_on: dict[str, Any] = Field(default_factory=dict)  # which selected configs get them
     # data-parallel processes per distillation job: 1, N, or "gpus" (one per GPU the job holds; torchrun)
     processes: int | Literal["gpus"] = 1
+
+    @field_validator("settings")
+    @classmethod
+    def _settings(cls, v: dict[str, Any]) -> dict[str, Any]:
+        from workers.distill_spec import DistillSpec
+
+        return worker_settings(DistillSpec, v)
+
+    @model_validator(mode="after")
+    def _variants(self) -> Distill:
+        from workers.distill_spec import DistillSpec
+
+        for i, v in enumerate(self.variants):  # a variant is the settings with its overrides
+            worker_settings(DistillSpec, {**self.settings, **v}, f"variants.{i}")
+        return self
 
     @field_validator("processes")
     @classmethod

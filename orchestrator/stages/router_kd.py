@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from orchestrator.schema import Data, Strict
+from orchestrator.schema import Data, Strict, worker_settings
 from orchestrator.stage import JobSpec, Stage, SweepContext
 from orchestrator.stages.teacher import teacher_ref
 
@@ -18,6 +18,13 @@ from orchestrator.stages.teacher import teacher_ref
 class RouterKD(Strict):
     settings: dict[str, Any] = Field(default_factory=dict)  # workers.router_kd_spec.RouterKDSpec fields
     data: Data = Field(default_factory=Data)  # its calibration text (the paper: C4)
+
+    @field_validator("settings")
+    @classmethod
+    def _settings(cls, v: dict[str, Any]) -> dict[str, Any]:
+        from workers.router_kd_spec import RouterKDSpec
+
+        return worker_settings(RouterKDSpec, v)
 
 
 def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
