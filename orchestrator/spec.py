@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 
 from orchestrator.axes import AXES
 from orchestrator.schema import Data, Resources, SpecError, Strict, Teacher, known  # noqa: F401  (re-exported)
@@ -200,11 +200,21 @@ def _one_line(e: ValidationError) -> str:
 
 
 def data_sections(spec: SweepSpec) -> list[tuple[str, Data]]:
-    """Every data source a sweep names, with where it is named."""
-    out = [("calibration.data", spec.calibration.data), ("ppl.data", spec.ppl.data),
-           ("router_kd.data", spec.router_kd.data)]
-    if spec.distill is not None:
-        out += [("distill.data", spec.distill.data), ("distill.val_data", spec.distill.val_data)]
+    """Every data source a sweep names, with where it is named (found in every section, so a new
+    stage's data is checked too)."""
+    out: list[tuple[str, Data]] = []
+
+    def walk(node: Any, where: str) -> None:
+        if isinstance(node, Data):
+            out.append((where, node))
+        elif isinstance(node, BaseModel):
+            for name in type(node).model_fields:
+                walk(getattr(node, name), f"{where}.{name}" if where else name)
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{where}.{i}")
+
+    walk(spec, "")
     return out
 
 
