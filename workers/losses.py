@@ -156,23 +156,10 @@ def head_divergence(token_loss: TokenLoss, teacher_hidden: torch.Tensor, teacher
 
     The teacher's logits are recomputed inside the checkpointed chunk instead of being stored.
     """
-    _check(tau, chunk)
-    s = student_hidden.reshape(-1, student_hidden.shape[-1])
-    t = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
-    if s.shape[0] != t.shape[0]:
-        raise ValueError(f"teacher has {t.shape[0]} tokens, student {s.shape[0]}")
-    if teacher_head.shape[0] != student_head.shape[0]:
-        raise ValueError(f"vocabularies differ: teacher {teacher_head.shape[0]}, student {student_head.shape[0]}")
-    m = _flat_mask(mask, s.shape[0], s.device)
-    t = t.to(s.device)
-
-    def fn(tc: torch.Tensor, sc: torch.Tensor, mc: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            tl = F.linear(tc.to(teacher_head.dtype), teacher_head, teacher_bias).to(sc.device)
-        sl = F.linear(sc, student_head, student_bias)
-        return (token_loss(tl, sl, tau) * mc).sum()
-
-    return _chunked_sum(fn, [t, s], m, chunk) / m.sum().clamp(min=1)
+    m = _flat_mask(mask, student_hidden.reshape(-1, student_hidden.shape[-1]).shape[0], student_hidden.device)
+    total = head_weighted_divergence(token_loss, teacher_hidden, teacher_head, student_hidden, student_head, m,
+                                     tau, chunk, teacher_bias, student_bias)
+    return total / m.sum().clamp(min=1)
 
 
 def head_weighted_divergence(token_loss: TokenLoss, teacher_hidden: torch.Tensor, teacher_head: torch.Tensor,
