@@ -127,16 +127,27 @@ def code_fingerprints():
 
 def code_components(stage: str, params: dict[str, Any]) -> dict[str, str]:
     """{component: hash} of the code that computes a job: its stage's run function (with everything it
-    calls) and, for each axis value it names, that method's registry entry."""
+    calls) and, for each axis value its parameters name (at any depth: a student recipe names its
+    output), that method's registry entry."""
     from orchestrator.axes import AXES
 
     fp = code_fingerprints()
     st = get_stage(stage)
     out = {f"stage:{stage}": fp.digest([st.run_ref()])}
-    for name, value in params.items():
-        axis = AXES.get(name)
-        if axis is not None and axis.registry and isinstance(value, str):
-            out[f"{name}:{value}"] = fp.digest([(*axis.registry, value)])
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for name, value in node.items():
+                axis = AXES.get(name)
+                if axis is not None and axis.registry and isinstance(value, str):
+                    out[f"{name}:{value}"] = fp.digest([(*axis.registry, value)])
+                else:
+                    walk(value)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(params)
     return out
 
 

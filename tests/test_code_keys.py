@@ -235,3 +235,17 @@ def test_editing_one_scoring_reruns_exactly_its_configurations(tmp_path):
                            "JOIN configurations c ON c.id = cj.config_id WHERE c.scoring IS NOT 'PP'").fetchall()
     assert {k for (k,) in linked} <= set(before)
     assert "stale" in _cli(src, home, "status", "codeedit", "--db", f"sqlite:///{db}").stdout
+
+
+def test_the_code_that_builds_a_student_is_part_of_every_job_that_builds_it():
+    """A student recipe names its output: the evaluation, distillation and Router KD jobs that build the
+    student from its plan hash the builder's code (workers/outputs.py), not only the stage's own."""
+    for output in ("dense", "moe"):
+        recipe = {"type": "plan", "plan_key": "abc", "output": output}
+        for stage, params in (("ppl_pre", {"student": recipe}), ("distill", {"student": recipe}),
+                              ("router_kd", {"student": recipe}),
+                              ("evaluate", {"student": {"type": "router_kd", "base": recipe}})):
+            assert f"output:{output}" in code_components(stage, params), (stage, output)
+    fp = Fingerprints(stop=method_registries())
+    dense = fp.closure([("workers.outputs", "OUTPUTS", "dense")])
+    assert ("workers.convert", "build_student_from_plans") in dense and ("workers.merge", "build_dense_ffn") in dense

@@ -36,10 +36,9 @@ def student_recipe(cfg: dict[str, Any], plan_out: dict[str, Any] | None) -> dict
             return {"type": "d2d", "candidate": b.split(":", 1)[1]}
         return {"type": b, "seed": 0}
     assert plan_out is not None
-    recipe = {"type": "plan", "plan_key": plan_out["plan_key"]}
-    if cfg.get("output") not in (None, "dense"):
-        recipe["output"] = cfg["output"]
-    return recipe
+    # the output names the code that builds the student from its plan (a code component of every job
+    # that builds it: its evaluations, distillation, Router KD)
+    return {"type": "plan", "plan_key": plan_out["plan_key"], "output": cfg.get("output") or "dense"}
 
 
 def ppl_job(ctx: SweepContext, cfg: dict[str, Any], stage: str = "ppl_pre") -> JobSpec:
