@@ -80,6 +80,8 @@ def write_report(frames: Frames, name: str, out_dir: Path, compare: Frames | Non
         )
     tasks = frames.tasks[frames.tasks["sweep"] == name]
     cres = compare.results[compare.results["sweep"] != name] if compare is not None else None
+    if cres is not None:  # the papers' smaller MoEs are compared in their own table, not as dense students
+        cres = cres[cres["output"] != "moe"]
     # a reference sweep is not compared with itself or its siblings in tables; Figure 7 still
     # gains the other models' panels
     tables_compare = cres is not None and "reference" not in set(res["sweep_kind"])
