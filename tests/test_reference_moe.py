@@ -326,3 +326,88 @@ def test_reap_claims_in_the_text(store):
     )
     glm50 = {k: m["wildbench"] for k, m in g.items() if "K=64" in k}
     assert min(glm50, key=glm50.get) == "moe|M-SMoE|K=64|recovery=none"
+
+
+# ---- the report's table of smaller MoEs -------------------------------------------------------------
+def _own_moe_sweep(store: Store, name: str, model: str, configs: list[tuple[str, int, str, float]]) -> None:
+    """An own sweep of smaller MoEs with three headline tasks, written the way the stages write it."""
+    sid = store.upsert_sweep(name, spec_yaml=f"name: {name}")
+    cfgs = [
+        {
+            "config_key": f"moe|{s}|K={K}|recovery={r}",
+            "model": model,
+            "kind": "moe2dense",
+            "output": "moe",
+            "scoring": s,
+            "K": K,
+            "recovery": r,
+            "top_k": 8,
+        }
+        for s, K, r, _ in configs
+    ] + [{"config_key": "teacher", "model": model, "kind": "teacher", "top_k": 8}]
+    ids = store.upsert_configs(sid, cfgs)
+    accs = [a for *_, a in configs] + [0.6]
+    links = []
+    for (key, cid), acc in zip(ids.items(), accs, strict=True):
+        job = f"{name}:{key}"
+        store.register_jobs(sid, [{"key": job, "stage": "evaluate", "params": {"k": job}}])
+        assert store.claim(job, "t")
+        metrics = [
+            {"name": m, "stage": "post", "task": t, "value": acc + d, "headline": 1}
+            for t, m, d in (
+                ("arc_challenge", "acc_norm", 0.0),
+                ("piqa", "acc_norm", 0.1),
+                ("winogrande", "acc", 0.2),
+            )
+        ]
+        store.finish(job, "t", {"metrics": metrics}, 0.1)
+        links.append((cid, "evaluate", store.jobs([job])[job]["id"]))
+    store.link(links)
+
+
+def _table_rows(tex: str) -> list[str]:
+    body = tex.split(r"\toprule", 1)[1].split(r"\bottomrule")[0]
+    return [ln.strip() for ln in body.splitlines() if ln.strip().endswith(r"\\")]
+
+
+def test_report_shows_smaller_moes_beside_the_paper(store, tmp_path):
+    from analysis.load import load_frames
+    from analysis.report import write_report
+
+    model = "Qwen3-30B-A3B-Instruct-2507"
+    _own_moe_sweep(store, "own-rkd", model, [("REAP", 80, "none", 0.40), ("REAP", 80, "router_kd", 0.41)])
+    _own_moe_sweep(
+        store, "own-reap", "Qwen3-30B-A3B", [("REAP", 96, "none", 0.50), ("REAP-p", 96, "none", 0.51)]
+    )
+    refs = load_frames(store.engine, list(SWEEPS))
+    arts = write_report(load_frames(store.engine, ["own-rkd"]), "own-rkd", tmp_path / "rkd", refs)
+    assert tmp_path / "rkd" / "tables" / "moe.tex" in arts
+    tex = (tmp_path / "rkd" / "tables" / "moe.tex").read_text()
+    assert f"Paper ({model}, {RKD})" in tex and "mean of its 9 headline tasks" in tex
+    rows = _table_rows(tex)
+    assert rows[1] == r"Method & K & Recovery & Wino & ARC-C & piqa & Avg & Wino & ARC-C & piqa & Avg \\"
+    # ours (WinoGrande 0.60, ARC-C 0.40, PIQA 0.50) beside the Router KD paper's Table 2 REAP columns:
+    # "| Multi-Choice | WinoGrande | 0.5683 | 0.5683 | 0.5841 |", "| ARC-challenge | 0.4787 | 0.4215 | 0.4181 |",
+    # "| PIQA | 0.7258 | 0.7203 | 0.7247 |"
+    assert r"Teacher &  &  & 80.00 & 60.00 & 70.00 & 70.00 & 56.83 & 47.87 & 72.58 & 55.05 \\" in rows
+    assert r"REAP & 80 & none & 60.00 & 40.00 & 50.00 & 50.00 & 56.83 & 42.15 & 72.03 & 51.11 \\" in rows
+    assert r"REAP & 80 & Router KD & 61.00 & 41.00 & 51.00 & 51.00 & 58.41 & 41.81 & 72.47 & 51.53 \\" in rows
+    assert r"MoBE & 128 & Router KD &  &  &  &  & 58.48 & 43.69 & 73.83 & 51.10 \\" in rows
+    assert len(rows) == 2 + 1 + 12  # two header lines, teacher, the paper's 12 smaller MoEs (ours among them)
+    # the REAP paper's Qwen3-30B-A3B: no per-task MC accuracy published, its Avg is the printed MC Avg
+    write_report(load_frames(store.engine, ["own-reap"]), "own-reap", tmp_path / "reap", refs)
+    rows = _table_rows((tmp_path / "reap" / "tables" / "moe.tex").read_text())
+    assert r"REAP & 96 & none & 70.00 & 50.00 & 60.00 & 60.00 & 66.50 \\" in rows
+    assert r"REAP-p & 96 & none & 71.00 & 51.00 & 61.00 & 61.00 &  \\" in rows
+    assert r"frequency & 64 & none &  &  &  &  & 48.30 \\" in rows
+    assert r"Teacher &  &  & 80.00 & 60.00 & 70.00 & 70.00 & 72.10 \\" in rows
+    # without --compare: our numbers alone; a sweep of dense students gets no such table
+    write_report(load_frames(store.engine, ["own-rkd"]), "own-rkd", tmp_path / "alone", None)
+    assert "Paper" not in (tmp_path / "alone" / "tables" / "moe.tex").read_text()
+    dense = write_report(
+        load_frames(store.engine, ["paper:deepseek-v2-lite"]),
+        "paper:deepseek-v2-lite",
+        tmp_path / "dense",
+        refs,
+    )
+    assert not any(p.name == "moe.tex" for p in dense)
