@@ -62,31 +62,39 @@ def _sort_key(key: tuple[str, int, str]) -> tuple:
     return (order_key("scoring", s), -K, rec != "none", rec)
 
 
-def _cells(view: View, r: dict[str, Any] | None, tasks: list[str]) -> list[str]:
+def _cells(view: View, r: dict[str, Any] | None, tasks: list[str], shared: bool = False) -> list[str]:
+    """The row's accuracies on `tasks`, its Avg, and with `shared` the mean over `tasks` alone."""
     if r is None:
-        return [""] * (len(tasks) + 1)
+        return [""] * (len(tasks) + 1 + shared)
     cid = plain(r["config_id"])
     acc = view.acc.loc[cid] if cid in view.acc.index else None
-    vals = [fmt_pct(plain(acc.get(t))) if acc is not None else "" for t in tasks]
-    return [*vals, fmt_pct(pct(r["avg"]))]
+    vals = [plain(acc.get(t)) if acc is not None else None for t in tasks]
+    out = [*(fmt_pct(v) for v in vals), fmt_pct(pct(r["avg"]))]
+    if shared:
+        out.append(fmt_pct(sum(vals) / len(vals)) if vals and None not in vals else "")
+    return out
 
 
 def moe_table(view: View, ref: View | None, stem: str) -> Table | None:
     """Rows: the teacher, then method × K × recovery (ours and the paper's, matched on all three);
     columns: our headline tasks and Avg, then the paper's values on the tasks it shares with ours and
     its Avg."""
-    mine = {_key(r): r for r in records(moe_rows(view.rows))}
+    mine = {_key(r): r for r in records(moe_rows(view.rows)) if r["K"] is not None}
     if not mine:
         return None
-    theirs = {_key(r): r for r in records(moe_rows(ref.rows))} if ref is not None else {}
+    theirs = (
+        {_key(r): r for r in records(moe_rows(ref.rows)) if r["K"] is not None} if ref is not None else {}
+    )
     common = [t for t in view.tasks if ref is not None and t in ref.tasks]
+    # the paper's mean over the tasks it shares with ours, where its Avg covers other tasks too
+    shared = bool(common) and ref is not None and set(common) != set(ref.tasks)
     cols = [*task_header(view.tasks), "Avg"]
     head: list[list[str] | str] = []
     if ref is not None:
         head += _group_header(
-            3, [(f"Ours ({view.label})", len(cols)), (f"Paper ({ref.label})", len(common) + 1)]
+            3, [(f"Ours ({view.label})", len(cols)), (f"Paper ({ref.label})", len(common) + 1 + shared)]
         )
-        cols += [*task_header(common), "Avg"]
+        cols += [*task_header(common), "Avg", *(["Shared"] if shared else [])]
     head.append(["Method", "K", "Recovery", *cols])
 
     def teacher(v: View) -> dict[str, Any] | None:
@@ -98,13 +106,13 @@ def moe_table(view: View, ref: View | None, stem: str) -> Table | None:
     if t_ours is not None or t_ref is not None:
         line = ["Teacher", "", "", *_cells(view, t_ours, view.tasks)]
         if ref is not None:
-            line += _cells(ref, t_ref, common)
+            line += _cells(ref, t_ref, common, shared)
         rows += [line, r"\midrule"]
     for key in sorted(set(mine) | set(theirs), key=_sort_key):
         s, K, rec = key
         line = [esc(s), str(K), esc(RECOVERY_LABEL.get(rec, rec)), *_cells(view, mine.get(key), view.tasks)]
         if ref is not None:
-            line += _cells(ref, theirs.get(key), common)
+            line += _cells(ref, theirs.get(key), common, shared)
         rows.append(line)
     cap = (
         f"Smaller MoEs of {view.label}: per compression method, K experts kept per layer and recovery "
@@ -120,7 +128,8 @@ def moe_table(view: View, ref: View | None, stem: str) -> Table | None:
         )
         cap += (
             f" Paper ({ref.label}): the published numbers of the same method, K and recovery, on the tasks "
-            f"it shares with ours; its Avg is {what}."
+            f"it shares with ours; its Avg is {what}"
+            + ("; Shared: its mean over the tasks shown." if shared else ".")
         )
     return Table(
         stem,

@@ -1,4 +1,5 @@
-"""The core paper's published numbers as reference sweeps.
+"""Published numbers as reference sweeps: the core paper's, and the smaller MoEs of the Router KD and
+REAP papers (at the end of this file).
 
 Each paper table becomes configurations with the same axes and metric names as our own runs
 (workers/stages.py), so one query over the `results` view covers both. Accuracies are stored as

@@ -383,16 +383,28 @@ def test_report_shows_smaller_moes_beside_the_paper(store, tmp_path):
     arts = write_report(load_frames(store.engine, ["own-rkd"]), "own-rkd", tmp_path / "rkd", refs)
     assert tmp_path / "rkd" / "tables" / "moe.tex" in arts
     tex = (tmp_path / "rkd" / "tables" / "moe.tex").read_text()
-    assert f"Paper ({model}, {RKD})" in tex and "mean of its 9 headline tasks" in tex
+    assert (
+        f"Paper ({model}, {RKD})" in tex
+        and "mean of its 9 headline tasks" in tex
+        and "Shared: its mean" in tex
+    )
     rows = _table_rows(tex)
-    assert rows[1] == r"Method & K & Recovery & Wino & ARC-C & piqa & Avg & Wino & ARC-C & piqa & Avg \\"
+    assert (
+        rows[1]
+        == r"Method & K & Recovery & Wino & ARC-C & piqa & Avg & Wino & ARC-C & piqa & Avg & Shared \\"
+    )
     # ours (WinoGrande 0.60, ARC-C 0.40, PIQA 0.50) beside the Router KD paper's Table 2 REAP columns:
     # "| Multi-Choice | WinoGrande | 0.5683 | 0.5683 | 0.5841 |", "| ARC-challenge | 0.4787 | 0.4215 | 0.4181 |",
     # "| PIQA | 0.7258 | 0.7203 | 0.7247 |"
-    assert r"Teacher &  &  & 80.00 & 60.00 & 70.00 & 70.00 & 56.83 & 47.87 & 72.58 & 55.05 \\" in rows
-    assert r"REAP & 80 & none & 60.00 & 40.00 & 50.00 & 50.00 & 56.83 & 42.15 & 72.03 & 51.11 \\" in rows
-    assert r"REAP & 80 & Router KD & 61.00 & 41.00 & 51.00 & 51.00 & 58.41 & 41.81 & 72.47 & 51.53 \\" in rows
-    assert r"MoBE & 128 & Router KD &  &  &  &  & 58.48 & 43.69 & 73.83 & 51.10 \\" in rows
+    assert r"Teacher &  &  & 80.00 & 60.00 & 70.00 & 70.00 & 56.83 & 47.87 & 72.58 & 55.05 & 59.09 \\" in rows
+    assert (
+        r"REAP & 80 & none & 60.00 & 40.00 & 50.00 & 50.00 & 56.83 & 42.15 & 72.03 & 51.11 & 57.00 \\" in rows
+    )
+    assert (
+        r"REAP & 80 & Router KD & 61.00 & 41.00 & 51.00 & 51.00 & 58.41 & 41.81 & 72.47 & 51.53 & 57.56 \\"
+        in rows
+    )
+    assert r"MoBE & 128 & Router KD &  &  &  &  & 58.48 & 43.69 & 73.83 & 51.10 & 58.67 \\" in rows
     assert len(rows) == 2 + 1 + 12  # two header lines, teacher, the paper's 12 smaller MoEs (ours among them)
     # the REAP paper's Qwen3-30B-A3B: no per-task MC accuracy published, its Avg is the printed MC Avg
     write_report(load_frames(store.engine, ["own-reap"]), "own-reap", tmp_path / "reap", refs)
@@ -411,3 +423,30 @@ def test_report_shows_smaller_moes_beside_the_paper(store, tmp_path):
         refs,
     )
     assert not any(p.name == "moe.tex" for p in dense)
+
+
+def test_moe_table_compiles_alone(store, tmp_path):
+    import shutil
+    import subprocess
+
+    from analysis.load import load_frames
+    from analysis.report import write_report
+
+    if shutil.which("pdflatex") is None:
+        pytest.skip("pdflatex not installed: the smaller-MoE table's compilation was not checked")
+    model = "Qwen3-30B-A3B-Instruct-2507"
+    _own_moe_sweep(store, "own-tex", model, [("REAP", 80, "none", 0.40)])
+    write_report(
+        load_frames(store.engine, ["own-tex"]), "own-tex", tmp_path, load_frames(store.engine, list(SWEEPS))
+    )
+    tex = tmp_path / "tables" / "moe.tex"
+    assert tex.read_text().isascii()
+    r = subprocess.run(
+        ["pdflatex", "-interaction=nonstopmode", "-halt-on-error", tex.name],
+        cwd=tex.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "Overfull \\hbox" not in tex.with_suffix(".log").read_text(errors="replace")
