@@ -554,7 +554,8 @@ def architectures() -> dict[str, Any]:
 # where the method is one of ours (REAP, EAN, frequency) and the paper's name otherwise (MoBE, HC-SMoE,
 # M-SMoE, TD-MoE, CFES): those are not in our registry, which reference data does not need. The same
 # name in two papers need not be the same implementation (the Router KD paper ran each method's
-# official code; the REAP paper re-implemented HC-SMoE and M-SMoE).
+# official code; the REAP paper's HC-SMoE is its own re-implementation, merging by frequency-weighted
+# averaging).
 ROUTER_KD_TITLE = (
     "Hyeon and Do, Is Retraining-Free Enough? The Necessity of Router Calibration for Efficient MoE "
     "Compression (the Router KD paper)"
