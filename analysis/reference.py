@@ -1,4 +1,5 @@
-"""The core paper's published numbers as reference sweeps.
+"""Published numbers as reference sweeps: the core paper's, and the smaller MoEs of the Router KD and
+REAP papers (at the end of this file).
 
 Each paper table becomes configurations with the same axes and metric names as our own runs
 (workers/stages.py), so one query over the `results` view covers both. Accuracies are stored as
@@ -546,8 +547,265 @@ def architectures() -> dict[str, Any]:
     }
 
 
+# ---- smaller MoEs (output = moe): the Router KD paper and the REAP paper --------------------------
+# Their compressed models are configurations with `output` = moe, `K` = experts kept per layer and
+# `recovery` = none | router_kd, keyed as our own sweeps key them (`moe|REAP|K=80|recovery=none`, the
+# format of orchestrator.axes.config_key; tests check they agree). `scoring` is our registry's name
+# where the method is one of ours (REAP, EAN, frequency) and the paper's name otherwise (MoBE, HC-SMoE,
+# M-SMoE, TD-MoE, CFES): those are not in our registry, which reference data does not need. The same
+# name in two papers need not be the same implementation (the Router KD paper ran each method's
+# official code; the REAP paper's HC-SMoE is its own re-implementation, merging by frequency-weighted
+# averaging).
+ROUTER_KD_TITLE = (
+    "Hyeon and Do, Is Retraining-Free Enough? The Necessity of Router Calibration for Efficient MoE "
+    "Compression (the Router KD paper)"
+)
+REAP_TITLE = (
+    "Lasby et al., REAP the Experts: Why Pruning Prevails for One-Shot MoE Compression (the REAP paper)"
+)
+ROUTER_KD_SOURCE = "paper:Hyeon and Do (Router KD)"
+REAP_SOURCE = "paper:Lasby et al. (REAP)"
+ROUTER_KD_SWEEP = "paper:router-kd-qwen3-30b-a3b"
+ROUTER_KD_MODEL = "Qwen3-30B-A3B-Instruct-2507"  # 128 routed experts, top-8 (Sec. 5.2)
+# 62.5% expert retention of 128 experts (Sec. 5.1): the pruning methods (REAP; CFES with
+# num_routed_expert=80) and the merging methods (HC-SMoE, M-SMoE) keep 80 experts per layer; the
+# editing methods (MoBE, TD-MoE) keep all 128 and factorise them to the same parameter budget
+ROUTER_KD_METHODS = {
+    "REAP": ("pruning", 80),
+    "CFES": ("pruning", 80),
+    "MoBE": ("editing", 128),
+    "TD-MoE": ("editing", 128),
+    "HC-SMoE": ("merging", 80),
+    "M-SMoE": ("merging", 80),
+}
+# the Multi-Choice rows are the headline tasks (`results.avg_acc` is their mean, the other 16 rows are
+# generative and stored as `score`); the paper does not say acc or acc_norm: named as lm-eval's usual
+# headline metric, as our sweeps evaluate these tasks
+ROUTER_KD_MC = {
+    "arc_challenge": "acc_norm",
+    "arc_easy": "acc_norm",
+    "hellaswag": "acc_norm",
+    "medmcqa": "acc",
+    "medqa": "acc",
+    "openbookqa": "acc_norm",
+    "piqa": "acc_norm",
+    "winogrande": "acc",
+    "mmlu": "acc",
+}
+ROUTER_KD_TABLES = {
+    "router_kd_table2": "router_kd_table2_qwen3_62p5",
+    "router_kd_table3": "router_kd_table3_qwen3_62p5",
+}
+REAP_TABLE = "reap_table2_domain_calibration"
+# the REAP paper's Table 1: routed experts per layer and router top-k
+REAP_MODELS = {"Qwen3-30B-A3B": (128, 8), "GLM-4.5-Air": (128, 8)}
+REAP_SCORING = {
+    "Frequency": "frequency",
+    "EAN": "EAN",
+    "REAP": "REAP",
+    "HC-SMoE": "HC-SMoE",
+    "M-SMoE": "M-SMoE",
+}
+# Table 2's columns: per-task scores (fractions; WildBench: the normalised judge score) and its averages
+REAP_TASKS = {
+    "evalplus": "Eval+",
+    "livecode": "LiveCode",
+    "wildbench": "WildBench",
+    "gsm8k": "GSM8K",
+    "math500": "MATH-500",
+}
+REAP_TASK_NAME = {
+    "evalplus": "evalplus",
+    "livecode": "livecodebench",
+    "wildbench": "wildbench",
+    "gsm8k": "gsm8k",
+    "math500": "math500",
+}
+REAP_AVERAGES = {"code_avg": "Code Avg", "math_avg": "Math Avg", "mc_avg": "MC Avg"}
+
+
+def moe_key(scoring: str, K: int, recovery: str) -> str:
+    """The config_key our sweeps give a smaller MoE (orchestrator.axes.config_key's format)."""
+    return f"moe|{scoring}|K={K}|recovery={recovery}"
+
+
+def _router_kd_metrics(rows: list[dict[str, str]], column: str, table: str) -> list[dict[str, Any]]:
+    out = []
+    for r in rows:
+        task = r["task"]
+        if r.get(column, "") == "":
+            raise ValueError(f"{table}: {column} has no value for {r['benchmark']!r} ({r['category']})")
+        out.append(
+            {
+                "name": ROUTER_KD_MC.get(task, "score"),
+                "stage": "post",
+                "task": task,
+                "value": float(r[column]),
+                "headline": int(task in ROUTER_KD_MC),
+                "extra": {
+                    "table": table,
+                    "category": r["category"],
+                    "benchmark": r["benchmark"],
+                    "published": r[column],
+                },
+            }
+        )
+    return out
+
+
+def router_kd() -> dict[str, Any]:
+    """The Router KD paper's Tables 2 and 3: Qwen3-30B-A3B-Instruct-2507 at 62.5% expert retention,
+    six compression methods each without and with Router KD (the "-R" columns), 25 benchmarks."""
+    common = {"model": ROUTER_KD_MODEL, "teacher_variant": "instruct", "top_k": 8}
+    out: list[dict[str, Any]] = []
+    original: list[dict[str, Any]] | None = None
+    for table, name in ROUTER_KD_TABLES.items():
+        rows = read_table(name)
+        tasks = [r["task"] for r in rows]
+        if len(rows) != 25 or len(set(tasks)) != 25:
+            raise ValueError(
+                f"{name}: {len(rows)} rows, {len(set(tasks))} distinct tasks; expected 25 and 25"
+            )
+        methods = [c for c in rows[0] if c not in ("category", "benchmark", "task", "Original")]
+        teacher = _router_kd_metrics(rows, "Original", table)
+        if original is None:
+            original = teacher
+            out.append(
+                {
+                    "config_key": "teacher",
+                    **common,
+                    "kind": "teacher",
+                    "table": table,
+                    "note": "the original model (the tables' Original column)",
+                    "metrics": teacher,
+                }
+            )
+        else:
+            if [m["value"] for m in teacher] != [m["value"] for m in original]:
+                raise ValueError(f"{name}: the Original column differs from the first table's")
+            out[0]["table"] += f"+{table}"
+        for col in methods:
+            method, recovery = (col[:-2], "router_kd") if col.endswith("-R") else (col, "none")
+            if method not in ROUTER_KD_METHODS:
+                raise ValueError(
+                    f"{name}: column {col!r}; allowed: Original, "
+                    f"{', '.join(f'{m}, {m}-R' for m in ROUTER_KD_METHODS)}"
+                )
+            paradigm, K = ROUTER_KD_METHODS[method]
+            out.append(
+                {
+                    "config_key": moe_key(method, K, recovery),
+                    **common,
+                    "kind": "moe2dense",
+                    "output": "moe",
+                    "scoring": method,
+                    "K": K,
+                    "recovery": recovery,
+                    "table": table,
+                    "note": f"{paradigm}, 62.5% expert retention ({col})",
+                    "metrics": _router_kd_metrics(rows, col, table),
+                }
+            )
+    return {
+        "name": ROUTER_KD_SWEEP,
+        "source": ROUTER_KD_SOURCE,
+        "select": None,
+        "configs": out,
+        "description": f"{ROUTER_KD_TITLE}: Tables 2 and 3, {ROUTER_KD_MODEL} at 62.5% expert retention — "
+        "REAP, MoBE, HC-SMoE, CFES, TD-MoE and M-SMoE, each without and with Router KD, on 25 benchmarks.",
+    }
+
+
+def reap(model: str) -> dict[str, Any]:
+    """The REAP paper's Table 2 for one model: frequency, EAN, REAP, HC-SMoE and M-SMoE at 25% and 50% of
+    the experts pruned per layer, domain-specific calibration; coding, creative writing, math and MC."""
+    if model not in REAP_MODELS:
+        raise ValueError(f"REAP Table 2: model {model!r}; allowed: {', '.join(REAP_MODELS)}")
+    E, k = REAP_MODELS[model]
+    out = []
+    for r in read_table(REAP_TABLE):
+        if r["model"] != model:
+            continue
+        filled = dict(f.split(":", 1) for f in r["filled_from"].split(";") if f)
+        # Qwen3-30B-A3B's coding and MC columns are 3-seed means; its other columns and GLM's are 1 seed
+        seeds = {
+            c: 3 if model == "Qwen3-30B-A3B" and c in ("evalplus", "livecode", "code_avg", "mc_avg") else 1
+            for c in (*REAP_TASKS, *REAP_AVERAGES)
+        }
+        metrics = []
+        for col, label in REAP_TASKS.items():
+            if r[col] != "":
+                metrics.append(
+                    {
+                        "name": "score",
+                        "stage": "post",
+                        "task": REAP_TASK_NAME[col],
+                        "value": float(r[col]),
+                        "extra": {
+                            "table": "reap_table2",
+                            "column": label,
+                            "published": r[col],
+                            "seeds": seeds[col],
+                        },
+                    }
+                )
+        for col, label in REAP_AVERAGES.items():
+            if r[col] != "":
+                extra = {"table": "reap_table2", "column": label, "published": r[col], "seeds": seeds[col]}
+                if col in filled:
+                    extra["filled_from"] = filled[col]
+                metrics.append(
+                    {
+                        "name": "avg_published" if col == "mc_avg" else col,
+                        "stage": "post",
+                        "value": float(r[col]),
+                        "extra": extra,
+                    }
+                )
+        common = {
+            "model": model,
+            "teacher_variant": "instruct",
+            "top_k": k,
+            "table": "reap_table2",
+            "metrics": metrics,
+        }
+        if r["ratio"] == "":
+            out.append({"config_key": "teacher", **common, "kind": "teacher", "note": "the baseline model"})
+            continue
+        pruned = float(r["ratio"].rstrip("%")) / 100.0
+        K = round(E * (1.0 - pruned))
+        scoring = REAP_SCORING.get(r["method"])
+        if scoring is None:
+            raise ValueError(f"REAP Table 2: method {r['method']!r}; allowed: {', '.join(REAP_SCORING)}")
+        note = f"{r['ratio']} of the experts pruned or merged per layer"
+        if scoring == "M-SMoE":  # the REAP paper, Sec. 5: cluster counts from global usage frequency
+            note += "; M-SMoE's cluster count varies per layer, K is its mean"
+        out.append(
+            {
+                "config_key": moe_key(scoring, K, "none"),
+                **common,
+                "kind": "moe2dense",
+                "output": "moe",
+                "scoring": scoring,
+                "K": K,
+                "recovery": "none",
+                "note": note,
+            }
+        )
+    return {
+        "name": f"paper:reap-{model.lower()}",
+        "source": REAP_SOURCE,
+        "select": None,
+        "configs": out,
+        "description": f"{REAP_TITLE}: Table 2, {model} — frequency, EAN, REAP, HC-SMoE and M-SMoE at 25% and "
+        "50% of the experts pruned or merged per layer (domain-specific calibration): Eval+, LiveCodeBench, "
+        "WildBench creative writing, GSM8K, MATH-500 and the paper's Code, Math and MC averages.",
+    }
+
+
 def reference_sweeps() -> list[dict[str, Any]]:
-    """Every reference sweep of the core paper; the first is its main study (the CLI relies on it)."""
+    """Every reference sweep: the core paper's (the first is its main study; the CLI relies on it), then
+    the smaller-MoE studies of the Router KD and REAP papers."""
     return [
         qwen3_main(),
         qwen3_extended(),
@@ -555,4 +813,7 @@ def reference_sweeps() -> list[dict[str, Any]]:
         cross_model("DeepSeek-V2-Lite"),
         cross_model("GPT-OSS-20B"),
         architectures(),
+        router_kd(),
+        reap("Qwen3-30B-A3B"),
+        reap("GLM-4.5-Air"),
     ]

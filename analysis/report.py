@@ -13,6 +13,7 @@ from typing import Any
 import pandas as pd
 
 from analysis import figures as fg
+from analysis import moe_tables as mt
 from analysis import tables as tb
 from analysis.derived import (
     baseline_avg,
@@ -80,6 +81,8 @@ def write_report(frames: Frames, name: str, out_dir: Path, compare: Frames | Non
         )
     tasks = frames.tasks[frames.tasks["sweep"] == name]
     cres = compare.results[compare.results["sweep"] != name] if compare is not None else None
+    if cres is not None:  # the papers' smaller MoEs are compared in their own table, not as dense students
+        cres = cres[cres["output"] != "moe"]
     # a reference sweep is not compared with itself or its siblings in tables; Figure 7 still
     # gains the other models' panels
     tables_compare = cres is not None and "reference" not in set(res["sweep_kind"])
@@ -135,6 +138,15 @@ def write_report(frames: Frames, name: str, out_dir: Path, compare: Frames | Non
                 "baselines",
             )
         )
+        small = mt.moe_models(res)
+        for model in small:  # smaller MoEs (output = moe), beside a paper's of the same model
+            ref = None
+            rs = mt.match_moe_reference(compare.results, model) if tables_compare else None
+            if rs is not None:
+                rrows = compare.results[compare.results["sweep"] == rs]
+                ref = mt.moe_view(f"{model}, {rs}", rrows, compare.tasks[compare.tasks["sweep"] == rs], model)
+            view = mt.moe_view(model, res, tasks, model)
+            w.table(mt.moe_table(view, ref, f"moe{tb.slug(model, len(small) > 1)}"))
         for model in models:
             slug = tb.slug(model, many)
             f = ours_facts.get(model, {})

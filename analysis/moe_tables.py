@@ -1,0 +1,142 @@
+"""The table of a sweep's smaller MoEs (`output` = moe): compression method × K × recovery, the headline
+tasks' accuracies and their mean, beside a paper's published smaller MoEs of the same model.
+
+A smaller MoE is a configuration with `output` = moe: `scoring` names the method that chose (or merged,
+or factorised) the experts, `K` the experts kept per layer and `recovery` what ran after it (none, or
+Router KD: only the routers retrained). The papers' smaller MoEs are reference sweeps of their own
+(analysis/reference.py: the Router KD paper's Tables 2/3, the REAP paper's Table 2); `match_moe_reference`
+picks the one of the same model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from analysis.derived import order_key, pct, plain, records
+from analysis.latex import Table, esc, fmt_pct
+from analysis.tables import View, _group_header, make_view, task_header
+
+RECOVERY_LABEL = {"none": "none", "router_kd": "Router KD"}
+
+
+def moe_rows(results: pd.DataFrame) -> pd.DataFrame:
+    """The smaller MoEs among `results` rows."""
+    return results[(results["kind"] == "moe2dense") & (results["output"] == "moe")]
+
+
+def moe_models(results: pd.DataFrame) -> list[str]:
+    return sorted({m for m in moe_rows(results)["model"] if m is not None})
+
+
+def match_moe_reference(ref: pd.DataFrame, model: str) -> str | None:
+    """The reference sweep with the most smaller MoEs of `model` (ties: by name); None if none has any."""
+    rows = moe_rows(ref[(ref["sweep_kind"] == "reference") & (ref["model"] == model)])
+    if rows.empty:
+        return None
+    n = (
+        rows.groupby("sweep")
+        .size()
+        .reset_index(name="n")
+        .sort_values(["n", "sweep"], ascending=[False, True])
+    )
+    return str(n["sweep"].iloc[0])
+
+
+def moe_view(label: str, results: pd.DataFrame, tasks: pd.DataFrame, model: str) -> View:
+    """One model's smaller MoEs and its teacher, with their headline accuracies (%)."""
+    rows = results[
+        (results["model"] == model) & ((results["output"] == "moe") | (results["kind"] == "teacher"))
+    ]
+    rows = rows[(rows["kind"] == "teacher") | (rows["kind"] == "moe2dense")]
+    return make_view(label, rows, tasks)
+
+
+def _key(r: dict[str, Any]) -> tuple[str, int, str]:
+    return (r["scoring"], int(r["K"]), r.get("recovery") or "none")
+
+
+def _sort_key(key: tuple[str, int, str]) -> tuple:
+    s, K, rec = key
+    return (order_key("scoring", s), -K, rec != "none", rec)
+
+
+def _cells(view: View, r: dict[str, Any] | None, tasks: list[str], shared: bool = False) -> list[str]:
+    """The row's accuracies on `tasks`, its Avg, and with `shared` the mean over `tasks` alone."""
+    if r is None:
+        return [""] * (len(tasks) + 1 + shared)
+    cid = plain(r["config_id"])
+    acc = view.acc.loc[cid] if cid in view.acc.index else None
+    vals = [plain(acc.get(t)) if acc is not None else None for t in tasks]
+    out = [*(fmt_pct(v) for v in vals), fmt_pct(pct(r["avg"]))]
+    if shared:
+        out.append(fmt_pct(sum(vals) / len(vals)) if vals and None not in vals else "")
+    return out
+
+
+def moe_table(view: View, ref: View | None, stem: str) -> Table | None:
+    """Rows: the teacher, then method × K × recovery (ours and the paper's, matched on all three);
+    columns: our headline tasks and Avg, then the paper's values on the tasks it shares with ours and
+    its Avg."""
+    mine = {_key(r): r for r in records(moe_rows(view.rows)) if r["K"] is not None}
+    if not mine:
+        return None
+    theirs = (
+        {_key(r): r for r in records(moe_rows(ref.rows)) if r["K"] is not None} if ref is not None else {}
+    )
+    common = [t for t in view.tasks if ref is not None and t in ref.tasks]
+    # the paper's mean over the tasks it shares with ours, where its Avg covers other tasks too
+    shared = bool(common) and ref is not None and set(common) != set(ref.tasks)
+    cols = [*task_header(view.tasks), "Avg"]
+    head: list[list[str] | str] = []
+    if ref is not None:
+        head += _group_header(
+            3, [(f"Ours ({view.label})", len(cols)), (f"Paper ({ref.label})", len(common) + 1 + shared)]
+        )
+        cols += [*task_header(common), "Avg", *(["Shared"] if shared else [])]
+    head.append(["Method", "K", "Recovery", *cols])
+
+    def teacher(v: View) -> dict[str, Any] | None:
+        t = records(v.rows[v.rows["kind"] == "teacher"].sort_values("config_id"))
+        return t[0] if t else None
+
+    rows: list[list[str] | str] = []
+    t_ours, t_ref = teacher(view), teacher(ref) if ref is not None else None
+    if t_ours is not None or t_ref is not None:
+        line = ["Teacher", "", "", *_cells(view, t_ours, view.tasks)]
+        if ref is not None:
+            line += _cells(ref, t_ref, common, shared)
+        rows += [line, r"\midrule"]
+    for key in sorted(set(mine) | set(theirs), key=_sort_key):
+        s, K, rec = key
+        line = [esc(s), str(K), esc(RECOVERY_LABEL.get(rec, rec)), *_cells(view, mine.get(key), view.tasks)]
+        if ref is not None:
+            line += _cells(ref, theirs.get(key), common, shared)
+        rows.append(line)
+    cap = (
+        f"Smaller MoEs of {view.label}: per compression method, K experts kept per layer and recovery "
+        "(none, or Router KD: only the routers retrained), the headline tasks' accuracies in % and their "
+        "mean (Avg). Blank: not run or not published."
+    )
+    if ref is not None:
+        pub = ref.rows["avg_published"].notna().any() if "avg_published" in ref.rows.columns else False
+        what = (
+            "the average the paper prints"
+            if pub
+            else f"the mean of its {len(ref.tasks)} headline tasks ({', '.join(ref.tasks)})"
+        )
+        cap += (
+            f" Paper ({ref.label}): the published numbers of the same method, K and recovery, on the tasks "
+            f"it shares with ours; its Avg is {what}"
+            + ("; Shared: its mean over the tasks shown." if shared else ".")
+        )
+    return Table(
+        stem,
+        cap,
+        "llr" + "r" * (len(cols)),
+        head,
+        rows,
+        index_caption=f"Smaller MoEs by method, K and recovery, {view.label}"
+        + (f", beside {ref.label}" if ref is not None else ""),
+    )
