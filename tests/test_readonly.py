@@ -140,7 +140,7 @@ def test_selects_with_queries_and_reporting_pragmas_still_work(dbfile):
     assert json.loads(r.stdout) == [{"n": before["counts"]["metrics"]}]
     r = sql(dbfile, "WITH s AS (SELECT name FROM sweeps) SELECT name FROM s WHERE name = 'mine'", "-f", "csv")
     assert r.exit_code == 0 and r.stdout.splitlines() == ["name", "mine"]
-    r = sql(dbfile, "SELECT config_key, ppl_pre FROM results r JOIN configurations c ON c.id = r.config_id "
+    r = sql(dbfile, "SELECT c.config_key, ppl_pre FROM results r JOIN configurations c ON c.id = r.config_id "
                     "WHERE c.config_key = 'c0'")
     assert r.exit_code == 0 and "c0" in r.stdout and "12.5" in r.stdout
     r = sql(dbfile, "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 3) "
