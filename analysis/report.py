@@ -74,11 +74,13 @@ class _Writer:
 def write_report(frames: Frames, name: str, out_dir: Path, compare: Frames | None = None) -> list[Path]:
     """Write the report of sweep `name` into out_dir; returns the artefact paths (index.md last)."""
     out_dir = Path(out_dir)
-    res = frames.results[frames.results["sweep"] == name]
-    if res.empty:
+    everything = frames.results[frames.results["sweep"] == name]
+    if everything.empty:
         raise ValueError(
             f"sweep {name!r}: no configurations in the loaded frames; allowed: {', '.join(frames.sweeps)}"
         )
+    # dense students go through the core paper's tables and figures; smaller MoEs have a table of their own
+    res = everything[everything["output"] != "moe"]
     tasks = frames.tasks[frames.tasks["sweep"] == name]
     cres = compare.results[compare.results["sweep"] != name] if compare is not None else None
     if cres is not None:  # the papers' smaller MoEs are compared in their own table, not as dense students
@@ -138,14 +140,14 @@ def write_report(frames: Frames, name: str, out_dir: Path, compare: Frames | Non
                 "baselines",
             )
         )
-        small = mt.moe_models(res)
+        small = mt.moe_models(everything)
         for model in small:  # smaller MoEs (output = moe), beside a paper's of the same model
             ref = None
             rs = mt.match_moe_reference(compare.results, model) if tables_compare else None
             if rs is not None:
                 rrows = compare.results[compare.results["sweep"] == rs]
                 ref = mt.moe_view(f"{model}, {rs}", rrows, compare.tasks[compare.tasks["sweep"] == rs], model)
-            view = mt.moe_view(model, res, tasks, model)
+            view = mt.moe_view(model, everything, tasks, model)
             w.table(mt.moe_table(view, ref, f"moe{tb.slug(model, len(small) > 1)}"))
         for model in models:
             slug = tb.slug(model, many)
@@ -211,7 +213,7 @@ def write_report(frames: Frames, name: str, out_dir: Path, compare: Frames | Non
     )
     index = out_dir / "index.md"
     index.write_text(
-        _index(name, res, w.items, ours_facts, ref_facts, matched, out_dir, code_versions_line(cv))
+        _index(name, everything, w.items, ours_facts, ref_facts, matched, out_dir, code_versions_line(cv))
     )
     return [p for p, _ in w.items] + [index]
 

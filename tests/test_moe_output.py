@@ -119,3 +119,25 @@ def test_a_real_sweep_writes_smaller_moes_that_reload_with_fewer_experts(tmp_pat
     changed = {n for (n, a), (_, b) in zip(plain.state_dict().items(), kd.state_dict().items(), strict=True)
                if not torch.equal(a, b)}
     assert changed and all(n.endswith("mlp.gate.weight") for n in changed), changed
+
+
+@pytest.mark.parametrize("grid", [GRID, GRID[1:]], ids=["dense and moe", "moe only"])
+def test_report_of_a_sweep_with_smaller_moes(fake, tmp_path, grid):  # noqa: F811
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+
+    calls, state = fake
+    state["fail"] = False
+    store = Store(state["db"])
+    assert _launch(store, _sweep(tmp_path, grid)) == 0
+    out = tmp_path / "report"
+    res = CliRunner().invoke(app, ["report", "fake", "--db", state["db"], "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    moe = (out / "tables" / "moe.tex").read_text()
+    assert "REAP" in moe and "router" in moe.lower()
+    for f in (out / "tables").glob("*.tex"):  # the dense tables hold dense students only
+        if f.name != "moe.tex":
+            assert "REAP" not in f.read_text(), f.name
+    n = 8 * len(grid) + 2  # the grid, the teacher and the random-FFN baseline
+    assert f"{n} configurations" in (out / "index.md").read_text()
