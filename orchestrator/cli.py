@@ -277,7 +277,8 @@ def migrate(db: DbOpt = None) -> None:
 
 @app.command("import-paper")
 def import_paper(db: DbOpt = None) -> None:
-    """Load the core paper's published numbers as reference sweeps (idempotent, one transaction)."""
+    """Load published numbers (the core paper, the Router KD and REAP papers) as reference sweeps
+    (idempotent, one transaction)."""
     from analysis.reference import reference_sweeps
 
     store = _store(db)
