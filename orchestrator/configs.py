@@ -15,9 +15,9 @@ from typing import Any
 
 from orchestrator.schema import SpecError
 from orchestrator.spec import SweepSpec
-from orchestrator.stage import JobSpec, SweepContext, TeacherShape, content_key, stages, unique  # noqa: F401
+from orchestrator.stage import TeacherShape
 from orchestrator.stages.convert import grid_configs
-from orchestrator.stages.teacher import teacher_label
+from orchestrator.stages.teacher import teacher_label  # noqa: F401  (re-exported: the dry run names the teacher)
 
 
 def stated_shape(spec: SweepSpec) -> TeacherShape:

@@ -10,14 +10,14 @@ from rich.table import Table
 
 from orchestrator import configs as P
 from orchestrator.spec import SweepSpec
-from orchestrator.stage import SweepContext, stages, unique
+from orchestrator.stage import SweepContext, TeacherShape, stages, unique
 from orchestrator.stages.convert import subgrids
 
 
-def plan_counts(spec: SweepSpec) -> tuple[list[dict[str, Any]], list[str]]:
+def plan_counts(spec: SweepSpec, shape: TeacherShape | None = None) -> tuple[list[dict[str, Any]], list[str]]:
     """(per stage: jobs named by configurations, distinct jobs, a note; the keys of the jobs planned
     without running anything). Pure, for tests too."""
-    shape = P.stated_shape(spec)
+    shape = shape or P.stated_shape(spec)
     ctx = SweepContext(spec, shape, P.build_configs(spec, shape))
     rows: list[dict[str, Any]] = []
     keys: list[str] = []
@@ -39,8 +39,8 @@ def plan_counts(spec: SweepSpec) -> tuple[list[dict[str, Any]], list[str]]:
 
 
 def dry_run(spec: SweepSpec, store, console: Console) -> None:
-    rows, keys = plan_counts(spec)
     shape = P.stated_shape(spec)
+    rows, keys = plan_counts(spec, shape)
     grids = "; ".join(" × ".join(f"{len(v)} {a}" for a, v in g.model_dump().items() if v is not None)
                       for g in subgrids(spec))
     console.print(f"[bold]{spec.name}[/]: teacher {P.teacher_label(spec)} (E={shape.num_experts}, k={shape.top_k}, "
