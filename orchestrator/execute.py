@@ -10,8 +10,11 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import subprocess
+import sys
 import time
 import traceback
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -161,7 +164,8 @@ class RayExecutor:
             if self.address:
                 ray.init(address=self.address, **kw)
             else:
-                ray.init(num_cpus=self.num_cpus or os.cpu_count() or 1, **kw)
+                with _dies_with_this_process():
+                    ray.init(num_cpus=self.num_cpus or os.cpu_count() or 1, **kw)
         self.hub = _progress_hub(ray).remote()
 
     def _pool(self, cpus: float, gpus: float, wanted: int) -> list[Any]:
@@ -271,6 +275,75 @@ class RayExecutor:
         self.holds.clear()
 
 
+# ---- a local Ray ends with the process that started it ------------------------------------------
+# Ray ties its head processes (gcs_server, raylet, ...) to the driver with PR_SET_PDEATHSIG, but not what the
+# raylet starts: when the driver is SIGKILLed, its workers, idle prestarted workers and the dashboard and
+# runtime-env agents live on until they notice (1.5 to 60 s here, benchmarks/README.md). The watchdog waits
+# in a session of its own for the driver to end (the end of a pipe that only the driver holds) and then
+# SIGKILLs every process that carries the launch's token in its environment: what that Ray started.
+LOCAL_RAY_ENV = "MOESWEEP_LOCAL_RAY"
+
+_WATCHDOG = r"""# moesweep: the local Ray watchdog
+import os, signal, sys, time
+token, me = sys.argv[1].encode(), os.getpid()
+try:
+    sys.stdin.buffer.read()  # returns at EOF: the driver ended, however it ended
+except BaseException:
+    pass
+
+def marked():
+    found = []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != me:
+            try:
+                with open(f"/proc/{d}/environ", "rb") as f:
+                    if token in f.read().split(b"\0"):
+                        found.append(int(d))
+            except OSError:
+                pass
+    return found
+
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:
+    pids = marked()
+    if not pids:
+        break
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    time.sleep(0.2)
+"""
+
+
+@contextlib.contextmanager
+def _dies_with_this_process():
+    """Around `ray.init` of a local Ray (never a cluster's `--address`): every process that this Ray starts
+    inherits `MOESWEEP_LOCAL_RAY=<token>` (set only while the head starts; the raylet passes its environment
+    on to the workers and agents it starts later) and a watchdog kills them once this process has ended
+    (SIGKILL included). Linux only (it reads /proc); elsewhere Ray's own clean-up is all there is."""
+    if not sys.platform.startswith("linux") or not os.path.isdir("/proc"):
+        yield
+        return
+    token = f"{LOCAL_RAY_ENV}={os.getpid()}-{uuid.uuid4().hex}"
+    env = {k: v for k, v in os.environ.items() if k != LOCAL_RAY_ENV}
+    watchdog = subprocess.Popen([sys.executable, "-c", _WATCHDOG, token], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                                start_new_session=True)  # a kill of the launch's process group spares it
+    _WATCHDOGS.append(watchdog)  # its pipe stays open for as long as this process lives
+    before = os.environ.get(LOCAL_RAY_ENV)
+    os.environ[LOCAL_RAY_ENV] = token.split("=", 1)[1]
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(LOCAL_RAY_ENV, None)
+        else:
+            os.environ[LOCAL_RAY_ENV] = before
+
+
+_WATCHDOGS: list[subprocess.Popen] = []
 _ACTOR = None
 _HUB = None
 
