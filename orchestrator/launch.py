@@ -450,8 +450,10 @@ def _on_sigint(runner: Runner):
 
 
 def _link(store: Store, cfg_ids: dict[str, int], jobs: dict[str, JobSpec], stage: str) -> None:
-    """config_jobs: which job produced a configuration's numbers for a stage."""
+    """config_jobs: which job produced a configuration's numbers for a stage. A configuration the stage
+    has no job for now (an earlier launch's selection distilled it, this one's does not) loses its link."""
     linked = {ck: j for ck, j in jobs.items() if ck in cfg_ids}
+    store.unlink((cid for ck, cid in cfg_ids.items() if ck not in linked), stage)
     if not linked:
         return
     rows = store.jobs(j.key for j in linked.values())
