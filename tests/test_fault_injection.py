@@ -1,17 +1,11 @@
 """Faults injected into launches, then resumed: the results equal an uninterrupted run's.
 
-The regression test runs with fake stage functions; `benchmarks/fault_injection.py --smoke` injects real
-faults (SIGKILLs of a launch, a raising job, corrupted artifacts) into a real small sweep in subprocesses.
+Here with fake stage functions; `benchmarks/fault_injection.py --smoke` (run by tests/test_benchmarks.py)
+injects real faults (SIGKILLs of a launch, a raising job, corrupted artifacts) into a real small sweep.
 """
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
 from rich.console import Console
 
 import workers.stages as stages
@@ -19,10 +13,7 @@ from db.store import Store
 from orchestrator.execute import SerialExecutor
 from orchestrator.launch import launch
 from orchestrator.spec import load_spec
-from tests.test_benchmarks import smoke_env
 from tests.test_orchestrator import fake  # noqa: F401  (the fake stage functions fixture)
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _results(store: Store) -> list[tuple]:
@@ -69,17 +60,3 @@ def test_a_failure_that_moved_the_selection_leaves_nothing_behind_once_resumed(f
     # the distillation of CP at K = 2 is still a job in the database: a later selection may reuse it
     assert store.query("SELECT COUNT(*) FROM jobs WHERE stage = 'distill'")[1][0][0] > \
         ref.query("SELECT COUNT(*) FROM jobs WHERE stage = 'distill'")[1][0][0]
-
-
-@pytest.mark.slow
-def test_fault_injection_smoke(tmp_path):
-    """Real faults in subprocesses: no result row lost, duplicated or different from an uninterrupted run."""
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fault_injection.py"), "--smoke"], cwd=tmp_path,
-                       env=smoke_env(tmp_path), capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-    rows = {m[0]: m[1:] for m in re.findall(r"^\| ([\w-]+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+)",
-                                            r.stdout, flags=re.MULTILINE)}
-    assert set(rows) == {"kill-serial", "raise", "corrupt"}, r.stdout
-    for kind, (injected, completed, lost, duplicated, differing, left) in rows.items():
-        assert int(injected) >= 1 and int(completed) >= 1, (kind, r.stdout)
-        assert (lost, duplicated, differing, left) == ("0", "0", "0", "0"), (kind, r.stdout)
