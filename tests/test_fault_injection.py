@@ -60,3 +60,44 @@ def test_a_failure_that_moved_the_selection_leaves_nothing_behind_once_resumed(f
     # the distillation of CP at K = 2 is still a job in the database: a later selection may reuse it
     assert store.query("SELECT COUNT(*) FROM jobs WHERE stage = 'distill'")[1][0][0] > \
         ref.query("SELECT COUNT(*) FROM jobs WHERE stage = 'distill'")[1][0][0]
+
+
+def test_a_database_locked_past_the_busy_timeout_stops_the_launch_with_one_line_and_it_resumes(fake, monkeypatch):  # noqa: F811
+    """The database stays locked while a job's result is written (another process holds it past the busy
+    timeout): the launch stops with one line and exit 2, no traceback; the next launch takes over the jobs
+    it held and ends as an undisturbed run does."""
+    import io
+
+    from sqlalchemy.exc import OperationalError
+
+    calls, state = fake
+    state["fail"] = False
+    store = Store(state["db"])
+    finish, fail = Store.finish, Store.fail
+    n = {"finished": 0}
+
+    def locked_after_three(self, *a, **kw):
+        n["finished"] += 1
+        if n["finished"] > 3:
+            raise OperationalError("UPDATE jobs ...", {}, Exception("database is locked"))
+        return finish(self, *a, **kw)
+
+    monkeypatch.setattr(Store, "finish", locked_after_three)
+    monkeypatch.setattr(Store, "fail", lambda self, *a, **kw: locked_after_three(self))
+    spec, path, text = load_spec(str(state["sweep"]))
+    out = io.StringIO()
+    code = launch(spec, text, store, SerialExecutor(), console=Console(file=out, width=400), show_progress=False,
+                  path=str(path), owner="elsewhere:1")
+    assert code == 2
+    lines = [ln for ln in out.getvalue().splitlines() if ln.strip()]
+    assert lines[0].startswith("error: ") and "is locked by another process" in lines[0], out.getvalue()
+    assert "Traceback" not in out.getvalue()
+    assert store.query("SELECT COUNT(*) FROM jobs WHERE status = 'succeeded'")[1] == [(3,)]
+
+    monkeypatch.setattr(Store, "finish", finish)
+    monkeypatch.setattr(Store, "fail", fail)
+    with store.tx() as c:  # its owner is gone (here: another host's launch whose heartbeat is old)
+        c.exec_driver_sql("UPDATE jobs SET heartbeat_at = datetime('now', '-1 hour') WHERE status = 'running'")
+    assert launch(spec, text, store, SerialExecutor(), console=Console(quiet=True), show_progress=False,
+                  path=str(path)) == 0
+    assert store.query("SELECT COUNT(*) FROM jobs WHERE status <> 'succeeded' OR attempts > 2")[1] == [(0,)]
