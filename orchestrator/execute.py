@@ -323,8 +323,8 @@ def _dies_with_this_process():
     inherits `MOESWEEP_LOCAL_RAY=<token>` (set only while the head starts; the raylet passes its environment
     on to the workers and agents it starts later) and a watchdog kills them once this process has ended
     (SIGKILL included). Linux only (it reads /proc); elsewhere Ray's own clean-up is all there is."""
-    if not sys.platform.startswith("linux") or not os.path.isdir("/proc"):
-        yield
+    if not sys.platform.startswith("linux") or not os.path.isdir("/proc") or os.environ.get("RAY_ADDRESS"):
+        yield  # (with RAY_ADDRESS set, ray.init joins that cluster: nothing here is ours to end)
         return
     token = f"{LOCAL_RAY_ENV}={os.getpid()}-{uuid.uuid4().hex}"
     env = {k: v for k, v in os.environ.items() if k != LOCAL_RAY_ENV}
