@@ -32,8 +32,8 @@ Faults (`--faults`, comma-separated):
 Columns: injected faults; sweeps completed (a sweep is complete when a launch exits 0); rows lost (result
 rows of the reference missing), duplicated (a configuration with several result rows, or a job with more
 metric rows than in the same job of the reference), differing (a result row not equal to the reference's, exactly);
-processes left: processes of that launch (every process whose environment holds its MOESWEEP_HOME, Ray's
-included) still alive `--settle-s` seconds after a launch ended, summed over launches; all gone: seconds
+processes left: processes of that launch (its descendants and every process whose environment holds its
+MOESWEEP_HOME, Ray's included, seen while it ran or when it ended) still alive `--settle-s` seconds after a launch ended, summed over launches; all gone: seconds
 after the last launch of the fault kind until none of them was left (polled up to `--drain-s`).
 
   .venv/bin/python benchmarks/fault_injection.py                  # every fault, 20 kills per executor
@@ -160,6 +160,30 @@ def processes(home: Path) -> set[tuple[int, int]]:
     return found
 
 
+def descendants(root: int) -> set[tuple[int, int]]:
+    """(pid, start time) of the processes under `root` (a process that renames itself, as Ray's agents do,
+    may overwrite the environment that /proc shows: the launch's own children are counted by descent too)."""
+    table: dict[int, tuple[int, int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                table[int(d)] = (int(fields[1]), int(fields[19]))
+            except (OSError, ValueError, IndexError):
+                pass
+    kids: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        kids.setdefault(ppid, []).append(pid)
+    out, todo = set(), list(kids.get(root, []))
+    while todo:
+        pid = todo.pop()
+        if (pid, table[pid][1]) not in out:
+            out.add((pid, table[pid][1]))
+            todo += kids.get(pid, [])
+    return out
+
+
 def alive(procs: set[tuple[int, int]]) -> set[tuple[int, int]]:
     left = set()
     for pid, start in procs:
@@ -195,6 +219,7 @@ class Kind:
     notes: list[str] = field(default_factory=list)
     procs: set = field(default_factory=set)  # every process of its launches seen (to drain at the end)
     left_names: dict = field(default_factory=dict)
+    counted: set = field(default_factory=set)
 
 
 class Bench:
@@ -238,7 +263,8 @@ class Bench:
         t0 = time.monotonic()
         while alive(seen) and time.monotonic() - t0 < self.a.settle_s:
             time.sleep(0.1)
-        left = alive(seen)
+        left = alive(seen) - kind.counted  # (one left by an earlier launch of the same home is counted once)
+        kind.counted |= left
         kind.left += len(left)
         for pid, _ in left:
             name = cmdline(pid).split(" ")[0].rsplit("/", 1)[-1] or "?"
@@ -249,7 +275,7 @@ class Bench:
         seen: set = set()
         t0 = time.monotonic()
         while p.poll() is None and (seconds is None or time.monotonic() - t0 < seconds):
-            seen |= processes(home)
+            seen |= processes(home) | descendants(p.pid)
             time.sleep(0.25)
         return p.poll(), seen
 
@@ -342,7 +368,7 @@ class Bench:
                 p = self.start(home, executor, retry=True)
                 rc, seen = self.wait(p, home, self.rng.uniform(0.5, hi) if kind.injected < want else 900)
                 if rc is None:
-                    seen |= processes(home)
+                    seen |= processes(home) | descendants(p.pid)
                     self.kill(p, group)
                     kind.injected += 1
                     self.ended(kind, home, seen)
@@ -366,7 +392,7 @@ class Bench:
             seen: set = set()
             killed = False
             while p.poll() is None:
-                seen |= processes(home)
+                seen |= processes(home) | descendants(p.pid)
                 if not killed and running(home, stage):
                     workers = [pid for pid, _ in processes(home) if cmdline(pid).startswith("ray::JobWorker")]
                     if workers:

@@ -280,35 +280,75 @@ class RayExecutor:
 # raylet starts: when the driver is SIGKILLed, its workers, idle prestarted workers and the dashboard and
 # runtime-env agents live on until they notice (1.5 to 60 s here, benchmarks/README.md). The watchdog waits
 # in a session of its own for the driver to end (the end of a pipe that only the driver holds) and then
-# SIGKILLs every process that carries the launch's token in its environment: what that Ray started.
+# SIGKILLs what that Ray started. It knows them two ways, as either alone misses some: while the driver
+# lives it notes, every second, the driver's descendants and every process that carries the launch's token
+# in its environment (a process that renames itself, as Ray's agents do, may overwrite the environment that
+# /proc shows); once the driver is gone it kills those still alive (same pid and start time), every process
+# still showing the token, and their descendants, until none is left.
 LOCAL_RAY_ENV = "MOESWEEP_LOCAL_RAY"
 
 _WATCHDOG = r"""# moesweep: the local Ray watchdog
-import os, signal, sys, time
-token, me = sys.argv[1].encode(), os.getpid()
-try:
-    sys.stdin.buffer.read()  # returns at EOF: the driver ended, however it ended
-except BaseException:
-    pass
+import os, select, signal, sys, time
+token, driver, me = sys.argv[1].encode(), int(sys.argv[2]), os.getpid()
 
-def marked():
-    found = []
+
+def table():
+    t = {}
     for d in os.listdir("/proc"):
-        if d.isdigit() and int(d) != me:
+        if d.isdigit():
             try:
-                with open(f"/proc/{d}/environ", "rb") as f:
-                    if token in f.read().split(b"\0"):
-                        found.append(int(d))
-            except OSError:
+                with open(f"/proc/{d}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+                t[int(d)] = (int(fields[1]), fields[19])
+            except (OSError, IndexError, ValueError):
                 pass
+    return t
+
+
+def marked(pids):
+    found = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if token in f.read().split(b"\0"):
+                    found.add(pid)
+        except OSError:
+            pass
     return found
+
+
+def family(t, roots):
+    kids = {}
+    for pid, (ppid, _) in t.items():
+        kids.setdefault(ppid, []).append(pid)
+    out, todo = set(), [r for r in roots if r in t]
+    while todo:
+        pid = todo.pop()
+        if pid not in out and pid != me:
+            out.add(pid)
+            todo += kids.get(pid, [])
+    return out
+
+
+known, checked = {}, set()
+while True:
+    ready = select.select([sys.stdin], [], [], 1.0)[0]
+    if ready and not os.read(sys.stdin.fileno(), 4096):
+        break  # EOF: the driver ended, however it ended
+    t = table()
+    new = {p for p in t if (p, t[p][1]) not in checked}
+    checked = {(p, t[p][1]) for p in t}
+    roots = {driver} | {p for p, st in known.items() if t.get(p, (0, None))[1] == st} | marked(new - {me})
+    known = {p: t[p][1] for p in family(t, roots) if p != driver}
 
 deadline = time.monotonic() + 30
 while time.monotonic() < deadline:
-    pids = marked()
-    if not pids:
+    t = table()
+    alive = {p for p, st in known.items() if t.get(p, (0, None))[1] == st}
+    targets = family(t, alive | marked(set(t) - {me}))
+    if not targets:
         break
-    for pid in pids:
+    for pid in targets:
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
@@ -321,14 +361,15 @@ while time.monotonic() < deadline:
 def _dies_with_this_process():
     """Around `ray.init` of a local Ray (never a cluster's `--address`): every process that this Ray starts
     inherits `MOESWEEP_LOCAL_RAY=<token>` (set only while the head starts; the raylet passes its environment
-    on to the workers and agents it starts later) and a watchdog kills them once this process has ended
-    (SIGKILL included). Linux only (it reads /proc); elsewhere Ray's own clean-up is all there is."""
+    on to the workers and agents it starts later) and a watchdog kills them, and this process's other
+    descendants, once this process has ended (SIGKILL included). Linux only (it reads /proc); elsewhere
+    Ray's own clean-up is all there is."""
     if not sys.platform.startswith("linux") or not os.path.isdir("/proc") or os.environ.get("RAY_ADDRESS"):
         yield  # (with RAY_ADDRESS set, ray.init joins that cluster: nothing here is ours to end)
         return
     token = f"{LOCAL_RAY_ENV}={os.getpid()}-{uuid.uuid4().hex}"
     env = {k: v for k, v in os.environ.items() if k != LOCAL_RAY_ENV}
-    watchdog = subprocess.Popen([sys.executable, "-c", _WATCHDOG, token], stdin=subprocess.PIPE,
+    watchdog = subprocess.Popen([sys.executable, "-c", _WATCHDOG, token, str(os.getpid())], stdin=subprocess.PIPE,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                                 start_new_session=True)  # a kill of the launch's process group spares it
     _WATCHDOGS.append(watchdog)  # its pipe stays open for as long as this process lives
