@@ -418,6 +418,17 @@ class Store:
                     c.execute(update(ConfigJob).where(ConfigJob.config_id == config_id,
                                                       ConfigJob.stage == stage).values(job_id=job_id))
 
+    def unlink(self, config_ids: Iterable[int], stage: str) -> int:
+        """Forget which job produced these configurations' numbers for a stage (the job itself stays):
+        e.g. a configuration that an earlier selection distilled and the current one does not."""
+        ids = list(config_ids)
+        n = 0
+        with self.tx() as c:
+            for i in range(0, len(ids), 500):
+                n += c.execute(delete(ConfigJob).where(ConfigJob.config_id.in_(ids[i:i + 500]),
+                                                       ConfigJob.stage == stage)).rowcount
+        return n
+
     def set_config_fields(self, updates: dict[int, dict[str, Any]]) -> None:
         with self.tx() as c:
             for cid, values in updates.items():

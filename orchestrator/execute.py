@@ -10,8 +10,11 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import subprocess
+import sys
 import time
 import traceback
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -161,7 +164,8 @@ class RayExecutor:
             if self.address:
                 ray.init(address=self.address, **kw)
             else:
-                ray.init(num_cpus=self.num_cpus or os.cpu_count() or 1, **kw)
+                with _dies_with_this_process():
+                    ray.init(num_cpus=self.num_cpus or os.cpu_count() or 1, **kw)
         self.hub = _progress_hub(ray).remote()
 
     def _pool(self, cpus: float, gpus: float, wanted: int) -> list[Any]:
@@ -271,6 +275,116 @@ class RayExecutor:
         self.holds.clear()
 
 
+# ---- a local Ray ends with the process that started it ------------------------------------------
+# Ray ties its head processes (gcs_server, raylet, ...) to the driver with PR_SET_PDEATHSIG, but not what the
+# raylet starts: when the driver is SIGKILLed, its workers, idle prestarted workers and the dashboard and
+# runtime-env agents live on until they notice (1.5 to 60 s here, benchmarks/README.md). The watchdog waits
+# in a session of its own for the driver to end (the end of a pipe that only the driver holds) and then
+# SIGKILLs what that Ray started. It knows them two ways, as either alone misses some: while the driver
+# lives it notes, every second, the driver's descendants and every process that carries the launch's token
+# in its environment (a process that renames itself, as Ray's agents do, may overwrite the environment that
+# /proc shows); once the driver is gone it kills those still alive (same pid and start time), every process
+# still showing the token, and their descendants, until none is left.
+LOCAL_RAY_ENV = "MOESWEEP_LOCAL_RAY"
+
+_WATCHDOG = r"""# moesweep: the local Ray watchdog
+import os, select, signal, sys, time
+token, driver, me = sys.argv[1].encode(), int(sys.argv[2]), os.getpid()
+
+
+def table():
+    t = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+                t[int(d)] = (int(fields[1]), fields[19])
+            except (OSError, IndexError, ValueError):
+                pass
+    return t
+
+
+def marked(pids):
+    found = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if token in f.read().split(b"\0"):
+                    found.add(pid)
+        except OSError:
+            pass
+    return found
+
+
+def family(t, roots):
+    kids = {}
+    for pid, (ppid, _) in t.items():
+        kids.setdefault(ppid, []).append(pid)
+    out, todo = set(), [r for r in roots if r in t]
+    while todo:
+        pid = todo.pop()
+        if pid not in out and pid != me:
+            out.add(pid)
+            todo += kids.get(pid, [])
+    return out
+
+
+known, checked = {}, set()
+while True:
+    ready = select.select([sys.stdin], [], [], 1.0)[0]
+    if ready and not os.read(sys.stdin.fileno(), 4096):
+        break  # EOF: the driver ended, however it ended
+    t = table()
+    new = {p for p in t if (p, t[p][1]) not in checked}
+    checked = {(p, t[p][1]) for p in t}
+    roots = {driver} | {p for p, st in known.items() if t.get(p, (0, None))[1] == st} | marked(new - {me})
+    known = {p: t[p][1] for p in family(t, roots) if p != driver}
+
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:
+    t = table()
+    alive = {p for p, st in known.items() if t.get(p, (0, None))[1] == st}
+    targets = family(t, alive | marked(set(t) - {me}))
+    if not targets:
+        break
+    for pid in targets:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    time.sleep(0.2)
+"""
+
+
+@contextlib.contextmanager
+def _dies_with_this_process():
+    """Around `ray.init` of a local Ray (never a cluster's `--address`): every process that this Ray starts
+    inherits `MOESWEEP_LOCAL_RAY=<token>` (set only while the head starts; the raylet passes its environment
+    on to the workers and agents it starts later) and a watchdog kills them, and this process's other
+    descendants, once this process has ended (SIGKILL included). Linux only (it reads /proc); elsewhere
+    Ray's own clean-up is all there is."""
+    if not sys.platform.startswith("linux") or not os.path.isdir("/proc") or os.environ.get("RAY_ADDRESS"):
+        yield  # (with RAY_ADDRESS set, ray.init joins that cluster: nothing here is ours to end)
+        return
+    token = f"{LOCAL_RAY_ENV}={os.getpid()}-{uuid.uuid4().hex}"
+    env = {k: v for k, v in os.environ.items() if k != LOCAL_RAY_ENV}
+    watchdog = subprocess.Popen([sys.executable, "-c", _WATCHDOG, token, str(os.getpid())], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                                start_new_session=True)  # a kill of the launch's process group spares it
+    _WATCHDOGS.append(watchdog)  # its pipe stays open for as long as this process lives
+    before = os.environ.get(LOCAL_RAY_ENV)
+    os.environ[LOCAL_RAY_ENV] = token.split("=", 1)[1]
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(LOCAL_RAY_ENV, None)
+        else:
+            os.environ[LOCAL_RAY_ENV] = before
+
+
+_WATCHDOGS: list[subprocess.Popen] = []
 _ACTOR = None
 _HUB = None
 

@@ -28,9 +28,10 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from sqlalchemy.exc import OperationalError
 
 from db.artifacts import check as artifact_check
-from db.store import STALE_AFTER_S, Store, home, owner_id
+from db.store import STALE_AFTER_S, Store, explain, home, owner_id
 from orchestrator import configs as P
 from orchestrator.axes import AXES
 from orchestrator.spec import SweepSpec, check_local_paths, spec_hash
@@ -183,7 +184,9 @@ class Runner:
                     except Exception as e:  # e.g. a record the schema refuses: the job failed, the launch goes on
                         if self.interrupted:
                             raise KeyboardInterrupt from e
-                        result, err = None, f"recording its result failed: {traceback.format_exc()}"
+                        # the last line is what the launch's summary shows: what went wrong, not a link
+                        result, err = None, (f"recording its result failed: {traceback.format_exc()}"
+                                             f"recording its result failed: {explain(self.store.url, e)}")
                 if err is None and result is not None:
                     rep.ran += 1
                     self._advance(bar)
@@ -390,6 +393,13 @@ def launch(spec: SweepSpec, spec_text: str, store: Store, executor, *, retry_fai
     except BaseException as e:
         # after Ctrl-C any exception is the interrupt's (e.g. a DB call cut mid-statement that re-raises
         # as an OperationalError during its rollback)
+        if isinstance(e, OperationalError) and not runner.interrupted:
+            # the database could not be used (locked past the busy timeout, gone): one line, not a traceback;
+            # what finished is kept, and the jobs this launch held are taken over by the next one (its owner
+            # is gone then), so nothing is released here through a database that is not answering
+            console.print(f"[red]error:[/] {explain(store.url, e)}; the jobs that finished are kept and "
+                          "`moesweep launch` resumes", highlight=False, soft_wrap=True)
+            return 2
         if not (isinstance(e, KeyboardInterrupt) or runner.interrupted):
             raise
         store.engine.dispose()  # a connection interrupted mid-statement is never reused
@@ -451,8 +461,10 @@ def _on_sigint(runner: Runner):
 
 
 def _link(store: Store, cfg_ids: dict[str, int], jobs: dict[str, JobSpec], stage: str) -> None:
-    """config_jobs: which job produced a configuration's numbers for a stage."""
+    """config_jobs: which job produced a configuration's numbers for a stage. A configuration the stage
+    has no job for now (an earlier launch's selection distilled it, this one's does not) loses its link."""
     linked = {ck: j for ck, j in jobs.items() if ck in cfg_ids}
+    store.unlink((cid for ck, cid in cfg_ids.items() if ck not in linked), stage)
     if not linked:
         return
     rows = store.jobs(j.key for j in linked.values())

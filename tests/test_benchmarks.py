@@ -1,6 +1,7 @@
 """The benchmark scripts still run: each one's --smoke mode (seconds, tiny sizes, one repetition,
 the same code paths) as a subprocess, offline, with its home and working directory in tmp_path.
-Timings are never checked: only that the script exits 0 and prints its ratio lines."""
+Timings are never checked: only that the script exits 0 and prints its ratio lines (fault_injection.py: its
+table's zeros of lost, duplicated and differing rows and of processes left behind)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ SCRIPTS = {  # script → lines its smoke run must print (numbers, never checked
                              r"^batched vs loop stats\s+: max rel diff \d\.\d+e[-+]\d+$"],
     "bench_predistill.py": [r"^naive / in-memory, per configuration \(build\+eval\)\s+:\s+\d+\.\d+x",
                             r"^max relative \|Δppl\| between the paths\s+: \d\.\d+e[-+]\d+"],
+    # faults injected, sweeps completed ≥ 1; rows lost, duplicated, differing and processes left behind: 0
+    "fault_injection.py": [rf"^\| {kind} \| [1-9]\d* \| [1-9]\d* \| 0 \| 0 \| 0 \| 0 \|"
+                           for kind in ("kill-serial", "raise", "corrupt")],
     "bench_orchestration.py": [r"^executor serial: exit code 0, [1-9]\d* jobs$",
                                r"^  wall / Σ compute = \d+\.\d+$",
                                r"overhead \(wall − ideal\)/ideal = -?\d+\.\d+%$"],
