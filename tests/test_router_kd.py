@@ -328,3 +328,17 @@ def test_pruned_student_with_fewer_experts_trains_its_narrower_routers(family, k
     assert heldout_kd(student, teacher, train, spec) < 0.97 * start
     after = state(student)
     assert all(torch.equal(after[n], t) != (n in rec["router_delta"]) for n, t in before.items())
+
+
+def test_router_parameters_refuse_what_they_cannot_place(fam):
+    family, teacher, adapter = fam
+    model = copy.deepcopy(teacher)
+    layer = adapter.moe_layers(model)[0]
+    router = adapter.router_module(model, layer)
+    router.register_parameter("temperature", torch.nn.Parameter(torch.ones(3)))
+    with pytest.raises(ValueError, match=f"layer {layer}: router parameter of shape \\(3,\\)"):
+        adapter.router_parameters(model)
+    del router.temperature
+    router.weight = torch.nn.Parameter(router.weight.detach()[:, :-1].clone())
+    with pytest.raises(ValueError, match=f"layer {layer}: router weight .* is not the linear map"):
+        adapter.router_parameters(model)
