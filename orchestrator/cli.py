@@ -16,8 +16,9 @@ from rich.table import Table
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Experiment sweeps and a results database for MoE→dense compression research.")
-out = Console()
-err = Console(stderr=True)
+# in a pipe or a log file (no terminal to measure) tables get room instead of rich's default 80 columns
+out = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 DbOpt = Annotated[str | None, typer.Option("--db", help="SQLAlchemy URL (default: $MOESWEEP_DB or "
                                                         "sqlite:///$MOESWEEP_HOME/moesweep.db)")]
