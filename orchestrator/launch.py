@@ -30,12 +30,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from sqlalchemy.exc import OperationalError
 
-from db.artifacts import check as artifact_check
 from db.store import STALE_AFTER_S, Store, explain, home, owner_id
 from orchestrator import configs as P
 from orchestrator.axes import AXES
 from orchestrator.spec import SweepSpec, check_local_paths, spec_hash
 from orchestrator.stage import JobSpec, Stage, SweepContext, TeacherShape, stages, unique
+from workers.artifacts import check as artifact_check
 
 
 @dataclass
@@ -185,8 +185,8 @@ class Runner:
                         if self.interrupted:
                             raise KeyboardInterrupt from e
                         # the last line is what the launch's summary shows: what went wrong, not a link
-                        result, err = None, (f"recording its result failed: {traceback.format_exc()}"
-                                             f"recording its result failed: {explain(self.store.url, e)}")
+                        result, err = None, (traceback.format_exc()
+                                             + f"recording its result failed: {explain(self.store.url, e)}")
                 if err is None and result is not None:
                     rep.ran += 1
                     self._advance(bar)

@@ -20,13 +20,13 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 import workers.stages as stages
-from db.artifacts import record
 from db.store import Store
 from orchestrator.cli import app
 from orchestrator.execute import SerialExecutor
 from orchestrator.launch import launch
 from orchestrator.spec import load_spec
 from tests.test_orchestrator import fake, fake_sweep  # noqa: F401  (the fake stage functions fixture)
+from workers.artifacts import record
 
 TINY = ("teacher: {source: tiny, tiny: {experts: 8, top_k: 2, hidden: 16, layers: 1, heads: 2, kv_heads: 1, "
         "moe_intermediate: 8, vocab: 512}}")
@@ -291,7 +291,7 @@ def test_fingerprints_of_files_and_folders(tmp_path):
     bytes (before that) still matches."""
     import struct
 
-    from db.artifacts import check, content_hash, stat
+    from workers.artifacts import check, content_hash, stat
 
     d = tmp_path / "model"
     _write(d / "a.bin", "a" * 100, "0")

@@ -1,4 +1,5 @@
-"""One-way flow: analysis reads the database only; it never imports the workers."""
+"""One-way flow: analysis reads the database only and never imports the workers; the workers never import
+the orchestrator or the database (they take plain inputs and return plain records)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,19 @@ def test_no_analysis_module_imports_workers():
     for f in files:
         rel = f.relative_to(ROOT).with_suffix("").parts
         if found := workers_imports(f.read_text(), rel[:-1]):
+            bad[f.relative_to(ROOT).as_posix()] = found
+    assert bad == {}
+
+
+def test_no_worker_module_imports_the_orchestrator_or_the_database():
+    files = sorted((ROOT / "workers").rglob("*.py"))
+    assert len(files) >= 30
+    bad = {}
+    for f in files:
+        rel = f.relative_to(ROOT).with_suffix("").parts
+        found = sorted(m for m in imported_modules(f.read_text(), rel[:-1])
+                       if m.split(".")[0] in ("orchestrator", "db"))
+        if found:
             bad[f.relative_to(ROOT).as_posix()] = found
     assert bad == {}
 

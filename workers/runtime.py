@@ -82,14 +82,8 @@ def eval_texts(payload: dict[str, Any], cache: dict, data: dict[str, Any]) -> li
     return cache[key]
 
 
-def dir_hash(path: Path) -> str:
-    from db.artifacts import content_hash
-
-    return content_hash(path)
-
-
 def artifact(kind: str, path: Path) -> dict[str, Any]:
-    """The record of an artifact a job wrote: kind, path, content hash, size and mtime (see db.artifacts)."""
-    from db.artifacts import record
+    """The record of an artifact a job wrote: kind, path, content hash, size and mtime (see workers.artifacts)."""
+    from workers.artifacts import record
 
     return record(kind, path)

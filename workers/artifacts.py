@@ -1,7 +1,7 @@
 """Size, modification time and content hash of an artifact (a file, or a folder of files).
 
 Workers record them when a job writes an artifact (workers.runtime.artifact); the orchestrator
-compares them before a recorded artifact is used again: size and mtime on every use (cheap), the
+(which may import workers, as the database may not be imported by workers) compares them before a recorded artifact is used again: size and mtime on every use (cheap), the
 content hash only where either changed (`check`), every hash with `moesweep verify`.
 """
 
