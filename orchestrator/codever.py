@@ -113,6 +113,7 @@ class Fingerprints:
         self.extra = frozenset(extra_roots)
         self._deps: dict[Unit, frozenset[Unit]] = {}
         self._hash: dict[Unit, str] = {}
+        self._digest: dict[tuple[Unit, ...], str] = {}  # every job of a stage asks for the same closures
 
     # ---- one unit ------------------------------------------------------------------------------
     def node(self, unit: Unit) -> ast.AST:
@@ -148,8 +149,11 @@ class Fingerprints:
         return seen
 
     def digest(self, roots: Iterable[Unit]) -> str:
-        items = sorted(("/".join(u), h) for u, h in self.closure(roots).items())
-        return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+        roots = tuple(roots)
+        if roots not in self._digest:
+            items = sorted(("/".join(u), h) for u, h in self.closure(roots).items())
+            self._digest[roots] = hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+        return self._digest[roots]
 
     # ---- name resolution -------------------------------------------------------------------------
     def _refs(self, module: str, node: ast.AST) -> set[Unit]:
