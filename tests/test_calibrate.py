@@ -70,8 +70,9 @@ def naive_stats(model, adapter, batches) -> dict[int, dict[str, torch.Tensor]]:
     for layer, records in _capture(model, adapter, batches).items():
         experts = _block_of(model, adapter.router_module(model, layer)).experts
         E = adapter.num_experts(model)
-        acc = {name: torch.zeros(E, dtype=torch.float64) for name in STAT_FIELDS if name != "gram"}
-        acc["gram"] = torch.zeros(E, E, dtype=torch.float64)
+        H = records[0][0].shape[1]
+        shapes = {"gram": (E, E), "gram_p": (E, E), "sum_out": (E, H), "sum_xx": (H, H)}
+        acc = {name: torch.zeros(shapes.get(name, (E,)), dtype=torch.float64) for name in STAT_FIELDS}
         n = 0
         with torch.no_grad():
             for x, p, w, idx, mask in records:
@@ -83,6 +84,9 @@ def naive_stats(model, adapter, batches) -> dict[int, dict[str, torch.Tensor]]:
                     fs = [experts(x[t:t + 1], torch.tensor([[e]]), one)[0].double() for e in range(E)]
                     stacked = torch.stack(fs)  # [E, H], this token only
                     acc["gram"] += stacked @ stacked.T
+                    acc["sum_out"] += stacked
+                    acc["gram_p"] += torch.outer(p[t].double(), p[t].double())
+                    acc["sum_xx"] += torch.outer(x[t].double(), x[t].double())
                     for i in range(E):
                         acc["sum_p"][i] += float(p[t, i])
                         acc["sum_sq"][i] += float(fs[i] @ fs[i])
@@ -99,7 +103,7 @@ def naive_stats(model, adapter, batches) -> dict[int, dict[str, torch.Tensor]]:
     return out
 
 
-ROUTER_FIELDS = ("sum_p", "sum_p_sel", "sum_gnorm_sel", "sum_pnorm_sel")  # sums of the router's p or weights
+ROUTER_FIELDS = ("sum_p", "sum_p_sel", "sum_gnorm_sel", "sum_pnorm_sel", "gram_p")  # sums of the router's p or weights
 
 
 def assert_stats_close(got, want, rtol: float, router_rtol: float | None = None) -> None:

@@ -28,7 +28,7 @@ from workers.merge import activation
 from workers.types import STATS_TENSORS, ExpertWeights, LayerStats
 
 STAT_FIELDS = STATS_TENSORS
-FORMAT = "moesweep.layerstats/2"  # /2 added sum_pnorm_sel and max_norm_sel
+FORMAT = "moesweep.layerstats/3"  # /2 added sum_pnorm_sel and max_norm_sel; /3 sum_out, gram_p, sum_xx
 
 
 # ---- all experts on all tokens -----------------------------------------------------------------
@@ -118,8 +118,9 @@ class LayerAccumulator:
     def _init(self, device: torch.device) -> None:
         E = self.experts.num_experts
         kw = {"dtype": torch.float64, "device": device}
-        self.sums = {name: torch.zeros(E, **kw) for name in STAT_FIELDS if name != "gram"}
-        self.sums["gram"] = torch.zeros(E, E, **kw)
+        H = self.experts.hidden
+        shapes = {"gram": (E, E), "gram_p": (E, E), "sum_out": (E, H), "sum_xx": (H, H)}
+        self.sums = {name: torch.zeros(shapes.get(name, (E,)), **kw) for name in STAT_FIELDS}
         self.n_tokens = torch.zeros((), dtype=torch.int64, device=device)
 
     def update(self, x: torch.Tensor, p: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
@@ -141,7 +142,10 @@ class LayerAccumulator:
         s["sum_p"] += p64.sum(0)
         s["count"].index_add_(0, idx.reshape(-1), m[:, None].expand(T, k).reshape(-1).double())
         s["sum_p_sel"].index_add_(0, idx.reshape(-1), p64.gather(1, idx).reshape(-1))
+        s["gram_p"] += p64.T @ p64  # M-SMoE: router similarity of experts over tokens
         xz = torch.where(m[:, None], x, 0)
+        x64 = xz.double()
+        s["sum_xx"] += x64.T @ x64  # TD-MoE: the block input's second moment (whitening)
         fused = fused_gate_up(self.experts)
         # f(0) = 0 exactly without biases, so zeroed padding rows need no second mask
         has_bias = any(b is not None for b in (self.experts.gate_bias, self.experts.up_bias,
@@ -164,6 +168,7 @@ class LayerAccumulator:
             # super-expert detection: the largest routed output norm (padding rows have norm 0)
             s["max_norm_sel"].scatter_reduce_(0, sel.reshape(-1), nsel.reshape(-1), reduce="amax")
             s["gram"] += _gram(f).double()
+            s["sum_out"] += f.sum(1, dtype=norm_dtype).double()  # HC-SMoE: Σ_t f_e(t) over all tokens
             del f
 
     def finish(self) -> LayerStats:

@@ -39,7 +39,7 @@ def jaccard(a: Iterable[int], b: Iterable[int]) -> float:
 
 
 def stats_from_tokens(p: torch.Tensor, routed: torch.Tensor, g: torch.Tensor, f: torch.Tensor) -> LayerStats:
-    """Reference reduction of token-level records to LayerStats (the sums calibration keeps: counts, Σp, Σp over routed tokens, Σ‖f‖², REAP/REAP-p/EAN sums, the max routed ‖f‖, the Gram matrix), for tests and small checks.
+    """Reference reduction of token-level records to LayerStats (the sums calibration keeps: counts, Σp, Σp over routed tokens, Σ‖f‖², REAP/REAP-p/EAN sums, the max routed ‖f‖, the Gram matrix, Σf, Σppᵀ; not Σxxᵀ, which needs the inputs), for tests and small checks.
 
     p [N, E] router softmax over all experts; routed [N, E] bool, e ∈ S(t); g [N, E] the weight the
     model applied (ignored outside S(t)); f [N, E, d] every expert's output on every token.
@@ -50,4 +50,5 @@ def stats_from_tokens(p: torch.Tensor, routed: torch.Tensor, g: torch.Tensor, f:
     return LayerStats(n_tokens=p.shape[0], count=m.sum(0), sum_p=p.sum(0), sum_p_sel=(m * p).sum(0),
                       sum_sq=(norm * norm).sum(0), sum_gnorm_sel=(m * g * norm).sum(0),
                       sum_norm_sel=(m * norm).sum(0), gram=torch.einsum("ned,nfd->ef", f, f),
-                      sum_pnorm_sel=(m * p * norm).sum(0), max_norm_sel=(m * norm).amax(0))
+                      sum_pnorm_sel=(m * p * norm).sum(0), max_norm_sel=(m * norm).amax(0),
+                      sum_out=f.sum(0), gram_p=p.T @ p)

@@ -10,6 +10,7 @@ K = experts kept.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -85,7 +86,7 @@ class TeacherShape:
 
 # Every tensor of LayerStats, in file order.
 STATS_TENSORS = ("count", "sum_p", "sum_p_sel", "sum_sq", "sum_gnorm_sel", "sum_norm_sel", "gram",
-                 "sum_pnorm_sel", "max_norm_sel")
+                 "sum_pnorm_sel", "max_norm_sel", "sum_out", "gram_p", "sum_xx")
 
 
 @dataclass
@@ -109,6 +110,9 @@ class LayerStats:
     # fills them and load_stats requires them.
     sum_pnorm_sel: torch.Tensor | None = None  # [E] Σ_{t: e∈S(t)} p_e(t)·‖f_e(t)‖  (REAP-p numerator)
     max_norm_sel: torch.Tensor | None = None  # [E] max_{t: e∈S(t)} ‖f_e(t)‖, 0 if never routed
+    sum_out: torch.Tensor | None = None  # [E, H] Σ_t f_e(t) over all tokens (HC-SMoE's representative A_e)
+    gram_p: torch.Tensor | None = None  # [E, E] Σ_t p(t) p(t)ᵀ over all tokens (M-SMoE's router similarity)
+    sum_xx: torch.Tensor | None = None  # [H, H] Σ_t x(t) x(t)ᵀ of the block's input (TD-MoE's whitening)
 
     @property
     def num_experts(self) -> int:
@@ -160,7 +164,8 @@ class LayerPlan:
     groups: list[list[int]]  # k groups, expert ids
     merge_weights: list[list[float]]  # same shape as groups; each inner list sums to 1
     alpha: list[float]  # k down-projection scales
-    extras: dict = field(default_factory=dict)  # e.g. {"effective_rank": 3.2}
+    extras: dict = field(default_factory=dict)  # e.g. {"effective_rank": 3.2}; "student": settings (JSON) that
+    # shape the student beyond groups/weights/α (a merged MoE's router rule, an edited MoE's factors file)
 
     def signature(self) -> tuple:
         """What determines the student's function: per group its experts, merge weights and α, in a
@@ -169,4 +174,7 @@ class LayerPlan:
         r = lambda xs: tuple(round(float(x), 10) for x in xs)  # noqa: E731
         blocks = sorted((tuple(g), r(w), round(float(a), 10))
                         for g, w, a in zip(self.groups, self.merge_weights, self.alpha, strict=True))
-        return (self.layer, tuple(blocks))
+        student = self.extras.get("student")  # settings that shape the student beyond the blocks (JSON)
+        if student is None:
+            return (self.layer, tuple(blocks))
+        return (self.layer, tuple(blocks), json.dumps(student, sort_keys=True, separators=(",", ":")))
