@@ -1,9 +1,12 @@
-"""The table of a sweep's smaller MoEs (`output` = moe): compression method × K × recovery, the headline
-tasks' accuracies and their mean, beside a paper's published smaller MoEs of the same model.
+"""The table of a sweep's smaller MoEs (`output` = moe, merged or edited): compression method × K ×
+recovery, the headline tasks' accuracies and their mean, beside a paper's published smaller MoEs of the
+same model.
 
-A smaller MoE is a configuration with `output` = moe: `scoring` names the method that chose (or merged,
-or factorised) the experts, `K` the experts kept per layer and `recovery` what ran after it (none, or
-Router KD: only the routers retrained). The papers' smaller MoEs are reference sweeps of their own
+A smaller MoE is a configuration whose `output` keeps a router: `moe` (pruned: `scoring` names the method
+that chose the experts), `merged` (`merging` names the method that merged them) or `edited` (`editing`
+names the method that factorised them); `K` is the experts kept per layer (for editing, the parameter
+budget of K experts) and `recovery` what ran after it (none; Router KD: only the routers retrained; full
+KD: every parameter distilled). The papers' smaller MoEs are reference sweeps of their own
 (analysis/reference.py: the Router KD paper's Tables 2/3, the REAP paper's Table 2); `match_moe_reference`
 picks the one of the same model.
 """
@@ -18,12 +21,20 @@ from analysis.derived import order_key, pct, plain, records
 from analysis.latex import Table, esc, fmt_pct
 from analysis.tables import View, _group_header, make_view, task_header
 
-RECOVERY_LABEL = {"none": "none", "router_kd": "Router KD"}
+RECOVERY_LABEL = {"none": "none", "router_kd": "Router KD", "full_kd": "full KD"}
+SMALLER = ("moe", "merged", "edited")  # the outputs that keep a router
+PARADIGM = {"moe": "prune", "merged": "merge", "edited": "edit"}
+METHOD_AXIS = {"moe": "scoring", "merged": "merging", "edited": "editing"}
 
 
 def moe_rows(results: pd.DataFrame) -> pd.DataFrame:
     """The smaller MoEs among `results` rows."""
-    return results[(results["kind"] == "moe2dense") & (results["output"] == "moe")]
+    return results[(results["kind"] == "moe2dense") & results["output"].isin(SMALLER)]
+
+
+def method_of(r: dict[str, Any]) -> str:
+    """The method that made a smaller MoE (its scoring, merging or editing)."""
+    return r.get(METHOD_AXIS[r["output"]]) or ""
 
 
 def moe_models(results: pd.DataFrame) -> list[str]:
@@ -47,19 +58,20 @@ def match_moe_reference(ref: pd.DataFrame, model: str) -> str | None:
 def moe_view(label: str, results: pd.DataFrame, tasks: pd.DataFrame, model: str) -> View:
     """One model's smaller MoEs and its teacher, with their headline accuracies (%)."""
     rows = results[
-        (results["model"] == model) & ((results["output"] == "moe") | (results["kind"] == "teacher"))
+        (results["model"] == model) & (results["output"].isin(SMALLER) | (results["kind"] == "teacher"))
     ]
     rows = rows[(rows["kind"] == "teacher") | (rows["kind"] == "moe2dense")]
     return make_view(label, rows, tasks)
 
 
-def _key(r: dict[str, Any]) -> tuple[str, int, str]:
-    return (r["scoring"], int(r["K"]), r.get("recovery") or "none")
+def _key(r: dict[str, Any]) -> tuple[str, str, int, str]:
+    return (r["output"], method_of(r), int(r["K"]), r.get("recovery") or "none")
 
 
-def _sort_key(key: tuple[str, int, str]) -> tuple:
-    s, K, rec = key
-    return (order_key("scoring", s), -K, rec != "none", rec)
+def _sort_key(key: tuple[str, str, int, str]) -> tuple:
+    out, s, K, rec = key
+    return (SMALLER.index(out), order_key(METHOD_AXIS[out], s), -K, list(RECOVERY_LABEL).index(rec)
+            if rec in RECOVERY_LABEL else len(RECOVERY_LABEL), rec)
 
 
 def _cells(view: View, r: dict[str, Any] | None, tasks: list[str], shared: bool = False) -> list[str]:
@@ -92,10 +104,10 @@ def moe_table(view: View, ref: View | None, stem: str) -> Table | None:
     head: list[list[str] | str] = []
     if ref is not None:
         head += _group_header(
-            3, [(f"Ours ({view.label})", len(cols)), (f"Paper ({ref.label})", len(common) + 1 + shared)]
+            4, [(f"Ours ({view.label})", len(cols)), (f"Paper ({ref.label})", len(common) + 1 + shared)]
         )
         cols += [*task_header(common), "Avg", *(["Shared"] if shared else [])]
-    head.append(["Method", "K", "Recovery", *cols])
+    head.append(["Kind", "Method", "K", "Recovery", *cols])
 
     def teacher(v: View) -> dict[str, Any] | None:
         t = records(v.rows[v.rows["kind"] == "teacher"].sort_values("config_id"))
@@ -104,20 +116,22 @@ def moe_table(view: View, ref: View | None, stem: str) -> Table | None:
     rows: list[list[str] | str] = []
     t_ours, t_ref = teacher(view), teacher(ref) if ref is not None else None
     if t_ours is not None or t_ref is not None:
-        line = ["Teacher", "", "", *_cells(view, t_ours, view.tasks)]
+        line = ["", "Teacher", "", "", *_cells(view, t_ours, view.tasks)]
         if ref is not None:
             line += _cells(ref, t_ref, common, shared)
         rows += [line, r"\midrule"]
     for key in sorted(set(mine) | set(theirs), key=_sort_key):
-        s, K, rec = key
-        line = [esc(s), str(K), esc(RECOVERY_LABEL.get(rec, rec)), *_cells(view, mine.get(key), view.tasks)]
+        out, s, K, rec = key
+        line = [PARADIGM[out], esc(s), str(K), esc(RECOVERY_LABEL.get(rec, rec)),
+                *_cells(view, mine.get(key), view.tasks)]
         if ref is not None:
             line += _cells(ref, theirs.get(key), common, shared)
         rows.append(line)
     cap = (
-        f"Smaller MoEs of {view.label}: per compression method, K experts kept per layer and recovery "
-        "(none, or Router KD: only the routers retrained), the headline tasks' accuracies in % and their "
-        "mean (Avg). Blank: not run or not published."
+        f"Smaller MoEs of {view.label}: per kind (prune, merge, edit) and compression method, K experts "
+        "kept per layer (edit: the parameter budget of K experts) and recovery (none; Router KD: only the "
+        "routers retrained; full KD: every parameter distilled), the headline tasks' accuracies in % and "
+        "their mean (Avg). Blank: not run or not published."
     )
     if ref is not None:
         pub = ref.rows["avg_published"].notna().any() if "avg_published" in ref.rows.columns else False
@@ -134,7 +148,7 @@ def moe_table(view: View, ref: View | None, stem: str) -> Table | None:
     return Table(
         stem,
         cap,
-        "llr" + "r" * (len(cols)),
+        "lllr" + "r" * (len(cols)),
         head,
         rows,
         index_caption=f"Smaller MoEs by method, K and recovery, {view.label}"

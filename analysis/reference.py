@@ -547,15 +547,16 @@ def architectures() -> dict[str, Any]:
     }
 
 
-# ---- smaller MoEs (output = moe): the Router KD paper and the REAP paper --------------------------
-# Their compressed models are configurations with `output` = moe, `K` = experts kept per layer and
-# `recovery` = none | router_kd, keyed as our own sweeps key them (`moe|REAP|K=80|recovery=none`, the
-# format of orchestrator.axes.config_key; tests check they agree). `scoring` is our registry's name
-# where the method is one of ours (REAP, EAN, frequency) and the paper's name otherwise (MoBE, HC-SMoE,
-# M-SMoE, TD-MoE, CFES): those are not in our registry, which reference data does not need. The same
-# name in two papers need not be the same implementation (the Router KD paper ran each method's
-# official code; the REAP paper's HC-SMoE is its own re-implementation, merging by frequency-weighted
-# averaging).
+# ---- smaller MoEs: the Router KD paper and the REAP paper -------------------------------------------
+# Their compressed models are configurations with `output` = moe (pruned), merged or edited, the method
+# in the matching axis (`scoring`, `merging`, `editing`), `K` = experts kept per layer (for editing, the
+# parameter budget of K experts) and `recovery` = none | router_kd, keyed as our own sweeps key them
+# (`moe|REAP|K=80|recovery=none`, `merged|HC-SMoE|K=80|recovery=none`: the format of
+# orchestrator.axes.config_key; tests check they agree). The method names are our registries' (REAP,
+# EAN, frequency, HC-SMoE, M-SMoE, MoBE, TD-MoE) and the paper's for CFES (seed 003's selection, not yet
+# in our registry, which reference data does not need). The same name in two papers need not be the same
+# implementation (the Router KD paper ran each method's official code; the REAP paper's HC-SMoE is its
+# own re-implementation, merging by frequency-weighted averaging), nor ours: `settings` says which.
 ROUTER_KD_TITLE = (
     "Hyeon and Do, Is Retraining-Free Enough? The Necessity of Router Calibration for Efficient MoE "
     "Compression (the Router KD paper)"
@@ -569,15 +570,18 @@ ROUTER_KD_SWEEP = "paper:router-kd-qwen3-30b-a3b"
 ROUTER_KD_MODEL = "Qwen3-30B-A3B-Instruct-2507"  # 128 routed experts, top-8 (Sec. 5.2)
 # 62.5% expert retention of 128 experts (Sec. 5.1): the pruning methods (REAP; CFES with
 # num_routed_expert=80) and the merging methods (HC-SMoE, M-SMoE) keep 80 experts per layer; the
-# editing methods (MoBE, TD-MoE) keep all 128 and factorise them to the same parameter budget
+# editing methods (MoBE, TD-MoE) keep all 128 and factorise them to the same parameter budget, which our
+# `edited` output states as K = 80 (the budget of 80 experts)
 ROUTER_KD_METHODS = {
     "REAP": ("pruning", 80),
     "CFES": ("pruning", 80),
-    "MoBE": ("editing", 128),
-    "TD-MoE": ("editing", 128),
+    "MoBE": ("editing", 80),
+    "TD-MoE": ("editing", 80),
     "HC-SMoE": ("merging", 80),
     "M-SMoE": ("merging", 80),
 }
+# paradigm → (our output, the axis that names the method)
+PARADIGM_OUTPUT = {"pruning": ("moe", "scoring"), "merging": ("merged", "merging"), "editing": ("edited", "editing")}
 # the Multi-Choice rows are the headline tasks (`results.avg_acc` is their mean, the other 16 rows are
 # generative and stored as `score`); the paper does not say acc or acc_norm: named as lm-eval's usual
 # headline metric, as our sweeps evaluate these tasks
@@ -599,12 +603,12 @@ ROUTER_KD_TABLES = {
 REAP_TABLE = "reap_table2_domain_calibration"
 # the REAP paper's Table 1: routed experts per layer and router top-k
 REAP_MODELS = {"Qwen3-30B-A3B": (128, 8), "GLM-4.5-Air": (128, 8)}
-REAP_SCORING = {
-    "Frequency": "frequency",
-    "EAN": "EAN",
-    "REAP": "REAP",
-    "HC-SMoE": "HC-SMoE",
-    "M-SMoE": "M-SMoE",
+REAP_SCORING = {  # the paper's method → (our name, paradigm)
+    "Frequency": ("frequency", "pruning"),
+    "EAN": ("EAN", "pruning"),
+    "REAP": ("REAP", "pruning"),
+    "HC-SMoE": ("HC-SMoE", "merging"),
+    "M-SMoE": ("M-SMoE", "merging"),
 }
 # Table 2's columns: per-task scores (fractions; WildBench: the normalised judge score) and its averages
 REAP_TASKS = {
@@ -624,9 +628,16 @@ REAP_TASK_NAME = {
 REAP_AVERAGES = {"code_avg": "Code Avg", "math_avg": "Math Avg", "mc_avg": "MC Avg"}
 
 
-def moe_key(scoring: str, K: int, recovery: str) -> str:
+def moe_key(method: str, K: int, recovery: str, output: str = "moe") -> str:
     """The config_key our sweeps give a smaller MoE (orchestrator.axes.config_key's format)."""
-    return f"moe|{scoring}|K={K}|recovery={recovery}"
+    return f"{output}|{method}|K={K}|recovery={recovery}"
+
+
+def moe_fields(method: str, paradigm: str, K: int, recovery: str) -> dict[str, Any]:
+    """A published smaller MoE's key and axis columns."""
+    output, axis = PARADIGM_OUTPUT[paradigm]
+    return {"config_key": moe_key(method, K, recovery, output), "kind": "moe2dense", "output": output,
+            axis: method, "K": K, "recovery": recovery}
 
 
 def _router_kd_metrics(rows: list[dict[str, str]], column: str, table: str) -> list[dict[str, Any]]:
@@ -694,13 +705,8 @@ def router_kd() -> dict[str, Any]:
             paradigm, K = ROUTER_KD_METHODS[method]
             out.append(
                 {
-                    "config_key": moe_key(method, K, recovery),
+                    **moe_fields(method, paradigm, K, recovery),
                     **common,
-                    "kind": "moe2dense",
-                    "output": "moe",
-                    "scoring": method,
-                    "K": K,
-                    "recovery": recovery,
                     "table": table,
                     "note": f"{paradigm}, 62.5% expert retention ({col})",
                     "metrics": _router_kd_metrics(rows, col, table),
@@ -774,24 +780,13 @@ def reap(model: str) -> dict[str, Any]:
             continue
         pruned = float(r["ratio"].rstrip("%")) / 100.0
         K = round(E * (1.0 - pruned))
-        scoring = REAP_SCORING.get(r["method"])
-        if scoring is None:
+        if r["method"] not in REAP_SCORING:
             raise ValueError(f"REAP Table 2: method {r['method']!r}; allowed: {', '.join(REAP_SCORING)}")
+        method, paradigm = REAP_SCORING[r["method"]]
         note = f"{r['ratio']} of the experts pruned or merged per layer"
-        if scoring == "M-SMoE":  # the REAP paper, Sec. 5: cluster counts from global usage frequency
+        if method == "M-SMoE":  # the REAP paper, Sec. 5: cluster counts from global usage frequency
             note += "; M-SMoE's cluster count varies per layer, K is its mean"
-        out.append(
-            {
-                "config_key": moe_key(scoring, K, "none"),
-                **common,
-                "kind": "moe2dense",
-                "output": "moe",
-                "scoring": scoring,
-                "K": K,
-                "recovery": "none",
-                "note": note,
-            }
-        )
+        out.append({**moe_fields(method, paradigm, K, "none"), **common, "note": note})
     return {
         "name": f"paper:reap-{model.lower()}",
         "source": REAP_SOURCE,

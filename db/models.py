@@ -90,8 +90,11 @@ class Configuration(Base):
     grouping: Mapped[str | None] = mapped_column(String(50), index=True)
     dp_scaling: Mapped[str | None] = mapped_column(String(50))
     K: Mapped[int | None] = mapped_column(Integer)
-    output: Mapped[str | None] = mapped_column(String(20))  # dense | moe (NULL: dense, written before 0004)
-    recovery: Mapped[str | None] = mapped_column(String(50))  # none | router_kd (moe outputs)
+    output: Mapped[str | None] = mapped_column(String(20))  # dense | moe | merged | edited (NULL: dense, before 0004)
+    recovery: Mapped[str | None] = mapped_column(String(50))  # none | router_kd | full_kd (smaller MoEs)
+    merging: Mapped[str | None] = mapped_column(String(50))  # merged outputs: HC-SMoE | M-SMoE
+    editing: Mapped[str | None] = mapped_column(String(50))  # edited outputs: MoBE | TD-MoE
+    settings: Mapped[str | None] = mapped_column(Text)  # JSON: the settings of its output and method
     top_k: Mapped[int | None] = mapped_column(Integer)  # the router's k (= groups); SQLite names are case-blind
     distill_loss: Mapped[str | None] = mapped_column(String(50))
     teacher_top_k: Mapped[int | None] = mapped_column(Integer)

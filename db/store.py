@@ -42,7 +42,8 @@ METRIC_FIELDS = ("name", "stage", "task", "who", "step", "value", "value_kind", 
                  "correct", "total", "stderr", "num_fewshot", "headline")
 CONFIG_FIELDS = ("model", "teacher_variant", "family", "kind", "baseline", "scoring", "grouping",
                  "dp_scaling", "K", "top_k", "distill_loss", "teacher_top_k", "distill_tokens",
-                 "source_table", "selected_for_distill", "plan_key", "note", "variant", "output", "recovery")
+                 "source_table", "selected_for_distill", "plan_key", "note", "variant", "output", "recovery",
+                 "merging", "editing", "settings")
 
 
 def home() -> Path:

@@ -4,9 +4,10 @@ An axis is a typed column of `configurations` and of the `results` view; its all
 names of a method registry (read from the registry's source, so validating a sweep imports no torch),
 a fixed set of choices, or any positive integer. A configuration's jobs hash the code of the registry
 entries they name (orchestrator/codever.py), so editing one method recomputes exactly the
-configurations that use it. Some axes apply to one output only (grouping and dp_scaling shape a dense
-student; recovery applies to a smaller MoE): a sub-grid of the other output may not name them, and its
-configurations leave them NULL.
+configurations that use it. Some axes apply to some outputs only (scoring chooses the experts of a dense
+student or a pruned MoE; merging and editing make a merged or an edited MoE; grouping and dp_scaling shape
+a dense student; recovery applies to the three smaller MoEs): a sub-grid of another output may not name
+them, and its configurations leave them NULL.
 
 Adding an axis: one `Axis(...)` line here, its column in a migration (configurations + results view),
 and its test.
@@ -38,16 +39,25 @@ class Axis:
         return self.outputs is None or output in self.outputs
 
 
+MOE_OUTPUTS = ("moe", "merged", "edited")  # the outputs that keep a router (a smaller MoE)
+
 AXES: dict[str, Axis] = {a.name: a for a in (
-    Axis("output", str, ("workers.outputs", "OUTPUTS"), "a dense student, or a smaller MoE with K experts", ("dense",)),
-    Axis("scoring", str, ("workers.scoring", "SCORINGS"), "how experts are scored and the K kept are chosen"),
+    Axis("output", str, ("workers.outputs", "OUTPUTS"),
+         "a dense student, or a smaller MoE: pruned (moe), merged or edited", ("dense",)),
+    Axis("scoring", str, ("workers.scoring", "SCORINGS"), "how experts are scored and the K kept are chosen",
+         outputs=("dense", "moe")),
+    Axis("merging", str, ("workers.moe_merging", "MERGINGS"), "how the E experts are merged into K",
+         outputs=("merged",)),
+    Axis("editing", str, ("workers.editing", "EDITINGS"), "how every expert is factorised to the size of K",
+         outputs=("edited",)),
     Axis("grouping", str, ("workers.grouping", "GROUPINGS"), "how the K kept experts form k groups", ("RR",),
          outputs=("dense",)),
     Axis("dp_scaling", str, ("workers.scaling", "SCALINGS"), "the down-projection scale α of each group",
          ("uniform",), outputs=("dense",)),
-    Axis("K", int, None, "experts kept per layer (k ≤ K ≤ E)", named=True),
-    Axis("recovery", str, None, "what recovers a smaller MoE before evaluation", ("none",), outputs=("moe",),
-         choices=("none", "router_kd"), named=True, after_student=True),
+    Axis("K", int, None, "experts kept per layer (k ≤ K ≤ E); for editing, the parameter budget of K experts",
+         named=True),
+    Axis("recovery", str, None, "what recovers a smaller MoE before evaluation", ("none",), outputs=MOE_OUTPUTS,
+         choices=("none", "router_kd", "full_kd"), named=True, after_student=True),
 )}
 
 
@@ -57,7 +67,8 @@ def method_registries() -> list[tuple[str, str]]:
 
 
 def config_key(values: dict) -> str:
-    """`SF|RR|uniform|K=8` (a dense configuration), `moe|REAP|K=16|recovery=router_kd` (a smaller MoE)."""
+    """`SF|RR|uniform|K=8` (a dense configuration), `moe|REAP|K=16|recovery=router_kd` (a pruned MoE),
+    `merged|HC-SMoE|K=6|recovery=none`, `edited|MoBE|K=6|recovery=none`."""
     parts = []
     for name, axis in AXES.items():
         v = values.get(name)

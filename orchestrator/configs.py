@@ -85,7 +85,13 @@ def build_configs(spec: SweepSpec, shape: TeacherShape) -> list[dict[str, Any]]:
     check_k(spec, shape)
     model = teacher_label(spec)
     family = shape.family
-    configs = [dict(c, family=family) for c in grid_configs(spec, model, shape.top_k)]
+    try:
+        configs = [dict(c, family=family) for c in grid_configs(spec, model, shape.top_k)]
+    except ValueError as e:
+        raise SpecError(str(e)) from None
+    if spec.distill is None and any(c.get("recovery") == "full_kd" for c in configs):
+        raise SpecError("grid.recovery: full_kd distils the smaller MoE with the distill section's settings; "
+                        "add a distill section or use none / router_kd")
     for b in spec.baselines:
         if b == "d2d":
             continue  # candidates are configurations of their own, added below

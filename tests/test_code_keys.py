@@ -126,19 +126,25 @@ def test_a_registry_entry_is_its_own_component_and_not_followed_from_a_stage(toy
 
 def test_every_registry_reads_the_same_names_from_source_as_at_run_time():
     import workers.baselines
+    import workers.editing
     import workers.grouping
     import workers.losses
+    import workers.moe_merging
+    import workers.outputs
     import workers.scaling
     import workers.scoring
 
     for (module, name), obj in {("workers.scoring", "SCORINGS"): workers.scoring.SCORINGS,
+                                ("workers.outputs", "OUTPUTS"): workers.outputs.OUTPUTS,
+                                ("workers.moe_merging", "MERGINGS"): workers.moe_merging.MERGINGS,
+                                ("workers.editing", "EDITINGS"): workers.editing.EDITINGS,
                                 ("workers.grouping", "GROUPINGS"): workers.grouping.GROUPINGS,
                                 ("workers.scaling", "SCALINGS"): workers.scaling.SCALINGS,
                                 ("workers.losses", "LOSSES"): workers.losses.LOSSES,
                                 ("workers.baselines", "_CANDIDATES"): workers.baselines._CANDIDATES}.items():
         assert registry_names(module, name) == list(obj), name
     assert {m for m, _ in method_registries()} == {"workers.outputs", "workers.scoring", "workers.grouping",
-                                                   "workers.scaling"}
+                                                   "workers.scaling", "workers.moe_merging", "workers.editing"}
 
 
 def test_a_conversion_depends_on_its_own_methods_only():

@@ -25,8 +25,14 @@ from orchestrator.axes import AXES, config_key
 SWEEPS = {s["name"]: s for s in reference_sweeps()}
 RKD, REAP_QWEN, REAP_GLM = ROUTER_KD_SWEEP, "paper:reap-qwen3-30b-a3b", "paper:reap-glm-4.5-air"
 MOE_SWEEPS = (RKD, REAP_QWEN, REAP_GLM)
-OURS = set(AXES["scoring"].allowed())
-PRINTED = {"MoBE", "HC-SMoE", "M-SMoE", "TD-MoE", "CFES"}  # kept as the papers print them
+OURS = {*AXES["scoring"].allowed(), *AXES["merging"].allowed(), *AXES["editing"].allowed()}
+PRINTED = {"CFES"}  # kept as the paper prints it (not in our registry)
+OUTPUT_OF = {"MoBE": "edited", "TD-MoE": "edited", "HC-SMoE": "merged", "M-SMoE": "merged"}
+METHOD_AXIS = {"moe": "scoring", "merged": "merging", "edited": "editing"}
+
+
+def key_of(method: str, K: int, recovery: str) -> str:
+    return f"{OUTPUT_OF.get(method, 'moe')}|{method}|K={K}|recovery={recovery}"
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +68,7 @@ def rkd_key(col: str) -> str:
     if col == "Original":
         return "teacher"
     m = col[:-2] if col.endswith("-R") else col
-    K = 128 if m in ("MoBE", "TD-MoE") else 80
-    return f"moe|{m}|K={K}|recovery={'router_kd' if col.endswith('-R') else 'none'}"
+    return key_of(m, 80, "router_kd" if col.endswith("-R") else "none")
 
 
 # ---- every value, once -----------------------------------------------------------------------------
@@ -102,7 +107,7 @@ def test_every_reap_value_round_trips(store):
             key = "teacher"
         else:
             K = {"25%": 96, "50%": 64}[r["ratio"]]
-            key = f"moe|{'frequency' if r['method'] == 'Frequency' else r['method']}|K={K}|recovery=none"
+            key = key_of("frequency" if r["method"] == "Frequency" else r["method"], K, "none")
         for col, task in REAP_TASK_NAME.items():
             assert _value(store, sweep, key, "score", task) == float(r[col])
             n += 1
@@ -121,22 +126,22 @@ def test_spot_checks_against_the_printed_tables(store):
     # "| Math | MATH | 0.2712 | 0.2736 | 0.2786 | 0.2438 | 0.4608 | 0.2518 | 0.2578 |"
     assert _rkd(store, "teacher", "bbh_fewshot") == 0.3039
     assert _rkd(store, "moe|REAP|K=80|recovery=none", "bbh_fewshot") == 0.4866
-    assert _rkd(store, "moe|MoBE|K=128|recovery=none", "bbh_fewshot") == 0.0023
-    assert _rkd(store, "moe|MoBE|K=128|recovery=router_kd", "math") == 0.4608
-    assert _rkd(store, "moe|HC-SMoE|K=80|recovery=router_kd", "math") == 0.2578
+    assert _rkd(store, "edited|MoBE|K=80|recovery=none", "bbh_fewshot") == 0.0023
+    assert _rkd(store, "edited|MoBE|K=80|recovery=router_kd", "math") == 0.4608
+    assert _rkd(store, "merged|HC-SMoE|K=80|recovery=router_kd", "math") == 0.2578
     # Table 3: "| Multi-Choice | WinoGrande | 0.5683 | 0.5872 | 0.6212 | 0.5801 | 0.5691 | 0.5896 | 0.5872 |"
     # "| Coding | HumanEval-instruct | 0.9390 | 0.0183 | 0.0854 | 0.8171 | 0.8110 | 0.0000 | 0.0000 |"
     assert _rkd(store, "moe|CFES|K=80|recovery=router_kd", "winogrande") == 0.6212
-    assert _rkd(store, "moe|TD-MoE|K=128|recovery=none", "winogrande") == 0.5801
-    assert _rkd(store, "moe|M-SMoE|K=80|recovery=router_kd", "humaneval_instruct") == 0.0
+    assert _rkd(store, "edited|TD-MoE|K=80|recovery=none", "winogrande") == 0.5801
+    assert _rkd(store, "merged|M-SMoE|K=80|recovery=router_kd", "humaneval_instruct") == 0.0
     assert _rkd(store, "moe|CFES|K=80|recovery=none", "humaneval_instruct") == 0.0183
     # CoT-Zeroshot GSM8k and Math GSM8k are different rows: "| CoT-Zeroshot | GSM8k | 0.5671 | 0.6149 |"
     assert _rkd(store, "teacher", "gsm8k_cot_zeroshot") == 0.5671
     assert _rkd(store, "teacher", "gsm8k") == 0.8628
     # REAP paper, Table 2:
     # "| Qwen3-30B-A3B | 50% | HC-SMoE | 0.543 | 0.185 | 0.364 | 0.008 | 0.760 | 0.696 | 0.728 | 0.542 |"
-    assert _value(store, REAP_QWEN, "moe|HC-SMoE|K=64|recovery=none", "score", "wildbench") == 0.008
-    assert _value(store, REAP_QWEN, "moe|HC-SMoE|K=64|recovery=none", "math_avg") == 0.728
+    assert _value(store, REAP_QWEN, "merged|HC-SMoE|K=64|recovery=none", "score", "wildbench") == 0.008
+    assert _value(store, REAP_QWEN, "merged|HC-SMoE|K=64|recovery=none", "math_avg") == 0.728
     # "| GLM-4.5-Air | 25% | REAP | 0.759 | 0.412 | 0.585 | 0.831 | 0.839 | 0.920 | 0.879 | 0.674 |"
     assert _value(store, REAP_GLM, "moe|REAP|K=96|recovery=none", "score", "livecodebench") == 0.412
     assert _value(store, REAP_GLM, "moe|REAP|K=96|recovery=none", "avg_published") == 0.674
@@ -151,9 +156,9 @@ def test_cells_filled_from_table_a6_are_marked(store):
         "ORDER BY s.name, c.config_key"
     )
     assert [(s, k, v) for s, k, v, _ in rows] == [
-        (REAP_GLM, "moe|M-SMoE|K=64|recovery=none", 0.444),
+        (REAP_GLM, "merged|M-SMoE|K=64|recovery=none", 0.444),
         (REAP_GLM, "teacher", 0.747),
-        (REAP_QWEN, "moe|M-SMoE|K=64|recovery=none", 0.451),
+        (REAP_QWEN, "merged|M-SMoE|K=64|recovery=none", 0.451),
     ]
     assert all(json.loads(e)["filled_from"] == "Table A6" for *_, e in rows)
     _, none = store.query(
@@ -174,16 +179,20 @@ def test_axes_are_our_axes():
                 assert c["config_key"] == "teacher" and c.get("output") is None
                 continue
             assert c["kind"] == "moe2dense" and c["output"] in AXES["output"].allowed()
-            assert c["output"] == "moe" and c["recovery"] in AXES["recovery"].allowed()
+            assert c["recovery"] in AXES["recovery"].allowed()
+            axis = METHOD_AXIS[c["output"]]
+            method = c[axis]
+            assert c["output"] == OUTPUT_OF.get(method, "moe")
             assert c["config_key"] == config_key(
-                {"output": c["output"], "scoring": c["scoring"], "K": c["K"], "recovery": c["recovery"]}
+                {"output": c["output"], axis: method, "K": c["K"], "recovery": c["recovery"]}
             )
-            assert c["scoring"] in OURS or c["scoring"] in PRINTED, c["scoring"]
-            assert c["scoring"] not in PRINTED or c["scoring"] not in OURS
+            assert method in OURS or method in PRINTED, method
+            assert method not in PRINTED or method not in OURS
             assert c.get("grouping") is None and c.get("dp_scaling") is None
     rkd = {c["config_key"] for c in SWEEPS[RKD]["configs"]}
-    assert {"moe|REAP|K=80|recovery=router_kd", "moe|MoBE|K=128|recovery=none"} <= rkd
-    reap = {(c["scoring"], c["K"]) for c in SWEEPS[REAP_QWEN]["configs"] if c["kind"] != "teacher"}
+    assert {"moe|REAP|K=80|recovery=router_kd", "edited|MoBE|K=80|recovery=none"} <= rkd
+    reap = {(c.get("scoring") or c.get("merging"), c["K"]) for c in SWEEPS[REAP_QWEN]["configs"]
+            if c["kind"] != "teacher"}
     assert reap == {(m, K) for m in ("frequency", "EAN", "REAP", "HC-SMoE", "M-SMoE") for K in (96, 64)}
     assert {c["model"] for c in SWEEPS[RKD]["configs"]} == {"Qwen3-30B-A3B-Instruct-2507"}
 
@@ -201,11 +210,14 @@ def test_our_sweeps_name_the_same_models_and_keys():
         assert {c["model"] for c in SWEEPS[ref]["configs"]} == {teacher_label(spec)}
         ours = set()
         for g in spec.grid if isinstance(spec.grid, list) else [spec.grid]:
-            if getattr(g, "output", None) and "moe" in g.output:
-                for s in g.scoring:
+            for out in getattr(g, "output", None) or []:
+                if out == "dense":
+                    continue
+                axis = METHOD_AXIS[out]
+                for s in getattr(g, axis):
                     for K in g.K:
                         for r in g.recovery or ["none"]:
-                            ours.add(config_key({"output": "moe", "scoring": s, "K": K, "recovery": r}))
+                            ours.add(config_key({"output": out, axis: s, "K": K, "recovery": r}))
         both = ours & keys
         assert both, (spec_name, sorted(ours))
         # our REAP-p and the K = k control have no published counterpart
@@ -268,9 +280,8 @@ def _scores(store: Store, key: str) -> dict[str, float]:
 
 @pytest.mark.parametrize(("method", "better", "equal", "worse", "before", "after"), ROUTER_KD_DERIVED)
 def test_router_kd_win_counts_and_means(store, method, better, equal, worse, before, after):
-    K = 128 if method in ("MoBE", "TD-MoE") else 80
-    a = _scores(store, f"moe|{method}|K={K}|recovery=none")
-    b = _scores(store, f"moe|{method}|K={K}|recovery=router_kd")
+    a = _scores(store, key_of(method, 80, "none"))
+    b = _scores(store, key_of(method, 80, "router_kd"))
     assert set(a) == set(b) and len(a) == 25
     assert sum(b[t] > a[t] for t in a) == better
     assert sum(b[t] == a[t] for t in a) == equal
@@ -321,11 +332,11 @@ def test_reap_claims_in_the_text(store):
     # M-SMoE has the best creative writing on Qwen3 at 50% (0.725 > REAP 0.718), the worst on GLM
     at50 = {k: m["wildbench"] for k, m in q.items() if "K=64" in k}
     assert (
-        max(at50, key=at50.get) == "moe|M-SMoE|K=64|recovery=none"
+        max(at50, key=at50.get) == "merged|M-SMoE|K=64|recovery=none"
         and at50["moe|REAP|K=64|recovery=none"] == 0.718
     )
     glm50 = {k: m["wildbench"] for k, m in g.items() if "K=64" in k}
-    assert min(glm50, key=glm50.get) == "moe|M-SMoE|K=64|recovery=none"
+    assert min(glm50, key=glm50.get) == "merged|M-SMoE|K=64|recovery=none"
 
 
 # ---- the report's table of smaller MoEs -------------------------------------------------------------

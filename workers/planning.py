@@ -12,6 +12,7 @@ import torch
 
 from workers.diagnostics import effective_rank
 from workers.grouping import get_grouping
+from workers.pruning import select_pruned
 from workers.scaling import get_scaling, merge_weights
 from workers.scoring import acp, get_scoring
 from workers.selection import importance_kernel
@@ -49,17 +50,23 @@ def plan_layer(layer: int, ctx: LayerContext, scoring: str, grouping: str, scali
                      merge_weights=merge_weights(groups, scores), alpha=[float(a) for a in alpha], extras=extras)
 
 
-def select_layer(layer: int, ctx: LayerContext, scoring: str, K: int) -> LayerPlan:
+def select_layer(layer: int, ctx: LayerContext, scoring: str, K: int, super_factor: float | None = None) -> LayerPlan:
     """The kept experts of one layer for a smaller-MoE output: the scoring's K selected experts, each its
-    own group (weight 1, α 1: a pruned MoE keeps its router, so nothing is merged or scaled)."""
+    own group (weight 1, α 1: a pruned MoE keeps its router, so nothing is merged or scaled). With
+    `super_factor`, the layer's super experts are kept first (workers.pruning.select_pruned)."""
     sc = get_scoring(scoring)
     E = ctx.stats.num_experts
     if not ctx.top_k <= K <= E:
         raise ValueError(f"K={K} out of range; allowed k <= K <= E: {ctx.top_k}..{E}")
     scores = sc.score(ctx).to("cpu", torch.float64)
-    sel = sc.select(ctx, scores, K)
+    sel = select_pruned(ctx, scoring, K, super_factor) if super_factor is not None else sc.select(ctx, scores, K)
     kept = sorted(sel.selected)
     extras = {"effective_rank": selected_kernel_rank(ctx, scores, kept), **sel.extras}
+    if super_factor is not None:  # ids stay in plan.json; their counts become layer_diag rows
+        extras["super_expert_ids"] = extras.pop("super_experts", [])
+        extras["protected_ids"] = extras.pop("protected", [])
+        extras["super_experts"] = len(extras["super_expert_ids"])
+        extras["protected"] = len(extras["protected_ids"])
     return LayerPlan(layer=layer, selected=list(sel.selected), scores=scores.tolist(), groups=[[e] for e in kept],
                      merge_weights=[[1.0] for _ in kept], alpha=[1.0] * len(kept), extras=extras)
 

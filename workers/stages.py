@@ -78,9 +78,9 @@ def stage_convert(payload: dict, cache: dict, progress) -> dict:
     from workers.calibrate import load_stats
     from workers.convert import layer_contexts
     from workers.families import get_adapter
-    from workers.planning import plan_layer, plan_signature, select_layer
+    from workers.planning import plan_signature
 
-    p = payload["params"]
+    p = {**payload["params"], "workdir": payload["workdir"]}
     model, _ = resident_teacher(payload, cache)
     adapter = get_adapter(model)
     stats_path = payload["inputs"]["calibrate"]["stats"]
@@ -88,14 +88,13 @@ def stage_convert(payload: dict, cache: dict, progress) -> dict:
     if ckey not in cache:
         cache[ckey] = layer_contexts(model, adapter, load_stats(stats_path))
     contexts = cache[ckey]
-    if p.get("output", "dense") == "moe":  # a smaller MoE keeps the selected experts and their router
-        plans = [select_layer(layer, ctx, p["scoring"], p["K"]) for layer, ctx in sorted(contexts.items())]
-    else:
-        plans = [plan_layer(layer, ctx, p["scoring"], p["grouping"], p["dp_scaling"], p["K"])
-                 for layer, ctx in sorted(contexts.items())]
+    plans, factors = convert_plans(contexts, p)
     plan_key = plan_signature(plans)
     path = Path(payload["workdir"]) / "plan.json"
     path.write_text(json.dumps([plan_to_dict(pl) for pl in plans], indent=1))
+    artifacts = [artifact("plan", path)]
+    if factors is not None:  # an edited MoE's factors, beside its plan (workers.outputs.edited_student)
+        artifacts.append(artifact("factors", factors))
     rows, diag = [], []
     for pl in plans:
         member = {e: (g, w) for g, (grp, ws) in enumerate(zip(pl.groups, pl.merge_weights, strict=True))
@@ -107,7 +106,53 @@ def stage_convert(payload: dict, cache: dict, progress) -> dict:
         diag += [{"layer": pl.layer, "name": k, "value": float(v)} for k, v in sorted(pl.extras.items())
                  if isinstance(v, int | float)]
     return {"outputs": {"plan_key": plan_key, "plan_path": str(path)}, "plan_rows": rows,
-            "layer_diag": diag, "artifacts": [artifact("plan", path)]}
+            "layer_diag": diag, "artifacts": artifacts}
+
+
+OUTPUT_SETTINGS = {"dense": (), "moe": ("super_experts",), "merged": (), "edited": ()}
+
+
+def convert_plans(contexts: dict, p: dict[str, Any]) -> tuple[list, Path | None]:
+    """Per MoE layer, what the configuration's output keeps: a dense plan (Algorithm 1), the experts a
+    pruned MoE keeps, the clusters of a merged MoE, or an edited MoE's factors (saved beside the plan;
+    their sha256 enters every plan, so a refit that differs is another student). `settings`: those of
+    the output (`super_experts`: the factor of workers.pruning) and of the method it names."""
+    from workers.planning import plan_layer, select_layer
+
+    output, K = p.get("output", "dense"), p["K"]
+    settings = dict(p.get("settings") or {})
+    own = {k: settings.pop(k) for k in list(settings) if k in OUTPUT_SETTINGS[output]}
+    layers = sorted(contexts.items())
+    if output == "moe":
+        if settings:
+            raise ValueError(f"settings {', '.join(sorted(settings))}: a pruned MoE takes "
+                             f"{', '.join(OUTPUT_SETTINGS['moe'])}")
+        return [select_layer(layer, ctx, p["scoring"], K, own.get("super_experts")) for layer, ctx in layers], None
+    if output == "merged":
+        from workers.moe_merging import merge_layer
+
+        return [merge_layer(layer, ctx, p["merging"], K, settings) for layer, ctx in layers], None
+    if output == "edited":
+        import hashlib
+
+        from safetensors.torch import save_file
+
+        from workers.editing import edit_layer
+
+        plans, tensors = [], {}
+        for layer, ctx in layers:
+            plan, fac = edit_layer(layer, ctx, p["editing"], K, settings)
+            plans.append(plan)
+            tensors.update(fac)
+        path = Path(p["workdir"]) / "factors.safetensors"
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path))
+        sha = hashlib.sha256(path.read_bytes()).hexdigest()
+        for plan in plans:
+            plan.extras["student"] = {**plan.extras.get("student", {}), "factors_sha256": sha}
+        return plans, path
+    if settings or own:
+        raise ValueError(f"settings {', '.join(sorted({**settings, **own}))}: a dense student takes none")
+    return [plan_layer(layer, ctx, p["scoring"], p["grouping"], p["dp_scaling"], K) for layer, ctx in layers], None
 
 
 def plan_to_dict(pl) -> dict[str, Any]:
@@ -137,8 +182,10 @@ def make_student(payload: dict, cache: dict, recipe: dict[str, Any], *, for_trai
     if kind == "plan":
         from workers.outputs import OUTPUTS
 
-        plans = load_plans(payload["inputs"]["convert"]["plan_path"])
-        student = OUTPUTS[recipe.get("output", "dense")](model, adapter, plans, share_weights=not for_training)
+        plan_path = payload["inputs"]["convert"]["plan_path"]
+        plans = load_plans(plan_path)
+        student = OUTPUTS[recipe.get("output", "dense")](model, adapter, plans, share_weights=not for_training,
+                                                         plan_path=plan_path)
     elif kind == "random_ffn":
         from workers.baselines import random_ffn_student
 

@@ -6,6 +6,7 @@ combination is a configuration.
 
 from __future__ import annotations
 
+import json
 from itertools import product
 from typing import Annotated, Any
 
@@ -34,8 +35,17 @@ def _axis_validator(name: str):
     return field_validator(name)(classmethod(check))
 
 
+METHOD_AXES = ("scoring", "merging", "editing")  # the axes whose value names a method that may take settings
+
+
 class SubGrid(Strict):
-    """One product of axis values; `grid:` is one of these or a list of them (their union)."""
+    """One product of axis values; `grid:` is one of these or a list of them (their union).
+
+    `settings` (optional) maps a method the sub-grid names (a scoring, merging or editing value) or one
+    of its outputs to that method's settings, e.g. `{HC-SMoE: {linkage: single}, moe: {super_experts:
+    10.0}}`; each configuration gets its output's and its method's settings (checked by the worker)."""
+
+    settings: dict[str, dict[str, Any]] | None = None
 
     @model_validator(mode="after")
     def _complete(self) -> SubGrid:
@@ -49,7 +59,19 @@ class SubGrid(Strict):
                 if axis.default is None:
                     raise ValueError(f"{name} is required")
                 setattr(self, name, list(axis.default))
+        named = [*outputs, *(m for a in METHOD_AXES for m in (getattr(self, a) or []))]
+        unknown = sorted(set(self.settings or {}) - set(named))
+        if unknown:
+            raise ValueError(f"settings: {', '.join(unknown)} is not a method or output of this sub-grid; "
+                             f"allowed: {', '.join(named)}")
         return self
+
+    def config_settings(self, values: dict[str, Any]) -> str | None:
+        """The settings of one configuration (its output's, then its method's) as sorted JSON, or None."""
+        out: dict[str, Any] = {}
+        for name in (values.get("output") or "dense", *(values.get(a) for a in METHOD_AXES)):
+            out.update((self.settings or {}).get(name) or {})
+        return json.dumps(out, sort_keys=True) if out else None
 
 
 Grid = create_model(
@@ -70,15 +92,20 @@ def subgrids(spec) -> list:
 
 
 def grid_configs(spec, model: str, top_k: int | None) -> list[dict[str, Any]]:
-    """Every combination of each sub-grid's axes, as configurations (`config_key` e.g. SF|RR|uniform|K=8)."""
+    """Every combination of each sub-grid's axes, as configurations (`config_key` e.g. SF|RR|uniform|K=8).
+    A configuration two sub-grids name must get the same settings from both (ValueError otherwise)."""
     out: dict[str, dict[str, Any]] = {}
     for grid in subgrids(spec):
         names = [n for n in AXES if getattr(grid, n) is not None]
         for values in product(*(getattr(grid, n) for n in names)):
             axes = {n: None for n in AXES} | dict(zip(names, values, strict=True))
             key = config_key(axes)
-            out.setdefault(key, {"config_key": key, "model": model, "kind": "moe2dense",
-                                 "teacher_variant": spec.teacher.variant, "top_k": top_k, **axes})
+            settings = grid.config_settings(axes)
+            c = out.setdefault(key, {"config_key": key, "model": model, "kind": "moe2dense", "settings": settings,
+                                     "teacher_variant": spec.teacher.variant, "top_k": top_k, **axes})
+            if c["settings"] != settings:
+                raise ValueError(f"grid: configuration {key} is in two sub-grids with different settings "
+                                 f"({c['settings']} and {settings}); give each configuration one set")
     return list(out.values())
 
 
@@ -90,6 +117,8 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
         if c["kind"] != "moe2dense" or calib is None:
             continue
         params = {"teacher": tparams, **{n: c[n] for n in AXES if c[n] is not None and not AXES[n].after_student}}
+        if c.get("settings"):
+            params["settings"] = json.loads(c["settings"])
         out[c["config_key"]] = ctx.job("convert", params, {**tdeps, "calibrate": calib.key}, resident=resident)
     return out
 

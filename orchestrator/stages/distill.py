@@ -1,7 +1,8 @@
 """distill: knowledge distillation of the selected students from their teacher (§3.5, §4.3).
 
 Which configurations are distilled is the sweep's selection rule (`select`, stored with the sweep),
-applied to the pre-distillation results; the d2d baseline distills its best candidate. `variants`
+applied to the pre-distillation results; the d2d baseline distills its best candidate; every smaller MoE
+whose `recovery` is `full_kd` is distilled too (all its parameters trained, the same loss and settings). `variants`
 are extra runs with overridden settings (e.g. another loss, expanded teacher routing k′) on the
 selected configurations that match `variants_on`: each is a configuration of its own with a
 `variant` label and `variant_of` pointing at the configuration it varies.
@@ -90,9 +91,14 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
                              "variant_of": ck, "distill_loss": over.get("loss"),
                              "teacher_top_k": over.get("teacher_top_k")})
             out[vk] = distill_job(ctx, ppl[ck], over)
+    full = [c["config_key"] for c in ctx.configs if c.get("recovery") == "full_kd" and c["config_key"] in ppl
+            and ctx.succeeded("ppl_pre", c["config_key"]) is not None]
+    for ck in full:  # a smaller MoE recovered by full KD: every one, whatever the selection rule
+        out[ck] = distill_job(ctx, ppl[ck], {})
     if variants:
         ctx.add_configs(variants)
-    ctx.set_fields({ck: {"distill_tokens": distill_tokens(j.params["settings"])} for ck, j in out.items()})
+    ctx.set_fields({ck: {"distill_tokens": distill_tokens(j.params["settings"]),
+                         **({"selected_for_distill": 1} if ck in full else {})} for ck, j in out.items()})
     return out
 
 
@@ -103,6 +109,7 @@ def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, An
     if spec.distill is None:
         return []
     moe = [c for c in ctx.configs if c["kind"] == "moe2dense" and c.get("output") in (None, "dense")]
+    full = sum(1 for c in ctx.configs if c.get("recovery") == "full_kd")
     others = [c for c in ctx.configs if c["kind"] != "moe2dense"]
     sel = spec.select
     groups = len(set(product(*[sorted({str(c[a]) for c in moe}) for a in sel.per]))) if sel else len(moe)
@@ -110,10 +117,11 @@ def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, An
     d2d = int(any(c["kind"] == "baseline" and c["baseline"].startswith("d2d:") for c in others))
     variants = len(spec.distill.variants)
     rule = f"best {sel.best_by} per {'×'.join(sel.per)} over {', '.join(sel.over)}" if sel else "all"
-    n = groups + base + d2d
+    n = groups + base + d2d + full
     return [{"stage": "select", "named": len(moe), "distinct": groups, "note": rule},
             {"stage": "distill", "named": n + variants, "distinct": n + variants,
              "note": f"{groups} selected + {base + d2d} baselines"
+                     + (f" + {full} smaller MoEs (full_kd)" if full else "")
                      + (f" + up to {variants} variant runs" if variants else "")}]
 
 

@@ -58,7 +58,7 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
     teacher = ctx.jobs.get("ppl_pre", {}).get("teacher")
     if teacher is not None:
         out["teacher"] = evaluate_job(ctx, teacher)
-    for c in ctx.configs:  # every smaller MoE is evaluated, as converted or with its routers retrained
+    for c in ctx.configs:  # every smaller MoE is evaluated: as converted, routers retrained, or distilled (above)
         ck, recovery = c["config_key"], c.get("recovery")
         if recovery == "none" and ctx.succeeded("ppl_pre", ck) is not None:
             out[ck] = evaluate_job(ctx, ctx.jobs["ppl_pre"][ck])
@@ -73,7 +73,7 @@ def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, An
     if ev is None:
         return []
     teacher = int(any(c["kind"] == "teacher" for c in ctx.configs))
-    moe = sum(1 for c in ctx.configs if c.get("recovery") is not None)
+    moe = sum(1 for c in ctx.configs if c.get("recovery") in ("none", "router_kd"))  # full_kd: in distill's
     n = dist["named"] + teacher + moe
     suite = ev.suite if isinstance(ev.suite, str) else "custom"
     return [{"stage": "evaluate", "named": n, "distinct": n,
