@@ -1,0 +1,59 @@
+"""Balanced OT assignment (DOT-MoE App. B.2–B.3) and the OT grouping built on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_grouping import make_ctx
+from workers.grouping import get_grouping, rank_order
+from workers.sinkhorn import balanced_capacity, greedy_round, sinkhorn
+
+
+def test_sinkhorn_marginals_and_temperature():
+    a = torch.randn(12, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    cap = torch.tensor([4.0, 4.0, 4.0], dtype=torch.float64)
+    m = sinkhorn(a, cap, tau=0.1, iters=200)
+    torch.testing.assert_close(m.sum(1), torch.ones(12, dtype=torch.float64), atol=1e-8, rtol=0)
+    torch.testing.assert_close(m.sum(0), cap, atol=1e-6, rtol=0)
+    # a lower temperature makes the plan sharper (closer to a 0/1 matrix)
+    sharp = sinkhorn(a, cap, tau=0.01, iters=500)
+    assert float((sharp * (1 - sharp)).sum()) < float((m * (1 - m)).sum())
+
+
+def test_sinkhorn_is_differentiable_to_the_affinity():
+    a = torch.randn(6, 2, dtype=torch.float64, requires_grad=True)
+    m = sinkhorn(a, torch.tensor([3.0, 3.0], dtype=torch.float64))
+    (m[:, 0] * torch.arange(6.0, dtype=torch.float64)).sum().backward()
+    assert a.grad is not None and bool(torch.isfinite(a.grad).all()) and float(a.grad.abs().sum()) > 0
+
+
+def test_greedy_rounding_fills_every_bin_exactly():
+    soft = torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.7, 0.3], [0.6, 0.4]], dtype=torch.float64)
+    # every row prefers bin 0; capacity 2 each: the two strongest go to 0, the rest overflow to 1
+    assert greedy_round(soft, [2, 2]) == [0, 0, 1, 1]
+    assert greedy_round(soft, [3, 1]) == [0, 0, 0, 1]
+    assert balanced_capacity(10, 4) == [3, 3, 2, 2]
+    with pytest.raises(ValueError, match="summing to n=4"):
+        greedy_round(soft, [1, 1])
+    with pytest.raises(ValueError, match="positive bin sizes"):
+        sinkhorn(soft, torch.tensor([4.0, 0.0], dtype=torch.float64))
+
+
+def test_ot_grouping_is_balanced_and_recovers_output_families():
+    ctx = make_ctx(E=12, k=3, families=3, seed=3)
+    scores = torch.arange(12, 0, -1, dtype=torch.float64)  # expert 0 best, then 1, 2: one per family
+    groups = get_grouping("OT")(ctx, list(range(12)), scores, 3)
+    assert sorted(len(g) for g in groups) == [4, 4, 4]
+    assert sorted(sorted(g) for g in groups) == [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]]
+
+
+def test_ot_grouping_uneven_and_singletons():
+    ctx = make_ctx(E=10, k=4, seed=5)
+    scores = torch.rand(10, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    sel = list(range(10))
+    groups = get_grouping("OT")(ctx, sel, scores, 4)
+    assert sorted(len(g) for g in groups) == [2, 2, 3, 3] and sorted(e for g in groups for e in g) == sel
+    assert groups == get_grouping("OT")(ctx, sel, scores, 4)  # deterministic
+    order = rank_order(sel[:4], scores)
+    assert get_grouping("OT")(ctx, sel[:4], scores, 4) == [[e] for e in order]  # K = k: singletons
