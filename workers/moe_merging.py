@@ -128,7 +128,8 @@ def agglomerate(d: torch.Tensor, M: int, linkage: str = "average") -> list[list[
     cd.fill_diagonal_(math.inf)
     while len(clusters) > M:
         best = cd.min()
-        i, j = (int(v) for v in torch.nonzero(torch.triu(cd == best, diagonal=1))[0])  # row-major: lexicographic
+        # nonzero lists row-major: the first hit is the lexicographically smallest pair
+        i, j = (int(v) for v in torch.nonzero(torch.triu(cd == best, diagonal=1))[0])
         clusters[i] = sorted(clusters[i] + clusters.pop(j))
         labels[labels == j] = i
         cd[j, :], cd[:, j] = math.inf, math.inf
@@ -178,11 +179,13 @@ def m_smoe_cluster(ctx: LayerContext, K: int, settings: dict) -> tuple[list[list
 
 
 MERGINGS: dict[str, Merging] = {
-    "HC-SMoE": Merging("HC-SMoE", hc_smoe_cluster,
-                       {"distance": "cosine", "linkage": "average", "permute": False, "router_rows": "weighted"},
-                       "hierarchical clustering of expert outputs over all tokens, frequency-weighted average"),
-    "M-SMoE": Merging("M-SMoE", m_smoe_cluster, {"permute": True, "router_rows": "dominant"},
-                      "dominant experts by routing frequency, router-gate similarity, aligned weighted average"),
+    "HC-SMoE": Merging(
+        "HC-SMoE", hc_smoe_cluster,
+        {"distance": "cosine", "linkage": "average", "permute": False, "router_rows": "weighted"},
+        "hierarchical clustering of expert outputs over all tokens, frequency-weighted average"),
+    "M-SMoE": Merging(
+        "M-SMoE", m_smoe_cluster, {"permute": True, "router_rows": "dominant"},
+        "dominant experts by routing frequency, router-gate similarity, aligned weighted average"),
 }
 
 _CHOICES = {"distance": DISTANCES, "linkage": LINKAGES, "router_rows": ROUTER_ROWS, "permute": (False, True)}
@@ -198,7 +201,8 @@ def merge_settings(method: str, settings: dict | None) -> dict:
     out = {**m.defaults, **settings}
     for name, value in out.items():
         if not any(value == c and type(value) is type(c) for c in _CHOICES[name]):
-            raise ValueError(f"{method} setting {name}={value!r}; allowed: {', '.join(map(str, _CHOICES[name]))}")
+            allowed = ", ".join(map(str, _CHOICES[name]))
+            raise ValueError(f"{method} setting {name}={value!r}; allowed: {allowed}")
     return out
 
 
@@ -221,7 +225,8 @@ def cluster_diagnostics(groups: list[list[int]], d: torch.Tensor) -> dict:
             "mean_intra_distance": sum(pairs) / len(pairs) if pairs else 0.0}
 
 
-def merge_layer(layer: int, ctx: LayerContext, method: str, K: int, settings: dict | None = None) -> LayerPlan:
+def merge_layer(layer: int, ctx: LayerContext, method: str, K: int,
+                settings: dict | None = None) -> LayerPlan:
     """One layer merged to K experts by `method` (module docstring: plan layout, router rows)."""
     m = lookup(MERGINGS, method, "merging")
     E, k = ctx.stats.num_experts, ctx.top_k
@@ -273,6 +278,7 @@ def merged_layers(plans: list[LayerPlan], experts: dict[int, ExpertWeights]) -> 
         if student.get("permute"):
             for g, dom in zip(p.groups, dominant, strict=True):
                 perms.update({e: match_units(experts[p.layer], dom, e) for e in g if e != dom})
-        out[p.layer] = MergedLayer(groups=[list(g) for g in p.groups], weights=[list(w) for w in p.merge_weights],
+        out[p.layer] = MergedLayer(groups=[list(g) for g in p.groups],
+                                   weights=[list(w) for w in p.merge_weights],
                                    router_rows=student["router_rows"], dominant=dominant, perms=perms)
     return out

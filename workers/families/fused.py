@@ -361,16 +361,18 @@ class FusedMoeAdapter(FamilyAdapter):
         for layer, m in merged.items():
             ids = [e for g in m.groups for e in g]
             if not all(m.groups) or len(set(ids)) != len(ids) or not all(0 <= e < E for e in ids):
-                raise ValueError(f"merged[{layer}].groups={m.groups}: non-empty clusters of distinct expert ids "
-                                 f"in 0..{E - 1}")
+                raise ValueError(f"merged[{layer}].groups={m.groups}: non-empty clusters of distinct expert "
+                                 f"ids in 0..{E - 1}")
             if [len(w) for w in m.weights] != [len(g) for g in m.groups] or not all(
                     math.isfinite(x) and x >= 0 for w in m.weights for x in w) or not all(
                     abs(sum(w) - 1) < 1e-6 for w in m.weights):
-                raise ValueError(f"merged[{layer}].weights={m.weights}: one weight >= 0 per member, summing to 1 "
-                                 "per cluster")
+                raise ValueError(f"merged[{layer}].weights={m.weights}: one weight >= 0 per member, summing "
+                                 "to 1 per cluster")
             if m.router_rows not in ("weighted", "dominant"):
-                raise ValueError(f"merged[{layer}].router_rows={m.router_rows!r}; allowed: weighted, dominant")
-            if len(m.dominant) != len(m.groups) or not all(d in g for d, g in zip(m.dominant, m.groups, strict=True)):
+                raise ValueError(f"merged[{layer}].router_rows={m.router_rows!r}; allowed: weighted, "
+                                 "dominant")
+            if len(m.dominant) != len(m.groups) or not all(
+                    d in g for d, g in zip(m.dominant, m.groups, strict=True)):
                 raise ValueError(f"merged[{layer}].dominant={m.dominant}: one member of each cluster")
             units = self.expert_weights(model, layer).intermediate
             for e, perm in m.perms.items():

@@ -35,7 +35,8 @@ class GptOssAdapter(FusedMoeAdapter):
     router_attr = "router"
     expert_tensors = ("router.weight", "router.bias", "experts.gate_up_proj", "experts.gate_up_proj_bias",
                       "experts.down_proj", "experts.down_proj_bias")
-    unit_layout = {"experts.gate_up_proj": (2, "interleaved"), "experts.gate_up_proj_bias": (1, "interleaved"),
+    unit_layout = {"experts.gate_up_proj": (2, "interleaved"),
+                   "experts.gate_up_proj_bias": (1, "interleaved"),
                    "experts.down_proj": (1, "plain"), "experts.down_proj_bias": None}
     student_act = "gptoss"
     experts_key = "num_local_experts"
