@@ -155,6 +155,25 @@ class LayerContext:
 
 
 @dataclass
+class MergedLayer:
+    """One MoE layer of a merged MoE (workers.moe_merging): merged expert j = Σ_i weights[j][i] ·
+    perm_i(expert groups[j][i]), where perm_i reorders the intermediate units of member i (unit u of the
+    permuted expert = its unit perms[i][u]; identity when absent). Its router row follows `router_rows`:
+    "weighted" = the members' rows (and per-expert router biases) averaged with the same weights,
+    "dominant" = the row of dominant[j]."""
+
+    groups: list[list[int]]  # M clusters of teacher expert ids, in the merged layer's expert order
+    weights: list[list[float]]  # same shape as groups; each inner list sums to 1
+    router_rows: str  # "weighted" | "dominant"
+    dominant: list[int]  # per cluster, its most frequent member (an element of the cluster)
+    perms: dict[int, torch.Tensor] = field(default_factory=dict)  # expert id → LongTensor [I]
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.groups)
+
+
+@dataclass
 class LayerPlan:
     """The conversion of one MoE layer (Algorithm 1): what is kept, how it is grouped and merged."""
 

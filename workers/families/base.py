@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.types import DenseFFN, ExpertWeights, TeacherShape
+from workers.types import DenseFFN, ExpertWeights, MergedLayer, TeacherShape
 
 
 class FamilyAdapter(ABC):
@@ -117,6 +117,17 @@ class FamilyAdapter(ABC):
         layer l: the router rows (and any per-expert router bias) and the expert tensors sliced to
         kept[l] (new tensors), shared experts and dense layers copied, top-k and renormalization rule
         unchanged. Every MoE layer must be listed with the same E' >= k (one-line ValueError)."""
+        ...
+
+    # --- merged MoE student ------------------------------------------------------------------
+    @abstractmethod
+    def merged_moe_student(self, model: nn.Module, merged: dict[int, MergedLayer]) -> nn.Module:
+        """A model of the same HF class whose config has M = len(merged[l].groups) routed experts in every
+        MoE layer l: merged expert j's tensors are the weighted average of its cluster's expert tensors
+        (each member's intermediate units permuted first), its router row (and any per-expert router
+        bias) combined by the layer's router_rows rule; new tensors, everything else copied, top-k and
+        renormalization unchanged. Every MoE layer must be listed with the same M >= k (one-line
+        ValueError)."""
         ...
 
     # --- student ---------------------------------------------------------------------------

@@ -30,6 +30,12 @@ blocks would group experts that were never grouped, an arbitrary constraint; dro
 keeps the rest of the teacher's rule (DeepSeek motivates the limit by the devices a token's experts
 sit on, not by what the experts compute). V2 "greedy" routing ignores the groups: n_group/topk_group
 are left as they are.
+
+Merged MoE (merged_moe_student): the same rule with clusters in place of kept experts. The group limit
+is kept when every cluster lies inside one original group, the clusters are listed group by group and
+one representative per cluster passes the pruned MoE's condition above (so the merged router's
+contiguous blocks are the original groups, each with its merged experts); otherwise
+n_group = topk_group = 1. V3's e_score_correction_bias is combined like the router rows.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import torch
 from torch import nn
 
 from workers.families.fused import FusedMoeAdapter, config_int, copy_config
+from workers.types import MergedLayer
 
 
 class _DeepseekAdapter(FusedMoeAdapter):
@@ -78,10 +85,33 @@ class _DeepseekAdapter(FusedMoeAdapter):
         cfg = super().pruned_config(model, kept)
         if self.group_limited(model.config) and not self.groups_survive(model.config, kept):
             cfg.n_group, cfg.topk_group = 1, 1
-        if self.group_limited(cfg) and len(next(iter(kept.values()))) // cfg.n_group < self.min_group:
+        return self.check_group_size(cfg, len(next(iter(kept.values()))))
+
+    def check_group_size(self, cfg: Any, e_new: int) -> Any:
+        if self.group_limited(cfg) and e_new // cfg.n_group < self.min_group:
             raise ValueError(f"{self.name}: its group score needs >= {self.min_group} experts per group; "
-                             f"kept {len(next(iter(kept.values())))} experts")
+                             f"kept {e_new} experts")
         return cfg
+
+    def merged_groups_survive(self, config: Any, merged: Mapping[int, MergedLayer]) -> bool:
+        """Can the merged router keep n_group/topk_group (module docstring)? Every cluster inside one
+        original group, the clusters listed group by group, and the group condition of a pruned MoE
+        for one representative per cluster."""
+        size = config_int(config, self.experts_key) // config_int(config, "n_group")
+        reps: dict[int, list[int]] = {}
+        for layer, m in merged.items():
+            owner = [{e // size for e in g} for g in m.groups]
+            seq = [min(o) for o in owner]
+            if any(len(o) != 1 for o in owner) or seq != sorted(seq):
+                return False
+            reps[layer] = [min(g) for g in m.groups]
+        return self.groups_survive(config, reps)
+
+    def merged_config(self, model: nn.Module, merged: dict[int, MergedLayer]) -> Any:
+        cfg = super().merged_config(model, merged)
+        if self.group_limited(model.config) and not self.merged_groups_survive(model.config, merged):
+            cfg.n_group, cfg.topk_group = 1, 1
+        return self.check_group_size(cfg, next(iter(merged.values())).num_experts)
 
     def num_shared_experts(self, model: nn.Module) -> int:
         """The shared MLP's width in units of one routed expert's width (moe_intermediate_size)."""

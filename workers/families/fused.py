@@ -10,6 +10,7 @@ expanded routing, student assembly).
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import fields
@@ -20,7 +21,7 @@ from torch import nn
 
 from workers.families.base import FamilyAdapter
 from workers.merge import concat_blocks
-from workers.types import DenseFFN, ExpertWeights, TeacherShape
+from workers.types import DenseFFN, ExpertWeights, MergedLayer, TeacherShape
 
 _NOT_SET = object()
 # Config fields never carried from the teacher's config into the student's.
@@ -110,6 +111,11 @@ class FusedMoeAdapter(FamilyAdapter):
     router_attr: str = "gate"
     # Tensors of the block with a leading expert axis, relative to the block: sliced by the pruned MoE.
     expert_tensors: tuple[str, ...] = ("gate.weight", "experts.gate_up_proj", "experts.down_proj")
+    # Per expert tensor (not the router's): the axis of its intermediate units in the full [E, ...] tensor
+    # and their layout ("halves": gate units then up units, "interleaved": gate 0::2 / up 1::2, "plain":
+    # one entry per unit); None for a tensor without an intermediate axis. Used to permute units.
+    unit_layout: Mapping[str, tuple[int, str] | None] = {"experts.gate_up_proj": (1, "halves"),
+                                                          "experts.down_proj": (2, "plain")}
     shared_attr: str | None = None  # attribute of the block holding ungated shared experts
     student_act: str = "silu"
     experts_key: str = "num_experts"  # config field with the routed experts per MoE layer
@@ -341,6 +347,103 @@ class FusedMoeAdapter(FamilyAdapter):
                 t = named[name].detach()
                 sliced[name] = t.index_select(0, idx.to(t.device))
         return rebuild(cfg, model, sliced)
+
+    # --- merged MoE student (HC-SMoE / M-SMoE: average clusters of experts) ----------------------
+    def check_merged(self, model: nn.Module, merged: Mapping[int, MergedLayer]) -> dict[int, MergedLayer]:
+        """`merged` validated: every MoE layer listed once; per layer non-empty disjoint clusters of expert
+        ids in 0..E-1, weights of the same shape (finite, >= 0, summing to 1), a known router-row rule, each
+        dominant expert in its cluster, each permutation one of 0..I-1 for a clustered expert; the same
+        M >= k in every layer (an HF config has one expert count)."""
+        layers, E, k = self.moe_layers(model), self.num_experts(model), self.top_k(model)
+        merged = {int(layer): m for layer, m in merged.items()}  # JSON keys are strings
+        if sorted(merged) != layers:
+            raise ValueError(f"merged lists layers {sorted(merged)}; the model's MoE layers are {layers}")
+        for layer, m in merged.items():
+            ids = [e for g in m.groups for e in g]
+            if not all(m.groups) or len(set(ids)) != len(ids) or not all(0 <= e < E for e in ids):
+                raise ValueError(f"merged[{layer}].groups={m.groups}: non-empty clusters of distinct expert "
+                                 f"ids in 0..{E - 1}")
+            if [len(w) for w in m.weights] != [len(g) for g in m.groups] or not all(
+                    math.isfinite(x) and x >= 0 for w in m.weights for x in w) or not all(
+                    abs(sum(w) - 1) < 1e-6 for w in m.weights):
+                raise ValueError(f"merged[{layer}].weights={m.weights}: one weight >= 0 per member, summing "
+                                 "to 1 per cluster")
+            if m.router_rows not in ("weighted", "dominant"):
+                raise ValueError(f"merged[{layer}].router_rows={m.router_rows!r}; allowed: weighted, "
+                                 "dominant")
+            if len(m.dominant) != len(m.groups) or not all(
+                    d in g for d, g in zip(m.dominant, m.groups, strict=True)):
+                raise ValueError(f"merged[{layer}].dominant={m.dominant}: one member of each cluster")
+            units = self.expert_weights(model, layer).intermediate
+            for e, perm in m.perms.items():
+                if e not in ids or sorted(perm.tolist()) != list(range(units)):
+                    raise ValueError(f"merged[{layer}].perms[{e}]: a permutation of 0..{units - 1} for a "
+                                     "clustered expert")
+        sizes = {layer: m.num_experts for layer, m in merged.items()}
+        if len(set(sizes.values())) != 1:
+            raise ValueError(f"merged layers differ in expert count ({sizes}): the HF config has one expert "
+                             "count, merge to the same M in every MoE layer")
+        if next(iter(sizes.values())) < k:
+            raise ValueError(f"merged to {next(iter(sizes.values()))} experts per layer but the router picks "
+                             f"k={k}: need M >= k")
+        return merged
+
+    def merged_config(self, model: nn.Module, merged: dict[int, MergedLayer]) -> Any:
+        """The teacher's config with M routed experts; everything else (k, renormalization) unchanged."""
+        cfg = copy.deepcopy(model.config)
+        setattr(cfg, self.experts_key, next(iter(merged.values())).num_experts)
+        return cfg
+
+    def is_router_tensor(self, rel: str) -> bool:
+        return rel.startswith(self.router_attr + ".")
+
+    def permute_units(self, rel: str, t: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+        """One expert's slice `t` of expert tensor `rel` with its intermediate units reordered by perm."""
+        if rel not in self.unit_layout:
+            raise ValueError(f"{self.name}: expert tensor {rel} has no declared unit layout")
+        layout = self.unit_layout[rel]
+        if perm is None or layout is None:
+            return t
+        axis, kind = layout[0] - 1, layout[1]  # the slice has no expert axis
+        perm = perm.to(t.device)
+        if kind == "halves":
+            idx = torch.cat([perm, perm + t.shape[axis] // 2])
+        elif kind == "interleaved":
+            idx = torch.stack([2 * perm, 2 * perm + 1], dim=-1).reshape(-1)
+        else:
+            idx = perm
+        return t.index_select(axis, idx)
+
+    def merge_tensor(self, rel: str, t: torch.Tensor, m: MergedLayer) -> torch.Tensor:
+        """[M, ...]: per cluster Σ_i w_i perm_i(t[i]) (router tensors: by m.router_rows, never permuted),
+        accumulated in at least float32, returned in t's dtype."""
+        router = self.is_router_tensor(rel)
+        acc_dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
+        out = []
+        for group, weights, dom in zip(m.groups, m.weights, m.dominant, strict=True):
+            if router and m.router_rows == "dominant":
+                group, weights = [dom], [1.0]
+            acc = torch.zeros(t.shape[1:], dtype=acc_dtype, device=t.device)
+            for e, w in zip(group, weights, strict=True):
+                piece = t[e] if router else self.permute_units(rel, t[e], m.perms.get(e))
+                acc += float(w) * piece.to(acc_dtype)
+            out.append(acc.to(t.dtype))
+        return torch.stack(out)
+
+    def merged_moe_student(self, model: nn.Module, merged: Mapping[int, MergedLayer]) -> nn.Module:
+        """A model of the teacher's class with M merged experts per MoE layer, expert j = cluster
+        merged[layer].groups[j] (see FamilyAdapter.merged_moe_student and check_merged)."""
+        merged = self.check_merged(model, merged)
+        cfg = self.merged_config(model, merged)
+        named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        new: dict[str, torch.Tensor] = {}
+        for layer, m in merged.items():
+            for rel in self.expert_tensors:
+                name = f"model.layers.{layer}.mlp.{rel}"
+                if name not in named:
+                    raise ValueError(f"{name}: no such tensor in the {self.name} model")
+                new[name] = self.merge_tensor(rel, named[name].detach(), m)
+        return rebuild(cfg, model, new)
 
     # --- student ---------------------------------------------------------------------------
     def student_ffn_params(self, layer: int, ffn: DenseFFN) -> dict[str, torch.Tensor]:

@@ -11,6 +11,10 @@ top-1 (softmax over one logit = 1), the FFN's biases and clamped SwiGLU kept.
 
 Pruned MoE: the router's weight rows and bias entries and every expert tensor (biases included) sliced
 to the kept experts; top-k over the surviving logits, softmax over the chosen k, as in the teacher.
+
+Merged MoE: the same tensors averaged per cluster; an expert's intermediate units are permuted along
+gate_up_proj's last axis (gate/up columns 2u, 2u+1 together), gate_up_proj_bias likewise and
+down_proj's middle axis; down_proj_bias has no unit axis.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ class GptOssAdapter(FusedMoeAdapter):
     router_attr = "router"
     expert_tensors = ("router.weight", "router.bias", "experts.gate_up_proj", "experts.gate_up_proj_bias",
                       "experts.down_proj", "experts.down_proj_bias")
+    unit_layout = {"experts.gate_up_proj": (2, "interleaved"),
+                   "experts.gate_up_proj_bias": (1, "interleaved"),
+                   "experts.down_proj": (1, "plain"), "experts.down_proj_bias": None}
     student_act = "gptoss"
     experts_key = "num_local_experts"
 

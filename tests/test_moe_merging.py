@@ -1,0 +1,398 @@
+"""Expert merging to a smaller MoE (HC-SMoE, M-SMoE): clustering on hand-built statistics with known
+answers, frequency weights, weight matching, and the merged checkpoints of every family.
+
+References are independent of the adapters: expected expert tensors are computed here from the
+teacher's canonical ExpertWeights, and a merged model of singleton clusters is compared with the
+pruned MoE of the same experts (itself tested against a masked teacher in test_pruned_moe.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from families_cases import FAMILIES, ids, make_teacher, router_of
+
+from workers.families import get_adapter
+from workers.moe_merging import (
+    MERGINGS,
+    agglomerate,
+    cosine_distance,
+    match_units,
+    merge_layer,
+    merged_layers,
+    router_gate_distance,
+)
+from workers.registry import registry_names
+from workers.types import ExpertWeights, LayerContext, LayerPlan, LayerStats, MergedLayer
+
+EXPERTS_KEY = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts", "mixtral": "num_local_experts",
+               "olmoe": "num_experts", "deepseek_v2": "n_routed_experts", "deepseek_v3": "n_routed_experts",
+               "gpt_oss": "num_local_experts"}
+
+
+def teacher(family: str, seed: int = 0) -> torch.nn.Module:
+    return make_teacher(family, seed=seed, dtype=torch.float64, experts_implementation="eager")
+
+
+def logits(model, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=x, use_cache=False).logits
+
+
+def moe_blocks(model) -> dict[int, torch.nn.Module]:
+    return {i: layer.mlp for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")}
+
+
+def hand_ctx(count: list[float], sum_out: torch.Tensor | None = None, gram_p: torch.Tensor | None = None,
+             n_tokens: int = 10, k: int = 2) -> LayerContext:
+    """A LayerContext with hand-built counts / representatives / router Gram; the rest zeros."""
+    E = len(count)
+    z = torch.zeros(E, dtype=torch.float64)
+    stats = LayerStats(n_tokens=n_tokens, count=torch.tensor(count, dtype=torch.float64), sum_p=z,
+                       sum_p_sel=z, sum_sq=z, sum_gnorm_sel=z, sum_norm_sel=z,
+                       gram=torch.zeros(E, E, dtype=torch.float64), sum_out=sum_out, gram_p=gram_p)
+    g = torch.Generator().manual_seed(0)
+    ex = ExpertWeights(gate=torch.randn(E, 4, 3, generator=g), up=torch.randn(E, 4, 3, generator=g),
+                       down=torch.randn(E, 3, 4, generator=g))
+    return LayerContext(stats=stats, experts=ex, router_weight=torch.randn(E, 3, generator=g), top_k=k,
+                        renormalized=True)
+
+
+# ---- HC-SMoE: agglomerative clustering -------------------------------------------------------------
+def line_distances(xs: list[float]) -> torch.Tensor:
+    x = torch.tensor(xs, dtype=torch.float64)
+    return (x[:, None] - x[None, :]).abs()
+
+
+def test_agglomerate_ties_join_the_lexicographically_smallest_pair():
+    """Points 0, 1, 2, 10, 11.5: (0,1) and (1,2) tie at 1 → {0,1}; then {0,1}–{2} (mean 1.5) ties with
+    {3}–{4} (1.5) → the pair with smallest ids (0, 2) joins first."""
+    d = line_distances([0, 1, 2, 10, 11.5])
+    assert agglomerate(d, 5) == [[0], [1], [2], [3], [4]]
+    assert agglomerate(d, 4) == [[0, 1], [2], [3], [4]]
+    assert agglomerate(d, 3) == [[0, 1, 2], [3], [4]]
+    assert agglomerate(d, 2) == [[0, 1, 2], [3, 4]]
+    assert agglomerate(d, 1) == [[0, 1, 2, 3, 4]]
+    # relabelled (2 ↔ 0): the tie now resolves to {0,1} = the old (1,2) pair
+    assert agglomerate(line_distances([2, 1, 0, 10, 11.5]), 4) == [[0, 1], [2], [3], [4]]
+
+
+def test_linkages_give_their_own_answers():
+    """After {0,1} (d=1): cluster distances to 2 are min 2 / mean 5 / max 8, to 3 min 3 / mean 4.25 /
+    max 5.5, and d(2,3) = 4.5: single joins 2, average joins 3, complete joins {2,3}."""
+    d = torch.tensor([[0, 1, 2, 3], [1, 0, 8, 5.5], [2, 8, 0, 4.5], [3, 5.5, 4.5, 0]], dtype=torch.float64)
+    assert agglomerate(d, 2, "single") == [[0, 1, 2], [3]]
+    assert agglomerate(d, 2, "average") == [[0, 1, 3], [2]]
+    assert agglomerate(d, 2, "complete") == [[0, 1], [2, 3]]
+    assert agglomerate(d, 3, "average") == agglomerate(d, 3, "complete") == [[0, 1], [2], [3]]
+
+
+def test_average_linkage_is_the_mean_of_original_distances():
+    """UPGMA equals HC-SMoE's update D_{α,k} = Σ_{i∈C_α} D_{i,k}/|C_α|: brute force over every merge
+    on random points (the closest pair under the mean of all member-pair distances joins each step)."""
+    x = torch.randn(9, 3, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    d = torch.cdist(x, x)
+    clusters = [[e] for e in range(9)]
+    for M in range(8, 0, -1):
+        pairs = [(float(d[a][:, b].mean()), i, j)
+                 for i, a in enumerate(clusters) for j, b in enumerate(clusters) if i < j]
+        _, i, j = min(pairs)
+        rest = [c for t, c in enumerate(clusters) if t not in (i, j)]
+        clusters = sorted([sorted(clusters[i] + clusters[j])] + rest)
+        assert agglomerate(d, M) == clusters
+
+
+def test_degenerate_representatives_have_defined_distances():
+    x = torch.tensor([[0.0, 0.0], [0.0, 0.0], [1.0, 0.0], [3.0, 0.0]])
+    d = cosine_distance(x)
+    assert d[0, 1] == 0 and d[0, 2] == 1 and d[2, 3] == 0 and torch.equal(d, d.T)
+    g = torch.tensor([[1.0, 0.5, 0.0], [0.5, 1.0, 0.0], [0.0, 0.0, 0.0]])  # expert 2: no gate mass at all
+    r = router_gate_distance(g)
+    assert float(r[0, 1]) == pytest.approx(0.5) and r[2, 0] == 1 and r[2, 2] == 0
+
+
+def test_hc_smoe_plan():
+    """Representatives (per token): e0 ∥ e1 (x axis), e2 ∥ e3 (y axis), e4 closer to y than x, e5 zero.
+    K=3: {0,1} and {2,3} tie at distance 0 (→ {0,1} first), then e4 joins {2,3}; e5 (distance 1 to
+    all) stays alone. Never-routed cluster {2,3,4}: uniform weights, members by id."""
+    sum_out = torch.tensor([[1, 0], [2, 0], [0, 1], [0, 3], [1, 1.2], [0, 0]], dtype=torch.float64) * 10
+    ctx = hand_ctx([5, 1, 0, 0, 0, 2], sum_out=sum_out)
+    plan = merge_layer(4, ctx, "HC-SMoE", 3)
+    assert plan.layer == 4
+    assert plan.groups == [[0, 1], [2, 3, 4], [5]]
+    assert plan.selected == [0, 1, 2, 3, 4, 5]
+    assert plan.merge_weights == [[5 / 6, 1 / 6], [1 / 3] * 3, [1.0]]
+    assert plan.scores == [5, 1, 0, 0, 0, 2] and plan.alpha == [1.0] * 3
+    assert plan.extras["student"] == {"merge": "HC-SMoE", "router_rows": "weighted", "permute": False}
+    assert plan.extras["singleton_clusters"] == 1 and plan.extras["largest_cluster"] == 3
+    assert plan.extras["mean_intra_distance"] > 0
+    # within a cluster: descending ν, ties lower id; clusters by smallest member
+    ctx2 = hand_ctx([5, 1, 0, 4, 4, 2], sum_out=sum_out)
+    plan2 = merge_layer(0, ctx2, "HC-SMoE", 3, {"router_rows": "dominant", "permute": True})
+    assert plan2.groups == [[0, 1], [3, 4, 2], [5]] and plan2.selected == [0, 1, 3, 4, 2, 5]
+    assert plan2.merge_weights == [[5 / 6, 1 / 6], [0.5, 0.5, 0.0], [1.0]]
+    assert plan2.extras["student"] == {"merge": "HC-SMoE", "router_rows": "dominant", "permute": True}
+    assert plan2.signature() != plan.signature()
+    # euclidean: after {0,1} (distance 1, ties with (0,5) and (2,5) → smallest ids), e5 (the origin)
+    # is 1 from e2, closer than e4 (1.02); under cosine e2 and e3 are identical instead
+    assert merge_layer(0, ctx, "HC-SMoE", 4, {"distance": "euclidean"}).groups == [[0, 1], [5, 2], [3], [4]]
+    assert merge_layer(0, ctx, "HC-SMoE", 4).groups == [[0, 1], [2, 3], [4], [5]]
+    assert merge_layer(0, ctx, "HC-SMoE", 6).groups == [[e] for e in range(6)]
+
+
+# ---- M-SMoE -----------------------------------------------------------------------------------
+def test_m_smoe_plan():
+    """ν = [3, 9, 3, 1, 0], K=2: dominant 1 and (tie at 3) 0. By router gates, e3 goes with e0, e2 with
+    e1; e4 never has gate mass (D = 1 to both dominants) → the lower dominant id, 0."""
+    P = torch.tensor([[0.5, 0.0, 0.0, 0.5, 0.0], [0.0, 0.6, 0.4, 0.0, 0.0], [0.1, 0.5, 0.3, 0.1, 0.0]],
+                     dtype=torch.float64)
+    ctx = hand_ctx([3, 9, 3, 1, 0], gram_p=P.T @ P)
+    plan = merge_layer(1, ctx, "M-SMoE", 2)
+    assert plan.groups == [[0, 3, 4], [1, 2]]
+    assert plan.selected == [0, 3, 4, 1, 2]
+    assert plan.merge_weights == [[0.75, 0.25, 0.0], [0.75, 0.25]]
+    assert plan.extras["dominant"] == [0, 1] and plan.extras["similarity"] == "router_gates_over_tokens"
+    assert plan.extras["student"] == {"merge": "M-SMoE", "router_rows": "dominant", "permute": True}
+    # K = E: every expert dominant, all singletons
+    assert merge_layer(1, ctx, "M-SMoE", 5).groups == [[e] for e in range(5)]
+    # ties between dominants for a similar expert: lower dominant id
+    P2 = torch.tensor([[1.0, 0.0, 0.5], [0.0, 1.0, 0.5]], dtype=torch.float64)
+    assert merge_layer(0, hand_ctx([4, 4, 1], gram_p=P2.T @ P2), "M-SMoE", 2).groups == [[0, 2], [1]]
+
+
+def test_registry_and_bad_inputs_give_one_line_errors():
+    assert registry_names("workers.moe_merging", "MERGINGS") == list(MERGINGS) == ["HC-SMoE", "M-SMoE"]
+    P = torch.eye(4, dtype=torch.float64)
+    ctx = hand_ctx([1, 2, 3, 4], sum_out=torch.randn(4, 3, dtype=torch.float64), gram_p=P)
+    cases = [(("HC-SMoE", 1, None), "K=1"), (("M-SMoE", 5, None), "K=5"),
+             (("HC-SMoE", 2, {"linkage": "ward"}), "linkage='ward'"),
+             (("HC-SMoE", 2, {"size": 3}), "allowed: distance, linkage, permute, router_rows"),
+             (("M-SMoE", 2, {"distance": "cosine"}), "allowed: permute, router_rows"),
+             (("M-SMoE", 2, {"permute": 1}), "permute=1"), (("X", 2, None), "unknown merging")]
+    for (method, K, settings), msg in cases:
+        with pytest.raises(ValueError, match=msg) as e:
+            merge_layer(0, ctx, method, K, settings)
+        assert "\n" not in str(e.value)
+    ctx.stats.sum_out = None
+    with pytest.raises(ValueError, match="sum_out"):
+        merge_layer(0, ctx, "HC-SMoE", 2)
+
+
+# ---- weight matching --------------------------------------------------------------------------
+def test_weight_matching_recovers_a_known_permutation():
+    g = torch.Generator().manual_seed(1)
+    n_units, H = 12, 5
+    gate, up = torch.randn(n_units, H, generator=g), torch.randn(n_units, H, generator=g)
+    down = torch.randn(H, n_units, generator=g)
+    gb, ub = torch.randn(n_units, generator=g), torch.randn(n_units, generator=g)
+    sigma = torch.randperm(n_units, generator=g)  # the copy's unit u is the original's unit sigma[u]
+    ex = ExpertWeights(gate=torch.stack([gate, gate[sigma]]), up=torch.stack([up, up[sigma]]),
+                       down=torch.stack([down, down[:, sigma]]), gate_bias=torch.stack([gb, gb[sigma]]),
+                       up_bias=torch.stack([ub, ub[sigma]]), down_bias=torch.zeros(2, H), act="gptoss")
+    pi = match_units(ex, 0, 1)
+    assert torch.equal(sigma[pi], torch.arange(n_units))  # the aligned copy is the original, unit by unit
+    assert torch.equal(ex.gate[1][pi], gate) and torch.equal(ex.down[1][:, pi], down)
+    assert torch.equal(match_units(ex, 0, 0), torch.arange(n_units))
+
+
+# ---- merged checkpoints ----------------------------------------------------------------------------
+def singletons(ids_per_layer: dict[int, list[int]], perms: dict[int, dict[int, torch.Tensor]] | None = None,
+               rule: str = "weighted") -> dict[int, MergedLayer]:
+    return {layer: MergedLayer(groups=[[e] for e in sorted(v)], weights=[[1.0] for _ in v], router_rows=rule,
+                               dominant=sorted(v), perms=(perms or {}).get(layer, {}))
+            for layer, v in ids_per_layer.items()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_permuting_units_leaves_the_model_unchanged(family):
+    """All experts kept as singletons, every expert's intermediate units randomly permuted: the expert
+    tensors change, the logits do not (each family's unit layout is declared correctly)."""
+    model = teacher(family)
+    adapter = get_adapter(model)
+    E, layers = adapter.num_experts(model), adapter.moe_layers(model)
+    n_units = adapter.expert_weights(model, layers[0]).intermediate
+    g = torch.Generator().manual_seed(2)
+    perms = {layer: {e: torch.randperm(n_units, generator=g) for e in range(E)} for layer in layers}
+    everything = {layer: list(range(E)) for layer in layers}
+    student = adapter.merged_moe_student(model, singletons(everything, perms))
+    x = ids(2, 10, seed=3)
+    want = logits(model, x)
+    torch.testing.assert_close(logits(student, x), want, rtol=1e-10, atol=1e-10 * float(want.abs().max()))
+    a, b = adapter.expert_weights(model, layers[0]), adapter.expert_weights(student, layers[0])
+    assert not torch.equal(a.gate, b.gate)
+    assert torch.equal(b.gate[0], a.gate[0][perms[layers[0]][0]])
+    assert torch.equal(b.down[0], a.down[0][:, perms[layers[0]][0]])
+
+
+def kept_subset(family: str, model) -> dict[int, list[int]]:
+    """E − 2 experts per layer (DeepSeek: 2 of each group of 4, keeping the group limit)."""
+    adapter = get_adapter(model)
+    E = adapter.num_experts(model)
+    if family.startswith("deepseek"):
+        return {layer: [0, 2, 5, 7] if i % 2 else [1, 3, 4, 6]
+                for i, layer in enumerate(adapter.moe_layers(model))}
+    return {layer: [e for e in range(E) if e not in (i % E, (i + 2) % E)]
+            for i, layer in enumerate(adapter.moe_layers(model))}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_singleton_clusters_equal_the_pruned_moe(family):
+    model = teacher(family, seed=1)
+    adapter = get_adapter(model)
+    kept = kept_subset(family, model)
+    pruned = adapter.pruned_moe_student(model, kept)
+    x = ids(3, 10, seed=4)
+    want = logits(pruned, x)
+    for rule in ("weighted", "dominant"):
+        merged = adapter.merged_moe_student(model, singletons(kept, rule=rule))
+        assert merged.config.to_dict() == pruned.config.to_dict()
+        torch.testing.assert_close(logits(merged, x), want, rtol=1e-12, atol=1e-12 * float(want.abs().max()))
+    if family.startswith("deepseek"):
+        assert (merged.config.n_group, merged.config.topk_group) == (2, 1)
+
+
+def router_tensors(family: str, block) -> dict[str, torch.Tensor]:
+    r = router_of(family, block)
+    out = {"weight": r.weight}
+    if family == "gpt_oss":
+        out["bias"] = r.bias
+    if family == "deepseek_v3":
+        out["e_score_correction_bias"] = r.e_score_correction_bias
+    return out
+
+
+def permute_canonical(ex: ExpertWeights, e: int, perm: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    p = torch.arange(ex.intermediate) if perm is None else perm
+    out = {"gate": ex.gate[e][p], "up": ex.up[e][p], "down": ex.down[e][:, p]}
+    for name in ("gate_bias", "up_bias"):
+        if getattr(ex, name) is not None:
+            out[name] = getattr(ex, name)[e][p]
+    if ex.down_bias is not None:
+        out["down_bias"] = ex.down_bias[e]
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("rule", ["weighted", "dominant"])
+def test_merged_tensors_are_the_weighted_average(family, rule):
+    """Hand-computed from the teacher's canonical experts: Σ_i w_i perm_i(expert i) per cluster; router
+    rows (and GPT-OSS's router bias, DeepSeek-V3's correction bias) averaged or the dominant's."""
+    model = teacher(family, seed=2)
+    adapter = get_adapter(model)
+    E, layers = adapter.num_experts(model), adapter.moe_layers(model)
+    n_units = adapter.expert_weights(model, layers[0]).intermediate
+    groups = [[2, 0, 5], [1], [3, 4]] + ([[6, 7]] if E == 8 else [])
+    weights = [[0.5, 0.3, 0.2], [1.0], [0.1, 0.9]] + ([[0.6, 0.4]] if E == 8 else [])
+    dominant = [g[0] for g in groups]
+    g = torch.Generator().manual_seed(5)
+    perms = {e: torch.randperm(n_units, generator=g) for e in (0, 5, 4)}
+    merged = {layer: MergedLayer(groups, weights, rule, dominant, perms) for layer in layers}
+    student = adapter.merged_moe_student(model, merged)
+    assert getattr(student.config, EXPERTS_KEY[family]) == len(groups)
+    for layer in layers:
+        t_ex, s_ex = adapter.expert_weights(model, layer), adapter.expert_weights(student, layer)
+        t_r = router_tensors(family, moe_blocks(model)[layer])
+        s_r = router_tensors(family, moe_blocks(student)[layer])
+        for j, (grp, w) in enumerate(zip(groups, weights, strict=True)):
+            got = permute_canonical(s_ex, j, None)
+            parts = [permute_canonical(t_ex, e, perms.get(e)) for e in grp]
+            for name, tensor in got.items():
+                want = sum(wi * part[name] for wi, part in zip(w, parts, strict=True))
+                torch.testing.assert_close(tensor, want, rtol=1e-12, atol=1e-12, msg=f"{name} of cluster {j}")
+            for name, tensor in s_r.items():
+                rows = [t_r[name][e] for e in grp]
+                want = rows[0] if rule == "dominant" else sum(wi * r for wi, r in zip(w, rows, strict=True))
+                torch.testing.assert_close(tensor[j], want, rtol=1e-12, atol=1e-12, msg=f"router {name}")
+    # merged experts are new tensors, not views of the teacher or of each other
+    t_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert not any(p.untyped_storage().data_ptr() in t_ptrs for p in student.parameters())
+
+
+def test_deepseek_keeps_the_group_limit_only_for_clusters_inside_groups():
+    """Groups {0..3}, {4..7}: clusters inside them, listed group by group, keep n_group = 2; a cluster
+    across the groups (or the groups listed out of order) drops the limit."""
+    model = teacher("deepseek_v3")
+    adapter = get_adapter(model)
+    layers = adapter.moe_layers(model)
+
+    def build(groups: list[list[int]]):
+        merged = {layer: MergedLayer(groups, [[1 / len(c)] * len(c) for c in groups], "weighted",
+                                     [c[0] for c in groups]) for layer in layers}
+        return adapter.merged_moe_student(model, merged).config
+
+    assert build([[0, 1], [2, 3], [4, 5], [6, 7]]).n_group == 2
+    assert build([[0, 4], [1, 2], [3, 5], [6, 7]]).n_group == 1
+    assert build([[4, 5], [6, 7], [0, 1], [2, 3]]).n_group == 1
+    cfg = build([[0, 4], [1, 2], [3, 5], [6, 7]])
+    assert (cfg.topk_group, cfg.n_routed_experts) == (1, 4)
+
+
+def test_bad_merged_layers_give_one_line_errors():
+    model = teacher("qwen3_moe")
+    adapter = get_adapter(model)
+    layers, E = adapter.moe_layers(model), adapter.num_experts(model)
+
+    def ml(groups, weights=None, rule="weighted", dominant=None, perms=None):
+        return MergedLayer(groups, weights or [[1 / len(g)] * len(g) for g in groups], rule,
+                           dominant or [g[0] for g in groups], perms or {})
+
+    good = ml([[0, 1], [2, 3], [4, 5]])
+    cases = [({layer: ml([[0, 1, 2, 3, 4, 5]]) for layer in layers}, "need M >= k"),
+             ({layers[0]: good, layers[1]: ml([[0], [1], [2], [3, 4, 5]])}, "differ in expert count"),
+             ({layers[0]: good, layers[1]: ml([[0, 1], [1, 2], [3, 4]])}, "distinct expert ids"),
+             ({layers[0]: good, layers[1]: ml([[0, E], [2, 3], [4, 5]])}, "distinct expert ids"),
+             ({layers[0]: good, layers[1]: ml([[0, 1], [2, 3], [4, 5]], [[0.5, 0.6], [1, 0], [1, 0]])},
+              "summing"),
+             ({layers[0]: good, layers[1]: ml([[0, 1], [2, 3], [4, 5]], rule="sum")}, "router_rows"),
+             ({layers[0]: good, layers[1]: ml([[0, 1], [2, 3], [4, 5]], dominant=[0, 1, 4])}, "dominant"),
+             ({layers[0]: good, layers[1]: ml([[0, 1], [2, 3], [4, 5]], perms={1: torch.zeros(16).long()})},
+              "perms"),
+             ({layers[0]: good}, "MoE layers are")]
+    for merged, msg in cases:
+        with pytest.raises(ValueError, match=msg) as e:
+            adapter.merged_moe_student(model, merged)
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method", ["HC-SMoE", "M-SMoE"])
+def test_calibrate_merge_save_reload(family, method, tmp_path):
+    """Calibration statistics → merge_layer → merged_layers → merged checkpoint, saved and reloaded from
+    disk: M experts per layer in the config and in every expert tensor, same logits, everything outside
+    the routed experts copied."""
+    from transformers import AutoModelForCausalLM
+
+    from workers.calibrate import collect_stats
+    from workers.convert import layer_contexts
+
+    model = teacher(family, seed=3)
+    adapter = get_adapter(model)
+    x = ids(4, 10, seed=7)
+    stats = collect_stats(model, adapter, [(x, torch.ones_like(x))], chunk_tokens=16)
+    ctxs = layer_contexts(model, adapter, stats)
+    E, k, H = adapter.num_experts(model), adapter.top_k(model), model.config.hidden_size
+    M = max(k, E // 2)
+    plans = [merge_layer(layer, c, method, M) for layer, c in ctxs.items()]
+    assert all(isinstance(p, LayerPlan) and len(p.groups) == M and sorted(p.selected) == list(range(E))
+               for p in plans)
+    merged = merged_layers(plans, {layer: c.experts for layer, c in ctxs.items()})
+    assert bool(merged[plans[0].layer].perms) == (method == "M-SMoE")
+    student = adapter.merged_moe_student(model, merged)
+    student.save_pretrained(tmp_path)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64, experts_implementation="eager")
+    assert type(back) is type(model)
+    assert getattr(back.config, EXPERTS_KEY[family]) == M
+    assert back.config.num_experts_per_tok == k
+    for layer, blk in moe_blocks(back).items():
+        assert router_of(family, blk).weight.shape == (M, H)
+        for name, t in moe_blocks(model)[layer].experts.named_parameters():
+            assert dict(blk.experts.named_parameters())[name].shape == (M, *t.shape[1:]), name
+    for i, layer in enumerate(back.model.layers):  # dense teacher layers unchanged
+        if i not in moe_blocks(back):
+            for a, b in zip(model.model.layers[i].mlp.parameters(), layer.mlp.parameters(), strict=True):
+                assert torch.equal(a, b)
+    y = ids(2, 8, seed=8)
+    out = logits(back, y)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, logits(student, y), rtol=0, atol=0)
+    assert not torch.allclose(out, logits(model, y), rtol=1e-3, atol=1e-3)  # merging changed the model
