@@ -26,7 +26,13 @@ PosInt = Annotated[StrictInt, Field(gt=0)]
 
 
 class Data(Strict):
-    """Where text comes from: the embedded corpus, a local JSONL file, or a Hugging Face dataset."""
+    """Where text comes from: the embedded corpus, a local JSONL file, or a Hugging Face dataset.
+
+    `format: chat` reads instruction records instead of plain text (a post-trained teacher sees its
+    chat format): `messages_field` (a list of {role, content}) or `prompt_field` with an optional
+    `response_field`, rendered by the teacher tokenizer's chat template, or by the Jinja file
+    `chat_template` (for a tokenizer without one, or to override it).
+    """
 
     source: Literal["tiny", "jsonl", "hf"] = "tiny"
     split: str = "train"
@@ -34,11 +40,26 @@ class Data(Strict):
     name: str | None = None  # HF config name (e.g. "wikitext-103-raw-v1")
     text_field: str = "text"
     streaming: bool = False
+    format: Literal["text", "chat"] = "text"
+    messages_field: str | None = None  # format chat: a list of {role, content}
+    prompt_field: str | None = None  # format chat: a user turn …
+    response_field: str | None = None  # … and, optionally, the assistant's answer
+    chat_template: str | None = None  # format chat: a local Jinja file (default: the tokenizer's template)
 
     @model_validator(mode="after")
     def _needs_path(self) -> Data:
         if self.source in ("jsonl", "hf") and not self.path:
             raise ValueError(f"source {self.source!r} needs a path")
+        return self
+
+    @model_validator(mode="after")
+    def _chat_fields(self) -> Data:
+        from workers.data import chat_field_error
+
+        error = chat_field_error(self.source, self.format, self.messages_field, self.prompt_field,
+                                 self.response_field, self.chat_template)
+        if error:
+            raise ValueError(error)
         return self
 
 

@@ -25,6 +25,7 @@ from orchestrator.stage import get_stage, stages
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 BASELINES = ("teacher", "random_ffn", "random_init", "d2d")
+CHAT_SECTIONS = ("calibration.", "router_kd.")  # data turned into token windows with the teacher's tokenizer
 
 
 class Select(Strict):
@@ -79,6 +80,10 @@ class SweepSpec(Strict):
     def _d2d_needs_dense(self) -> SweepSpec:
         if "d2d" in self.baselines and getattr(self, "dense_teacher", None) is None:
             raise ValueError("baseline 'd2d' needs a dense_teacher section")
+        calibration = getattr(self, "calibration", None)
+        if "d2d" in self.baselines and calibration is not None and calibration.sources is not None:
+            raise ValueError("baseline 'd2d' prunes on calibration.data; with calibration.sources it is not "
+                             "supported yet")
         return self
 
     def resources(self, stage: str) -> Resources:
@@ -213,6 +218,9 @@ def data_sections(spec: SweepSpec) -> list[tuple[str, Data]]:
         elif isinstance(node, list):
             for i, v in enumerate(node):
                 walk(v, f"{where}.{i}")
+        elif isinstance(node, dict):  # e.g. calibration.sources: name -> source
+            for k, v in node.items():
+                walk(v, f"{where}.{k}")
 
     walk(spec, "")
     return out
@@ -223,6 +231,11 @@ def check_local_paths(spec: SweepSpec, path: Path | str) -> None:
     for where, data in data_sections(spec):
         if data.source == "jsonl" and not Path(data.path).is_file():
             raise SpecError(f"{path}: {where}.path: no such file {data.path!r}")
+        if data.chat_template and not Path(data.chat_template).is_file():
+            raise SpecError(f"{path}: {where}.chat_template: no such file {data.chat_template!r}")
+        if data.format == "chat" and not where.startswith(CHAT_SECTIONS):
+            raise SpecError(f"{path}: {where}.format: 'chat' is read with the teacher's tokenizer only in "
+                            f"{', '.join(s.rstrip('.') for s in CHAT_SECTIONS)}")
     if spec.teacher.source == "hf" and spec.teacher.model and (spec.teacher.model.startswith(("/", "./", "../"))
                                                               and not Path(spec.teacher.model).is_dir()):
         raise SpecError(f"{path}: teacher.model: no such directory {spec.teacher.model!r}")

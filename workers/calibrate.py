@@ -18,6 +18,9 @@ zeroed before the experts and excluded from every sum (torch.where, so even NaN 
 from __future__ import annotations
 
 import inspect
+import json
+import math
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -28,7 +31,9 @@ from workers.merge import activation
 from workers.types import STATS_TENSORS, ExpertWeights, LayerStats
 
 STAT_FIELDS = STATS_TENSORS
-FORMAT = "moesweep.layerstats/3"  # /2 added sum_pnorm_sel and max_norm_sel; /3 sum_out, gram_p, sum_xx
+MAX_FIELDS = frozenset({"max_norm_sel"})  # a max over tokens; every other field of LayerStats is a sum
+FORMAT = "moesweep.layerstats/4"  # /2 sum_pnorm_sel, max_norm_sel; /3 sum_out, gram_p, sum_xx; /4 sources
+SOURCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")  # no '.': it separates the keys of the file
 
 
 # ---- all experts on all tokens -----------------------------------------------------------------
@@ -222,6 +227,75 @@ def collect_stats(model: nn.Module, adapter, batches: Sequence[tuple[torch.Tenso
     return {layer: acc.finish() for layer, acc in accs.items()}
 
 
+# ---- several sources ------------------------------------------------------------------------------
+def calibration_sources(params: dict) -> dict[str, dict]:
+    """{name: {data, weight, n_samples}} of a calibrate job's parameters; a single `data` is the one
+    source 'default' with weight 1."""
+    if params.get("sources"):
+        return params["sources"]
+    return {"default": {"data": params["data"], "weight": 1.0, "n_samples": params["n_samples"]}}
+
+
+def mix_stats(per_source: dict[str, dict[int, LayerStats]], weights: dict[str, float]) -> dict[int, LayerStats]:
+    """The statistics of a weighted mixture of sources, from each source's own statistics.
+
+    Each source s contributes its weight's share of a token average: every sum field becomes
+    Σ_s λ_s·S_s with λ_s = (w_s/Σw)·N/N_s and N = Σ_s N_s, so S/N = Σ_s (w_s/Σw)·S_s/N_s, and ratio
+    scores (CP = Σp_sel/count, ...) are mixed at numerator and denominator level, not as ratios.
+    `n_tokens` is N and `max_norm_sel` the max over the sources. Sources of weight 0 are left out
+    (of N too), so one source with any weight gives back its own statistics exactly (the same objects).
+    """
+    active = _active_weights(per_source, weights)
+    layers = sorted(per_source[next(iter(active))])
+    for name in active:
+        if sorted(per_source[name]) != layers:
+            raise ValueError(f"source {name!r} has layers {sorted(per_source[name])}, another has {layers}")
+    return {layer: _mix_layer({name: per_source[name][layer] for name in active}, active) for layer in layers}
+
+
+def _active_weights(per_source: dict[str, dict[int, LayerStats]], weights: dict[str, float]) -> dict[str, float]:
+    """The sources with a positive weight, after checking that `weights` names exactly the sources."""
+    if not per_source:
+        raise ValueError("per_source is empty: no source to mix")
+    if set(weights) != set(per_source):
+        raise ValueError(f"weights name {sorted(weights)}; the sources are {sorted(per_source)}")
+    for name, w in weights.items():
+        if not (isinstance(w, int | float) and math.isfinite(w) and w >= 0):
+            raise ValueError(f"weight of source {name!r}: {w!r}; allowed: a finite number >= 0")
+    active = {name: float(w) for name, w in weights.items() if w > 0}
+    if not active:
+        raise ValueError("every weight is 0: nothing to mix")
+    return active
+
+
+def _mix_layer(stats: dict[str, LayerStats], weights: dict[str, float]) -> LayerStats:
+    if len(stats) == 1:
+        return next(iter(stats.values()))
+    for name, st in stats.items():
+        if st.n_tokens <= 0:
+            raise ValueError(f"source {name!r} has no tokens: it cannot carry a weight")
+    n = sum(st.n_tokens for st in stats.values())
+    total = sum(weights.values())
+    lam = {name: (weights[name] / total) * (n / st.n_tokens) for name, st in stats.items()}
+    fields: dict[str, torch.Tensor | None] = {}
+    for field in STATS_TENSORS:
+        values = {name: getattr(st, field) for name, st in stats.items()}
+        missing = [name for name, v in values.items() if v is None]
+        if len(missing) == len(values):
+            fields[field] = None
+        elif missing:
+            raise ValueError(f"{field}: missing in source(s) {', '.join(missing)} only; cannot mix")
+        elif field in MAX_FIELDS:
+            fields[field] = torch.stack(list(values.values())).amax(0)
+        else:
+            acc = None
+            for name, v in values.items():
+                term = v.double() * lam[name]
+                acc = term if acc is None else acc + term
+            fields[field] = acc
+    return LayerStats(n_tokens=n, **fields)
+
+
 # ---- storage ------------------------------------------------------------------------------------
 def save_stats(stats: dict[int, LayerStats], path: str | Path, metadata: dict[str, str] | None = None) -> None:
     """One safetensors file, keys 'layer.<i>.<field>', exact float64 values."""
@@ -238,17 +312,89 @@ def save_stats(stats: dict[int, LayerStats], path: str | Path, metadata: dict[st
     save_file(tensors, str(path), metadata=meta)
 
 
-def load_stats(path: str | Path, device: str | torch.device = "cpu") -> dict[int, LayerStats]:
+def save_source_stats(per_source: dict[str, dict[int, LayerStats]], weights: dict[str, float], path: str | Path,
+                      metadata: dict[str, str] | None = None) -> None:
+    """One safetensors file of every source's statistics apart, keys 'source.<name>.layer.<i>.<field>';
+    metadata 'sources' lists each source's weight and token count (JSON, in the given order)."""
+    from safetensors.torch import save_file
+
+    if not per_source:
+        raise ValueError("per_source is empty: nothing to save")
+    if set(weights) != set(per_source):
+        raise ValueError(f"weights name {sorted(weights)}; the sources are {sorted(per_source)}")
+    tensors: dict[str, torch.Tensor] = {}
+    listed: dict[str, dict[str, float | int]] = {}
+    for name, stats in per_source.items():
+        if not SOURCE_NAME.match(name):
+            raise ValueError(f"source name {name!r}: allowed letters, digits, '_', '-' (no '.')")
+        if not stats:
+            raise ValueError(f"source {name!r} has no statistics: nothing to save")
+        for layer, st in stats.items():
+            tensors.update({k: v.detach().cpu().contiguous()
+                            for k, v in st.to_tensors(f"source.{name}.layer.{layer}.").items()})
+        listed[name] = {"weight": float(weights[name]), "n_tokens": source_tokens(stats)}
+    layers = sorted(next(iter(per_source.values())))
+    meta = {"format": FORMAT, "layers": ",".join(map(str, layers)), "sources": json.dumps(listed)}
+    meta.update({str(k): str(v) for k, v in (metadata or {}).items()})
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata=meta)
+
+
+def stats_to(stats: dict[int, LayerStats], device: str | torch.device) -> dict[int, LayerStats]:
+    """The same statistics with every tensor on `device`."""
+    from dataclasses import fields, replace
+
+    return {layer: replace(st, **{f.name: getattr(st, f.name).to(device) for f in fields(st)
+                                  if isinstance(getattr(st, f.name), torch.Tensor)})
+            for layer, st in stats.items()}
+
+
+def source_tokens(stats: dict[int, LayerStats]) -> int:
+    """The calibration tokens behind one source's statistics (every layer saw the same tokens)."""
+    return int(next(iter(stats.values())).n_tokens)
+
+
+def load_stats(path: str | Path, device: str | torch.device = "cpu", *,
+               weights: dict[str, float] | None = None) -> dict[int, LayerStats]:
+    """The calibration statistics of a file, its sources mixed (mix_stats) with `weights`, by default the
+    weights stored in the file. A file without sources (older moesweep) is one source, returned as stored."""
+    per_source = load_source_stats(path, device)
+    try:
+        return mix_stats(per_source, source_weights(path) if weights is None else weights)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def load_source_stats(path: str | Path, device: str | torch.device = "cpu") -> dict[str, dict[int, LayerStats]]:
+    """{source name: {layer: LayerStats}}, every source's statistics apart (an older file without
+    sources: the one source 'default'), so a caller can mix them with weights of its own."""
     from safetensors.torch import load_file
 
     tensors = load_file(str(path), device=str(device))
-    layers = sorted({int(key.split(".")[1]) for key in tensors if key.startswith("layer.")})
-    if not layers:
-        raise ValueError(f"{path}: no 'layer.<i>.' tensors; not a calibration statistics file")
+    prefixes: dict[str, set[int]] = {}
+    for key in tensors:
+        parts = key.split(".")
+        if parts[0] == "source" and len(parts) > 4 and parts[2] == "layer":
+            prefixes.setdefault(f"source.{parts[1]}.", set()).add(int(parts[3]))
+        elif parts[0] == "layer":
+            prefixes.setdefault("", set()).add(int(parts[1]))
+    if not prefixes:
+        raise ValueError(f"{path}: no 'layer.<i>.' or 'source.<name>.layer.<i>.' tensors; "
+                         "not a calibration statistics file")
     try:
-        return {layer: LayerStats.from_tensors(tensors, f"layer.{layer}.") for layer in layers}
+        return {(prefix.split(".")[1] if prefix else "default"):
+                {layer: LayerStats.from_tensors(tensors, f"{prefix}layer.{layer}.") for layer in sorted(layers)}
+                for prefix, layers in prefixes.items()}
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
+
+
+def source_weights(path: str | Path) -> dict[str, float]:
+    """The mixing weights stored with a statistics file ({'default': 1.0} for a file without sources)."""
+    listed = stats_metadata(path).get("sources")
+    if listed is None:
+        return {"default": 1.0}
+    return {name: float(entry["weight"]) for name, entry in json.loads(listed).items()}
 
 
 def stats_metadata(path: str | Path) -> dict[str, str]:

@@ -68,7 +68,7 @@ def windows(payload: dict[str, Any], cache: dict, tok, data: dict[str, Any], seq
     if key not in cache:
         # a remote corpus is read only as far as the windows need (~8 chars per token, with room)
         budget = None if n is None or data.get("source") == "tiny" else n * seq_len * 8
-        texts = load_texts(DataSpec(**data), tiny_dir=tiny_dir(payload), max_chars=budget)
+        texts = load_texts(DataSpec(**data), tiny_dir=tiny_dir(payload), max_chars=budget, tok=tok)
         cache[key] = token_windows(tok, texts, seq_len, n, seed, add_bos=add_bos)
     return cache[key]
 

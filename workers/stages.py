@@ -52,24 +52,41 @@ def stage_teacher(payload: dict, cache: dict, progress) -> dict:
 
 # ---- calibration ------------------------------------------------------------------------------
 def stage_calibrate(payload: dict, cache: dict, progress) -> dict:
-    from workers.calibrate import collect_stats, save_stats
+    """One pass of the teacher over each calibration source's own windows; every source's statistics are
+    kept apart in one file (mixed with the sources' weights when they are loaded)."""
+    from workers.calibrate import (
+        calibration_sources,
+        collect_stats,
+        save_source_stats,
+        source_tokens,
+        stats_to,
+    )
     from workers.families import get_adapter
 
     p = payload["params"]
     model, tok = resident_teacher(payload, cache)
     adapter = get_adapter(model)
-    ids = windows(payload, cache, tok, p["data"], p["seq_len"], p["n_samples"], p["seed"])
-    mask = torch.ones_like(ids)
-    batches = [(ids[i:i + p["batch_size"]].to(device()), mask[i:i + p["batch_size"]].to(device()))
-               for i in range(0, len(ids), p["batch_size"])]
-    cb = (lambda i, n: progress(i, n, "calibrate")) if progress else None
-    stats = collect_stats(model, adapter, batches, chunk_tokens=p["chunk_tokens"], progress=cb)
+    sources = calibration_sources(p)
+    per_source = {}
+    for name, src in sources.items():
+        ids = windows(payload, cache, tok, src["data"], p["seq_len"], src["n_samples"], p["seed"])
+        mask = torch.ones_like(ids)
+        batches = [(ids[i:i + p["batch_size"]].to(device()), mask[i:i + p["batch_size"]].to(device()))
+                   for i in range(0, len(ids), p["batch_size"])]
+        cb = (lambda i, n, name=name: progress(i, n, f"calibrate {name}")) if progress else None
+        stats = collect_stats(model, adapter, batches, chunk_tokens=p["chunk_tokens"], progress=cb)
+        per_source[name] = stats_to(stats, "cpu")  # the next source's pass gets the device memory back
     path = Path(payload["workdir"]) / "stats.safetensors"
-    save_stats(stats, path, metadata={k: json.dumps(p[k], sort_keys=True) for k in
-                                      ("teacher", "data", "seq_len", "n_samples", "seed")})
-    n_tokens = int(next(iter(stats.values())).n_tokens)
-    return {"outputs": {"stats": str(path), "n_tokens": n_tokens, "layers": sorted(stats)},
-            "metrics": [_metric("calib_tokens", float(n_tokens), stage="calib", n_tokens=n_tokens)],
+    keys = [k for k in ("teacher", "data", "sources", "seq_len", "n_samples", "seed") if k in p]
+    save_source_stats(per_source, {name: src["weight"] for name, src in sources.items()}, path,
+                      metadata={k: json.dumps(p[k], sort_keys=True) for k in keys})
+    counts = {name: source_tokens(stats) for name, stats in per_source.items()}
+    listed = {name: {"n_tokens": counts[name], "weight": float(src["weight"]), "n_samples": src["n_samples"]}
+              for name, src in sources.items()}
+    return {"outputs": {"stats": str(path), "n_tokens": sum(counts.values()), "layers": sorted(stats),
+                        "sources": listed},
+            "metrics": [_metric("calib_tokens", float(n), stage="calib", task=name, n_tokens=n)
+                        for name, n in counts.items()],
             "artifacts": [artifact("calibration_stats", path)]}
 
 

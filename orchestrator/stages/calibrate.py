@@ -2,30 +2,80 @@
 layer (selection counts, router probability sums, activation norms, the experts' Gram matrix).
 
 One job per (teacher, data, seq_len, n_samples, seed): every configuration and every sweep that names
-the same calibration reuses it.
+the same calibration reuses it. Calibration data is either one `data` source or several named
+`sources` with weights: the job computes each source's statistics apart (a pass over its own windows)
+and stores them in one file; loading mixes them (workers.calibrate.mix_stats: each source contributes
+its weight's share of a token average).
 """
 
 from __future__ import annotations
 
-from pydantic import Field
+import re
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator, model_validator
 
 from orchestrator.schema import Data, PosInt, Strict
 from orchestrator.stage import JobSpec, Stage, SweepContext
 from orchestrator.stages.teacher import teacher_ref
 
+SOURCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")  # no '.': it separates the stats file's keys
+
+
+class CalibrationSource(Strict):
+    """One named calibration source: its data, its mixing weight, and its samples (default: the section's)."""
+
+    data: Data
+    weight: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+    n_samples: PosInt | None = None
+
 
 class Calibration(Strict):
-    data: Data = Field(default_factory=Data)
+    data: Data | None = None  # one source (named 'default', weight 1); the default: the tiny corpus
+    sources: dict[str, CalibrationSource] | None = None  # or several, mixed by weight
     n_samples: PosInt = 256
     seq_len: PosInt = 128
     seed: int = 1234
     batch_size: PosInt = 16
     chunk_tokens: PosInt = 2048
 
+    @field_validator("sources")
+    @classmethod
+    def _names(cls, v: dict[str, CalibrationSource] | None) -> dict[str, CalibrationSource] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("name at least one source (name: {data, weight})")
+        for name in v:
+            if not SOURCE_NAME.match(name):
+                raise ValueError(f"{name!r} is not a source name; allowed: letters, digits, '_', '-' "
+                                 "(starting with a letter or digit, at most 64)")
+        return v
+
+    @model_validator(mode="after")
+    def _one_of(self) -> Calibration:
+        if self.data is not None and self.sources is not None:
+            raise ValueError("data and sources are mutually exclusive: give data (one source) or sources")
+        if self.sources is None and self.data is None:
+            self.data = Data()
+        return self
+
+
+def calibration_params(c: Calibration) -> dict[str, Any]:
+    """The job's parameters. A single `data` keeps the layout it always had; `sources` gives each source
+    its data, weight and resolved n_samples (the weights are in the key: the stored file's default mix)."""
+    base = c.model_dump(exclude={"data", "sources"})
+    if c.sources is None:
+        return {**base, "data": c.data.model_dump()}
+    del base["n_samples"]
+    return {**base, "sources": {name: {"data": s.data.model_dump(), "weight": s.weight,
+                                       "n_samples": s.n_samples or c.n_samples} for name, s in c.sources.items()}}
+
 
 def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
     tparams, tdeps, resident = teacher_ref(ctx)
-    job = ctx.job("calibrate", {"teacher": tparams, **ctx.spec.calibration.model_dump()}, tdeps, resident=resident)
+    job = ctx.job("calibrate", {"teacher": tparams, **calibration_params(ctx.spec.calibration)}, tdeps,
+                  resident=resident)
     return {c["config_key"]: job for c in ctx.configs if c["kind"] == "moe2dense"}
 
 
@@ -33,4 +83,4 @@ STAGE = Stage(
     name="calibrate", run="workers.stages:stage_calibrate", jobs=jobs, section="calibration", params=Calibration,
     section_default="default", upstream=("teacher",), shared=True,
     records=frozenset({"outputs", "metrics", "artifacts"}),
-    summary="one pass, shared by every configuration")
+    summary="one pass per calibration source, shared by every configuration")
