@@ -281,3 +281,189 @@ def test_vllm_backend_without_vllm_is_a_one_line_error(model, tok, tiny_dir, tmp
     with pytest.raises(ValueError, match="backend must be one of hf, vllm"):
         run_suite(model, tok, "tiny", model_key="k", cache_dir=str(tmp_path), tiny_dir=str(tiny_dir), batch_size=4,
                   backend="tpu", limit=2, model_path=None, workdir=str(tmp_path))
+
+
+# ---- generative tasks and repeated runs --------------------------------------------------------------
+NUMBERS = ("one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+           "seventeen eighteen nineteen twenty").split()
+
+
+def counting_corpus(n_docs: int = 40, seed: int = 0) -> list[dict]:
+    """Documents a tiny model learns in seconds: half count up (the next word is predictable), half are
+    shuffled number words (it is not), so exact match lands strictly between 0 and 1."""
+    import random
+
+    rng = random.Random(seed)
+    docs = []
+    for i in range(n_docs):
+        start = rng.randrange(0, 6)
+        words = NUMBERS[start:start + 14] if i % 2 == 0 else rng.sample(NUMBERS, 14)
+        docs.append({"text": " ".join(words), "domain": "prose"})
+    return docs
+
+
+def trained_counter(tok, docs: list[dict], steps: int = 150):
+    """The dense tiny model fitted briefly to the counting documents (greedy decoding then gets some right)."""
+    model = dense(tok, 1).train()
+    ids = [torch.tensor(tok(d["text"], add_special_tokens=False)["input_ids"]) for d in docs]
+    n = min(len(x) for x in ids)
+    batch = torch.stack([x[:n] for x in ids])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        loss = model(batch, labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+def greedy_first_word(model, tok, context: str, max_new: int) -> str:
+    """Greedy continuation as lm-eval's HF backend makes it (context without special tokens, cut at
+    "\\n\\n" and at EOS), then the tiny_gen filter: the first whitespace-separated word, or "[invalid]"."""
+    import re
+
+    from workers.suites import FIRST_WORD
+
+    ids = tok(context, add_special_tokens=False)["input_ids"]
+    new: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_new):
+            nxt = int(model(torch.tensor([ids + new])).logits[0, -1].argmax())
+            if nxt == tok.eos_token_id:
+                break
+            new.append(nxt)
+    text = tok.decode(new, skip_special_tokens=True).split("\n\n")[0]
+    found = re.findall(FIRST_WORD, text)
+    return found[0].strip() if found else "[invalid]"
+
+
+@pytest.fixture(scope="module")
+def counting_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("counting")
+    (d / "corpus").mkdir()
+    (d / "corpus" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in counting_corpus()))
+    return d
+
+
+def test_generative_declarations_validate():
+    from orchestrator.stages.evaluate import Evaluate
+    from workers.evaluate import validate_runs
+    from workers.suites import GENERATIVE, validate_generative
+
+    assert {"gsm8k", "gsm8k_platinum", "math", "humaneval", "mbpp", "tiny_gen"} <= set(GENERATIVE)
+    assert all(g.requires["gpu"] for g in GENERATIVE.values())
+    assert {n for n, g in GENERATIVE.items() if g.executes_code} == {"humaneval", "mbpp"}
+    assert validate_generative(["gsm8k", {"task": "mbpp", "limit": 5}]) == [{"task": "gsm8k"}, {"task": "mbpp", "limit": 5}]
+    cases = [
+        (["gsm9k"], f"unknown generative task 'gsm9k'; allowed: {', '.join(GENERATIVE)}"),
+        ([{"task": "gsm8k", "shots": 3}], "unknown field"),
+        ([{"task": "gsm8k", "num_fewshot": -1}], "num_fewshot must be"),
+        (["gsm8k", "gsm8k"], "twice"),
+        ([{"task": "tiny_gen", "data_dir": "/x"}], "built from the tiny corpus"),
+    ]
+    for entries, msg in cases:
+        with pytest.raises(ValueError, match=msg) as e:
+            validate_generative(entries)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="is a generative task: list it under evaluate.generative"):
+        validate_suite([{"task": "gsm8k"}])
+    for runs, msg in [([], "non-empty"), ([{"seeds": 1}], "unknown field"), ([{"seed": -1}], "seed must be"),
+                      ([{"limit": 0}], "limit must be"), ([{"seed": 1}, {"seed": 1}], "repeats entry 0")]:
+        with pytest.raises(ValueError, match=msg):
+            validate_runs(runs)
+    with pytest.raises(ValueError, match="unknown generative task 'gsm9k'"):
+        Evaluate(generative=["gsm9k"])
+    assert Evaluate(generative=["tiny_gen"], allow_cpu=True, runs=[{"seed": 0}, {"seed": 1}]).runs[1] == {"seed": 1}
+
+
+def test_unmet_generative_tasks_are_recorded_as_not_run(model, tok, tiny_dir, tmp_path, monkeypatch):
+    import workers.evaluate as we
+    from workers.stages import eval_metrics
+
+    monkeypatch.setattr(we, "gpu_available", lambda: False)
+    monkeypatch.setattr(we, "hf_cached", lambda repo, kind: False)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    gen = ["tiny_gen", "gsm8k", "humaneval", {"task": "mbpp", "data_dir": str(tmp_path / "no-such-folder")}]
+    res = run_suite(model, tok, "tiny", model_key="m", cache_dir=str(tmp_path), tiny_dir=str(tiny_dir), batch_size=4,
+                    backend="hf", limit=2, model_path=None, workdir=str(tmp_path), generative=gen)
+    assert set(res["not_run"]) == {"tiny_gen", "gsm8k", "humaneval", "mbpp"}
+    assert all(r.startswith("needs a GPU") for r in res["not_run"].values())
+    assert [t["task"] for t in res["tasks"]] == ["tiny_mc", "tiny_ppl"], "the suite itself still ran"
+    res = run_suite(model, tok, "tiny", model_key="m", cache_dir=str(tmp_path), tiny_dir=str(tiny_dir), batch_size=4,
+                    backend="hf", limit=2, model_path=None, workdir=str(tmp_path), generative=gen[1:], allow_cpu=True)
+    why = res["not_run"]
+    assert "needs the dataset openai/gsm8k" in why["gsm8k"] and "offline" in why["gsm8k"]
+    assert "allow_code_eval" in why["humaneval"] and "allow_code_eval" in why["mbpp"]
+    assert res["runs"][0]["reused"] == ["tiny_mc", "tiny_ppl"], "the suite's results were stored by the first call"
+    monkeypatch.setattr(we, "hf_cached", lambda repo, kind: kind == "module")  # as if code_eval were cached
+    res = run_suite(model, tok, "tiny", model_key="m", cache_dir=str(tmp_path), tiny_dir=str(tiny_dir), batch_size=4,
+                    backend="hf", limit=2, model_path=None, workdir=str(tmp_path), generative=gen[3:], allow_cpu=True,
+                    allow_code_eval=True)
+    assert "no-such-folder is not a folder" in res["not_run"]["mbpp"], "its local data is missing"
+    assert all("\n" not in r for r in why.values())
+    rows = [m for m in eval_metrics(res, repeated=False) if m["task"] == "mbpp"]
+    assert rows == [{"name": "pass_at_1", "value": None, "stage": "post", "task": "mbpp", "step": -1,
+                     "value_kind": "skipped", "extra": {"backend": "hf", "lm_eval": res["lm_eval_version"],
+                                                        "not_run": res["not_run"]["mbpp"]}}]
+
+
+def test_tiny_gen_runs_through_lm_eval_and_matches_a_hand_count(tok, counting_dir, tmp_path):
+    from workers.suites import TINY_GEN_TOKS, build_generative
+
+    docs = counting_corpus()
+    model = trained_counter(tok, docs)
+    n = 20
+    res = run_suite(model, tok, "tiny", model_key="counter", cache_dir=str(tmp_path), tiny_dir=str(counting_dir),
+                    batch_size=1, backend="hf", limit=n, model_path=None, workdir=str(tmp_path),
+                    generative=["tiny_gen"], allow_cpu=True)
+    assert res["not_run"] == {}
+    row = next(t for t in res["tasks"] if t["task"] == "tiny_gen")
+    assert row["n"] == n and row["score"] == "exact_match:first-word" and row["headline"] is None
+    spec = build_generative({"task": "tiny_gen"}, tmp_path, str(counting_dir)).spec
+    assert spec["output_type"] == "generate_until" and spec["generation_kwargs"]["max_gen_toks"] == TINY_GEN_TOKS
+    items = [json.loads(line) for line in Path(spec["dataset_kwargs"]["data_files"]["test"]).read_text().splitlines()]
+    for it in items:
+        i, a, b = it["source"]
+        assert docs[i]["text"][a:b] == it["answer"] and docs[i]["text"].startswith(it["context"] + " " + it["answer"])
+    hits = sum(greedy_first_word(model, tok, it["context"], TINY_GEN_TOKS) == it["answer"] for it in items[:n])
+    assert 0 < hits < n, "some items right and some wrong, or the comparison could not fail"
+    assert row["other"]["exact_match:first-word"] == pytest.approx(hits / n)
+    assert res["average"] == pytest.approx(res["tasks"][0]["acc"]), "a generative score stays out of the average"
+
+
+def test_two_runs_of_one_checkpoint_give_two_rows_with_their_n(model, tok, tiny_dir, tmp_path):
+    from workers.stages import eval_metrics
+
+    runs = [{"limit": 3}, {"limit": 5, "seed": 1}]
+    res = run_suite(model, tok, "tiny", model_key="m2", cache_dir=str(tmp_path), tiny_dir=str(tiny_dir), batch_size=4,
+                    backend="hf", limit=None, model_path=None, workdir=str(tmp_path), runs=runs)
+    assert [r["settings"] for r in res["runs"]] == runs and [r["reused"] for r in res["runs"]] == [[], []]
+    acc = [m for m in eval_metrics(res, repeated=True) if m["name"] == "acc" and m["task"] == "tiny_mc"]
+    assert [(m["step"], m["total"], m["extra"]["run"]) for m in acc] == [(0, 3, runs[0]), (1, 5, runs[1])]
+    metrics = eval_metrics(res, repeated=True)
+    assert all(m["total"] in (3, 5) for m in metrics), "every score carries its n"
+    assert len({(m["name"], m["task"], m["step"]) for m in metrics}) == len(metrics), "unique per the DB key"
+    # a third run added later: the stored two are read back, not recomputed (no model is needed for them)
+    more = run_suite(None, tok, "tiny", model_key="m2", cache_dir=str(tmp_path), tiny_dir=str(tiny_dir), batch_size=4,
+                     backend="hf", limit=None, model_path=None, workdir=str(tmp_path), runs=runs)
+    assert [r["reused"] for r in more["runs"]] == [["tiny_mc", "tiny_ppl"]] * 2
+    assert more["runs"][1]["tasks"] == res["runs"][1]["tasks"]
+    added = run_suite(model, tok, "tiny", model_key="m2", cache_dir=str(tmp_path), tiny_dir=str(tiny_dir),
+                      batch_size=4, backend="hf", limit=None, model_path=None, workdir=str(tmp_path),
+                      runs=[*runs, {"limit": 4}])
+    assert [r["reused"] for r in added["runs"]] == [["tiny_mc", "tiny_ppl"]] * 2 + [[]]
+    assert [t["n"] for t in added["runs"][2]["tasks"]] == [4, 4]
+
+
+def test_launch_prints_one_line_per_task_not_run(capsys):
+    from types import SimpleNamespace
+
+    from orchestrator.stage import JobSpec
+    from orchestrator.stages.evaluate import after
+
+    jobs = {ck: JobSpec("evaluate", {"model": ck}, code={"x": "y"}) for ck in ("a", "b", "c")}
+    why = "needs a GPU (none here); evaluate.allow_cpu: true runs it on the CPU (small models)"
+    outputs = {jobs["a"].key: {"avg": 0.3, "not_run": {"gsm8k": why}}, jobs["b"].key: {"not_run": {"gsm8k": why}},
+               jobs["c"].key: {"avg": 0.2}}
+    after(SimpleNamespace(jobs={"evaluate": jobs}, outputs={"evaluate": outputs}))
+    assert capsys.readouterr().err.splitlines() == [f"evaluate: gsm8k not run (2 models): {why}"]

@@ -415,11 +415,9 @@ def stage_evaluate(payload: dict, cache: dict, progress) -> dict:
     if kind == "distilled":
         path = payload["inputs"]["distill"]["path"]
         model, tok = load_model(path)
-        model_key = payload["key"]
     elif kind == "teacher":
         model, tok = resident_teacher(payload, cache)
         path = teacher_path(payload)
-        model_key = f"teacher-{payload['key']}"
     else:  # a student built from its recipe (a smaller MoE, with its routers retrained by Router KD or not)
         model, tok = recovered_student(payload, cache, p["student"])
         path = str(Path(payload["workdir"]) / "student")
@@ -427,7 +425,6 @@ def stage_evaluate(payload: dict, cache: dict, progress) -> dict:
             model.save_pretrained(path)
             tok.save_pretrained(path)
             saved.append(artifact("student", Path(path)))
-        model_key = payload["key"]
     metrics = []
     if ev.get("ppl", True):
         with torch.no_grad():
@@ -437,21 +434,68 @@ def stage_evaluate(payload: dict, cache: dict, progress) -> dict:
         model = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    res = run_suite(model, tok, ev["suite"], model_key=model_key, cache_dir=str(Path(payload["home"]) / "lm_eval_cache"),
-                    tiny_dir=tiny_dir(payload), batch_size=ev["batch_size"], backend=ev["backend"],
-                    limit=ev.get("limit"), model_path=path, workdir=payload["workdir"])
-    for t in res["tasks"]:
-        for metric in ("acc", "acc_norm"):
-            if t.get(metric) is None:
-                continue
-            metrics.append(_metric(metric, t[metric], stage="post", task=t["task"], stderr=t.get(f"{metric}_stderr"),
-                                   total=t.get("n"), num_fewshot=t.get("num_fewshot"),
-                                   headline=int(metric == t["headline"]),
-                                   extra={"backend": res.get("backend"), "lm_eval": res.get("lm_eval_version"),
-                                          "task_hash": t.get("task_hash")}))
-        for name, value in sorted(t.get("other", {}).items()):
-            metrics.append(_metric(name, value, stage="post", task=t["task"]))
+    res = run_suite(model, tok, ev["suite"], model_key=evaluated_model_key(payload),
+                    cache_dir=str(Path(payload["home"]) / "lm_eval_cache"), tiny_dir=tiny_dir(payload),
+                    batch_size=ev["batch_size"], backend=ev["backend"], limit=ev.get("limit"), model_path=path,
+                    workdir=payload["workdir"], generative=ev.get("generative") or [],
+                    allow_cpu=ev.get("allow_cpu", False), allow_code_eval=ev.get("allow_code_eval", False),
+                    runs=ev.get("runs"))
+    metrics += eval_metrics(res, repeated=ev.get("runs") is not None)
     out = Path(payload["workdir"]) / "lm_eval_results.json"
     out.write_text(json.dumps(res["results_json"], indent=1, default=str, sort_keys=True))
-    return {"outputs": {"avg": res.get("average"), **({"student": saved[0]["path"]} if saved else {})},
-            "metrics": metrics, "artifacts": [artifact("lm_eval_results", out), *saved]}
+    outputs = {"avg": res.get("average"), **({"student": saved[0]["path"]} if saved else {})}
+    if res["not_run"]:
+        outputs["not_run"] = res["not_run"]
+    if ev.get("runs") is not None:
+        outputs["runs"] = [{"step": i, **r["settings"], "avg": r["average"], "reused": r["reused"]}
+                           for i, r in enumerate(res["runs"])]
+    return {"outputs": outputs, "metrics": metrics, "artifacts": [artifact("lm_eval_results", out), *saved]}
+
+
+def evaluated_model_key(payload: dict) -> str:
+    """A content key of the evaluated model alone (its recipe and the upstream outputs it is built from),
+    not of the evaluation: a run added to the evaluate section finds the runs stored for the same model."""
+    import hashlib
+
+    p = payload["params"]
+    blob = json.dumps({"student": p["student"], "teacher": p["teacher"], "inputs": payload["inputs"]},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def eval_metrics(res: dict[str, Any], repeated: bool) -> list[dict[str, Any]]:
+    """Metric rows of run_suite's result: each run's scores with their n (`total`), in `step` = the run's
+    index when the section lists runs (-1 otherwise), and one row per task not run (value NULL,
+    value_kind 'skipped', its reason in extra)."""
+    from workers.suites import GENERATIVE
+
+    rows = []
+    for i, run in enumerate(res["runs"]):
+        step = i if repeated else -1
+        common = {"backend": res.get("backend"), "lm_eval": res.get("lm_eval_version"),
+                  **({"run": run["settings"]} if repeated else {})}
+        for t in run["tasks"]:
+            extra = common | {"task_hash": t.get("task_hash")}
+            for metric in ("acc", "acc_norm"):
+                if t.get(metric) is None:
+                    continue
+                rows.append(_metric(metric, t[metric], stage="post", task=t["task"], step=step,
+                                    stderr=t.get(f"{metric}_stderr"), total=t.get("n"),
+                                    num_fewshot=t.get("num_fewshot"), headline=int(metric == t["headline"]),
+                                    extra=extra))
+            for name, value in sorted(t.get("other", {}).items()):
+                if name.endswith("_stderr") or name.partition(":")[0].endswith("_stderr"):
+                    continue
+                stderr = t["other"].get(_stderr_name(name))
+                rows.append(_metric(name, value, stage="post", task=t["task"], step=step, total=t.get("n"),
+                                    num_fewshot=t.get("num_fewshot"), stderr=stderr,
+                                    extra=extra | ({"score": True} if name == t.get("score") else {})))
+        for task, reason in sorted(run["not_run"].items()):
+            rows.append(_metric(GENERATIVE[task].score, None, stage="post", task=task, step=step,
+                                value_kind="skipped", extra=common | {"not_run": reason}))
+    return rows
+
+
+def _stderr_name(name: str) -> str:
+    metric, sep, filt = name.partition(":")
+    return f"{metric}_stderr{sep}{filt}"

@@ -10,6 +10,11 @@
   al. 2024), which uses the Open LLM Leaderboard convention, so the headline is acc for Winogrande and
   MMLU and acc_norm for HellaSwag and both ARC sets (the paper's teacher HellaSwag 82.0 is an acc_norm
   value). Both metrics are stored either way.
+* generative tasks (``GENERATIVE``), listed apart from the suite (``evaluate.generative``): GSM8K,
+  GSM8K-Platinum, MATH, HumanEval, MBPP through lm-eval's ``generate_until`` configs, and ``tiny_gen``
+  (the next word of a held-out document, exact match on the first generated word) built from the tiny
+  corpus. Each declares what it needs (a GPU, its data, running model-written code); a worker checks
+  that before running it (workers/evaluate.py) and records an unmet need instead of a number.
 * a custom list: entries {task, num_fewshot, data_dir | data_files, split, headline, limit}. ``task`` is an
   lm-eval built-in task or group name; with data_dir/data_files its own config is used with the data
   read from local JSON/JSONL files that have the HF dataset's field names (an offline copy).
@@ -29,7 +34,7 @@ import os
 import random
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +49,50 @@ PAPER = (("winogrande", 5, "acc"), ("hellaswag", 10, "acc_norm"), ("arc_easy", 2
 DEFAULT_HEADLINE = {name: h for name, _, h in PAPER}
 # where lm-eval keeps the paper's tasks (saves indexing every built-in task, ~10 s)
 BUILTIN_DIRS = {"winogrande": "winogrande", "hellaswag": "hellaswag", "arc_easy": "arc",
-                "arc_challenge": "arc", "mmlu": "mmlu/default"}
+                "arc_challenge": "arc", "mmlu": "mmlu/default", "gsm8k": "gsm8k", "gsm8k_platinum": "gsm8k_platinum",
+                "hendrycks_math": "hendrycks_math", "humaneval": "humaneval", "mbpp": "mbpp"}
 TINY_VERSION = 1  # bump when the tiny task construction changes
 CONT_WORDS = 4  # words per tiny_mc choice
 N_CHOICES = 4
+GEN_FIELDS = ("task", "num_fewshot", "limit", "data_dir", "data_files", "split")
+TINY_GEN_TOKS = 8  # tiny_gen: enough tokens for one word of the tiny tokenizer, few enough for a CPU
+
+
+@dataclass(frozen=True)
+class GenerativeTask:
+    """A generative task a sweep may list by name: what lm-eval runs, which score is kept, what it needs.
+
+    `requires`: gpu (generation is too slow on CPU for real models; `evaluate.allow_cpu` overrides it for
+    small ones), data (the Hugging Face datasets it reads: reachable over the network, in the local cache,
+    or given as data_dir/data_files), modules (Hugging Face `evaluate` modules its metric loads)."""
+
+    name: str  # the name a sweep lists and the `task` its rows are stored under
+    lm_eval: str | None  # lm-eval task or group name; None for tiny_gen (an inline config)
+    metric: str  # lm-eval metric name of the score
+    filter: str  # lm-eval filter of the score ("none" when the task has none)
+    num_fewshot: int  # lm-eval's own default for the task
+    executes_code: bool  # scored by running model-written code (HF_ALLOW_CODE_EVAL + confirm flag)
+    requires: dict[str, Any]
+
+    @property
+    def score(self) -> str:
+        """The stored metric name: lm-eval's metric, with its filter unless that is "none"."""
+        return self.metric if self.filter == "none" else f"{self.metric}:{self.filter}"
+
+
+GENERATIVE = {g.name: g for g in (
+    GenerativeTask("gsm8k", "gsm8k", "exact_match", "strict-match", 5, False,
+                   {"gpu": True, "data": ("openai/gsm8k",)}),
+    GenerativeTask("gsm8k_platinum", "gsm8k_platinum", "exact_match", "strict-match", 5, False,
+                   {"gpu": True, "data": ("madrylab/gsm8k-platinum",)}),
+    GenerativeTask("math", "hendrycks_math", "exact_match", "none", 0, False,
+                   {"gpu": True, "data": ("EleutherAI/hendrycks_math",)}),
+    GenerativeTask("humaneval", "humaneval", "pass_at_k", "create_test", 0, True,
+                   {"gpu": True, "data": ("openai/openai_humaneval",), "modules": ("evaluate-metric/code_eval",)}),
+    GenerativeTask("mbpp", "mbpp", "pass_at_1", "none", 3, True,
+                   {"gpu": True, "data": ("google-research-datasets/mbpp",), "modules": ("evaluate-metric/code_eval",)}),
+    GenerativeTask("tiny_gen", None, "exact_match", "first-word", 0, False, {"gpu": True, "data": ()}),
+)}
 
 
 @dataclass
@@ -56,11 +101,17 @@ class SuiteTask:
 
     name: str  # lm-eval task or group name (its key in the results)
     num_fewshot: int
-    headline: str | None  # "acc" | "acc_norm"; None for perplexity tasks (not in the average)
+    headline: str | None  # "acc" | "acc_norm"; None for perplexity and generative tasks (not in the average)
     spec: str | dict[str, Any]  # a task/group name found under include_path, or an inline config dict
     include_path: str | None  # folder of generated YAML files to index
     limit: int | float | None  # per-task limit (None: the run's limit)
     config_sha: str  # sha256 of the task definition (generated YAML files or dict, data file hashes)
+    generative: GenerativeTask | None = None  # set for a declared generative task
+
+    @property
+    def label(self) -> str:
+        """The task name rows are stored under (a generative task's declared name, e.g. math)."""
+        return self.generative.name if self.generative else self.name
 
 
 # ---- validation ---------------------------------------------------------------------------------
@@ -85,44 +136,106 @@ def validate_suite(suite: str | list[dict[str, Any]]) -> None:
         if name in seen:
             raise ValueError(f"suite entry {i}: task {name!r} appears twice")
         seen.add(name)
-        nf = e.get("num_fewshot", 0)
-        if not isinstance(nf, int) or isinstance(nf, bool) or nf < 0:
-            raise ValueError(f"suite entry {name!r}: num_fewshot must be an integer >= 0, got {nf!r}")
         if e.get("headline", "acc") not in HEADLINES:
             raise ValueError(f"suite entry {name!r}: headline must be one of {', '.join(HEADLINES)}, got {e['headline']!r}")
-        lim = e.get("limit")
-        if lim is not None and (isinstance(lim, bool) or not isinstance(lim, int | float) or lim <= 0):
-            raise ValueError(f"suite entry {name!r}: limit must be a positive number or null, got {lim!r}")
-        if "data_dir" in e and "data_files" in e:
-            raise ValueError(f"suite entry {name!r}: give data_dir or data_files, not both")
-        df = e.get("data_files")
-        if df is not None and not (isinstance(df, str) or isinstance(df, dict) and df and all(
-                isinstance(v, str) or isinstance(v, list) and all(isinstance(x, str) for x in v) for v in df.values())):
-            raise ValueError(f"suite entry {name!r}: data_files must be a path or a mapping split -> path(s)")
-        if "split" in e and not isinstance(e["split"], str):
-            raise ValueError(f"suite entry {name!r}: split must be a split name such as test or validation")
+        _check_fields(e, f"suite entry {name!r}")
+        if name in GENERATIVE:
+            raise ValueError(f"suite entry {name!r} is a generative task: list it under evaluate.generative")
 
 
-def build_suite(suite: str | list[dict[str, Any]], cache_dir: str | Path, tiny_dir: str | None = None) -> list[SuiteTask]:
-    """The suite's tasks, with every file they need written under cache_dir."""
+def _check_fields(e: dict[str, Any], what: str) -> None:
+    """The fields suite and generative entries share: num_fewshot, limit, data_dir | data_files, split."""
+    nf = e.get("num_fewshot", 0)
+    if not isinstance(nf, int) or isinstance(nf, bool) or nf < 0:
+        raise ValueError(f"{what}: num_fewshot must be an integer >= 0, got {nf!r}")
+    lim = e.get("limit")
+    if lim is not None and (isinstance(lim, bool) or not isinstance(lim, int | float) or lim <= 0):
+        raise ValueError(f"{what}: limit must be a positive number or null, got {lim!r}")
+    if "data_dir" in e and "data_files" in e:
+        raise ValueError(f"{what}: give data_dir or data_files, not both")
+    df = e.get("data_files")
+    if df is not None and not (isinstance(df, str) or isinstance(df, dict) and df and all(
+            isinstance(v, str) or isinstance(v, list) and all(isinstance(x, str) for x in v) for v in df.values())):
+        raise ValueError(f"{what}: data_files must be a path or a mapping split -> path(s)")
+    if "split" in e and not isinstance(e["split"], str):
+        raise ValueError(f"{what}: split must be a split name such as test or validation")
+
+
+def validate_generative(entries: list[str | dict[str, Any]]) -> list[dict[str, Any]]:
+    """Generative task entries (a declared name, or {task, num_fewshot, limit, data_dir | data_files, split})
+    as mappings; one-line ValueError naming an unknown task and the declared ones."""
+    if not isinstance(entries, list):
+        raise ValueError("generative must be a list of task names or entries")
+    out, seen = [], set()
+    for i, e in enumerate(entries):
+        e = {"task": e} if isinstance(e, str) else e
+        if not isinstance(e, dict):
+            raise ValueError(f"generative entry {i} must be a task name or a mapping with fields {', '.join(GEN_FIELDS)}")
+        bad = sorted(set(e) - set(GEN_FIELDS))
+        if bad:
+            raise ValueError(f"generative entry {i}: unknown field(s) {', '.join(bad)}; allowed {', '.join(GEN_FIELDS)}")
+        name = e.get("task")
+        if name not in GENERATIVE:
+            raise ValueError(f"unknown generative task {name!r}; allowed: {', '.join(GENERATIVE)}")
+        if name in seen:
+            raise ValueError(f"generative task {name!r} appears twice")
+        seen.add(name)
+        if name == "tiny_gen" and ("data_dir" in e or "data_files" in e or "split" in e):
+            raise ValueError("generative task 'tiny_gen' is built from the tiny corpus; it takes no data_dir, "
+                             "data_files or split")
+        _check_fields(e, f"generative task {name!r}")
+        out.append(e)
+    return out
+
+
+def build_suite(suite: str | list[dict[str, Any]], cache_dir: str | Path, tiny_dir: str | None = None,
+                num_fewshot: int | None = None) -> list[SuiteTask]:
+    """The suite's tasks, with every file they need written under cache_dir. `num_fewshot` (a run's
+    setting) replaces every task's few-shot count except the perplexity task's (lm-eval has none there)."""
     validate_suite(suite)
     cache = Path(cache_dir).resolve()
     if suite == "tiny":
-        if not tiny_dir:
-            raise ValueError("suite 'tiny' needs tiny_dir (the tiny teacher's directory with corpus/test.jsonl)")
-        return tiny_tasks(Path(tiny_dir), cache / "tiny_tasks")
+        return tiny_tasks(_tiny_dir(tiny_dir, "suite 'tiny'"), cache / "tiny_tasks", num_fewshot=num_fewshot)
     entries = [{"task": n, "num_fewshot": k, "headline": h} for n, k, h in PAPER] if suite == "paper" else suite
+    if num_fewshot is not None:
+        entries = [e | {"num_fewshot": num_fewshot} for e in entries]
     return [builtin_task(e, cache / "lm_eval_tasks") for e in entries]
 
 
+def build_generative(entry: dict[str, Any], cache_dir: str | Path, tiny_dir: str | None = None,
+                     num_fewshot: int | None = None) -> SuiteTask:
+    """One declared generative task (an entry of validate_generative) as a SuiteTask, its files written."""
+    g = GENERATIVE[entry["task"]]
+    cache = Path(cache_dir).resolve()
+    nf = num_fewshot if num_fewshot is not None else entry.get("num_fewshot", g.num_fewshot)
+    if g.lm_eval is None:
+        t = tiny_gen_task(_tiny_dir(tiny_dir, "generative task 'tiny_gen'"), cache / "tiny_tasks", num_fewshot=nf)
+        return replace(t, limit=entry.get("limit"), generative=g)
+    t = builtin_task({k: v for k, v in entry.items()} | {"task": g.lm_eval, "num_fewshot": nf},
+                     cache / "lm_eval_tasks")
+    return replace(t, headline=None, generative=g)
+
+
+def _tiny_dir(tiny_dir: str | None, what: str) -> Path:
+    if not tiny_dir:
+        raise ValueError(f"{what} needs tiny_dir (the tiny teacher's directory with corpus/test.jsonl)")
+    return Path(tiny_dir)
+
+
 # ---- the tiny suite -----------------------------------------------------------------------------
-def tiny_tasks(tiny_dir: Path, out: Path, n_mc: int = 200, n_ppl: int = 64, seed: int = 1234) -> list[SuiteTask]:
-    """tiny_mc and tiny_ppl from tiny_dir/corpus/test.jsonl, as inline lm-eval configs with absolute paths."""
+def _tiny_docs(tiny_dir: Path) -> tuple[bytes, list[dict[str, Any]]]:
     src = Path(tiny_dir) / "corpus" / "test.jsonl"
     if not src.is_file():
         raise ValueError(f"tiny_dir {tiny_dir} has no corpus/test.jsonl (written by the tiny teacher stage)")
     raw = src.read_bytes()
-    docs = [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
+    return raw, [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
+
+
+def tiny_tasks(tiny_dir: Path, out: Path, n_mc: int = 200, n_ppl: int = 64, seed: int = 1234,
+               num_fewshot: int | None = None) -> list[SuiteTask]:
+    """tiny_mc and tiny_ppl from tiny_dir/corpus/test.jsonl, as inline lm-eval configs with absolute paths.
+    tiny_mc has only a test split: with num_fewshot > 0 lm-eval draws the shots from the other test rows."""
+    raw, docs = _tiny_docs(tiny_dir)
     key = _sha(json.dumps([hashlib.sha256(raw).hexdigest(), n_mc, n_ppl, seed, CONT_WORDS, TINY_VERSION]))[:16]
     folder = Path(out) / key
     mc_path, ppl_path = folder / "mc.jsonl", folder / "ppl.jsonl"
@@ -134,7 +247,7 @@ def tiny_tasks(tiny_dir: Path, out: Path, n_mc: int = 200, n_ppl: int = 64, seed
         _write_jsonl(ppl_path, [{"text": docs[i]["text"], "domain": docs[i].get("domain", "")} for i in keep])
     mc = {
         "task": "tiny_mc", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(mc_path)}},
-        "test_split": "test", "output_type": "multiple_choice", "num_fewshot": 0,
+        "test_split": "test", "output_type": "multiple_choice", "num_fewshot": num_fewshot or 0,
         "doc_to_text": "context", "doc_to_choice": "choices", "doc_to_target": "label", "target_delimiter": "",
         "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True},
                         {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}],
@@ -149,9 +262,57 @@ def tiny_tasks(tiny_dir: Path, out: Path, n_mc: int = 200, n_ppl: int = 64, seed
                          ("bits_per_byte", "bits_per_byte"))],
         "metadata": {"version": TINY_VERSION},
     }
-    return [SuiteTask(cfg["task"], 0, headline, cfg, None, None,
+    return [SuiteTask(cfg["task"], cfg["num_fewshot"], headline, cfg, None, None,
                       _sha(json.dumps(cfg, sort_keys=True) + _file_sha(Path(path))))
             for cfg, headline, path in ((mc, "acc", mc_path), (ppl, None, ppl_path))]
+
+
+def tiny_gen_task(tiny_dir: Path, out: Path, n: int = 100, seed: int = 4321, num_fewshot: int = 0) -> SuiteTask:
+    """tiny_gen: a held-out document cut after a word; the model continues it greedily (TINY_GEN_TOKS tokens)
+    and scores when its first generated word is the document's next word (exact match, lm-eval's
+    generate_until with a regex filter)."""
+    raw, docs = _tiny_docs(tiny_dir)
+    key = _sha(json.dumps([hashlib.sha256(raw).hexdigest(), "gen", n, seed, TINY_VERSION]))[:16]
+    path = Path(out) / key / "gen.jsonl"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_jsonl(path, gen_items(docs, n, seed))
+    cfg = {
+        "task": "tiny_gen", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(path)}},
+        "test_split": "test", "output_type": "generate_until", "num_fewshot": num_fewshot,
+        "doc_to_text": "context", "doc_to_target": "answer", "target_delimiter": "",
+        "generation_kwargs": {"until": ["\n\n"], "max_gen_toks": TINY_GEN_TOKS, "do_sample": False},
+        "filter_list": [{"name": "first-word", "filter": [{"function": "regex", "regex_pattern": FIRST_WORD},
+                                                          {"function": "take_first"}]}],
+        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
+        "metadata": {"version": TINY_VERSION},
+    }
+    return SuiteTask("tiny_gen", num_fewshot, None, cfg, None, None,
+                     _sha(json.dumps(cfg, sort_keys=True) + _file_sha(path)))
+
+
+FIRST_WORD = r"^\s*(\S+)"  # tiny_gen's answer: the first word the model writes
+
+
+def gen_items(docs: list[dict[str, Any]], n: int, seed: int, min_ctx: int = 8, max_ctx: int = 40) -> list[dict[str, Any]]:
+    """Rows {context, answer, source}: context = a document up to the end of a word, answer = its next word."""
+    rng = random.Random(seed)
+    order = list(range(len(docs)))
+    rng.shuffle(order)
+    rows = []
+    for i in order:
+        spans = [m.span() for m in re.finditer(r"\S+", docs[i]["text"])]
+        if len(spans) <= min_ctx:
+            continue
+        cut = rng.randint(min_ctx, min(max_ctx, len(spans) - 1))
+        a, b = spans[cut]
+        rows.append({"context": docs[i]["text"][:spans[cut - 1][1]], "answer": docs[i]["text"][a:b],
+                     "source": [i, a, b], "domain": docs[i].get("domain", "")})
+        if len(rows) == n:
+            break
+    if not rows:
+        raise ValueError(f"the test corpus has no document of more than {min_ctx} words for tiny_gen")
+    return rows
 
 
 def mc_items(docs: list[dict[str, Any]], n: int, seed: int, cont_words: int = CONT_WORDS,

@@ -3,12 +3,13 @@ the teacher."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Literal
 
 from pydantic import field_validator
 
 from orchestrator.schema import PosInt, Strict
-from orchestrator.stage import JobSpec, Stage, SweepContext
+from orchestrator.stage import JobSpec, Stage, SweepContext, unique
 from orchestrator.stages.teacher import teacher_ref
 
 
@@ -19,6 +20,14 @@ class Evaluate(Strict):
     limit: PosInt | None = None  # samples per task (for quick looks); None = all
     ppl: bool = True  # also the post-distill perplexity
     save: bool = False  # also write each student built from its plan (a smaller MoE…) as a checkpoint
+    # declared generative tasks (workers/suites.py GENERATIVE): names or {task, num_fewshot, limit, data_dir |
+    # data_files, split}; one whose needs are unmet here is stored as not run, with its reason
+    generative: list[str | dict[str, Any]] = []
+    allow_cpu: bool = False  # run generative tasks that declare requires.gpu on the CPU (small models)
+    allow_code_eval: bool = False  # let HumanEval/MBPP run model-written code (HF_ALLOW_CODE_EVAL=1)
+    # repeated evaluations of each model, e.g. [{seed: 0}, {seed: 1}]: fields seed, num_fewshot, limit;
+    # run i is stored in the metrics' `step` = i (without runs: one run, step -1)
+    runs: list[dict[str, Any]] | None = None
 
     @field_validator("suite")
     @classmethod
@@ -26,6 +35,22 @@ class Evaluate(Strict):
         from workers.suites import validate_suite
 
         validate_suite(v)
+        return v
+
+    @field_validator("generative")
+    @classmethod
+    def _generative(cls, v: list[str | dict[str, Any]]) -> list[str | dict[str, Any]]:
+        from workers.suites import validate_generative
+
+        validate_generative(v)
+        return v
+
+    @field_validator("runs")
+    @classmethod
+    def _runs(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        from workers.evaluate import validate_runs
+
+        validate_runs(v)
         return v
 
 
@@ -76,11 +101,29 @@ def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, An
     moe = sum(1 for c in ctx.configs if c.get("recovery") in ("none", "router_kd"))  # full_kd: in distill's
     n = dist["named"] + teacher + moe
     suite = ev.suite if isinstance(ev.suite, str) else "custom"
-    return [{"stage": "evaluate", "named": n, "distinct": n,
-             "note": f"suite {suite}" + (" + teacher" if teacher else "") + (f" + {moe} smaller MoEs" if moe else "")}]
+    gen = [e if isinstance(e, str) else e["task"] for e in ev.generative]
+    note = (f"suite {suite}" + (f" + {', '.join(gen)}" if gen else "") + (f", {len(ev.runs)} runs each" if ev.runs else "")
+            + (" + teacher" if teacher else "") + (f" + {moe} smaller MoEs" if moe else ""))
+    return [{"stage": "evaluate", "named": n, "distinct": n, "note": note}]
+
+
+def not_run_lines(ctx: SweepContext) -> list[str]:
+    """One line per generative task that some evaluation did not run, with its reason and how many models."""
+    seen: dict[tuple[str, str], int] = {}
+    for job in unique(ctx.jobs.get("evaluate", {}).values()):
+        for task, reason in (ctx.outputs.get("evaluate", {}).get(job.key) or {}).get("not_run", {}).items():
+            seen[(task, reason)] = seen.get((task, reason), 0) + 1
+    return [f"evaluate: {task} not run ({n} model{'s' if n > 1 else ''}): {reason}"
+            for (task, reason), n in sorted(seen.items())]
+
+
+def after(ctx: SweepContext) -> None:
+    """Say on the console which declared generative tasks were not run, and why (their rows hold no number)."""
+    for line in not_run_lines(ctx):
+        print(line, file=sys.stderr)
 
 
 STAGE = Stage(
     name="evaluate", run="workers.stages:stage_evaluate", jobs=jobs, section="evaluate", params=Evaluate,
     upstream=("distill", "router_kd"), records=frozenset({"outputs", "metrics", "artifacts"}), estimate=estimate,
-    summary="lm-eval suite and post-distillation perplexity")
+    summary="lm-eval suite, generative tasks and post-distillation perplexity", after=after)
