@@ -31,6 +31,7 @@ from workers.editing import (
     whitening,
 )
 from workers.families import get_adapter
+from workers.registry import registry_names
 from workers.types import ExpertWeights, LayerContext, LayerStats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,7 +100,7 @@ def test_k_out_of_range_and_unknown_method():
             edit_layer(0, ctx, "TD-MoE", K)
     with pytest.raises(ValueError, match="unknown editing"):
         edit_layer(0, ctx, "SVD", 4)
-    assert list(EDITINGS) == ["MoBE", "TD-MoE"]
+    assert list(EDITINGS) == registry_names("workers.editing", "EDITINGS") == ["MoBE", "TD-MoE"]
 
 
 # ---- MoBE ------------------------------------------------------------------------------------------------
