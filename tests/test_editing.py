@@ -298,3 +298,30 @@ def test_edited_checkpoint_reloads_in_a_fresh_interpreter(tmp_path):
                    capture_output=True, timeout=300)
     for family, expected in want.items():
         torch.testing.assert_close(torch.load(tmp_path / f"{family}.pt"), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_edited_checkpoint_runs_under_every_experts_implementation_and_trains_its_routers(family, tmp_path):
+    """The default (grouped_mm), eager and batched_mm give the same logits (float32); with only the routers
+    trainable (Router KD), gradients reach the router rows and nothing else."""
+    from transformers import AutoModelForCausalLM
+
+    _, student, _, _ = edited(family, "TD-MoE")
+    student.save_pretrained(tmp_path)
+    x = ids(2, 8, seed=2)
+    out = {}
+    for impl in (None, "eager", "batched_mm"):
+        kw = {} if impl is None else {"experts_implementation": impl}
+        m = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, **kw)
+        out[impl] = logits(m, x)
+    for impl in (None, "batched_mm"):
+        torch.testing.assert_close(out[impl], out["eager"], rtol=1e-5, atol=1e-5)
+    model = copy.deepcopy(student).train()
+    routers = get_adapter(model).router_parameters(model)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in routers:
+        p.requires_grad_(True)
+    model(input_ids=x, use_cache=False).logits.square().mean().backward()
+    assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in routers)
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)

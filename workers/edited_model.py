@@ -25,6 +25,7 @@ checkpoint (offline; `workers.runtime.load_model` imports this module first).
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -172,8 +173,14 @@ def _family_classes(family: str) -> tuple[type, type]:
             _swap_experts(self)
             _base.post_init(self)
 
+        # transformers decides whether a class may switch experts implementations (eager, batched_mm,
+        # grouped_mm) by looking for the experts decorator in the class's module source: the factored
+        # experts subclass the family's decorated class, so they may.
         lm_cls = type(f"{stem}EditedForCausalLM", (base_lm,),
-                      {"config_class": cfg_cls, "post_init": post_init, "__module__": __name__})
+                      {"config_class": cfg_cls, "post_init": post_init, "__module__": __name__,
+                       "_can_set_experts_implementation_cached_value": True})
+        # made now, not when first needed, so that a pickled edited model unpickles in a fresh process
+        _experts_class(getattr(sys.modules[base_lm.__module__], f"{stem}Experts"), FAMILIES[family][2])
         globals()[cfg_cls.__name__], globals()[lm_cls.__name__] = cfg_cls, lm_cls
         _CLASSES[family] = (cfg_cls, lm_cls)
     return _CLASSES[family]
