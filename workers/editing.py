@@ -10,7 +10,7 @@ normalises them with a softmax; `coef="linear"` uses α directly) and act ∈ {s
 none}. Down projections are left as they are (MoBE factors only gate and up). Fitted as the public code
 does: targets divided by their global std, experts split into m contiguous groups, B_g initialised from
 the SVD of the group's stacked experts, α_e one-hot on the expert's group, full-batch Adam (lr 0.07 in the
-paper's flags) on the MSE, the best iterate kept. Added here (setting `refit`, default on): the bases are
+paper's flags) on the MSE, the best iterate kept (`steps` defaults to 300 here; the public code runs 30000). Added here (setting `refit`, default on): the bases are
 initialised by least squares so the initial mixtures equal the group SVD bases, and A is refitted by
 least squares given the bases before and after Adam (A enters linearly, so this can only lower the error).
 
