@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -75,14 +77,19 @@ def test_axes_that_do_not_apply_to_an_output_are_errors(tmp_path, grid, expect):
 
 @pytest.mark.slow
 def test_a_real_sweep_writes_smaller_moes_that_reload_with_fewer_experts(tmp_path, monkeypatch):
-    """The tiny teacher pruned to K experts per layer (REAP and SF), as converted and after Router KD:
-    each evaluated, its checkpoint reloaded from disk with K experts, Router KD changing only routers."""
+    """The tiny teacher pruned (REAP, SF; EAN keeping super experts), merged (HC-SMoE, M-SMoE) and edited
+    (MoBE, TD-MoE) to the size of K experts per layer, as converted, after Router KD and (one) after full
+    KD: each evaluated and its checkpoint reloaded from disk — pruned and merged with K experts of the
+    teacher's class, edited with every expert factorised — Router KD changing only routers."""
     import json
+    import math
 
     import torch
     from rich.console import Console
+    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
+    import workers.edited_model  # noqa: F401  (edited checkpoints load through the Auto classes)
     from orchestrator.execute import SerialExecutor
     from orchestrator.launch import launch
 
@@ -91,34 +98,55 @@ def test_a_real_sweep_writes_smaller_moes_that_reload_with_fewer_experts(tmp_pat
     store = Store(f"sqlite:///{tmp_path}/r.db")
     assert launch(spec, text, store, SerialExecutor(), console=Console(quiet=True), show_progress=False,
                   path=str(path)) == 0
-    rows = store.query("SELECT config_id, config_key, K, recovery, params, ppl_pre, ppl_post, avg_acc FROM results "
-                       "WHERE output = 'moe' ORDER BY config_id")[1]
-    assert len(rows) == 8 and all(r[5] is not None and r[6] is not None and r[7] is not None for r in rows)
+    rows = store.query("SELECT config_id, config_key, K, recovery, params, ppl_pre, ppl_post, avg_acc, output "
+                       "FROM results WHERE output IN ('moe', 'merged', 'edited') ORDER BY config_id")[1]
+    assert [r[8] for r in rows].count("moe") == 9 and [r[8] for r in rows].count("merged") == 5
+    assert [r[8] for r in rows].count("edited") == 4
+    assert all(r[5] is not None and r[6] is not None and r[7] is not None for r in rows)
     teacher_params = store.query("SELECT params FROM results WHERE kind = 'teacher'")[1][0][0]
     assert all(r[4] < teacher_params for r in rows)
-    assert {r[2]: r[4] for r in rows}[2] < {r[2]: r[4] for r in rows}[4]  # measured, not computed from flags
+    params = {r[1]: r[4] for r in rows}
+    assert params["moe|REAP|K=2|recovery=none"] < params["moe|REAP|K=4|recovery=none"]  # measured, not from flags
+    for method in ("MoBE", "TD-MoE"):  # an edit stays within the budget of pruning to the same K
+        assert params[f"edited|{method}|K=4|recovery=none"] <= params["moe|REAP|K=4|recovery=none"]
     # Router KD ran for the router_kd configurations and recorded its loss curve
     n_kd = store.query("SELECT COUNT(DISTINCT j.id) FROM jobs j WHERE j.stage = 'router_kd' AND j.status = "
                        "'succeeded'")[1][0][0]
-    assert n_kd == 4
-    saved = dict(store.query(
+    assert n_kd == 8
+    saved = dict(store.query(  # evaluate writes each student built from its plan; distill writes its own
         "SELECT cj.config_id, a.path FROM config_jobs cj JOIN artifacts a ON a.job_id = cj.job_id "
-        "WHERE cj.stage = 'evaluate' AND a.kind = 'student'")[1])
+        "WHERE cj.stage IN ('evaluate', 'distill') AND a.kind = 'student'")[1])
     teacher_dir = json.loads(store.query("SELECT outputs_json FROM jobs WHERE stage = 'teacher'")[1][0][0])["path"]
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir)
+    E = teacher.config.num_experts
     by_id = {r[0]: r for r in rows}
     students = {}
     for cid, p in saved.items():
+        if cid not in by_id:
+            continue
         m = AutoModelForCausalLM.from_pretrained(p)
-        assert type(m) is type(teacher) and m.config.num_experts == by_id[cid][2]
+        output, K = by_id[cid][8], by_id[cid][2]
+        if output == "edited":  # every expert kept, stored as factors: fewer parameters on disk
+            assert type(m).__name__.endswith("EditedForCausalLM") and m.config.num_experts == E
+            with safe_open(str(Path(p) / "model.safetensors"), framework="pt") as fh:
+                on_disk = sum(math.prod(fh.get_slice(k).get_shape()) for k in fh.keys())
+            assert on_disk < sum(t.numel() for t in teacher.state_dict().values())
+        else:
+            assert type(m) is type(teacher) and m.config.num_experts == K < E
         assert m.config.num_experts_per_tok == teacher.config.num_experts_per_tok
         students[by_id[cid][1]] = m
-    assert len(students) == 8
-    # Router KD changed the routers and nothing else
-    plain, kd = students["moe|REAP|K=4|recovery=none"], students["moe|REAP|K=4|recovery=router_kd"]
-    changed = {n for (n, a), (_, b) in zip(plain.state_dict().items(), kd.state_dict().items(), strict=True)
-               if not torch.equal(a, b)}
-    assert changed and all(n.endswith("mlp.gate.weight") for n in changed), changed
+    assert len(students) == 18
+    # Router KD changed the routers and nothing else, whatever made the smaller MoE
+    for plain_key in ("moe|REAP|K=4|recovery=none", "merged|HC-SMoE|K=4|recovery=none",
+                      "edited|TD-MoE|K=4|recovery=none"):
+        plain, kd = students[plain_key], students[plain_key.replace("none", "router_kd")]
+        changed = {n for (n, a), (_, b) in zip(plain.state_dict().items(), kd.state_dict().items(), strict=True)
+                   if not torch.equal(a, b)}
+        assert changed and all(n.endswith("mlp.gate.weight") for n in changed), (plain_key, changed)
+    # full KD trains the experts too (its own settings: single linkage)
+    full = students["merged|HC-SMoE|K=4|recovery=full_kd"]
+    assert any("experts" in n and not torch.equal(a, b) for (n, a), (_, b) in zip(
+        full.state_dict().items(), students["merged|HC-SMoE|K=4|recovery=none"].state_dict().items(), strict=True))
 
 
 @pytest.mark.parametrize("grid", [GRID, GRID[1:]], ids=["dense and moe", "moe only"])

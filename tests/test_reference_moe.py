@@ -402,28 +402,28 @@ def test_report_shows_smaller_moes_beside_the_paper(store, tmp_path):
     rows = _table_rows(tex)
     assert (
         rows[1]
-        == r"Method & K & Recovery & Wino & ARC-C & piqa & Avg & Wino & ARC-C & piqa & Avg & Shared \\"
+        == r"Kind & Method & K & Recovery & Wino & ARC-C & piqa & Avg & Wino & ARC-C & piqa & Avg & Shared \\"
     )
     # ours (WinoGrande 0.60, ARC-C 0.40, PIQA 0.50) beside the Router KD paper's Table 2 REAP columns:
     # "| Multi-Choice | WinoGrande | 0.5683 | 0.5683 | 0.5841 |", "| ARC-challenge | 0.4787 | 0.4215 | 0.4181 |",
     # "| PIQA | 0.7258 | 0.7203 | 0.7247 |"
-    assert r"Teacher &  &  & 80.00 & 60.00 & 70.00 & 70.00 & 56.83 & 47.87 & 72.58 & 55.05 & 59.09 \\" in rows
+    assert r"& Teacher &  &  & 80.00 & 60.00 & 70.00 & 70.00 & 56.83 & 47.87 & 72.58 & 55.05 & 59.09 \\" in rows
     assert (
-        r"REAP & 80 & none & 60.00 & 40.00 & 50.00 & 50.00 & 56.83 & 42.15 & 72.03 & 51.11 & 57.00 \\" in rows
+        r"prune & REAP & 80 & none & 60.00 & 40.00 & 50.00 & 50.00 & 56.83 & 42.15 & 72.03 & 51.11 & 57.00 \\" in rows
     )
     assert (
-        r"REAP & 80 & Router KD & 61.00 & 41.00 & 51.00 & 51.00 & 58.41 & 41.81 & 72.47 & 51.53 & 57.56 \\"
+        r"prune & REAP & 80 & Router KD & 61.00 & 41.00 & 51.00 & 51.00 & 58.41 & 41.81 & 72.47 & 51.53 & 57.56 \\"
         in rows
     )
-    assert r"MoBE & 128 & Router KD &  &  &  &  & 58.48 & 43.69 & 73.83 & 51.10 & 58.67 \\" in rows
+    assert r"edit & MoBE & 80 & Router KD &  &  &  &  & 58.48 & 43.69 & 73.83 & 51.10 & 58.67 \\" in rows
     assert len(rows) == 2 + 1 + 12  # two header lines, teacher, the paper's 12 smaller MoEs (ours among them)
     # the REAP paper's Qwen3-30B-A3B: no per-task MC accuracy published, its Avg is the printed MC Avg
     write_report(load_frames(store.engine, ["own-reap"]), "own-reap", tmp_path / "reap", refs)
     rows = _table_rows((tmp_path / "reap" / "tables" / "moe.tex").read_text())
-    assert r"REAP & 96 & none & 70.00 & 50.00 & 60.00 & 60.00 & 66.50 \\" in rows
-    assert r"REAP-p & 96 & none & 71.00 & 51.00 & 61.00 & 61.00 &  \\" in rows
-    assert r"frequency & 64 & none &  &  &  &  & 48.30 \\" in rows
-    assert r"Teacher &  &  & 80.00 & 60.00 & 70.00 & 70.00 & 72.10 \\" in rows
+    assert r"prune & REAP & 96 & none & 70.00 & 50.00 & 60.00 & 60.00 & 66.50 \\" in rows
+    assert r"prune & REAP-p & 96 & none & 71.00 & 51.00 & 61.00 & 61.00 &  \\" in rows
+    assert r"prune & frequency & 64 & none &  &  &  &  & 48.30 \\" in rows
+    assert r"& Teacher &  &  & 80.00 & 60.00 & 70.00 & 70.00 & 72.10 \\" in rows
     # without --compare: our numbers alone; a sweep of dense students gets no such table
     write_report(load_frames(store.engine, ["own-rkd"]), "own-rkd", tmp_path / "alone", None)
     assert "Paper" not in (tmp_path / "alone" / "tables" / "moe.tex").read_text()

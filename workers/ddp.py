@@ -111,6 +111,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     (Ray Train) already did. Rank 0 saves the student and result.json under job["out"]."""
     from transformers import AutoModelForCausalLM
 
+    import workers.edited_model  # noqa: F401  (registers edited-MoE checkpoints with the Auto classes)
+
     own_group = not dist.is_initialized()
     device = _device()
     if own_group:
