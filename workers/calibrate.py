@@ -181,6 +181,11 @@ class LayerAccumulator:
         return LayerStats(n_tokens=int(self.n_tokens.item()), **self.sums)
 
 
+def sample_copy(t: torch.Tensor) -> torch.Tensor:
+    """A sampled tensor as stored: on the CPU, float32 (float64 stays float64: no precision is lost)."""
+    return t.detach().to("cpu", t.dtype if t.dtype == torch.float64 else torch.float32)
+
+
 def sample_plan(batches: Sequence[tuple[torch.Tensor, torch.Tensor]], n: int, seed: int
                 ) -> tuple[dict[int, torch.Tensor], dict[str, torch.Tensor]]:
     """A seeded sample of min(n, real tokens) real tokens of `batches`, in batch order: per batch index
@@ -213,7 +218,7 @@ def collect_stats(model: nn.Module, adapter, batches: Sequence[tuple[torch.Tenso
                   chunk_tokens: int, progress: Callable[[int, int], None] | None = None,
                   sample_tokens: int = 0, sample_seed: int = 0) -> dict[int, LayerStats]:
     """One teacher forward over `batches` of (ids [B, S], attention mask [B, S]); LayerStats per MoE layer.
-    With `sample_tokens` > 0 each LayerStats also carries the token sample of `sample_plan` (float32, CPU)."""
+    With `sample_tokens` > 0 each LayerStats also carries the token sample of `sample_plan` (sample_copy)."""
     if not batches:
         raise ValueError("batches is empty: need at least one (ids, mask) batch")
     if chunk_tokens < 1:
@@ -235,7 +240,7 @@ def collect_stats(model: nn.Module, adapter, batches: Sequence[tuple[torch.Tenso
             rows = current.get("rows")
             if rows is not None:
                 r = rows.to(x.device)
-                samples[layer].append((x[r].detach().float().cpu(), p[r].detach().float().cpu()))
+                samples[layer].append((sample_copy(x[r]), sample_copy(p[r])))
         return hook
 
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.calibrate import all_expert_outputs
+from workers.calibrate import all_expert_outputs, sample_copy
 from workers.selection import TIE_RTOL, Selection, check_forced
 from workers.types import LayerContext
 
@@ -287,7 +287,7 @@ def sequential_sample(model: nn.Module, adapter, sample: dict[str, torch.Tensor]
         x = h.reshape(-1, h.shape[-1])
         p, _, _ = adapter.router_decision(output)
         r = rows["flat"].to(x.device)
-        got.append((x[r].detach().float().cpu(), p[r].detach().float().cpu()))
+        got.append((sample_copy(x[r]), sample_copy(p[r])))
         raise _Stop
 
     handles = [adapter.router_module(model, other).register_forward_hook(
