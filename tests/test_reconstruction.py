@@ -199,6 +199,25 @@ def test_token_samples_round_trip_and_files_without_them_still_load(tmp_path):
     assert all(st.sample is None for st in load_stats(tmp_path / "plain.safetensors").values())
 
 
+def test_samples_are_real_tokens_and_seeded():
+    """Padding is never sampled; the same seed samples the same tokens; no sample leaves calibration as it was."""
+    from orchestrator.stages.calibrate import Calibration
+    from workers.calibrate import sample_plan
+
+    ids = torch.randint(3, V, (2, 3, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, 0, 6:] = 0
+    mask[1, 2, 2:] = 0
+    batches = [(ids[0], mask[0]), (ids[1], mask[1])]
+    offsets, shared = sample_plan(batches, 100, seed=4)
+    assert len(shared["pos"]) == int(mask.sum())  # all real tokens, capped at what there is
+    assert bool((shared["mask"][shared["window"], shared["pos"]] == 1).all())
+    a, b = sample_plan(batches, 10, seed=4)[1], sample_plan(batches, 10, seed=4)[1]
+    assert torch.equal(a["pos"], b["pos"]) and torch.equal(a["ids"], b["ids"])
+    assert "sample_tokens" not in Calibration().model_dump()
+    assert Calibration(sample_tokens=512).model_dump()["sample_tokens"] == 512
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
 def test_routed_subset_is_the_teachers_layer_and_the_pruned_checkpoints_layer(family):
     """The reference is the teacher's MoE block on the sampled tokens; the candidate for S is the block of

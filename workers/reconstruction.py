@@ -231,6 +231,10 @@ class ReconstructionSelector:
     def parse_settings(self, raw: dict[str, Any] | None) -> ReconSettings:
         return ReconSettings.parse(raw)
 
+    def layer_inputs(self, raw: dict[str, Any] | None, teacher: tuple[nn.Module, Any] | None):
+        """The re-run of the teacher that sequential inputs need (module-level layer_inputs), else None."""
+        return layer_inputs(raw, teacher)
+
     def __call__(self, ctx: LayerContext, scores: torch.Tensor, K: int, forced: tuple[int, ...] = ()) -> Selection:
         s = ReconSettings.parse(ctx.settings)
         E = ctx.stats.num_experts

@@ -127,12 +127,12 @@ def convert_plans(contexts: dict, p: dict[str, Any], teacher: tuple | None = Non
     settings = dict(p.get("settings") or {})
     own = {k: settings.pop(k) for k in list(settings) if k in OUTPUT_SETTINGS[output]}
     layers = sorted(contexts.items())
-    scoring_settings = _scoring_settings(p, settings) if output in ("dense", "moe") else None
+    scoring_settings, rerun = _scoring_settings(p, settings, teacher) if output in ("dense", "moe") else (None, None)
     if output == "moe":
         if settings and scoring_settings is None:
             raise ValueError(f"settings {', '.join(sorted(settings))}: a pruned MoE takes "
                              f"{', '.join(OUTPUT_SETTINGS['moe'])}")
-        return _scored_plans(layers, scoring_settings, teacher, lambda layer, ctx: select_layer(
+        return _scored_plans(layers, scoring_settings, rerun, lambda layer, ctx: select_layer(
             layer, ctx, p["scoring"], K, own.get("super_experts"))), None
     if output == "merged":
         from workers.moe_merging import merge_layer
@@ -158,33 +158,32 @@ def convert_plans(contexts: dict, p: dict[str, Any], teacher: tuple | None = Non
         return plans, path
     if own or (settings and scoring_settings is None):
         raise ValueError(f"settings {', '.join(sorted({**settings, **own}))}: a dense student takes none")
-    return _scored_plans(layers, scoring_settings, teacher, lambda layer, ctx: plan_layer(
+    return _scored_plans(layers, scoring_settings, rerun, lambda layer, ctx: plan_layer(
         layer, ctx, p["scoring"], p["grouping"], p["dp_scaling"], K)), None
 
 
-def _scoring_settings(p: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any] | None:
-    """The method settings, checked, when the configuration's scoring takes settings; else None."""
+def _scoring_settings(p: dict[str, Any], settings: dict[str, Any], teacher: tuple | None) -> tuple:
+    """(the method settings, checked, or None when the configuration's scoring takes none; the selector's
+    `(layer, kept so far, sample) -> sample` re-run of the teacher, or None): a selector takes settings when
+    it has `parse_settings`, and re-runs the teacher when its `layer_inputs` says so (sequential inputs)."""
     from workers.scoring import get_scoring
 
     select = get_scoring(p["scoring"]).select
     if not hasattr(select, "parse_settings"):
-        return None
+        return None, None
     select.parse_settings(settings)
-    return settings
+    return settings, select.layer_inputs(settings, teacher) if hasattr(select, "layer_inputs") else None
 
 
-def _scored_plans(layers: list, settings: dict[str, Any] | None, teacher: tuple | None, plan_one) -> list:
+def _scored_plans(layers: list, settings: dict[str, Any] | None, rerun, plan_one) -> list:
     """plan_one(layer, ctx) per layer in order; a scoring that takes settings gets them on its context and,
-    for sequential inputs (workers.reconstruction), the token sample re-run through the earlier layers as
-    they were compressed (`recon_input_seconds` records the re-run)."""
+    with `rerun`, the token sample re-run through the earlier layers as they were compressed
+    (`recon_input_seconds` records the re-run)."""
     import time
     from dataclasses import replace
 
-    from workers.reconstruction import layer_inputs
-
     if settings is None:
         return [plan_one(layer, ctx) for layer, ctx in layers]
-    rerun = layer_inputs(settings, teacher)
     plans: list = []
     for layer, ctx in layers:
         ctx = replace(ctx, settings=settings)  # the cached contexts are shared: never changed in place
