@@ -33,8 +33,9 @@ def make_ctx(E: int = 10, k: int = 2, H: int = 6, inter: int = 4, N: int = 96, s
     if renormalized:
         g = g / g.sum(1, keepdim=True)
     f = torch.stack([ffn_forward(experts, h, expert=e) for e in range(E)], dim=1)
-    return LayerContext(stats=stats_from_tokens(p, routed, g, f), experts=experts, router_weight=router,
-                        top_k=k, renormalized=renormalized)
+    stats = stats_from_tokens(p, routed, g, f)
+    stats.sample = {"x": h, "p": p}  # the tokens themselves, for reconstruction-loss scorings
+    return LayerContext(stats=stats, experts=experts, router_weight=router, top_k=k, renormalized=renormalized)
 
 
 @pytest.mark.parametrize("scoring_name", list(SCORINGS))

@@ -53,7 +53,7 @@ def hand_ctx() -> LayerContext:
 
 def test_registry_names_are_exactly_the_papers_plus_reap_family():
     assert set(SCORINGS) == {"SF", "PP", "PS", "CP", "ACP", "DO-CP", "DO-ACP", "REAP", "REAP-p", "DO-REAP", "EAN",
-                             "frequency"}
+                             "frequency", "RL-exhaustive", "RL-greedy", "CFES"}
     assert all(isinstance(s, Scoring) for s in SCORINGS.values())
 
 

@@ -11,6 +11,10 @@ Precision: the expert matmuls run in the weights' dtype (what the teacher itself
 GPU). Per-token norms are reduced in fp32 (fp64 for fp64 models), the per-chunk Gram in fp32 (fp64
 for fp64 models), and everything is then added into float64 accumulators.
 
+Token samples (`sample_tokens` > 0): beside the sums, every layer keeps the block inputs and router
+probabilities of the same seeded sample of real tokens, and the file the windows they came from, so a
+selector can evaluate the layer's output on real tokens (reconstruction-loss selection) and re-run them.
+
 Padding: the flat attention mask of the current batch is handed to the hooks; padding tokens are
 zeroed before the experts and excluded from every sum (torch.where, so even NaN there cannot leak).
 """
@@ -28,7 +32,7 @@ import torch
 from torch import nn
 
 from workers.merge import activation
-from workers.types import STATS_TENSORS, ExpertWeights, LayerStats
+from workers.types import SAMPLE_SHARED, STATS_TENSORS, ExpertWeights, LayerStats
 
 STAT_FIELDS = STATS_TENSORS
 MAX_FIELDS = frozenset({"max_norm_sel"})  # a max over tokens; every other field of LayerStats is a sum
@@ -182,10 +186,44 @@ class LayerAccumulator:
         return LayerStats(n_tokens=int(self.n_tokens.item()), **self.sums)
 
 
+def sample_copy(t: torch.Tensor) -> torch.Tensor:
+    """A sampled tensor as stored: on the CPU, float32 (float64 stays float64: no precision is lost)."""
+    return t.detach().to("cpu", t.dtype if t.dtype == torch.float64 else torch.float32)
+
+
+def sample_plan(batches: Sequence[tuple[torch.Tensor, torch.Tensor]], n: int, seed: int
+                ) -> tuple[dict[int, torch.Tensor], dict[str, torch.Tensor]]:
+    """A seeded sample of min(n, real tokens) real tokens of `batches`, in batch order: per batch index
+    the flat offsets of its sampled tokens (into ids.reshape(-1)), and SAMPLE_SHARED (the windows holding
+    them, their masks, and each token's window row and position)."""
+    lengths = {int(ids.shape[1]) for ids, _ in batches}
+    if len(lengths) != 1:
+        raise ValueError(f"sample_tokens: batches have sequence lengths {sorted(lengths)}; need one length")
+    real = torch.cat([m.reshape(-1).bool().cpu() for _, m in batches])
+    where = torch.nonzero(real).reshape(-1)
+    g = torch.Generator().manual_seed(int(seed))
+    flat = where[torch.randperm(len(where), generator=g)[:n]].sort().values  # global flat offsets
+    S = lengths.pop()
+    rows, starts, offsets = flat // S, [0], {}
+    for ids, _ in batches:
+        starts.append(starts[-1] + ids.numel())
+    for b in range(len(batches)):
+        mine = flat[(flat >= starts[b]) & (flat < starts[b + 1])] - starts[b]
+        if len(mine):
+            offsets[b] = mine
+    windows, window = torch.unique(rows, return_inverse=True)
+    all_ids = torch.cat([ids.cpu() for ids, _ in batches])
+    all_mask = torch.cat([m.cpu() for _, m in batches])
+    shared = {"ids": all_ids[windows].long(), "mask": all_mask[windows].long(), "window": window.long(),
+              "pos": (flat % S).long()}
+    return offsets, shared
+
+
 def collect_stats(model: nn.Module, adapter, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                  chunk_tokens: int, progress: Callable[[int, int], None] | None = None
-                  ) -> dict[int, LayerStats]:
-    """One teacher forward over `batches` of (ids [B, S], attention mask [B, S]); LayerStats per MoE layer."""
+                  chunk_tokens: int, progress: Callable[[int, int], None] | None = None,
+                  sample_tokens: int = 0, sample_seed: int = 0) -> dict[int, LayerStats]:
+    """One teacher forward over `batches` of (ids [B, S], attention mask [B, S]); LayerStats per MoE layer.
+    With `sample_tokens` > 0 each LayerStats also carries the token sample of `sample_plan` (sample_copy)."""
     if not batches:
         raise ValueError("batches is empty: need at least one (ids, mask) batch")
     if chunk_tokens < 1:
@@ -195,6 +233,8 @@ def collect_stats(model: nn.Module, adapter, batches: Sequence[tuple[torch.Tenso
         raise ValueError("adapter.moe_layers(model) is empty: the model has no MoE layer to calibrate")
     accs = {layer: LayerAccumulator(adapter.expert_weights(model, layer), chunk_tokens) for layer in layers}
     current: dict[str, torch.Tensor] = {}
+    offsets, shared = sample_plan(batches, sample_tokens, sample_seed) if sample_tokens > 0 else ({}, {})
+    samples: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {layer: [] for layer in layers}
 
     def make_hook(layer: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
@@ -202,6 +242,10 @@ def collect_stats(model: nn.Module, adapter, batches: Sequence[tuple[torch.Tenso
             x = h.reshape(-1, h.shape[-1])
             p, w, idx = adapter.router_decision(output)
             accs[layer].update(x, p, w, idx, current["mask"])
+            rows = current.get("rows")
+            if rows is not None:
+                r = rows.to(x.device)
+                samples[layer].append((sample_copy(x[r]), sample_copy(p[r])))
         return hook
 
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
@@ -217,6 +261,7 @@ def collect_stats(model: nn.Module, adapter, batches: Sequence[tuple[torch.Tenso
                 if ids.shape != mask.shape:
                     raise ValueError(f"batch {i}: ids {tuple(ids.shape)} and mask {tuple(mask.shape)} differ")
                 current["mask"] = mask.reshape(-1).bool()
+                current["rows"] = offsets.get(i)
                 model(input_ids=ids, attention_mask=mask, use_cache=False, **extra)
                 if progress is not None:
                     progress(i + 1, len(batches))
@@ -224,7 +269,12 @@ def collect_stats(model: nn.Module, adapter, batches: Sequence[tuple[torch.Tenso
         for handle in handles:
             handle.remove()
         model.train(was_training)
-    return {layer: acc.finish() for layer, acc in accs.items()}
+    out = {layer: acc.finish() for layer, acc in accs.items()}
+    for layer, parts in samples.items():
+        if parts:
+            out[layer].sample = {"x": torch.cat([x for x, _ in parts]), "p": torch.cat([p for _, p in parts]),
+                                 **shared}
+    return out
 
 
 # ---- several sources ------------------------------------------------------------------------------
@@ -293,7 +343,38 @@ def _mix_layer(stats: dict[str, LayerStats], weights: dict[str, float]) -> Layer
                 term = v.double() * lam[name]
                 acc = term if acc is None else acc + term
             fields[field] = acc
-    return LayerStats(n_tokens=n, **fields)
+    return LayerStats(n_tokens=n, **fields, sample=mix_samples({name: st.sample for name, st in stats.items()},
+                                                                weights))
+
+
+def mix_samples(samples: dict[str, dict[str, torch.Tensor] | None],
+                weights: dict[str, float]) -> dict[str, torch.Tensor] | None:
+    """The token sample of a mixture: from each source the first c_s of its (seeded, shuffled-then-sorted)
+    sampled tokens, c_s its weight's share of the largest source sample (largest remainder, at most what
+    the source has), so reconstruction sees the mixture in the proportions of the weights. Their windows
+    are stacked (a token's window index shifted by the windows before it). None unless every source has
+    a sample."""
+    if any(s is None for s in samples.values()):
+        return None
+    T = max(int(s["x"].shape[0]) for s in samples.values())
+    total = sum(weights.values())
+    quota = {name: weights[name] / total * T for name in samples}
+    counts = {name: int(q) for name, q in quota.items()}
+    for name in sorted(quota, key=lambda n: (-(quota[n] - counts[n]), n))[:T - sum(counts.values())]:
+        counts[name] += 1
+    parts: dict[str, list[torch.Tensor]] = {}
+    offset = 0
+    for name, smp in samples.items():
+        c = min(counts[name], int(smp["x"].shape[0]))
+        for key in ("x", "p"):
+            parts.setdefault(key, []).append(smp[key][:c])
+        if "ids" in smp:
+            parts.setdefault("ids", []).append(smp["ids"])
+            parts.setdefault("mask", []).append(smp["mask"])
+            parts.setdefault("window", []).append(smp["window"][:c] + offset)
+            parts.setdefault("pos", []).append(smp["pos"][:c])
+            offset += int(smp["ids"].shape[0])
+    return {key: torch.cat(ts) for key, ts in parts.items()}
 
 
 # ---- storage ------------------------------------------------------------------------------------
@@ -306,6 +387,9 @@ def save_stats(stats: dict[int, LayerStats], path: str | Path, metadata: dict[st
     tensors: dict[str, torch.Tensor] = {}
     for layer, st in stats.items():
         tensors.update({k: v.detach().cpu().contiguous() for k, v in st.to_tensors(f"layer.{layer}.").items()})
+        if st.sample is not None:  # the windows of the token sample, once per file (every layer shares them)
+            tensors.update({f"sample.{n}": st.sample[n].detach().cpu().contiguous()
+                            for n in SAMPLE_SHARED if n in st.sample})
     meta = {"format": FORMAT, "layers": ",".join(str(i) for i in sorted(stats))}
     meta.update({str(k): str(v) for k, v in (metadata or {}).items()})
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -332,6 +416,9 @@ def save_source_stats(per_source: dict[str, dict[int, LayerStats]], weights: dic
         for layer, st in stats.items():
             tensors.update({k: v.detach().cpu().contiguous()
                             for k, v in st.to_tensors(f"source.{name}.layer.{layer}.").items()})
+            if st.sample is not None:  # the windows of the source's token sample, once per source
+                tensors.update({f"source.{name}.sample.{n}": st.sample[n].detach().cpu().contiguous()
+                                for n in SAMPLE_SHARED if n in st.sample})
         listed[name] = {"weight": float(weights[name]), "n_tokens": source_tokens(stats)}
     layers = sorted(next(iter(per_source.values())))
     meta = {"format": FORMAT, "layers": ",".join(map(str, layers)), "sources": json.dumps(listed)}
@@ -382,11 +469,17 @@ def load_source_stats(path: str | Path, device: str | torch.device = "cpu") -> d
         raise ValueError(f"{path}: no 'layer.<i>.' or 'source.<name>.layer.<i>.' tensors; "
                          "not a calibration statistics file")
     try:
-        return {(prefix.split(".")[1] if prefix else "default"):
-                {layer: LayerStats.from_tensors(tensors, f"{prefix}layer.{layer}.") for layer in sorted(layers)}
-                for prefix, layers in prefixes.items()}
+        out = {(prefix.split(".")[1] if prefix else "default"):
+               {layer: LayerStats.from_tensors(tensors, f"{prefix}layer.{layer}.") for layer in sorted(layers)}
+               for prefix, layers in prefixes.items()}
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
+    for prefix in prefixes:  # a source's token sample: its windows once, beside every layer's x and p
+        shared = {n: tensors[f"{prefix}sample.{n}"] for n in SAMPLE_SHARED if f"{prefix}sample.{n}" in tensors}
+        for st in out[prefix.split(".")[1] if prefix else "default"].values():
+            if st.sample is not None:
+                st.sample.update(shared)
+    return out
 
 
 def source_weights(path: str | Path) -> dict[str, float]:

@@ -2,7 +2,9 @@
 
 Paper §3.2 and Appendix C (SF, PP, PS, CP, ACP, DO-CP, DO-ACP); REAP, REAP-p and EAN from the REAP paper
 (Lasby et al., "REAP the Experts", Eq. 9 and Appendix D); DO-REAP = the D-optimal selection with REAP
-as its importance. Adding a scoring = one function `(ctx) -> Tensor[E]` plus one registry line.
+as its importance; RL-exhaustive, RL-greedy and CFES select by the layer's reconstruction loss on real
+tokens ("Compressing Large MoE Models via Efficient Pruning and Data-Aware Calibration", §4.1; see
+workers/reconstruction.py). Adding a scoring = one function `(ctx) -> Tensor[E]` plus one registry line.
 Pure tensor code: no transformers import.
 """
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.reconstruction import ReconstructionSelector
 from workers.registry import lookup
 from workers.selection import Selection, d_optimal_greedy, importance_kernel, top_k
 from workers.types import LayerContext, LayerStats
@@ -126,6 +129,10 @@ SCORINGS: dict[str, Scoring] = {
     "DO-REAP": Scoring(reap, select_d_optimal),
     "EAN": Scoring(ean),
     "frequency": Scoring(sf),
+    # reconstruction-loss selection on the calibration token sample (workers/reconstruction.py); base score PS
+    "RL-exhaustive": Scoring(ps, ReconstructionSelector("exhaustive")),
+    "RL-greedy": Scoring(ps, ReconstructionSelector("greedy")),
+    "CFES": Scoring(ps, ReconstructionSelector("c2f")),
 }
 
 

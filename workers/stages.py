@@ -67,6 +67,7 @@ def stage_calibrate(payload: dict, cache: dict, progress) -> dict:
     model, tok = resident_teacher(payload, cache)
     adapter = get_adapter(model)
     sources = calibration_sources(p)
+    n_sample = p.get("sample_tokens", 0)  # absent (= 0) unless set: older job keys stay what they were
     per_source = {}
     for name, src in sources.items():
         ids = windows(payload, cache, tok, src["data"], p["seq_len"], src["n_samples"], p["seed"])
@@ -74,10 +75,11 @@ def stage_calibrate(payload: dict, cache: dict, progress) -> dict:
         batches = [(ids[i:i + p["batch_size"]].to(device()), mask[i:i + p["batch_size"]].to(device()))
                    for i in range(0, len(ids), p["batch_size"])]
         cb = (lambda i, n, name=name: progress(i, n, f"calibrate {name}")) if progress else None
-        stats = collect_stats(model, adapter, batches, chunk_tokens=p["chunk_tokens"], progress=cb)
+        stats = collect_stats(model, adapter, batches, chunk_tokens=p["chunk_tokens"], progress=cb,
+                              sample_tokens=n_sample, sample_seed=p["seed"])
         per_source[name] = stats_to(stats, "cpu")  # the next source's pass gets the device memory back
     path = Path(payload["workdir"]) / "stats.safetensors"
-    keys = [k for k in ("teacher", "data", "sources", "seq_len", "n_samples", "seed") if k in p]
+    keys = [k for k in ("teacher", "data", "sources", "seq_len", "n_samples", "seed", "sample_tokens") if k in p]
     save_source_stats(per_source, {name: src["weight"] for name, src in sources.items()}, path,
                       metadata={k: json.dumps(p[k], sort_keys=True) for k in keys})
     counts = {name: source_tokens(stats) for name, stats in per_source.items()}
@@ -105,7 +107,7 @@ def stage_convert(payload: dict, cache: dict, progress) -> dict:
     if ckey not in cache:
         cache[ckey] = layer_contexts(model, adapter, load_stats(stats_path))
     contexts = cache[ckey]
-    plans, factors = convert_plans(contexts, p)
+    plans, factors = convert_plans(contexts, p, teacher=(model, adapter))
     plan_key = plan_signature(plans)
     path = Path(payload["workdir"]) / "plan.json"
     path.write_text(json.dumps([plan_to_dict(pl) for pl in plans], indent=1))
@@ -129,22 +131,26 @@ def stage_convert(payload: dict, cache: dict, progress) -> dict:
 OUTPUT_SETTINGS = {"dense": (), "moe": ("super_experts",), "merged": (), "edited": ()}
 
 
-def convert_plans(contexts: dict, p: dict[str, Any]) -> tuple[list, Path | None]:
+def convert_plans(contexts: dict, p: dict[str, Any], teacher: tuple | None = None) -> tuple[list, Path | None]:
     """Per MoE layer, what the configuration's output keeps: a dense plan (Algorithm 1), the experts a
     pruned MoE keeps, the clusters of a merged MoE, or an edited MoE's factors (saved beside the plan;
     their sha256 enters every plan, so a refit that differs is another student). `settings`: those of
-    the output (`super_experts`: the factor of workers.pruning) and of the method it names."""
+    the output (`super_experts`: the factor of workers.pruning) and of the method it names (a scoring
+    takes settings when its selector has `parse_settings`: they reach it as LayerContext.settings).
+    `teacher`: the resident (model, adapter), for scorings that re-run it (sequential inputs)."""
     from workers.planning import plan_layer, select_layer
 
     output, K = p.get("output", "dense"), p["K"]
     settings = dict(p.get("settings") or {})
     own = {k: settings.pop(k) for k in list(settings) if k in OUTPUT_SETTINGS[output]}
     layers = sorted(contexts.items())
+    scoring_settings, rerun = _scoring_settings(p, settings, teacher) if output in ("dense", "moe") else (None, None)
     if output == "moe":
-        if settings:
+        if settings and scoring_settings is None:
             raise ValueError(f"settings {', '.join(sorted(settings))}: a pruned MoE takes "
                              f"{', '.join(OUTPUT_SETTINGS['moe'])}")
-        return [select_layer(layer, ctx, p["scoring"], K, own.get("super_experts")) for layer, ctx in layers], None
+        return _scored_plans(layers, scoring_settings, rerun, lambda layer, ctx: select_layer(
+            layer, ctx, p["scoring"], K, own.get("super_experts"))), None
     if output == "merged":
         from workers.moe_merging import merge_layer
 
@@ -167,9 +173,48 @@ def convert_plans(contexts: dict, p: dict[str, Any]) -> tuple[list, Path | None]
         for plan in plans:
             plan.extras["student"] = {**plan.extras.get("student", {}), "factors_sha256": sha}
         return plans, path
-    if settings or own:
+    if own or (settings and scoring_settings is None):
         raise ValueError(f"settings {', '.join(sorted({**settings, **own}))}: a dense student takes none")
-    return [plan_layer(layer, ctx, p["scoring"], p["grouping"], p["dp_scaling"], K) for layer, ctx in layers], None
+    return _scored_plans(layers, scoring_settings, rerun, lambda layer, ctx: plan_layer(
+        layer, ctx, p["scoring"], p["grouping"], p["dp_scaling"], K)), None
+
+
+def _scoring_settings(p: dict[str, Any], settings: dict[str, Any], teacher: tuple | None) -> tuple:
+    """(the method settings, checked, or None when the configuration's scoring takes none; the selector's
+    `(layer, kept so far, sample) -> sample` re-run of the teacher, or None): a selector takes settings when
+    it has `parse_settings`, and re-runs the teacher when its `layer_inputs` says so (sequential inputs)."""
+    from workers.scoring import get_scoring
+
+    select = get_scoring(p["scoring"]).select
+    if not hasattr(select, "parse_settings"):
+        return None, None
+    select.parse_settings(settings)
+    return settings, select.layer_inputs(settings, teacher) if hasattr(select, "layer_inputs") else None
+
+
+def _scored_plans(layers: list, settings: dict[str, Any] | None, rerun, plan_one) -> list:
+    """plan_one(layer, ctx) per layer in order; a scoring that takes settings gets them on its context and,
+    with `rerun`, the token sample re-run through the earlier layers as they were compressed
+    (`recon_input_seconds` records the re-run)."""
+    import time
+    from dataclasses import replace
+
+    if settings is None:
+        return [plan_one(layer, ctx) for layer, ctx in layers]
+    plans: list = []
+    for layer, ctx in layers:
+        ctx = replace(ctx, settings=settings)  # the cached contexts are shared: never changed in place
+        seconds = None
+        if rerun is not None and plans and ctx.stats.sample is not None:
+            t0 = time.perf_counter()
+            sample = rerun(layer, {pl.layer: list(pl.selected) for pl in plans}, ctx.stats.sample)
+            ctx = replace(ctx, stats=replace(ctx.stats, sample=sample))
+            seconds = time.perf_counter() - t0
+        plan = plan_one(layer, ctx)
+        if seconds is not None:
+            plan.extras["recon_input_seconds"] = seconds
+        plans.append(plan)
+    return plans
 
 
 def plan_to_dict(pl) -> dict[str, Any]:

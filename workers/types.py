@@ -84,6 +84,13 @@ class TeacherShape:
     moe_layers: int  # decoder layers whose FFN is a routed MoE block
 
 
+# Token samples beside the sums (calibration.sample_tokens > 0): per layer the sampled tokens' block inputs
+# x [T, H] and router probabilities p [T, E] (keys `layer.<i>.sample_x`, `layer.<i>.sample_p`), and once per
+# file where they came from (keys `sample.<name>`): the windows' token ids and attention masks [W, S] and, per
+# sampled token, its window row and position [T]. Every layer samples the same token positions.
+SAMPLE_LAYER = ("x", "p")
+SAMPLE_SHARED = ("ids", "mask", "window", "pos")
+
 # Every tensor of LayerStats, in file order.
 STATS_TENSORS = ("count", "sum_p", "sum_p_sel", "sum_sq", "sum_gnorm_sel", "sum_norm_sel", "gram",
                  "sum_pnorm_sel", "max_norm_sel", "sum_out", "gram_p", "sum_xx")
@@ -113,6 +120,8 @@ class LayerStats:
     sum_out: torch.Tensor | None = None  # [E, H] Σ_t f_e(t) over all tokens (HC-SMoE's representative A_e)
     gram_p: torch.Tensor | None = None  # [E, E] Σ_t p(t) p(t)ᵀ over all tokens (M-SMoE's router similarity)
     sum_xx: torch.Tensor | None = None  # [H, H] Σ_t x(t) x(t)ᵀ of the block's input (TD-MoE's whitening)
+    # Real tokens, not sums (reconstruction-loss selection): SAMPLE_LAYER and SAMPLE_SHARED names → tensors
+    sample: dict[str, torch.Tensor] | None = None
 
     @property
     def num_experts(self) -> int:
@@ -130,17 +139,22 @@ class LayerStats:
         for name in STATS_TENSORS:
             if getattr(self, name) is not None:
                 out[prefix + name] = getattr(self, name).contiguous()
+        for name in SAMPLE_LAYER:  # the shared sample tensors are written once per file (save_stats)
+            if self.sample is not None and name in self.sample:
+                out[f"{prefix}sample_{name}"] = self.sample[name].contiguous()
         return out
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str) -> LayerStats:
-        """The inverse of to_tensors; every statistic (optional ones included) must be present."""
+        """The inverse of to_tensors; every statistic (optional ones included) must be present, token samples
+        may be absent (`sample` None)."""
         missing = [name for name in ("n_tokens", *STATS_TENSORS) if prefix + name not in tensors]
         if missing:
             raise ValueError(f"statistics '{prefix}*' lack {', '.join(missing)} (written by an older "
                              "moesweep): recompute the calibration statistics")
         kw = {name: tensors[prefix + name] for name in STATS_TENSORS}
-        return cls(n_tokens=int(tensors[prefix + "n_tokens"].item()), **kw)
+        sample = {n: tensors[f"{prefix}sample_{n}"] for n in SAMPLE_LAYER if f"{prefix}sample_{n}" in tensors}
+        return cls(n_tokens=int(tensors[prefix + "n_tokens"].item()), sample=sample or None, **kw)
 
 
 @dataclass
@@ -152,6 +166,7 @@ class LayerContext:
     router_weight: torch.Tensor  # [E, H]
     top_k: int  # the router's k = number of groups
     renormalized: bool  # does the router renormalize its top-k weights to sum to 1?
+    settings: dict | None = None  # the configuration's method settings, for scorings that take them
 
 
 @dataclass

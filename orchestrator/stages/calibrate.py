@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, StrictInt, field_validator, model_serializer, model_validator
 
 from orchestrator.schema import Data, PosInt, Strict
 from orchestrator.stage import JobSpec, Stage, SweepContext
@@ -38,6 +38,17 @@ class Calibration(Strict):
     seed: int = 1234
     batch_size: PosInt = 16
     chunk_tokens: PosInt = 2048
+    # real tokens kept per MoE layer beside the sums (block inputs, router probabilities and their windows):
+    # what reconstruction-loss selection (RL-exhaustive, RL-greedy, CFES) evaluates a layer on; 0 = none
+    sample_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler) -> dict[str, Any]:
+        """Leaves sample_tokens out while it is 0, so calibrations without samples keep their job keys."""
+        out = handler(self)
+        if not self.sample_tokens:
+            out.pop("sample_tokens", None)
+        return out
 
     @field_validator("sources")
     @classmethod
