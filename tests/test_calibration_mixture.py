@@ -315,3 +315,26 @@ def test_a_sweep_with_two_sources_runs_end_to_end(tmp_path, monkeypatch):
         assert_same(mixed[layer], want[layer], exact=False)
     ppl = store.query("SELECT ppl_pre FROM results WHERE kind = 'moe2dense'")[1]
     assert len(ppl) == 2 and all(v is not None for (v,) in ppl)
+
+
+def test_a_mixture_samples_tokens_in_the_proportions_of_its_weights():
+    """Reconstruction selection sees a mixture's token sample in the weights' proportions, and each kept
+    token's window and position still point at the token it came from."""
+    import torch
+
+    from workers.calibrate import mix_samples
+
+    def sample(n_tokens: int, n_windows: int, fill: float) -> dict[str, torch.Tensor]:
+        ids = torch.arange(n_windows * 8).reshape(n_windows, 8) + int(fill * 1000)
+        window, pos = torch.arange(n_tokens) % n_windows, torch.arange(n_tokens) % 8
+        return {"x": torch.full((n_tokens, 3), fill), "p": torch.full((n_tokens, 4), fill), "ids": ids,
+                "mask": torch.ones_like(ids), "window": window, "pos": pos}
+
+    a, b = sample(30, 5, 1.0), sample(20, 4, 2.0)
+    mixed = mix_samples({"a": a, "b": b}, {"a": 1.0, "b": 2.0})
+    assert mixed["x"].shape == (30, 3) and int((mixed["x"][:, 0] == 1.0).sum()) == 10
+    assert int((mixed["x"][:, 0] == 2.0).sum()) == 20  # b's share is 20 of 30: all it has
+    assert mixed["ids"].shape == (9, 8)
+    token = mixed["ids"][mixed["window"], mixed["pos"]]  # every kept token points into its own source's windows
+    assert bool(((token >= 2000) == (mixed["x"][:, 0] == 2.0)).all())
+    assert mix_samples({"a": a, "b": None}, {"a": 1.0, "b": 1.0}) is None

@@ -349,9 +349,9 @@ def _mix_layer(stats: dict[str, LayerStats], weights: dict[str, float]) -> Layer
 
 def mix_samples(samples: dict[str, dict[str, torch.Tensor] | None],
                 weights: dict[str, float]) -> dict[str, torch.Tensor] | None:
-    """The token sample of a mixture: from each source the first c_s of its (seeded, shuffled-then-sorted)
-    sampled tokens, c_s its weight's share of the largest source sample (largest remainder, at most what
-    the source has), so reconstruction sees the mixture in the proportions of the weights. Their windows
+    """The token sample of a mixture: from each source c_s of its sampled tokens (a seeded subset, kept in
+    order), c_s its weight's share of the largest source sample (largest remainder, at most what the
+    source has), so reconstruction sees the mixture in the proportions of the weights. Their windows
     are stacked (a token's window index shifted by the windows before it). None unless every source has
     a sample."""
     if any(s is None for s in samples.values()):
@@ -365,14 +365,15 @@ def mix_samples(samples: dict[str, dict[str, torch.Tensor] | None],
     parts: dict[str, list[torch.Tensor]] = {}
     offset = 0
     for name, smp in samples.items():
-        c = min(counts[name], int(smp["x"].shape[0]))
+        n = int(smp["x"].shape[0])
+        keep = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:min(counts[name], n)].sort().values
         for key in ("x", "p"):
-            parts.setdefault(key, []).append(smp[key][:c])
+            parts.setdefault(key, []).append(smp[key][keep])
         if "ids" in smp:
             parts.setdefault("ids", []).append(smp["ids"])
             parts.setdefault("mask", []).append(smp["mask"])
-            parts.setdefault("window", []).append(smp["window"][:c] + offset)
-            parts.setdefault("pos", []).append(smp["pos"][:c])
+            parts.setdefault("window", []).append(smp["window"][keep] + offset)
+            parts.setdefault("pos", []).append(smp["pos"][keep])
             offset += int(smp["ids"].shape[0])
     return {key: torch.cat(ts) for key, ts in parts.items()}
 
