@@ -34,6 +34,8 @@ def teacher_path(payload: dict[str, Any], role: str = "teacher") -> str:
 def load_model(path: str, dtype: str = "float32", revision: str | None = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import workers.dot_moe_hf  # noqa: F401  (registers the MoE class DOT-MoE extracts, so it reloads)
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], revision=revision)
     model.to(device()).eval()
     tok = AutoTokenizer.from_pretrained(path, revision=revision)
