@@ -314,3 +314,24 @@ def test_the_stage_runs_in_a_tiny_sweep_and_evaluates_several_top_k(tmp_path, mo
     moe, _ = load_model(paths[0])
     assert isinstance(moe, DotQwen3MoeForCausalLM) and moe.config.num_experts == 4
     assert moe.config.moe_combine == "unit" and moe.config.num_experts_per_tok == 2
+
+
+def test_micro_batches_accumulate_the_whole_batch_gradient():
+    """Loss terms that are token means (KL, CE, z) give the same gradient in micro-batches of equal size
+    (the balance loss is a product of batch means, so it is left out here)."""
+    from dataclasses import replace
+
+    from workers.dot_moe import _accumulate
+
+    grads = []
+    for micro in (None, 2):
+        spec = replace(SPEC, w_lb=0.0, micro_batch=micro)
+        dense = _dense()
+        ffns = install(dense, 8, 2, "dot", spec)
+        terms = _accumulate(dense, ffns, _ids(3, 4), spec)
+        grads.append((terms["loss"], [p.grad.clone() for f in ffns for p in f.trainable()]))
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    for a, b in zip(grads[0][1], grads[1][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    with pytest.raises(ValueError, match="micro_batch"):
+        DotMoeSpec(batch_size=4, micro_batch=8)

@@ -237,6 +237,20 @@ def lr_at(step: int, spec: DotMoeSpec) -> float:
     return spec.lr * 0.5 * (1 + math.cos(math.pi * t))
 
 
+def _accumulate(model: nn.Module, ffns: list[DotMoeFFN], ids: torch.Tensor, spec: DotMoeSpec) -> dict[str, torch.Tensor]:
+    """One step's gradients over micro-batches of `spec.micro_batch` sequences (each loss weighted by its
+    share of the batch); returns the step's loss terms."""
+    size = spec.micro_batch or len(ids)
+    total: dict[str, torch.Tensor] = {}
+    for chunk in ids.split(size):
+        terms = objective(model, ffns, chunk, spec)
+        share = len(chunk) / len(ids)
+        (terms["loss"] * share).backward()
+        for k, v in terms.items():
+            total[k] = total.get(k, 0) + v.detach() * share
+    return total
+
+
 def align(model: nn.Module, ffns: list[DotMoeFFN], batches: Iterable[torch.Tensor], spec: DotMoeSpec,
           progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Train A and W_r only (App. D, Table 6): AdamW, warm-up + cosine, clipping, τ annealing. Returns the
@@ -254,12 +268,11 @@ def align(model: nn.Module, ffns: list[DotMoeFFN], batches: Iterable[torch.Tenso
             f.tau = tau
         for g in opt.param_groups:
             g["lr"] = lr_at(step, spec)
-        terms = objective(model, ffns, ids.to(dev), spec)
         opt.zero_grad(set_to_none=True)
-        terms["loss"].backward()
+        terms = _accumulate(model, ffns, ids.to(dev), spec)
         torch.nn.utils.clip_grad_norm_(params, spec.grad_clip)
         opt.step()
-        curve.append({"step": step, "tau": tau, **{k: float(v.detach()) for k, v in terms.items()}})
+        curve.append({"step": step, "tau": tau, **{k: float(v) for k, v in terms.items()}})
         if progress is not None:
             progress(step + 1, spec.steps)
     for f in ffns:

@@ -24,6 +24,7 @@ class DotMoeSpec:
 
     steps: int = 3500
     batch_size: int = 64  # sequences per step
+    micro_batch: int | None = None  # sequences per forward (gradients accumulated); None = the whole batch
     seq_len: int = 2048
     lr: float = 5e-4
     weight_decay: float = 1e-4
@@ -50,6 +51,9 @@ class DotMoeSpec:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise bad(name, "an integer >= 1")
+        if self.micro_batch is not None and (not isinstance(self.micro_batch, int) or isinstance(self.micro_batch, bool)
+                                             or not 1 <= self.micro_batch <= self.batch_size):
+            raise bad("micro_batch", f"null or an integer in [1, batch_size={self.batch_size}]")
         if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) or self.seq_len < 2:
             raise bad("seq_len", "an integer >= 2")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):

@@ -460,10 +460,9 @@ def stage_dot_moe(payload: dict, cache: dict, progress) -> dict:
     with torch.no_grad():
         dense_ppl = ppl_record(dense, tok, payload, cache, "dot_moe")
     ffns = install(dense, p["experts"], p["top_k"], p["method"], spec)
-    ids = windows(payload, cache, tok, p["data"], spec.seq_len, spec.steps * spec.batch_size, spec.seed + 1)
     cb = (lambda i, n: progress(i, n, "dot_moe")) if progress else None
-    rec = align(dense, ffns, (ids[i:i + spec.batch_size] for i in range(0, len(ids), spec.batch_size)), spec,
-                progress=cb)
+    batches = _train_batches(payload, cache, tok, spec, spec.steps * spec.batch_size)  # streamed if the data is
+    rec = align(dense, ffns, batches, spec, progress=cb)
     moe = extract(dense, ffns, spec.combine)
     work = Path(payload["workdir"])
     out, assign = work / "moe", work / "dot_assignment.safetensors"
