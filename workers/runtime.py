@@ -34,6 +34,7 @@ def teacher_path(payload: dict[str, Any], role: str = "teacher") -> str:
 def load_model(path: str, dtype: str = "float32", revision: str | None = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import workers.dot_moe_hf  # noqa: F401  (registers the MoE class DOT-MoE extracts, so it reloads)
     import workers.edited_model  # noqa: F401  (registers the edited-MoE checkpoints' classes)
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], revision=revision)
