@@ -553,8 +553,7 @@ def architectures() -> dict[str, Any]:
 # parameter budget of K experts) and `recovery` = none | router_kd, keyed as our own sweeps key them
 # (`moe|REAP|K=80|recovery=none`, `merged|HC-SMoE|K=80|recovery=none`: the format of
 # orchestrator.axes.config_key; tests check they agree). The method names are our registries' (REAP,
-# EAN, frequency, HC-SMoE, M-SMoE, MoBE, TD-MoE) and the paper's for CFES (seed 003's selection, not yet
-# in our registry, which reference data does not need). The same name in two papers need not be the same
+# EAN, frequency, CFES, HC-SMoE, M-SMoE, MoBE, TD-MoE). The same name in two papers need not be the same
 # implementation (the Router KD paper ran each method's official code; the REAP paper's HC-SMoE is its
 # own re-implementation, merging by frequency-weighted averaging), nor ours: `settings` says which.
 ROUTER_KD_TITLE = (

@@ -26,7 +26,7 @@ SWEEPS = {s["name"]: s for s in reference_sweeps()}
 RKD, REAP_QWEN, REAP_GLM = ROUTER_KD_SWEEP, "paper:reap-qwen3-30b-a3b", "paper:reap-glm-4.5-air"
 MOE_SWEEPS = (RKD, REAP_QWEN, REAP_GLM)
 OURS = {*AXES["scoring"].allowed(), *AXES["merging"].allowed(), *AXES["editing"].allowed()}
-PRINTED = {"CFES"}  # kept as the paper prints it (not in our registry)
+PRINTED: set[str] = set()  # methods kept as a paper prints them, not in our registries (none now)
 OUTPUT_OF = {"MoBE": "edited", "TD-MoE": "edited", "HC-SMoE": "merged", "M-SMoE": "merged"}
 METHOD_AXIS = {"moe": "scoring", "merged": "merging", "edited": "editing"}
 

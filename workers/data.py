@@ -25,7 +25,8 @@ FORMATS = ("text", "chat")
 class DataSpec:
     """Where text comes from (orchestrator/spec.py ``Data`` passes its fields through unchanged).
 
-    tiny: ``tiny_dir/corpus/<split>.jsonl`` (split train, valid or test); jsonl: the file ``path``
+    tiny: ``tiny_dir/corpus/<split>.jsonl`` (split train, valid or test; ``<split>:<domain>``, e.g.
+    ``train:code``, keeps one of its domains, prose or code); jsonl: the file ``path``
     (``split`` is not used: the file is the split), field ``text_field``; hf:
     ``datasets.load_dataset(path, name, split=split, streaming=streaming)``, column ``text_field``.
     """
@@ -47,10 +48,27 @@ class DataSpec:
             raise ValueError(f"source={self.source!r}: allowed {', '.join(SOURCES)}")
         if self.source in ("jsonl", "hf") and not self.path:
             raise ValueError(f"path: source {self.source!r} needs a path")
+        error = tiny_split_error(self.source, self.split)
+        if error:
+            raise ValueError(error)
         error = chat_field_error(self.source, self.format, self.messages_field, self.prompt_field,
                                  self.response_field, self.chat_template)
         if error:
             raise ValueError(error)
+
+
+def tiny_split_error(source: str, split: str) -> str | None:
+    """The one-line problem with a tiny-corpus split (``<split>`` or ``<split>:<domain>``), or None."""
+    if source != "tiny":
+        return None
+    from workers.tiny.corpus import DOMAINS, SPLITS
+
+    name, sep, domain = split.partition(":")
+    if name not in SPLITS:
+        return f"split={split!r}: the tiny corpus has splits {', '.join(SPLITS)}"
+    if sep and domain not in DOMAINS:
+        return f"split={split!r}: the tiny corpus has domains {', '.join(DOMAINS)} (<split>:<domain>)"
+    return None
 
 
 def chat_field_error(source: str, fmt: str, messages_field: str | None, prompt_field: str | None,
@@ -103,7 +121,8 @@ def _rows(spec: DataSpec, tiny_dir: str | None, tok=None) -> Iterable[str]:
             raise ValueError("tiny_dir: source 'tiny' needs the tiny teacher's directory")
         from workers.tiny.corpus import read_split
 
-        return (r["text"] for r in read_split(Path(tiny_dir) / "corpus", spec.split))
+        split, _, domain = spec.split.partition(":")
+        return (r["text"] for r in read_split(Path(tiny_dir) / "corpus", split) if not domain or r["domain"] == domain)
     if spec.source == "jsonl":
         return _jsonl_rows(Path(spec.path), spec.text_field)
     return _hf_rows(spec)

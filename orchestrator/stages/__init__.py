@@ -1,8 +1,18 @@
 """The built-in stages, in the order a sweep runs them (each module declares one `Stage`)."""
 
 from orchestrator.stage import register
-from orchestrator.stages import calibrate, convert, distill, dot_moe, evaluate, ppl_pre, router_kd, teacher
+from orchestrator.stages import (
+    calibrate,
+    convert,
+    dcdm,
+    distill,
+    dot_moe,
+    evaluate,
+    ppl_pre,
+    router_kd,
+    teacher,
+)
 
-for _stage in (teacher.STAGE, teacher.DENSE, calibrate.STAGE, convert.STAGE, ppl_pre.STAGE, distill.STAGE,
-               router_kd.STAGE, evaluate.STAGE, dot_moe.STAGE):
+for _stage in (teacher.STAGE, teacher.DENSE, calibrate.STAGE, dcdm.STAGE, convert.STAGE, ppl_pre.STAGE,
+               distill.STAGE, router_kd.STAGE, evaluate.STAGE, dot_moe.STAGE):
     register(_stage)

@@ -110,21 +110,33 @@ def grid_configs(spec, model: str, top_k: int | None) -> list[dict[str, Any]]:
 
 
 def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
+    from orchestrator.stages.dcdm import mixture
+
     tparams, tdeps, resident = teacher_ref(ctx)
     out = {}
     for c in ctx.configs:
-        calib = ctx.jobs.get("calibrate", {}).get(c["config_key"])
+        calib = ctx.jobs.get("calibrate", {}).get(c.get("dcdm_of") or c["config_key"])
         if c["kind"] != "moe2dense" or calib is None:
             continue
         params = {"teacher": tparams, **{n: c[n] for n in AXES if c[n] is not None and not AXES[n].after_student}}
         if c.get("settings"):
             params["settings"] = json.loads(c["settings"])
-        out[c["config_key"]] = ctx.job("convert", params, {**tdeps, "calibrate": calib.key}, resident=resident)
+        deps = {**tdeps, "calibrate": calib.key}
+        if c.get("dcdm_of") is not None:  # a DCDM mixture: the statistics mixed with its DCDM weights
+            mix = mixture(ctx, c)
+            if mix is None:
+                continue  # its DCDM did not succeed: nothing downstream of it runs
+            params["calibration_weights"], dcdm = mix
+            # keyed by the weights (in params), not by the job that found them
+            out[c["config_key"]] = ctx.job("convert", params, {**deps, "dcdm": dcdm.key}, resident=resident,
+                                           key_deps=deps)
+            continue
+        out[c["config_key"]] = ctx.job("convert", params, deps, resident=resident)
     return out
 
 
 STAGE = Stage(
     name="convert", run="workers.stages:stage_convert", jobs=jobs, section="grid", params=GridSection,
-    section_default="required", upstream=("calibrate",),
+    section_default="required", upstream=("calibrate", "dcdm"),
     records=frozenset({"outputs", "plan_rows", "layer_diag", "artifacts"}),
     summary="a conversion plan per configuration; equal plans are one student")
