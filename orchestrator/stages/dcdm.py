@@ -9,10 +9,10 @@ discrepancies are metric rows of the configuration (`dcdm_weight`, `dcdm_discrep
 `dcdm_samples`; `task` = the source, `step` = the round).
 
 The final mix is a configuration of its own, `<config_key>|calibration=dcdm` (variant
-`calibration=dcdm`, its base in `note`), converted from the same statistics mixed with the DCDM weights and
-evaluated downstream like any other (ppl_pre, router_kd, evaluate). Its `variant_of` stays NULL: ppl_pre
-plans no evaluation of a configuration with a `variant_of` (a distillation variant shares its base's
-student), and a DCDM mixture is a student of its own.
+`calibration=dcdm`, `variant_of` its base), converted from the same statistics mixed with the DCDM weights
+and evaluated downstream like any other (ppl_pre, router_kd, evaluate): unlike a distillation variant,
+which shares its base's student, it has a conversion of its own. As a variant it never competes with its
+base in the selection rule.
 
 Section absent: no jobs. `held_out` defaults to each source's own data with, for the tiny corpus, the
 `valid` split in place of `train` (its domain kept); a jsonl or hf source keeps its data and is sampled
@@ -131,7 +131,7 @@ def dcdm_params(ctx: SweepContext, cfg: dict[str, Any]) -> dict[str, Any]:
 def mixture_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The configuration of a DCDM mixture: its base's axes, a key and variant label of its own."""
     base = cfg["config_key"]
-    return {**cfg, "config_key": f"{base}|{SUFFIX}", "variant": SUFFIX, "dcdm_of": base,
+    return {**cfg, "config_key": f"{base}|{SUFFIX}", "variant": SUFFIX, "variant_of": base, "dcdm_of": base,
             "note": f"calibration mixed by DCDM (the dcdm job of {base})"}
 
 

@@ -57,8 +57,8 @@ def ppl_job(ctx: SweepContext, cfg: dict[str, Any], stage: str = "ppl_pre") -> J
 def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
     out = {}
     for cfg in ctx.configs:
-        if cfg.get("variant_of") is not None:
-            continue
+        if cfg.get("variant_of") is not None and cfg["config_key"] not in ctx.jobs.get("convert", {}):
+            continue  # a distillation variant: its base's student (a DCDM mixture has a conversion of its own)
         if cfg["kind"] == "moe2dense" and ctx.succeeded("convert", cfg["config_key"]) is None:
             continue  # its conversion failed: nothing downstream of it runs
         out[cfg["config_key"]] = ppl_job(ctx, cfg)
