@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from orchestrator import configs as P
+from orchestrator.axes import AXES
 from orchestrator.spec import SweepSpec
 from orchestrator.stage import SweepContext, TeacherShape, stages, unique
 from orchestrator.stages.convert import subgrids
@@ -31,6 +32,8 @@ def plan_counts(spec: SweepSpec, shape: TeacherShape | None = None) -> tuple[lis
         keys += [j.key for j in distinct]
         if jobs:
             rows.append({"stage": st.name, "named": len(jobs), "distinct": len(distinct), "note": st.summary})
+        elif st.section and getattr(ctx.spec, st.section, None) is None:
+            continue  # its section is absent: the stage does not run
         elif any(ctx.jobs.get(u) for u in st.upstream):  # its plan needs results that do not exist yet
             rows.append({"stage": st.name, "named": "–", "distinct": "–",
                          "note": f"planned from the results of {', '.join(st.upstream)}" + (
@@ -41,7 +44,7 @@ def plan_counts(spec: SweepSpec, shape: TeacherShape | None = None) -> tuple[lis
 def dry_run(spec: SweepSpec, store, console: Console) -> None:
     shape = P.stated_shape(spec)
     rows, keys = plan_counts(spec, shape)
-    grids = "; ".join(" × ".join(f"{len(v)} {a}" for a, v in g.model_dump().items() if v is not None)
+    grids = "; ".join(" × ".join(f"{len(v)} {a}" for a, v in g.model_dump().items() if v is not None and a in AXES)
                       for g in subgrids(spec))
     console.print(f"[bold]{spec.name}[/]: teacher {P.teacher_label(spec)} (E={shape.num_experts}, k={shape.top_k}, "
                   f"from the {shape.source}); {grids}")
