@@ -64,14 +64,17 @@ def moe_view(label: str, results: pd.DataFrame, tasks: pd.DataFrame, model: str)
     return make_view(label, rows, tasks)
 
 
-def _key(r: dict[str, Any]) -> tuple[str, str, int, str]:
-    return (r["output"], method_of(r), int(r["K"]), r.get("recovery") or "none")
+def _key(r: dict[str, Any]) -> tuple[str, str, int, str, str]:
+    """(output, method, K, recovery, rest): what a configuration key adds after those four (e.g. a DCDM
+    mixture's `calibration=dcdm`) makes a row of its own."""
+    rest = "|".join(str(r["config_key"]).split("|")[4:])
+    return (r["output"], method_of(r), int(r["K"]), r.get("recovery") or "none", rest)
 
 
-def _sort_key(key: tuple[str, str, int, str]) -> tuple:
-    out, s, K, rec = key
+def _sort_key(key: tuple[str, str, int, str, str]) -> tuple:
+    out, s, K, rec, variant = key
     return (SMALLER.index(out), order_key(METHOD_AXIS[out], s), -K, list(RECOVERY_LABEL).index(rec)
-            if rec in RECOVERY_LABEL else len(RECOVERY_LABEL), rec)
+            if rec in RECOVERY_LABEL else len(RECOVERY_LABEL), rec, variant)
 
 
 def _cells(view: View, r: dict[str, Any] | None, tasks: list[str], shared: bool = False) -> list[str]:
@@ -121,8 +124,8 @@ def moe_table(view: View, ref: View | None, stem: str) -> Table | None:
             line += _cells(ref, t_ref, common, shared)
         rows += [line, r"\midrule"]
     for key in sorted(set(mine) | set(theirs), key=_sort_key):
-        out, s, K, rec = key
-        line = [PARADIGM[out], esc(s), str(K), esc(RECOVERY_LABEL.get(rec, rec)),
+        out, s, K, rec, variant = key
+        line = [PARADIGM[out], esc(f"{s} ({variant})" if variant else s), str(K), esc(RECOVERY_LABEL.get(rec, rec)),
                 *_cells(view, mine.get(key), view.tasks)]
         if ref is not None:
             line += _cells(ref, theirs.get(key), common, shared)

@@ -1,5 +1,5 @@
-"""Published numbers as reference sweeps: the core paper's, and the smaller MoEs of the Router KD and
-REAP papers (at the end of this file).
+"""Published numbers as reference sweeps: the core paper's, the smaller MoEs of the Router KD, REAP and
+C2F/DCDM papers, and DOT-MoE's dense → MoE models (at the end of this file).
 
 Each paper table becomes configurations with the same axes and metric names as our own runs
 (workers/stages.py), so one query over the `results` view covers both. Accuracies are stored as
@@ -797,9 +797,111 @@ def reap(model: str) -> dict[str, Any]:
     }
 
 
+# ---- seed 003 (coarse-to-fine pruning, DCDM) and seed 004 (DOT-MoE) --------------------------------
+C2F_TITLE = "Compressing Large MoE Models via Efficient Pruning and Data-Aware Calibration (anonymous)"
+C2F_SOURCE = "paper:C2F/DCDM (anonymous)"
+C2F_SWEEP = "paper:c2f-qwen3-30b-a3b-thinking"
+C2F_MODEL = "Qwen3-30B-A3B-Thinking-2507"  # 128 routed experts, top-8; 50% pruned → 64 (Sec. 5.1)
+C2F_TABLE = "c2f_table2_3_qwen3_thinking"
+# the table's columns: MMLU is multiple choice (acc, headline); the others are generative scores
+C2F_TASKS = {"mmlu": ("acc", 1), "math500": ("score", 0), "aime25": ("score", 0), "lcb": ("score", 0)}
+C2F_TASK_NAME = {"mmlu": "mmlu", "math500": "math500", "aime25": "aime25", "lcb": "livecodebench"}
+# the paper's method → (our name, paradigm); "Weights" (CD-MoE's routing-weight ratio) is not ours
+C2F_METHODS = {"Ours": ("CFES", "pruning"), "DCDM": ("CFES", "pruning"), "Fixed": ("CFES", "pruning"),
+               "Weights": ("Weights", "pruning"), "HC-SMoE": ("HC-SMoE", "merging")}
+
+
+def c2f() -> dict[str, Any]:
+    """The C2F/DCDM paper's Tables 2 and 3: Qwen3-30B-A3B-Thinking at 64 of 128 experts per layer, each
+    method calibrated on one domain, and the paper's method on a fixed 1:1:1 mix and on DCDM's mix. Keys
+    as our seed003 sweep writes them: the mixed run is the main configuration, a single-domain or DCDM run
+    a variant of it (`…|calibration=<name>`)."""
+    out: list[dict[str, Any]] = []
+    main = moe_key("CFES", 64, "none")
+    seen: set[str] = set()
+    for r in read_table(C2F_TABLE):
+        metrics = [{"name": name, "stage": "post", "task": C2F_TASK_NAME[col], "value": float(r[col]) / 100.0,
+                    "headline": head, "extra": {"table": r["table"], "published": r[col]}}
+                   for col, (name, head) in C2F_TASKS.items()]
+        metrics.append({"name": "avg_published", "stage": "post", "value": float(r["average"]) / 100.0,
+                        "extra": {"table": r["table"], "published": r["average"], "over": "all four columns"}})
+        common = {"model": C2F_MODEL, "teacher_variant": "thinking", "top_k": 8, "table": f"c2f_{r['table']}",
+                  "metrics": metrics}
+        if r["method"] == "Original":
+            out.append({"config_key": "teacher", "kind": "teacher", "note": "the original model", **common})
+            continue
+        if r["method"] not in C2F_METHODS:
+            raise ValueError(f"{C2F_TABLE}: method {r['method']!r}; allowed: Original, {', '.join(C2F_METHODS)}")
+        method, paradigm = C2F_METHODS[r["method"]]
+        fields = moe_fields(method, paradigm, 64, "none")
+        if r["calibration"] != "fixed":
+            fields["config_key"] += f"|calibration={r['calibration']}"
+            if fields["config_key"].startswith(main + "|"):  # a variant of the mixed run (the others have none)
+                fields["variant"] = f"calibration={r['calibration']}"
+                fields["variant_of_key"] = main
+        if fields["config_key"] in seen:  # DCDM is printed in Tables 2 and 3 with the same numbers
+            first = next(c for c in out if c["config_key"] == fields["config_key"])
+            if [m["value"] for m in first["metrics"]] != [m["value"] for m in metrics]:
+                raise ValueError(f"{C2F_TABLE}: {r['method']} differs between Tables 2 and 3")
+            first["table"] += f"+c2f_{r['table']}"
+            continue
+        seen.add(fields["config_key"])
+        cal = {"fixed": "the fixed 1:1:1 mix of C4, OpenR1-Math and rStar-Coder",
+               "dcdm": "the mix DCDM found (2:1:1, code up-weighted)"}.get(r["calibration"], f"{r['calibration']} only")
+        out.append({**fields, **common, "note": f"{r['method']}, 50% of the routed experts pruned, calibrated on {cal}"})
+    return {"name": C2F_SWEEP, "source": C2F_SOURCE, "select": None, "configs": out,
+            "description": f"{C2F_TITLE}: Tables 2 and 3, {C2F_MODEL} with 64 of 128 experts per layer — "
+            "Weights, HC-SMoE and coarse-to-fine selection per calibration domain, fixed and DCDM mixes."}
+
+
+DOT_TITLE = "Bamba et al., DOT-MoE: Differentiable Optimal Transport for MoEfication"
+DOT_SOURCE = "paper:Bamba et al. (DOT-MoE)"
+DOT_SWEEP = "paper:dot-moe"
+# Table 3: (task, metric, shots) per column
+DOT_T3 = {"boolq": ("acc", 32), "sciq": ("acc", 0), "piqa": ("acc", 0), "winogrande": ("acc", 5),
+          "arc_challenge": ("acc_norm", 25), "hellaswag": ("acc_norm", 10)}
+DOT_T8 = {"arc_easy": "acc_norm", "arc_challenge": "acc_norm", "piqa": "acc_norm", "winogrande": "acc",
+          "hellaswag": "acc_norm"}
+
+
+def _slug(text: str) -> str:
+    """`CMoE (E8A1S1)` → `cmoe-e8a1s1`, `Qwen2.5 7B` → `qwen2-5-7b`."""
+    return "-".join("".join(c.lower() if c.isalnum() else " " for c in text).split())
+
+
+def dot_moe() -> dict[str, Any]:
+    """The DOT-MoE paper's Table 3 (zero-shot after alignment only, three dense models, against pruning
+    and dense-to-MoE baselines) and Table 8 (Qwen2.5-7B trained at 50% / 75% FFN sparsity, evaluated at
+    four inference sparsities). Configurations of kind dense2moe, keyed by model, method and size."""
+    out: list[dict[str, Any]] = []
+    for r in read_table("dot_moe_table3_zero_shot"):
+        metrics = [{"name": m, "stage": "post", "task": t, "value": float(r[t]) / 100.0, "headline": 1,
+                    "num_fewshot": n, "extra": {"table": "dot_table3", "published": r[t]}}
+                   for t, (m, n) in DOT_T3.items()]
+        metrics.append({"name": "avg_published", "stage": "post", "value": float(r["avg"]) / 100.0,
+                        "extra": {"table": "dot_table3", "published": r["avg"]}})
+        out.append({"config_key": f"dense2moe|{_slug(r['method'])}|{_slug(r['model'])}|active={r['active_params_b']}B",
+                    "model": r["model"], "kind": "dense2moe", "baseline": r["method"], "table": "dot_table3",
+                    "note": f"{r['method']} on {r['model']}, {r['active_params_b']}B active parameters, zero-shot "
+                            "after alignment only (dense weights never trained)", "metrics": metrics})
+    for r in read_table("dot_moe_table8_sparsity"):
+        metrics = [{"name": m, "stage": "post", "task": t, "value": float(r[t]) / 100.0, "headline": 1,
+                    "extra": {"table": "dot_table8", "published": r[t]}} for t, m in DOT_T8.items()]
+        metrics.append({"name": "avg_published", "stage": "post", "value": float(r["avg"]) / 100.0,
+                        "extra": {"table": "dot_table8", "published": r["avg"]}})
+        out.append({"config_key": f"dense2moe|dot-moe|qwen2-5-7b|trained={r['trained_sparsity']}%"
+                                  f"|inference={r['inference_sparsity']}%",
+                    "model": "Qwen2.5 7B", "kind": "dense2moe", "baseline": "DOT-MoE", "table": "dot_table8",
+                    "note": f"DOT-MoE trained at {r['trained_sparsity']}% FFN sparsity, evaluated at "
+                            f"{r['inference_sparsity']}% (inference top-k changed, no retraining)", "metrics": metrics})
+    return {"name": DOT_SWEEP, "source": DOT_SOURCE, "select": None, "configs": out,
+            "description": f"{DOT_TITLE}: Table 3 (zero-shot after alignment, LLaMA-2 7B, LLaMA-3 8B, Qwen2.5 7B) "
+            "and Table 8 (training × inference sparsity, Qwen2.5-7B)."}
+
+
 def reference_sweeps() -> list[dict[str, Any]]:
     """Every reference sweep: the core paper's (the first is its main study; the CLI relies on it), then
-    the smaller-MoE studies of the Router KD and REAP papers."""
+    the smaller-MoE studies of the Router KD, REAP and C2F/DCDM papers, and DOT-MoE's dense → MoE."""
     return [
         qwen3_main(),
         qwen3_extended(),
@@ -810,4 +912,6 @@ def reference_sweeps() -> list[dict[str, Any]]:
         router_kd(),
         reap("Qwen3-30B-A3B"),
         reap("GLM-4.5-Air"),
+        c2f(),
+        dot_moe(),
     ]

@@ -80,11 +80,11 @@ def write_report(frames: Frames, name: str, out_dir: Path, compare: Frames | Non
             f"sweep {name!r}: no configurations in the loaded frames; allowed: {', '.join(frames.sweeps)}"
         )
     # dense students go through the core paper's tables and figures; smaller MoEs have a table of their own
-    res = everything[~everything["output"].isin(mt.SMALLER)]
+    res = everything[~everything["output"].isin(mt.SMALLER) & (everything["kind"] != "dense2moe")]
     tasks = frames.tasks[frames.tasks["sweep"] == name]
     cres = compare.results[compare.results["sweep"] != name] if compare is not None else None
     if cres is not None:  # the papers' smaller MoEs are compared in their own table, not as dense students
-        cres = cres[~cres["output"].isin(mt.SMALLER)]
+        cres = cres[~cres["output"].isin(mt.SMALLER) & (cres["kind"] != "dense2moe")]
     # a reference sweep is not compared with itself or its siblings in tables; Figure 7 still
     # gains the other models' panels
     tables_compare = cres is not None and "reference" not in set(res["sweep_kind"])

@@ -278,7 +278,7 @@ def migrate(db: DbOpt = None) -> None:
 
 @app.command("import-paper")
 def import_paper(db: DbOpt = None) -> None:
-    """Load published numbers (the core paper, the Router KD and REAP papers) as reference sweeps
+    """Load published numbers (the core paper; the Router KD, REAP, C2F/DCDM and DOT-MoE papers) as reference sweeps
     (idempotent, one transaction)."""
     from analysis.reference import reference_sweeps
 

@@ -35,6 +35,10 @@ def test_every_shipped_table_is_imported_with_known_fields():
         "router_kd_table2",
         "router_kd_table3",
         "reap_table2",
+        "c2f_table2",
+        "c2f_table3",
+        "dot_table3",
+        "dot_table8",
     }
     for s in SWEEPS:
         assert s["source"].startswith("paper:") and s["description"]
@@ -44,7 +48,7 @@ def test_every_shipped_table_is_imported_with_known_fields():
             assert set(c) <= set(CONFIG_FIELDS) | {"config_key", "table", "metrics", "variant_of_key"}, c[
                 "config_key"
             ]
-            assert c["kind"] in ("moe2dense", "baseline", "teacher")
+            assert c["kind"] in ("moe2dense", "baseline", "teacher", "dense2moe")
             for m in c["metrics"]:
                 assert set(m) <= set(METRIC_FIELDS) | {"extra"}, m
                 if m["name"] in ("acc", "acc_norm"):  # stored as fractions (the CSVs are percentages)
@@ -232,6 +236,8 @@ def test_reference_identities_are_stored(tmp_path):
         "paper:router-kd-qwen3-30b-a3b": None,
         "paper:reap-qwen3-30b-a3b": None,
         "paper:reap-glm-4.5-air": None,
+        "paper:c2f-qwen3-30b-a3b-thinking": None,
+        "paper:dot-moe": None,
     }
 
 

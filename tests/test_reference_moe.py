@@ -461,3 +461,79 @@ def test_moe_table_compiles_alone(store, tmp_path):
     )
     assert r.returncode == 0, r.stdout[-3000:]
     assert "Overfull \\hbox" not in tex.with_suffix(".log").read_text(errors="replace")
+
+
+# ---- seeds 003 (C2F/DCDM) and 004 (DOT-MoE) ----------------------------------------------------------
+def test_every_c2f_and_dot_moe_value_round_trips(store):
+    from analysis.reference import C2F_SWEEP, DOT_SWEEP, _slug
+
+    assert _slug("CMoE (E8A1S1)") == "cmoe-e8a1s1" and _slug("Qwen2.5 7B") == "qwen2-5-7b"
+    n = 0
+    for r in read_table("c2f_table2_3_qwen3_thinking"):
+        if r["method"] == "Original":
+            key = "teacher"
+        else:
+            out, method = {"HC-SMoE": ("merged", "HC-SMoE"), "Weights": ("moe", "Weights")}.get(
+                r["method"], ("moe", "CFES"))
+            key = f"{out}|{method}|K=64|recovery=none" + (
+                "" if r["calibration"] == "fixed" else f"|calibration={r['calibration']}")
+        for col, task in (("mmlu", "mmlu"), ("math500", "math500"), ("aime25", "aime25"), ("lcb", "livecodebench")):
+            assert _value(store, C2F_SWEEP, key, "acc" if col == "mmlu" else "score", task) == float(r[col]) / 100
+            n += 1
+        assert _value(store, C2F_SWEEP, key, "avg_published") == float(r["average"]) / 100
+    assert n == 13 * 4
+    for r in read_table("dot_moe_table3_zero_shot"):
+        key = f"dense2moe|{_slug(r['method'])}|{_slug(r['model'])}|active={r['active_params_b']}B"
+        assert _value(store, DOT_SWEEP, key, "avg_published") == float(r["avg"]) / 100, key
+        assert _value(store, DOT_SWEEP, key, "acc_norm", "hellaswag") == float(r["hellaswag"]) / 100
+    _, rows = store.query("SELECT COUNT(*) FROM configurations c JOIN sweeps s ON s.id = c.sweep_id "
+                          "WHERE s.name = :s AND c.kind = 'dense2moe'", {"s": DOT_SWEEP})
+    assert rows[0][0] == 16 + 8
+
+
+def test_c2f_keys_are_those_our_seed003_sweep_writes():
+    """The 1:1:1 CFES run and its DCDM mixture are configurations our sweep makes; the single-domain runs
+    are variants of the mixed one."""
+    from analysis.reference import C2F_SWEEP, c2f
+    from orchestrator.spec import load_spec
+    from orchestrator.stages.convert import grid_configs
+    from orchestrator.stages.dcdm import mixture_config
+
+    spec, _, _ = load_spec("seed003-c2f-qwen3-30b-a3b-thinking")
+    ours = {c["config_key"]: c for c in grid_configs(spec, "Qwen3-30B-A3B-Thinking-2507", 8)}
+    ours |= {m["config_key"]: m for m in (mixture_config(c) for c in list(ours.values()) if c["scoring"] == "CFES")}
+    ref = {c["config_key"]: c for c in c2f()["configs"]}
+    assert {"moe|CFES|K=64|recovery=none", "moe|CFES|K=64|recovery=none|calibration=dcdm"} <= set(ours) & set(ref)
+    assert ref["moe|CFES|K=64|recovery=none|calibration=dcdm"]["variant_of_key"] == "moe|CFES|K=64|recovery=none"
+    assert c2f()["name"] == C2F_SWEEP
+
+
+def test_report_shows_a_dcdm_variant_beside_the_paper(store, tmp_path):
+    from analysis.load import load_frames
+    from analysis.reference import C2F_MODEL, C2F_SWEEP
+    from analysis.report import write_report
+
+    sid = store.upsert_sweep("own-c2f", spec_yaml="name: own-c2f")
+    base = {"model": C2F_MODEL, "kind": "moe2dense", "output": "moe", "scoring": "CFES", "K": 64,
+            "recovery": "none", "top_k": 8}
+    cfgs = [{**base, "config_key": "moe|CFES|K=64|recovery=none"},
+            {**base, "config_key": "moe|CFES|K=64|recovery=none|calibration=dcdm", "variant": "calibration=dcdm"}]
+    ids = store.upsert_configs(sid, cfgs)
+    links = []
+    for (key, cid), acc in zip(ids.items(), (0.40, 0.45), strict=True):
+        job = f"own-c2f:{key}"
+        store.register_jobs(sid, [{"key": job, "stage": "evaluate", "params": {"k": job}}])
+        assert store.claim(job, "t")
+        store.finish(job, "t", {"metrics": [{"name": "acc", "stage": "post", "task": "mmlu", "value": acc,
+                                             "headline": 1}]}, 0.1)
+        links.append((cid, "evaluate", store.jobs([job])[job]["id"]))
+    store.link(links)
+    refs = load_frames(store.engine, list(SWEEPS))
+    write_report(load_frames(store.engine, ["own-c2f"]), "own-c2f", tmp_path / "c2f", refs)
+    tex = (tmp_path / "c2f" / "tables" / "moe.tex").read_text()
+    rows = _table_rows(tex)
+    # ours (MMLU 40.00 / 45.00) beside the paper's Table 3 (Fixed 50.58, DCDM 52.56; its Avg over 4 tasks)
+    assert any(r.startswith("prune & CFES & 64 & none & 40.00 & 40.00 & 50.58") for r in rows), rows
+    assert any(r.startswith("prune & CFES (calibration=dcdm) & 64 & none & 45.00 & 45.00 & 52.56") for r in rows)
+    assert any(r.startswith("merge & HC-SMoE (calibration=c4) & 64 & none &  &  & 39.42") for r in rows), rows
+    assert C2F_SWEEP in tex
