@@ -34,6 +34,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from workers.editing import PROJECTIONS, reconstruct
+from workers.families.fused import fill_from_teacher
 from workers.types import LayerPlan
 
 SUFFIX = "_edited"
@@ -249,49 +250,10 @@ def edited_moe_student(model: nn.Module, adapter: Any, plans: Sequence[LayerPlan
     replaced = {}
     for key, t in factors.items():
         _, layer, proj, name = key.split(".", 3)
-        replaced[f"model.layers.{layer}.mlp.experts.{proj}.{name}"] = t.detach().to(ref.device, ref.dtype)
-    _fill(student, model, replaced)
+        replaced[f"model.layers.{layer}.mlp.experts.{proj}.{name}"] = t.detach().to(ref.device, ref.dtype).clone()
+    fill_from_teacher(student, model, replaced, "edited model")
     if getattr(model, "generation_config", None) is not None:
         student.generation_config = copy.deepcopy(model.generation_config)
     return student.eval()
 
 
-def _fill(student: nn.Module, teacher: nn.Module, replaced: dict[str, torch.Tensor]) -> None:
-    """Give every meta parameter/buffer of `student` its tensor: `replaced[name]`, else a copy of the
-    teacher's tensor of that name (one copy per teacher object, so tied names stay tied)."""
-    source = {**dict(teacher.named_parameters(remove_duplicate=False)),
-              **dict(teacher.named_buffers(remove_duplicate=False))}
-    memo: dict[Any, torch.Tensor] = {}
-
-    def tensor(name: str, like: torch.Tensor) -> tuple[Any, torch.Tensor]:
-        if name in replaced:
-            key, make = ("new", name), lambda: replaced[name].contiguous().clone()
-        elif name in source:
-            key, make = ("teacher", id(source[name])), lambda: source[name].detach().clone()
-        else:
-            raise ValueError(f"{name}: the edited model needs it; neither the factors nor the teacher have it")
-        if key not in memo:
-            memo[key] = make()
-        if tuple(memo[key].shape) != tuple(like.shape):
-            raise ValueError(f"{name}: shape {tuple(memo[key].shape)}, the edited config builds {tuple(like.shape)}")
-        return key, memo[key]
-
-    params: dict[Any, nn.Parameter] = {}
-    used = set()
-    for name, p in list(student.named_parameters(remove_duplicate=False)):
-        key, t = tensor(name, p)
-        used.add(name)
-        if key not in params:
-            params[key] = nn.Parameter(t, requires_grad=p.requires_grad)
-        mod_name, _, leaf = name.rpartition(".")
-        student.get_submodule(mod_name)._parameters[leaf] = params[key]
-    for name, b in list(student.named_buffers(remove_duplicate=False)):
-        mod_name, _, leaf = name.rpartition(".")
-        student.get_submodule(mod_name)._buffers[leaf] = tensor(name, b)[1]
-    unused = sorted(set(replaced) - used)
-    if unused:
-        raise ValueError(f"factors not used by the edited model: {', '.join(unused[:3])}")
-    for mod_name, mod in student.named_modules():
-        for key, v in vars(mod).items():
-            if isinstance(v, torch.Tensor) and v.is_meta and key not in ("_parameters", "_buffers"):
-                raise ValueError(f"edited model tensor attribute {mod_name}.{key} left on the meta device")

@@ -551,9 +551,19 @@ def rebuild(cfg: Any, teacher: nn.Module, replaced: dict[str, torch.Tensor]) -> 
         student = AutoModelForCausalLM.from_config(cfg)
     if type(student) is not type(teacher):
         raise ValueError(f"config builds {type(student).__name__}, the teacher is {type(teacher).__name__}")
+    fill_from_teacher(student, teacher, replaced, "pruned model")
+    if getattr(teacher, "generation_config", None) is not None:
+        student.generation_config = copy.deepcopy(teacher.generation_config)
+    return student.eval()
+
+
+def fill_from_teacher(student: nn.Module, teacher: nn.Module, replaced: dict[str, torch.Tensor], what: str) -> None:
+    """Give every (meta) parameter and buffer of `student` its tensor: `replaced[name]` where given, else a
+    copy of the teacher's tensor of that name — one new tensor (and one Parameter) per source object, so
+    the teacher's tied names stay tied. Every shape must match; every replaced tensor must be used; no
+    tensor attribute may stay on the meta device. `what` names the model in errors."""
     source = {**dict(teacher.named_parameters(remove_duplicate=False)),
               **dict(teacher.named_buffers(remove_duplicate=False))}
-    # one new tensor (and one Parameter) per source object: the teacher's tied names stay tied
     memo: dict[tuple, torch.Tensor] = {}
     params: dict[tuple, nn.Parameter] = {}
 
@@ -567,25 +577,28 @@ def rebuild(cfg: Any, teacher: nn.Module, replaced: dict[str, torch.Tensor]) -> 
             if key not in memo:
                 memo[key] = source[name].detach().clone()
         else:
-            raise ValueError(f"{name}: the pruned model needs it, the teacher has no such tensor")
+            raise ValueError(f"{name}: the {what} needs it, the teacher has no such tensor")
         t = memo[key]
         if tuple(t.shape) != tuple(like.shape):
-            raise ValueError(f"{name}: shape {tuple(t.shape)} but the pruned config builds {tuple(like.shape)}")
+            raise ValueError(f"{name}: shape {tuple(t.shape)} but the {what}'s config builds {tuple(like.shape)}")
         return key, t
 
+    used = set()
     for name, p in list(student.named_parameters(remove_duplicate=False)):
         key, t = tensor(name, p)
+        used.add(name)
         if key not in params:
             params[key] = nn.Parameter(t, requires_grad=p.requires_grad)
         mod_name, _, leaf = name.rpartition(".")
         student.get_submodule(mod_name)._parameters[leaf] = params[key]
     for name, b in list(student.named_buffers(remove_duplicate=False)):
+        used.add(name)
         mod_name, _, leaf = name.rpartition(".")
         student.get_submodule(mod_name)._buffers[leaf] = tensor(name, b)[1]
-    if getattr(teacher, "generation_config", None) is not None:
-        student.generation_config = copy.deepcopy(teacher.generation_config)
+    unused = sorted(set(replaced) - used)
+    if unused:
+        raise ValueError(f"tensors not used by the {what}: {', '.join(unused[:3])}")
     for mod_name, mod in student.named_modules():
         for key, v in vars(mod).items():
             if isinstance(v, torch.Tensor) and v.is_meta and key not in ("_parameters", "_buffers"):
-                raise ValueError(f"pruned model tensor attribute {mod_name}.{key} left on the meta device")
-    return student.eval()
+                raise ValueError(f"{what} tensor attribute {mod_name}.{key} left on the meta device")
