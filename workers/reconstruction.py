@@ -150,6 +150,16 @@ def _better(d: float, best: float | None) -> bool:
     return best is None or d < best - TIE_RTOL * abs(best)
 
 
+def _argmin(items: list, loss_of: Callable[[Any], float]) -> tuple[Any, float | None]:
+    """The first item of the lowest loss (a later one wins only by more than the tie tolerance), and it."""
+    best, best_d = None, None
+    for it in items:
+        d = loss_of(it)
+        if _better(d, best_d):
+            best, best_d = it, d
+    return best, best_d
+
+
 def default_group_size(E: int, K: int) -> int:
     """S* = round(√(E + (1 − K)/2)), halves rounded up (Algorithm 1, "Group size"; Eq. 5's minimiser)."""
     return max(1, math.floor(math.sqrt(E + (1 - K) / 2) + 0.5))
@@ -175,11 +185,7 @@ def greedy(loss: LayerLoss, K: int, forced: list[int], s: ReconSettings) -> tupl
     """Add the expert whose addition gives the smallest loss, K − |forced| times (§4.1, layer-wise greedy)."""
     sel, cand, steps = list(forced), [e for e in range(loss.E) if e not in forced], []
     for _ in range(K - len(forced)):
-        best, best_d = None, None
-        for e in cand:
-            d = loss([*sel, e])
-            if _better(d, best_d):
-                best, best_d = e, d
+        best, best_d = _argmin(cand, lambda e: loss([*sel, e]))
         sel.append(best)
         cand.remove(best)
         steps.append(best_d)
@@ -197,16 +203,8 @@ def coarse_to_fine(loss: LayerLoss, K: int, forced: list[int], s: ReconSettings)
     for _ in range(K - len(forced)):
         order = cand if s.partition == "sequential" else [cand[i] for i in torch.randperm(len(cand), generator=gen)]
         groups = [order[i:i + S] for i in range(0, len(order), S)]
-        best_g, best_gd = None, None
-        for g in groups:  # coarse: Sel ∪ G_k
-            d = loss([*sel, *g])
-            if _better(d, best_gd):
-                best_g, best_gd = g, d
-        best, best_d = None, None
-        for e in sorted(best_g):  # fine: Sel ∪ {e}, e ∈ G*
-            d = loss([*sel, e])
-            if _better(d, best_d):
-                best, best_d = e, d
+        best_g, _ = _argmin(groups, lambda g: loss([*sel, *g]))  # coarse: Sel ∪ G_k
+        best, best_d = _argmin(sorted(best_g), lambda e: loss([*sel, e]))  # fine: Sel ∪ {e}, e ∈ G*
         sel.append(best)
         cand.remove(best)
         steps.append(best_d)
