@@ -53,7 +53,8 @@ def stage_teacher(payload: dict, cache: dict, progress) -> dict:
 # ---- calibration ------------------------------------------------------------------------------
 def stage_calibrate(payload: dict, cache: dict, progress) -> dict:
     """One pass of the teacher over each calibration source's own windows; every source's statistics are
-    kept apart in one file (mixed with the sources' weights when they are loaded)."""
+    kept apart in one file (mixed with the sources' weights when they are loaded). `streamed`: the teacher
+    is read from its shards one decoder layer at a time (workers.streamed), never resident."""
     from workers.calibrate import (
         calibration_sources,
         collect_stats,
@@ -64,7 +65,11 @@ def stage_calibrate(payload: dict, cache: dict, progress) -> dict:
     from workers.families import get_adapter
 
     p = payload["params"]
-    model, tok = resident_teacher(payload, cache)
+    if p.get("streamed"):
+        run, tok, model = _streamed_teacher(payload, p.get("offload_hidden", False))
+    else:
+        model, tok = resident_teacher(payload, cache)
+        run = collect_stats
     adapter = get_adapter(model)
     sources = calibration_sources(p)
     n_sample = p.get("sample_tokens", 0)  # absent (= 0) unless set: older job keys stay what they were
@@ -75,8 +80,8 @@ def stage_calibrate(payload: dict, cache: dict, progress) -> dict:
         batches = [(ids[i:i + p["batch_size"]].to(device()), mask[i:i + p["batch_size"]].to(device()))
                    for i in range(0, len(ids), p["batch_size"])]
         cb = (lambda i, n, name=name: progress(i, n, f"calibrate {name}")) if progress else None
-        stats = collect_stats(model, adapter, batches, chunk_tokens=p["chunk_tokens"], progress=cb,
-                              sample_tokens=n_sample, sample_seed=p["seed"])
+        stats = run(model, adapter, batches, chunk_tokens=p["chunk_tokens"], progress=cb,
+                    sample_tokens=n_sample, sample_seed=p["seed"])
         per_source[name] = stats_to(stats, "cpu")  # the next source's pass gets the device memory back
     path = Path(payload["workdir"]) / "stats.safetensors"
     keys = [k for k in ("teacher", "data", "sources", "seq_len", "n_samples", "seed", "sample_tokens") if k in p]
@@ -90,6 +95,24 @@ def stage_calibrate(payload: dict, cache: dict, progress) -> dict:
             "metrics": [_metric("calib_tokens", float(n), stage="calib", task=name, n_tokens=n)
                         for name, n in counts.items()],
             "artifacts": [artifact("calibration_stats", path)]}
+
+
+def _streamed_teacher(payload: dict, offload: bool) -> tuple[Any, Any, Any]:
+    """(collect_stats's stand-in reading the teacher one layer at a time, the tokenizer, the teacher's
+    meta-device skeleton): nothing of the teacher is loaded until a pass runs."""
+    from transformers import AutoTokenizer
+
+    from workers.runtime import DTYPES
+    from workers.streamed import StreamedTeacher, checkpoint_dir, streamed_stats
+
+    ref = payload["params"]["teacher"]
+    path = teacher_path(payload)
+    teacher = StreamedTeacher(checkpoint_dir(path, ref.get("revision")), DTYPES[ref.get("dtype", "float32")])
+    tok = AutoTokenizer.from_pretrained(path, revision=ref.get("revision"))
+
+    def run(model, adapter, batches, **kw: Any) -> dict:
+        return streamed_stats(teacher, adapter, batches, offload=offload, **kw)
+    return run, tok, teacher.model
 
 
 # ---- conversion plans -------------------------------------------------------------------------
