@@ -177,3 +177,51 @@ def test_memory_needed_for_qwen3_30b_and_235b_by_hand():
     # the embedding phase is the larger one only when the embeddings outweigh a layer (a tiny model)
     tiny = memory_needed(10, 1000, 4, 2, 2, 8, 4, 4, offload=True)
     assert tiny["total"] == 2 * 1000 + 2 * 4 * 4 * 2
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_streamed_contexts_equal_the_resident_ones(family, tmp_path):
+    """Conversion's LayerContext per MoE layer read from the shards: the same experts (biases, activation),
+    router weight, k and renormalization as the resident teacher's; one layer materialised at a time."""
+    from workers.convert import layer_contexts
+    from workers.streamed import StreamedContexts
+
+    full = saved_teacher(tmp_path, family, torch.float64, experts_implementation="eager")
+    adapter = get_adapter(full)
+    stats = collect_stats(full, adapter, padded_batches(), chunk_tokens=8)
+    want = layer_contexts(full, adapter, stats)
+    teacher = StreamedTeacher(tmp_path, torch.float64, experts_implementation="eager")
+    got = StreamedContexts(teacher, get_adapter(teacher.model), stats)
+    assert list(got) == sorted(want)
+    for layer, w in want.items():
+        g = got[layer]
+        assert not teacher.materialised()  # the layer is freed; the context holds the experts alone
+        assert (g.top_k, g.renormalized, g.stats) == (w.top_k, w.renormalized, w.stats)
+        assert torch.equal(g.router_weight, w.router_weight)
+        for name, value in vars(w.experts).items():
+            other = getattr(g.experts, name)
+            assert torch.equal(other, value) if isinstance(value, torch.Tensor) else other == value, name
+    assert len(teacher.peak[1]) == len({n for n in teacher.peak[1] if n.startswith("model.layers.")})
+
+
+def test_streamed_convert_stage_writes_the_resident_plans(tmp_path):
+    """stage_convert of a streamed calibration (its outputs say `streamed`) plans from contexts read from
+    the shards: the same pruned-MoE and dense plans as from the resident teacher."""
+    from workers.calibrate import save_stats
+    from workers.stages import stage_convert
+
+    full = saved_teacher(tmp_path, "qwen3_moe", torch.float32)
+    save_stats(collect_stats(full, get_adapter(full), padded_batches(), chunk_tokens=8), tmp_path / "s.safetensors")
+    teacher = {"source": "tiny", "dtype": "float32"}
+    for params in ({"output": "moe", "scoring": "REAP", "K": 4},
+                   {"scoring": "CP", "grouping": "RR", "dp_scaling": "uniform", "K": 3}):
+        plans = {}
+        for mode, calib in (("resident", {}), ("streamed", {"streamed": True})):
+            work = tmp_path / f"{mode}-{params['K']}"
+            work.mkdir()
+            payload = {"params": {"teacher": teacher, **params}, "workdir": str(work), "home": str(tmp_path),
+                       "inputs": {"teacher": {"path": str(tmp_path)},
+                                  "calibrate": {"stats": str(tmp_path / "s.safetensors"), **calib}}}
+            rec = stage_convert(payload, {}, None)
+            plans[mode] = (rec["outputs"]["plan_key"], json.loads((work / "plan.json").read_text()))
+        assert plans["streamed"] == plans["resident"]

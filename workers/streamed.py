@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +44,7 @@ from workers.calibrate import (
     sample_plan,
     stats_to,
 )
-from workers.types import LayerStats
+from workers.types import LayerContext, LayerStats
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -345,6 +345,45 @@ def _run_layer(teacher: StreamedTeacher, adapter, i: int, layer: nn.Module,
 
 def layer_device(layer: nn.Module) -> torch.device:
     return next(layer.parameters()).device
+
+
+# ---- conversion: one layer's context at a time --------------------------------------------------------
+class StreamedContexts(Mapping):
+    """{MoE layer: LayerContext} of a streamed teacher, each read from the shards when it is asked for:
+    the layer is read onto `device`, its experts and router weight kept (views of what was read) and the
+    rest of the layer freed. Nothing is kept between look-ups, so a caller going through the layers in
+    order holds one layer's experts at a time (and reads the shards again on every look-up)."""
+
+    def __init__(self, teacher: StreamedTeacher, adapter, stats: dict[int, LayerStats],
+                 device: torch.device | str = "cpu"):
+        moe = adapter.moe_layers(teacher.model)
+        extra = sorted(set(stats) - set(moe))
+        if extra:
+            raise ValueError(f"stats: layers {extra} are not MoE layers; MoE layers are {moe}")
+        self.teacher, self.adapter, self.stats, self.device = teacher, adapter, stats, torch.device(device)
+        self.layers = [layer for layer in moe if layer in stats]
+        self.top_k, self.renormalized = adapter.top_k(teacher.model), adapter.renormalized(teacher.model)
+
+    def __getitem__(self, layer: int) -> LayerContext:
+        if layer not in self.layers:
+            raise KeyError(layer)
+        try:
+            self.teacher.load_layer(layer, self.device)
+            experts = self.adapter.expert_weights(self.teacher.model, layer)
+            router = self.adapter.router_weight(self.teacher.model, layer)
+        finally:
+            self.teacher.free_layer(layer)  # the views above keep the experts' and router's storage alone
+        if self.stats[layer].num_experts != experts.num_experts:
+            raise ValueError(f"stats[{layer}]: {self.stats[layer].num_experts} experts, the model has "
+                             f"{experts.num_experts}")
+        return LayerContext(stats=self.stats[layer], experts=experts, router_weight=router, top_k=self.top_k,
+                            renormalized=self.renormalized)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
 
 
 # ---- what it needs ----------------------------------------------------------------------------------
