@@ -409,7 +409,8 @@ def memory_needed(layer_params: int, embed_params: int, hidden: int, experts: in
     running batch's input and output); the all-experts pass of LayerAccumulator on one chunk (gate and up
     [E, chunk, 2I] and the outputs [E, chunk, H]); the float64 sums (two [E, E] Grams, [E, H], [H, H]).
     Not counted: the layer's own forward on one batch (attention, router, routed experts: a few
-    [batch_tokens, H]-sized tensors for SDPA attention), the masks and position embeddings."""
+    [batch_tokens, H]-sized tensors for SDPA attention), each batch's mask and position embeddings (kept for
+    the whole pass: no mask for SDPA on unpadded windows, [B, 1, S, S] per batch for eager attention)."""
     carried = (2 * batch_tokens if offload else n_tokens + batch_tokens) * hidden * dtype_bytes
     terms = {"embeddings": embed_params * dtype_bytes,
              "layer_weights": layer_params * dtype_bytes,
