@@ -219,15 +219,48 @@ def sample_plan(batches: Sequence[tuple[torch.Tensor, torch.Tensor]], n: int, se
     return offsets, shared
 
 
+def check_batches(batches: Sequence[tuple[torch.Tensor, torch.Tensor]], chunk_tokens: int) -> None:
+    """One-line errors for what collect_stats (and the streamed pass) cannot run on."""
+    if not batches:
+        raise ValueError("batches is empty: need at least one (ids, mask) batch")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens}: must be a positive integer")
+    for i, (ids, mask) in enumerate(batches):
+        if ids.shape != mask.shape:
+            raise ValueError(f"batch {i}: ids {tuple(ids.shape)} and mask {tuple(mask.shape)} differ")
+
+
+def router_hook(adapter, acc: LayerAccumulator, current: dict[str, torch.Tensor],
+                samples: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable:
+    """The forward hook on one MoE layer's router module: its input and real decision into `acc`, the
+    sampled rows into `samples`. `current` holds the running batch's flat mask ('mask') and sampled rows
+    ('rows', None for none); a hook per layer, so a streamed pass can add them one layer at a time."""
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        h = args[0] if args else kwargs["hidden_states"]
+        x = h.reshape(-1, h.shape[-1])
+        p, w, idx = adapter.router_decision(output)
+        acc.update(x, p, w, idx, current["mask"])
+        rows = current.get("rows")
+        if rows is not None:
+            r = rows.to(x.device)
+            samples.append((sample_copy(x[r]), sample_copy(p[r])))
+    return hook
+
+
+def attach_sample(st: LayerStats, parts: list[tuple[torch.Tensor, torch.Tensor]],
+                  shared: dict[str, torch.Tensor]) -> LayerStats:
+    """`st` with the layer's sampled (x, p) rows and the shared windows as its token sample (none: as is)."""
+    if parts:
+        st.sample = {"x": torch.cat([x for x, _ in parts]), "p": torch.cat([p for _, p in parts]), **shared}
+    return st
+
+
 def collect_stats(model: nn.Module, adapter, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                   chunk_tokens: int, progress: Callable[[int, int], None] | None = None,
                   sample_tokens: int = 0, sample_seed: int = 0) -> dict[int, LayerStats]:
     """One teacher forward over `batches` of (ids [B, S], attention mask [B, S]); LayerStats per MoE layer.
     With `sample_tokens` > 0 each LayerStats also carries the token sample of `sample_plan` (sample_copy)."""
-    if not batches:
-        raise ValueError("batches is empty: need at least one (ids, mask) batch")
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens={chunk_tokens}: must be a positive integer")
+    check_batches(batches, chunk_tokens)
     layers = adapter.moe_layers(model)
     if not layers:
         raise ValueError("adapter.moe_layers(model) is empty: the model has no MoE layer to calibrate")
@@ -235,19 +268,6 @@ def collect_stats(model: nn.Module, adapter, batches: Sequence[tuple[torch.Tenso
     current: dict[str, torch.Tensor] = {}
     offsets, shared = sample_plan(batches, sample_tokens, sample_seed) if sample_tokens > 0 else ({}, {})
     samples: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {layer: [] for layer in layers}
-
-    def make_hook(layer: int):
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
-            h = args[0] if args else kwargs["hidden_states"]
-            x = h.reshape(-1, h.shape[-1])
-            p, w, idx = adapter.router_decision(output)
-            accs[layer].update(x, p, w, idx, current["mask"])
-            rows = current.get("rows")
-            if rows is not None:
-                r = rows.to(x.device)
-                samples[layer].append((sample_copy(x[r]), sample_copy(p[r])))
-        return hook
-
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     was_training = model.training
     handles = []
@@ -255,11 +275,9 @@ def collect_stats(model: nn.Module, adapter, batches: Sequence[tuple[torch.Tenso
         model.eval()
         for layer in layers:
             handles.append(adapter.router_module(model, layer).register_forward_hook(
-                make_hook(layer), with_kwargs=True))
+                router_hook(adapter, accs[layer], current, samples[layer]), with_kwargs=True))
         with torch.no_grad():
             for i, (ids, mask) in enumerate(batches):
-                if ids.shape != mask.shape:
-                    raise ValueError(f"batch {i}: ids {tuple(ids.shape)} and mask {tuple(mask.shape)} differ")
                 current["mask"] = mask.reshape(-1).bool()
                 current["rows"] = offsets.get(i)
                 model(input_ids=ids, attention_mask=mask, use_cache=False, **extra)
@@ -269,12 +287,7 @@ def collect_stats(model: nn.Module, adapter, batches: Sequence[tuple[torch.Tenso
         for handle in handles:
             handle.remove()
         model.train(was_training)
-    out = {layer: acc.finish() for layer, acc in accs.items()}
-    for layer, parts in samples.items():
-        if parts:
-            out[layer].sample = {"x": torch.cat([x for x, _ in parts]), "p": torch.cat([p for _, p in parts]),
-                                 **shared}
-    return out
+    return {layer: attach_sample(acc.finish(), samples[layer], shared) for layer, acc in accs.items()}
 
 
 # ---- several sources ------------------------------------------------------------------------------

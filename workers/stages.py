@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,8 @@ def stage_teacher(payload: dict, cache: dict, progress) -> dict:
 # ---- calibration ------------------------------------------------------------------------------
 def stage_calibrate(payload: dict, cache: dict, progress) -> dict:
     """One pass of the teacher over each calibration source's own windows; every source's statistics are
-    kept apart in one file (mixed with the sources' weights when they are loaded)."""
+    kept apart in one file (mixed with the sources' weights when they are loaded). `streamed`: the teacher
+    is read from its shards one decoder layer at a time (workers.streamed), never resident."""
     from workers.calibrate import (
         calibration_sources,
         collect_stats,
@@ -64,7 +66,11 @@ def stage_calibrate(payload: dict, cache: dict, progress) -> dict:
     from workers.families import get_adapter
 
     p = payload["params"]
-    model, tok = resident_teacher(payload, cache)
+    if p.get("streamed"):
+        run, tok, model = _streamed_teacher(payload, p.get("offload_hidden", False))
+    else:
+        model, tok = resident_teacher(payload, cache)
+        run = collect_stats
     adapter = get_adapter(model)
     sources = calibration_sources(p)
     n_sample = p.get("sample_tokens", 0)  # absent (= 0) unless set: older job keys stay what they were
@@ -75,8 +81,8 @@ def stage_calibrate(payload: dict, cache: dict, progress) -> dict:
         batches = [(ids[i:i + p["batch_size"]].to(device()), mask[i:i + p["batch_size"]].to(device()))
                    for i in range(0, len(ids), p["batch_size"])]
         cb = (lambda i, n, name=name: progress(i, n, f"calibrate {name}")) if progress else None
-        stats = collect_stats(model, adapter, batches, chunk_tokens=p["chunk_tokens"], progress=cb,
-                              sample_tokens=n_sample, sample_seed=p["seed"])
+        stats = run(model, adapter, batches, chunk_tokens=p["chunk_tokens"], progress=cb,
+                    sample_tokens=n_sample, sample_seed=p["seed"])
         per_source[name] = stats_to(stats, "cpu")  # the next source's pass gets the device memory back
     path = Path(payload["workdir"]) / "stats.safetensors"
     keys = [k for k in ("teacher", "data", "sources", "seq_len", "n_samples", "seed", "sample_tokens") if k in p]
@@ -85,11 +91,43 @@ def stage_calibrate(payload: dict, cache: dict, progress) -> dict:
     counts = {name: source_tokens(stats) for name, stats in per_source.items()}
     listed = {name: {"n_tokens": counts[name], "weight": float(src["weight"]), "n_samples": src["n_samples"]}
               for name, src in sources.items()}
+    streamed = {"streamed": True} if p.get("streamed") else {}  # convert then reads the teacher streamed too
     return {"outputs": {"stats": str(path), "n_tokens": sum(counts.values()), "layers": sorted(stats),
-                        "sources": listed},
+                        "sources": listed, **streamed},
             "metrics": [_metric("calib_tokens", float(n), stage="calib", task=name, n_tokens=n)
                         for name, n in counts.items()],
             "artifacts": [artifact("calibration_stats", path)]}
+
+
+def _streamed_contexts(payload: dict, stats: dict) -> Any:
+    """The conversion contexts of a streamed teacher (workers.streamed.StreamedContexts): each layer's
+    experts read from the shards onto the device when its plan is made."""
+    from workers.families import get_adapter
+    from workers.runtime import DTYPES
+    from workers.streamed import StreamedContexts, StreamedTeacher, checkpoint_dir
+
+    ref = payload["params"]["teacher"]
+    teacher = StreamedTeacher(checkpoint_dir(teacher_path(payload), ref.get("revision")),
+                              DTYPES[ref.get("dtype", "float32")])
+    return StreamedContexts(teacher, get_adapter(teacher.model), stats, device())
+
+
+def _streamed_teacher(payload: dict, offload: bool) -> tuple[Any, Any, Any]:
+    """(collect_stats's stand-in reading the teacher one layer at a time, the tokenizer, the teacher's
+    meta-device skeleton): nothing of the teacher is loaded until a pass runs."""
+    from transformers import AutoTokenizer
+
+    from workers.runtime import DTYPES
+    from workers.streamed import StreamedTeacher, checkpoint_dir, streamed_stats
+
+    ref = payload["params"]["teacher"]
+    path = teacher_path(payload)
+    teacher = StreamedTeacher(checkpoint_dir(path, ref.get("revision")), DTYPES[ref.get("dtype", "float32")])
+    tok = AutoTokenizer.from_pretrained(path, revision=ref.get("revision"))
+
+    def run(model, adapter, batches, **kw: Any) -> dict:
+        return streamed_stats(teacher, adapter, batches, offload=offload, **kw)
+    return run, tok, teacher.model
 
 
 # ---- conversion plans -------------------------------------------------------------------------
@@ -100,15 +138,17 @@ def stage_convert(payload: dict, cache: dict, progress) -> dict:
     from workers.planning import plan_signature
 
     p = {**payload["params"], "workdir": payload["workdir"]}
-    model, _ = resident_teacher(payload, cache)
-    adapter = get_adapter(model)
     stats_path = payload["inputs"]["calibrate"]["stats"]
     weights = p.get("calibration_weights")  # a DCDM mixture's weights (None: the file's own)
-    ckey = ("contexts", stats_path, json.dumps(weights, sort_keys=True))
-    if ckey not in cache:
-        cache[ckey] = layer_contexts(model, adapter, load_stats(stats_path, weights=weights))
-    contexts = cache[ckey]
-    plans, factors = convert_plans(contexts, p, teacher=(model, adapter))
+    if payload["inputs"]["calibrate"].get("streamed"):  # a streamed teacher: one layer's experts at a time
+        plans, factors = convert_plans(_streamed_contexts(payload, load_stats(stats_path, weights=weights)), p)
+    else:
+        model, _ = resident_teacher(payload, cache)
+        adapter = get_adapter(model)
+        ckey = ("contexts", stats_path, json.dumps(weights, sort_keys=True))
+        if ckey not in cache:
+            cache[ckey] = layer_contexts(model, adapter, load_stats(stats_path, weights=weights))
+        plans, factors = convert_plans(cache[ckey], p, teacher=(model, adapter))
     plan_key = plan_signature(plans)
     path = Path(payload["workdir"]) / "plan.json"
     path.write_text(json.dumps([plan_to_dict(pl) for pl in plans], indent=1))
@@ -132,19 +172,20 @@ def stage_convert(payload: dict, cache: dict, progress) -> dict:
 OUTPUT_SETTINGS = {"dense": (), "moe": ("super_experts",), "merged": (), "edited": ()}
 
 
-def convert_plans(contexts: dict, p: dict[str, Any], teacher: tuple | None = None) -> tuple[list, Path | None]:
+def convert_plans(contexts: Mapping, p: dict[str, Any], teacher: tuple | None = None) -> tuple[list, Path | None]:
     """Per MoE layer, what the configuration's output keeps: a dense plan (Algorithm 1), the experts a
     pruned MoE keeps, the clusters of a merged MoE, or an edited MoE's factors (saved beside the plan;
     their sha256 enters every plan, so a refit that differs is another student). `settings`: those of
     the output (`super_experts`: the factor of workers.pruning) and of the method it names (a scoring
     takes settings when its selector has `parse_settings`: they reach it as LayerContext.settings).
-    `teacher`: the resident (model, adapter), for scorings that re-run it (sequential inputs)."""
+    `teacher`: the resident (model, adapter), for scorings that re-run it (sequential inputs). `contexts`
+    is looked up once per layer, in layer order (a streamed teacher's are read from its shards then)."""
     from workers.planning import plan_layer, select_layer
 
     output, K = p.get("output", "dense"), p["K"]
     settings = dict(p.get("settings") or {})
     own = {k: settings.pop(k) for k in list(settings) if k in OUTPUT_SETTINGS[output]}
-    layers = sorted(contexts.items())
+    layers = ((layer, contexts[layer]) for layer in sorted(contexts))  # one look-up per layer, in order
     scoring_settings, rerun = _scoring_settings(p, settings, teacher) if output in ("dense", "moe") else (None, None)
     if output == "moe":
         if settings and scoring_settings is None:

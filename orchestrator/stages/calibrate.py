@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
-from pydantic import Field, StrictInt, field_validator, model_serializer, model_validator
+from pydantic import Field, StrictBool, StrictInt, field_validator, model_serializer, model_validator
 
 from orchestrator.schema import Data, PosInt, Strict
 from orchestrator.stage import JobSpec, Stage, SweepContext
@@ -41,13 +41,19 @@ class Calibration(Strict):
     # real tokens kept per MoE layer beside the sums (block inputs, router probabilities and their windows):
     # what reconstruction-loss selection (RL-exhaustive, RL-greedy, CFES) evaluates a layer on; 0 = none
     sample_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    # read the teacher from its safetensors shards one decoder layer at a time (workers.streamed): a teacher
+    # larger than one device; the statistics are those of the resident pass
+    streamed: StrictBool = False
+    offload_hidden: StrictBool = False  # streamed: the calibration set's hidden states wait on the CPU
 
     @model_serializer(mode="wrap")
     def _dump(self, handler) -> dict[str, Any]:
-        """Leaves sample_tokens out while it is 0, so calibrations without samples keep their job keys."""
+        """Leaves sample_tokens, streamed and offload_hidden out while they are unset, so calibrations that
+        do not use them keep their job keys."""
         out = handler(self)
-        if not self.sample_tokens:
-            out.pop("sample_tokens", None)
+        for name in ("sample_tokens", "streamed", "offload_hidden"):
+            if not getattr(self, name):
+                out.pop(name, None)
         return out
 
     @field_validator("sources")
@@ -69,6 +75,8 @@ class Calibration(Strict):
             raise ValueError("data and sources are mutually exclusive: give data (one source) or sources")
         if self.sources is None and self.data is None:
             self.data = Data()
+        if self.offload_hidden and not self.streamed:
+            raise ValueError("offload_hidden applies to a streamed calibration: set streamed: true")
         return self
 
 
