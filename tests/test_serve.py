@@ -6,6 +6,7 @@ errors, and `moesweep sweeps` listing the database's sweeps."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -429,3 +430,32 @@ def test_sweeps_lists_the_database_beside_the_files(world, monkeypatch):
     assert "finished" in lines[OWN] and "failed" in lines[RUNNING]
     assert "reference" in lines["paper:qwen3-30b-a3b"]
     assert "not launched" in lines["tiny"]  # a sweep file the database has not seen
+
+
+def test_launch_without_a_terminal_prints_progress_lines(tmp_path, monkeypatch):
+    """nohup, CI, a log file: no bars, but a line per stage at a steady interval, and where each ended."""
+    gate = Gate()
+    monkeypatch.setenv("MOESWEEP_HOME", str(tmp_path / "home"))
+    _fake_stages(monkeypatch, gate)
+    spec, path, text = load_spec(str(_fake_sweep(tmp_path)))
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=False, width=160)
+    done: dict = {}
+    thread = threading.Thread(target=lambda: done.setdefault("code", launch(
+        spec, text, Store(f"sqlite:///{tmp_path / 'r.db'}"), SerialExecutor(), console=console, path=str(path),
+        lines_s=0.2)), daemon=True)
+    thread.start()
+    assert gate.entered.wait(60)
+    deadline = time.monotonic() + 20
+    while buf.getvalue().count("stage convert: 0/8 (") < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    held = buf.getvalue()
+    assert held.count("stage convert: 0/8 (") >= 2, held  # repeated while the stage is held
+    assert "stage calibrate: 1/1 done" in held and held.count("stage calibrate") == 1  # a finished stage once
+    gate.release.set()
+    thread.join(60)
+    out = buf.getvalue()
+    assert done["code"] == 1  # the deliberately failing conversion
+    for stage, n in (("convert", 8), ("ppl_pre", 8), ("evaluate", 6)):
+        assert f"stage {stage}: {n}/{n} done" in out, out
+    assert "\x1b[" not in out  # plain text, no terminal codes
