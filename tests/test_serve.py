@@ -459,3 +459,26 @@ def test_launch_without_a_terminal_prints_progress_lines(tmp_path, monkeypatch):
     for stage, n in (("convert", 8), ("ppl_pre", 8), ("evaluate", 6)):
         assert f"stage {stage}: {n}/{n} done" in out, out
     assert "\x1b[" not in out  # plain text, no terminal codes
+
+
+def test_the_dashboard_over_postgresql(pg_database):
+    """The same pages over PostgreSQL (read-only transactions): the queries are portable."""
+    url = pg_database("serve")
+    store = Store(url)
+    store.import_reference(reference_sweeps())
+    build_own_sweep(store)
+    (cid,) = store.query("SELECT config_id FROM results WHERE sweep = :s AND selected_for_distill = 1 "
+                         "AND kind = 'moe2dense' ORDER BY config_id LIMIT 1", {"s": OWN})[1][0]
+    (key,) = store.query("SELECT key FROM jobs LIMIT 1")[1][0]
+    server = Background(Store(url, read_only=True)).start()
+    try:
+        for path, says in (("/", b"tiny-synth"), (f"/sweeps/{OWN}?K=4&teacher_top_k=4&sort=K&order=desc", b"DO-ACP"),
+                           (f"/sweeps/{OWN}?q=SF&selected=1&sort=ppl_pre", b"SF|"), (f"/sweeps/{OWN}/jobs", b"evaluate"),
+                           (f"/sweeps/{OWN}/compare", b"DO-ACP"), (f"/configs/{cid}", b"val_ce"),
+                           (f"/jobs/{key}", b"Parameters"), (f"/api/sweeps/{OWN}/progress", b"succeeded"),
+                           (f"/sweeps/{OWN}?scoring={urllib.parse.quote(PAYLOADS[0])}", b"No configuration matches")):
+            code, body = _get(server.url + path)
+            assert code == 200 and says in body, (path, code, body[:300])
+        assert _get(server.url + f"/sweeps/{OWN}?K=x")[0] == 400
+    finally:
+        server.stop()
