@@ -1,4 +1,4 @@
-"""The `moesweep` command: launch, status, verify, stages, sweeps, sql, migrate, report, import-paper."""
+"""The `moesweep` command: launch, status, verify, stages, sweeps, sql, migrate, report, import-paper, serve."""
 
 from __future__ import annotations
 
@@ -108,21 +108,55 @@ def _default_db_exists() -> bool:
 
 
 @app.command()
-def sweeps() -> None:
-    """List the named sweeps."""
+def sweeps(db: DbOpt = None) -> None:
+    """List the sweeps: the sweep files, and beside them the sweeps in the database (launched ones and
+    imported reference ones) with their status and jobs done. The database is opened read-only; without
+    --db and $MOESWEEP_DB, only when the default one exists."""
+    import yaml
+
     from orchestrator.spec import find_sweep, list_sweeps
 
-    t = Table("name", "file", "description")
+    store = _store(db, read_only=True) if db or os.environ.get("MOESWEEP_DB") or _default_db_exists() else None
+    if store is not None:
+        from dashboard.data import sweeps as db_sweeps
+
+        in_db = {s.name: s for s in db_sweeps(store)}
+    else:
+        in_db = {}
+    t = Table("name", "file", "status", "jobs done", "description")
+    listed = set()
     for n in list_sweeps():
         f = find_sweep(n)
         try:
-            import yaml
-
-            desc = (yaml.safe_load(f.read_text()) or {}).get("description", "")
+            doc = yaml.safe_load(f.read_text()) or {}
+            desc, name = doc.get("description", ""), str(doc.get("name") or n)
         except Exception:  # a broken file is still listed; `launch` will explain it
-            desc = "(unreadable)"
-        t.add_row(n, str(f), textwrap.shorten(str(desc or ""), 90, placeholder=" …"))
+            desc, name = "(unreadable)", n
+        listed.add(name)
+        shown = os.path.relpath(f) if f.resolve().is_relative_to(Path.cwd()) else str(f)
+        t.add_row(name, shown, *_db_status(in_db.get(name), store), _short(desc))
+    for name, s in in_db.items():
+        if name not in listed:
+            t.add_row(name, "(imported)" if s.kind == "reference" else "(no file)", *_db_status(s, store),
+                      _short(s.description))
     out.print(t)
+    if store is not None:
+        out.print(f"database: {store.shown}", highlight=False, soft_wrap=True)
+
+
+def _db_status(s, store) -> tuple[str, str]:
+    """(status, jobs done) of a sweep in the database, for `moesweep sweeps`."""
+    if s is None:
+        return ("not launched" if store is not None else "–"), ""
+    if s.kind == "reference":
+        return "reference", f"{s.configs} configurations"
+    t = s.total
+    done = f"{t['succeeded']}/{sum(t.values())}" + (f", {t['failed']} failed" if t["failed"] else "")
+    return s.status, done
+
+
+def _short(text: str | None) -> str:
+    return textwrap.shorten(str(text or ""), 60, placeholder=" …")
 
 
 @app.command()
@@ -334,6 +368,30 @@ def report(
         err.print(f"[yellow]warning:[/] sweep {name}: {line} (see {target / 'index.md'})", highlight=False,
                   soft_wrap=True)
     out.print(f"{len(arts)} artefacts in {target}/ (index: {target / 'index.md'})")
+
+
+@app.command()
+def serve(
+    db: DbOpt = None,
+    host: Annotated[str, typer.Option(help="address to listen on (loopback by default: the dashboard has no "
+                                           "login)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to listen on (0: any free port)")] = 8765,
+) -> None:
+    """A read-only web dashboard: sweeps and their live progress, results, reports, configurations, jobs
+    and their logs, and the paper's numbers beside ours. The database is opened read-only."""
+    from dashboard.server import ServeError, bind, make_server
+
+    if not 0 <= port <= 65535:
+        _fail(f"--port {port}: allowed: 0 to 65535")
+    store = _store(db, read_only=True)
+    try:
+        sock = bind(host, port)
+    except ServeError as e:
+        _fail(str(e))
+    shown = f"[{host}]" if ":" in host else host
+    err.print(f"moesweep dashboard on http://{shown}:{sock.getsockname()[1]}/ (database {store.shown}, "
+              "read-only); Ctrl-C stops it", highlight=False, soft_wrap=True)
+    make_server(store, sock).run(sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ thread heartbeats every job the launch holds, whatever the executor is doing.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -77,6 +78,58 @@ class Heartbeat:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+
+
+class ProgressLines:
+    """Where the console is not a terminal (nohup, CI, a log file) rich draws no bars: every `interval_s`
+    one line per stage in progress (and per job reporting its own progress) instead, plus one for a
+    stage that finished since the last lines, so a log shows how far a launch is."""
+
+    def __init__(self, progress: Progress, console: Console, interval_s: float) -> None:
+        self.progress, self.console, self.interval_s = progress, console, interval_s
+        self._reported: set[int] = set()  # finished tasks already printed as such
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="moesweep-progress-lines", daemon=True)
+
+    def start(self) -> ProgressLines:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.print()
+
+    def print(self) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        for t in self.progress.tasks:
+            if t.id in self._reported:
+                continue
+            if t.finished:
+                self._reported.add(t.id)
+            total = f"{t.total:g}" if t.total is not None else "?"
+            name = t.description.strip()
+            sub = t.description.startswith(" ")
+            self.console.print(f"{stamp} {'  job ' if sub else 'stage '}{name}: {t.completed:g}/{total}"
+                               f"{' done' if t.finished else ''} ({_elapsed(t.elapsed)})", highlight=False,
+                               soft_wrap=True, markup=False)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+
+def _elapsed(s: float | None) -> str:
+    s = int(s or 0)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def progress_interval() -> float:
+    """Seconds between progress lines when there is no terminal: $MOESWEEP_PROGRESS_S, else 30."""
+    try:
+        return max(0.1, float(os.environ.get("MOESWEEP_PROGRESS_S", "30")))
+    except ValueError:
+        return 30.0
 
 
 class Runner:
@@ -360,23 +413,27 @@ def prepare(spec: SweepSpec, path: str | None = None) -> tuple[TeacherShape, lis
 def launch(spec: SweepSpec, spec_text: str, store: Store, executor, *, retry_failed: bool = False,
            console: Console | None = None, show_progress: bool = True, path: str | None = None,
            prepared: tuple[TeacherShape, list[dict[str, Any]]] | None = None, owner: str | None = None,
-           heartbeat_s: float = 10.0, stale_after_s: float = STALE_AFTER_S) -> int:
+           heartbeat_s: float = 10.0, stale_after_s: float = STALE_AFTER_S, lines_s: float | None = None) -> int:
     """Run the sweep; returns the process exit code (0 = everything succeeded). `owner` (default
     host:pid) names this launch on the jobs it claims; it heartbeats them every `heartbeat_s`, and takes
-    over another host's running job only when its heartbeat is older than `stale_after_s`."""
+    over another host's running job only when its heartbeat is older than `stale_after_s`. Progress shows
+    as bars on a terminal, else as lines every `lines_s` (default: progress_interval())."""
     console = console or Console(stderr=True)
     shape, configs = prepared or prepare(spec, path)
     sid = store.upsert_sweep(spec.name, spec_yaml=spec_text, spec_hash=spec_hash(spec_text),
                              description=spec.description, select_json=P.select_json(spec))
     store.release_stale(stale_after_s)
     cfg_ids = store.upsert_configs(sid, configs)
+    as_lines = show_progress and not console.is_terminal
     progress = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=console, disable=not show_progress, transient=False)
+                        TimeElapsedColumn(), console=console, disable=not show_progress or as_lines,
+                        transient=False)
     runner = Runner(store, executor, sid, spec, retry_failed=retry_failed, console=console, progress=progress,
                     owner=owner, stale_after_s=stale_after_s)
     ctx = _context(spec, shape, configs, store, sid, cfg_ids)
     previous = _on_sigint(runner)
     beat = Heartbeat(store, runner.owner, runner.held, heartbeat_s).start()
+    lines = ProgressLines(progress, console, lines_s or progress_interval()).start() if as_lines else None
     try:
         with progress:
             for stage in stages():
@@ -410,6 +467,9 @@ def launch(spec: SweepSpec, spec_text: str, store: Store, executor, *, retry_fai
         console.print("[yellow]interrupted[/]: finished jobs are kept; `moesweep launch` resumes.")
         return 130
     finally:
+        if lines is not None:
+            lines.stop()
+            lines.print()  # where every stage ended
         beat.stop()
         if beat.failures:
             console.print(f"[yellow]warning:[/] {beat.failures} heartbeat(s) could not be written "

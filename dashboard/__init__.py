@@ -1,0 +1,1 @@
+"""`moesweep serve`: a read-only web dashboard over the results database."""
