@@ -3,6 +3,7 @@ in item_scores, their standard errors, and a seeded paired bootstrap that covers
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 from alembic import command
 from sqlalchemy import create_engine, inspect
 
+import tests.test_evaluate as te
 from analysis.load import load_items
 from analysis.uncertainty import (
     NOT_DISTINGUISHABLE,
@@ -190,3 +192,23 @@ def test_migration_0006_down_and_up(tmp_path):
     plain.dispose()
     _, rows = store.query("SELECT avg_acc_se, avg_acc_n, ppl_post_se, ppl_post_n FROM results")
     assert rows == [] and "item_scores" in inspect(store.engine).get_table_names()
+
+
+# ---- through lm-eval itself, and read back from the stored result -----------------------------------
+def test_lm_eval_items_match_its_scores_and_survive_reuse(tmp_path):
+    docs = te.documents()
+    (tmp_path / "tiny" / "corpus").mkdir(parents=True)
+    (tmp_path / "tiny" / "corpus" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in docs))
+    tok = te.train_tokenizer([r["text"] for r in docs], 512, tmp_path / "tok")
+    model, n = te.dense(tok, 0), 12
+    res = te.run(model, tok, "tiny", tmp_path / "cache", tiny_dir=tmp_path / "tiny", limit=n)
+    mc = res["tasks"][0]
+    (it,) = mc["items"]
+    assert it["doc_ids"] == list(range(n)) and len(it["loglik"]) == 4 * n  # four choices each
+    assert np.mean(it["metrics"]["acc"]) == pytest.approx(mc["acc"])
+    assert item_stderr(mc["items"], "acc", mc["acc"]) == pytest.approx(mc["acc_stderr"])
+    again = te.run(model, tok, "tiny", tmp_path / "cache", tiny_dir=tmp_path / "tiny", limit=n)  # read back
+    assert again["runs"][0]["reused"] and again["tasks"][0]["items"] == mc["items"]
+    recs = eval_items(again, repeated=False)
+    assert {(r["task"], r["name"]) for r in recs} >= {("tiny_mc", "acc"), ("tiny_mc", "acc_norm"),
+                                                      ("tiny_mc", "loglik")}
