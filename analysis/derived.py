@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from analysis.uncertainty import Uncertainty
 from db.select_rule import select_best_rows
 
 SCORING_ORDER = ("SF", "PP", "PS", "CP", "ACP", "DO-CP", "DO-ACP", "REAP", "EAN", "frequency")
@@ -37,6 +38,8 @@ ORDERS = {
 # the paper's rule (§4.1), used for a sweep that stores none (and said so wherever the rule is stated)
 DEFAULT_RULE = {"best_by": "ppl_pre", "per": ["scoring", "grouping"], "over": ["K", "dp_scaling"]}
 PRIOR_WORK = {("SF", "AB"): "MC-SMoE metrics", ("SF", "OC"): "HC-SMoE metrics"}  # Table 3 (§4.2)
+# differences of marginal means the paper states in words (§4.2), checked against their uncertainty
+STATED_PAIRS = (("scoring", "DO-ACP", "ACP"), ("grouping", "RR", "AB"))
 
 
 # ---- small helpers ------------------------------------------------------------------------------
@@ -374,8 +377,10 @@ def _config_of(v: pd.DataFrame, b: pd.DataFrame, name: str, key: Any) -> int | N
     return plain(b["config_id"].iloc[0]) if len(b) else None
 
 
-def model_facts(results: pd.DataFrame, model: str) -> dict[str, Any]:
-    """Every derived fact about one teacher model's rows."""
+def model_facts(results: pd.DataFrame, model: str, unc: Uncertainty | None = None) -> dict[str, Any]:
+    """Every derived fact about one teacher model's rows; each stated difference carries its
+    `interval` (analysis/uncertainty.py; None where the data for one is missing)."""
+    unc = unc or Uncertainty(None, None)
     rows = results[results["model"] == model]
     grid, dist = grid_rows(rows), distilled_rows(rows)
     k = top_k_of(rows[rows["kind"] == "moe2dense"])
@@ -384,6 +389,7 @@ def model_facts(results: pd.DataFrame, model: str) -> dict[str, Any]:
     fin = rows[(rows["kind"] == "moe2dense") & ~is_variant(rows) & finite_ppl(rows)]
     if len(grid) and finite_ppl(grid).any():
         f["selection"] = selection_report(grid)
+        f["selection"]["margins"] = selection_margins(grid, f["selection"], unc)
     if len(fin):
         best = {}
         for s in ordered("scoring", fin["scoring"]):
@@ -401,15 +407,21 @@ def model_facts(results: pd.DataFrame, model: str) -> dict[str, Any]:
         for axis in ("scoring", "grouping", "dp_scaling", "K"):
             m = marginal_means(dist, axis)
             if len(m) >= 2:
+                groups = {v: [int(c) for c in dist.loc[dist[axis] == v, "config_id"]] for v in m[axis]}
                 f["marginal_means"][axis] = {
-                    str(r[axis]): {"mean": r4(r["mean"]), "n": int(r["n"])} for r in records(m)
+                    str(r[axis]): {"mean": r4(r["mean"]), "n": int(r["n"]), "se": unc.acc_se(groups[r[axis]])}
+                    for r in records(m)
                 }
-                f["spread"][axis] = spread(m, axis)
+                sp = spread(m, axis)
+                sp["interval"] = unc.acc_diff(groups[sp["best"]], groups[sp["worst"]], sp["pp"])
+                f["spread"][axis] = sp
+        f["stated"] = _stated_pairs(dist, f["marginal_means"], unc)
         ranked = records(dist.sort_values(["avg", "config_id"], ascending=[False, True]))
         top = ranked[0]
         f["best"] = {a: top[a] for a in ("scoring", "grouping", "dp_scaling", "K")} | {
             "avg": r4(pct(top["avg"]))
         }
+        f["intervals"] = {}
         if k is not None:
             n = next((i for i, r in enumerate(ranked) if r["K"] != k), len(ranked))
             f["top_n_at_k_equals_topk"] = n
@@ -417,24 +429,75 @@ def model_facts(results: pd.DataFrame, model: str) -> dict[str, Any]:
             at_k = at_k[at_k["K"] == k]
             if len(at_k) >= 2:
                 hi, lo = at_k.loc[at_k["avg"].idxmax()], at_k.loc[at_k["avg"].idxmin()]
+                pp = r4(hi["avg"] - lo["avg"])
                 f["scoring_gap_at_k_equals_topk"] = {
                     "best": hi["scoring"],
                     "worst": lo["scoring"],
-                    "pp": r4(hi["avg"] - lo["avg"]),
+                    "pp": pp,
+                    "interval": unc.acc_diff([int(hi["config_id"])], [int(lo["config_id"])], pp),
                 }
-            f["merge_minus_prune"] = _merge_minus_prune(dist, k)
+            pairs = _merge_prune_pairs(dist, k)
+            f["merge_minus_prune"] = {s: v for s, (v, _, _) in pairs.items()}
+            f["intervals"]["merge_minus_prune"] = {
+                s: unc.acc_diff([m], [p], v) for s, (v, m, p) in pairs.items()
+            }
         for b in ("random_init", "random_ffn"):
             a = baseline_avg(rows, b)
             if a is not None:
                 f[f"gain_over_{b}"] = r4(pct(top["avg"]) - a)
+                bid = rows[(rows["kind"] == "baseline") & (rows["baseline"] == b) & rows["avg"].notna()]
+                f["intervals"][f"gain_over_{b}"] = unc.acc_diff(
+                    [int(top["config_id"])], [int(bid["config_id"].iloc[0])], f[f"gain_over_{b}"]
+                )
     abl = ablations(rows)
     if abl:
+        for a in abl:
+            for name in ("routing", "loss"):
+                ref = next((it for it in a.get(name, []) if it["delta"] == 0), None)
+                for it in a.get(name, []):
+                    ok = ref is not None and it["delta"] is not None and it is not ref
+                    ok = ok and it["config_id"] is not None and ref["config_id"] is not None
+                    it["interval"] = unc.acc_diff([it["config_id"]], [ref["config_id"]], it["delta"]) if ok else None
         f["ablations"] = abl
     return f
 
 
-def _merge_minus_prune(dist: pd.DataFrame, k: int) -> dict[str, float]:
-    """Per scoring: best accuracy at the smallest K > k minus the best at K = k (pp, §4.6)."""
+def _stated_pairs(dist: pd.DataFrame, mm: dict[str, Any], unc: Uncertainty) -> list[dict[str, Any]]:
+    """The differences of marginal means the paper states (STATED_PAIRS) where both values are present."""
+    out = []
+    for axis, a, b in STATED_PAIRS:
+        means = mm.get(axis, {})
+        if a in means and b in means:
+            pp = r4(means[a]["mean"] - means[b]["mean"])
+            ids = {v: [int(c) for c in dist.loc[dist[axis] == v, "config_id"]] for v in (a, b)}
+            out.append({"axis": axis, "a": a, "b": b, "pp": pp, "interval": unc.acc_diff(ids[a], ids[b], pp)})
+    return out
+
+
+def selection_margins(grid: pd.DataFrame, sel: dict[str, Any], unc: Uncertainty) -> list[dict[str, Any]]:
+    """Per pick of the selection rule: its runner-up in the same cell (the next lowest finite pre-distill
+    PPL of another student) and the PPL difference runner-up minus pick with its interval."""
+    per = sel["rule"]["per"]
+    over = sel["rule"]["over"]
+    fin = grid[finite_ppl(grid)]
+    out = []
+    for p in sel["picks"]:
+        cell = fin
+        for a in per:
+            cell = cell[cell[a] == p[a]] if p[a] is not None else cell[cell[a].isna()]
+        cell = cell[(cell["config_id"] != p["config_id"]) & (cell["duplicate_of"].fillna(-1) != p["config_id"])]
+        cell = cell[cell["ppl_pre"].astype(float) != float(p["ppl_pre"])]  # not the same student again
+        if cell.empty:
+            continue
+        r = records(cell.sort_values(["ppl_pre", "config_id"]))[0]
+        diff = r4(r["ppl_pre"] - p["ppl_pre"])
+        out.append({**{a: p[a] for a in per}, "pick": _cell(p, over), "runner_up": _cell(r, over), "ppl_diff": diff,
+                    "interval": unc.ppl_diff([r["config_id"]], [p["config_id"]], diff)})
+    return out
+
+
+def _merge_prune_pairs(dist: pd.DataFrame, k: int) -> dict[str, tuple[float, int, int]]:
+    """Per scoring: (best accuracy at the smallest K > k minus the best at K = k in pp, their configs)."""
     b = best_by_scoring_k(dist)
     out = {}
     for s in ordered("scoring", b["scoring"]):
@@ -442,17 +505,26 @@ def _merge_minus_prune(dist: pd.DataFrame, k: int) -> dict[str, float]:
         prune = g[g["K"] == k]
         merge = g[g["K"] > k].sort_values("K")
         if len(prune) and len(merge):
-            out[s] = r4(merge["avg"].iloc[0] - prune["avg"].iloc[0])
+            out[s] = (r4(merge["avg"].iloc[0] - prune["avg"].iloc[0]), int(merge["config_id"].iloc[0]),
+                      int(prune["config_id"].iloc[0]))
     return out
 
 
-def facts(results: pd.DataFrame) -> dict[str, dict[str, Any]]:
+def facts(results: pd.DataFrame, tasks: pd.DataFrame | None = None,
+          items: pd.DataFrame | None = None) -> dict[str, dict[str, Any]]:
     """Derived facts per sweep and teacher model (JSON-ready, deterministic). Sweeps are kept apart:
-    one sweep's distilled set is what its selection rule is checked against."""
+    one sweep's distilled set is what its selection rule is checked against. With `tasks` (task_scores)
+    and `items` (config_items) every stated difference gets an interval: a paired bootstrap over items,
+    or without items the binomial bound from the benchmarks' published sizes."""
     out: dict[str, dict[str, Any]] = {}
     for sweep in sorted({s for s in results["sweep"]}):
         rows = results[results["sweep"] == sweep]
-        models = {m: model_facts(rows, m) for m in moe_models(rows)}
+        models = {}
+        for m in moe_models(rows):
+            mine = rows[rows["model"] == m]
+            t = tasks[tasks["config_id"].isin(mine["config_id"])] if tasks is not None else None
+            i = items[items["config_id"].isin(mine["config_id"])] if items is not None and len(items) else None
+            models[m] = model_facts(rows, m, Uncertainty.of(mine, t, i))
         if models:
             out[sweep] = models
     return out

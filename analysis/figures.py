@@ -131,17 +131,20 @@ def marginal_figure(
         ax = fig.add_subplot(grid[0, i])
         names = list(mm[axis])
         ours = [mm[axis][n]["mean"] for n in names]
+        err = _err95([mm[axis][n].get("se") for n in names])
         x = np.arange(len(names))
         colors = [scoring_color(n) if axis == "scoring" else PALETTE[0] for n in names]
         allv = list(ours)
         if ref_f:
             theirs = [rmm.get(axis, {}).get(n, {}).get("mean") for n in names]
             w = 0.4
-            b1 = ax.bar(x - w / 2, ours, w, color=colors, label=f"ours ({label})")
+            b1 = ax.bar(x - w / 2, ours, w, color=colors, label=f"ours ({label})", yerr=err, **ERR_KW)
             b2 = ax.bar(
                 x + w / 2,
                 [t if t is not None else 0.0 for t in theirs],
                 w,
+                yerr=_err95([rmm.get(axis, {}).get(n, {}).get("se") for n in names]),
+                **ERR_KW,
                 color=colors,
                 alpha=0.45,
                 hatch="///",
@@ -154,7 +157,7 @@ def marginal_figure(
             if i == 0:
                 ax.legend(loc="upper left")
         else:
-            bars = ax.bar(x, ours, 0.65, color=colors)
+            bars = ax.bar(x, ours, 0.65, color=colors, yerr=err, **ERR_KW)
             _bar_labels(ax, bars, ours)
         ax.set_xticks(x, [str(n) for n in names], rotation=30 if axis == "scoring" else 0)
         _ylim(ax, allv)
@@ -162,14 +165,25 @@ def marginal_figure(
         title = f"({chr(97 + i)}) {axis.replace('dp_scaling', 'DP scaling')}"
         if sp:
             title += f": {sp['best']} best, spread {sp['pp']:.2f} pp"
+            if sp.get("interval") and not sp["interval"]["distinguishable"]:
+                title += "\n(not distinguishable at this n)"
         ax.set_title(title)
         if i == 0:
             ax.set_ylabel("mean post-distill accuracy (%)")
     fig.suptitle(
-        f"Marginal effect of each design axis, {label} ({f.get('n_distilled')} distilled students)",
+        f"Marginal effect of each design axis, {label} ({f.get('n_distilled')} distilled students); "
+        "bars: 95% intervals",
         fontsize=9.5,
     )
     return fig
+
+
+ERR_KW = {"error_kw": {"elinewidth": 0.8, "capsize": 2.0, "ecolor": "0.25"}}
+
+
+def _err95(se: list[float | None]) -> list[float]:
+    """Half-widths of 95% intervals (1.96 standard errors; 0 where there is none)."""
+    return [1.959964 * v if v is not None else 0.0 for v in se]
 
 
 # ---- Figure 2: selection overlap ----------------------------------------------------------------------

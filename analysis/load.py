@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pandas as pd
 from sqlalchemy import bindparam, text
 from sqlalchemy.engine import Engine
+
+from db.items import unpack_ids, unpack_values
 
 FLOAT_COLUMNS = (
     "ppl_pre",
@@ -59,6 +61,9 @@ class Frames:
     curves: pd.DataFrame  # `curves` (validation CE during distillation)
     info: pd.DataFrame  # `sweep_info`, one row per sweep: kind, source, stored selection rule (select_json)
     code: pd.DataFrame  # `config_code`: per configuration and stage, the job and its code (code_json)
+    # `config_items` (per-item scores: headline metrics by doc_id, perplexity windows' nll / tokens), `ids`
+    # and `vals` unpacked to numpy arrays; empty for sweeps without them (imported papers, older runs)
+    items: pd.DataFrame = field(default_factory=pd.DataFrame)
 
 
 def _read(engine: Engine, sql: str, names: list[str]) -> pd.DataFrame:
@@ -120,4 +125,20 @@ def load_frames(engine: Engine, sweeps: list[str]) -> Frames:
     code = _read(
         engine, "SELECT * FROM config_code WHERE sweep IN :names ORDER BY sweep, config_id, stage", names
     )
-    return Frames(tuple(names), results, tasks, selections, diagnostics, curves, info, code)
+    return Frames(tuple(names), results, tasks, selections, diagnostics, curves, info, code, load_items(engine, names))
+
+
+def load_items(engine: Engine, sweeps: list[str]) -> pd.DataFrame:
+    """The per-item scores a comparison needs (headline metrics and perplexity windows; not the choices'
+    log-likelihoods), arrays unpacked; one row per configuration, stage, task, leaf task, step and name."""
+    items = _read(
+        engine,
+        "SELECT i.config_id AS config_id, i.stage AS stage, i.task AS task, i.subtask AS subtask, "
+        "i.step AS step, i.name AS name, i.n AS n, i.ids AS ids, i.vals AS vals FROM config_items i "
+        "WHERE i.name <> 'loglik' AND i.config_id IN (SELECT r.config_id FROM results r WHERE r.sweep IN :names) "
+        "ORDER BY i.config_id, i.stage, i.task, i.subtask, i.step, i.name, i.item_id",
+        sweeps,
+    )
+    items["ids"] = [unpack_ids(b) for b in items["ids"]]
+    items["vals"] = [unpack_values(b) for b in items["vals"]]
+    return items

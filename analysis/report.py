@@ -29,6 +29,7 @@ from analysis.derived import (
 )
 from analysis.latex import Table
 from analysis.load import Frames
+from analysis.uncertainty import NOT_DISTINGUISHABLE, phrase
 
 
 def match_reference(ref: pd.DataFrame, model: str, variant: str | None) -> tuple[str, str] | None:
@@ -89,8 +90,8 @@ def write_report(frames: Frames, name: str, out_dir: Path, compare: Frames | Non
     # gains the other models' panels
     tables_compare = cres is not None and "reference" not in set(res["sweep_kind"])
     ctasks = compare.tasks if compare is not None else None
-    ours_facts = facts(res).get(name, {})
-    ref_facts = facts(cres) if cres is not None and len(cres) else {}
+    ours_facts = facts(res, tasks, frames.items).get(name, {})
+    ref_facts = facts(cres, ctasks, compare.items) if cres is not None and len(cres) else {}
     models = moe_models(res)
     many = len(models) > 1
     w = _Writer(out_dir)
@@ -279,6 +280,13 @@ def _fact_lines(f: dict[str, Any], who: str) -> list[str]:
             out.append(f"- Non-finite grid cells ({len(sel['nonfinite_cells'])}, shown as –): {cells}.")
         if sel["missing_cells"]:
             out.append(f"- Grid cells without a perplexity: {len(sel['missing_cells'])}.")
+        for m in sel.get("margins", []):
+            if m["interval"] is not None:
+                key = ", ".join(f"{a}={m[a]}" for a in sel["rule"]["per"])
+                out.append(
+                    f"  - Rule's pick vs runner-up ({key}): ({_cell(m['pick'])}) vs ({_cell(m['runner_up'])}), "
+                    f"runner-up PPL higher by {m['ppl_diff']:g}{phrase(m['interval'], '')}."
+                )
         for d in sel["k_equals_topk_grouping_differences"]:
             vals = ", ".join(f"{g}: {v:g}" for g, v in d["ppl_pre"].items() if v is not None)
             out.append(
@@ -286,11 +294,17 @@ def _fact_lines(f: dict[str, Any], who: str) -> list[str]:
                 f"({d['dp_scaling']}) differs across groupings: {vals}."
             )
     for axis, sp in (f.get("spread") or {}).items():
-        means = ", ".join(f"{k} {v['mean']:.2f}" for k, v in f["marginal_means"][axis].items())
+        means = ", ".join(f"{k} {v['mean']:.2f}{_pm(v.get('se'))}" for k, v in f["marginal_means"][axis].items())
         out.append(
             f"- Mean accuracy per {axis} ({who}): {means}; best {sp['best']}, worst {sp['worst']}, "
-            f"spread {sp['pp']:.2f} pp."
+            f"spread {sp['pp']:.2f} pp{phrase(sp.get('interval'))}."
         )
+    for st in f.get("stated", []):
+        if st["interval"] is not None:
+            out.append(
+                f"- Stated difference {st['a']} − {st['b']} ({st['axis']} means, {who}): "
+                f"{st['pp']:+.2f} pp{phrase(st['interval'])}."
+            )
     if "best" in f:
         b = f["best"]
         out.append(
@@ -300,18 +314,22 @@ def _fact_lines(f: dict[str, Any], who: str) -> list[str]:
         )
     if "scoring_gap_at_k_equals_topk" in f:
         g = f["scoring_gap_at_k_equals_topk"]
-        out.append(f"- Scoring gap at K = k: {g['pp']:.2f} pp ({g['best']} vs {g['worst']}).")
+        out.append(
+            f"- Scoring gap at K = k: {g['pp']:.2f} pp ({g['best']} vs {g['worst']}){phrase(g.get('interval'))}."
+        )
+    iv = f.get("intervals", {})
     for b in ("random_init", "random_ffn"):
         if f"gain_over_{b}" in f:
-            out.append(f"- Best student minus {b}: {f[f'gain_over_{b}']:+.2f} pp.")
+            out.append(f"- Best student minus {b}: {f[f'gain_over_{b}']:+.2f} pp{phrase(iv.get(f'gain_over_{b}'))}.")
     if f.get("merge_minus_prune"):
-        mp = ", ".join(f"{s} {v:+.2f}" for s, v in f["merge_minus_prune"].items())
+        mpi = iv.get("merge_minus_prune", {})
+        mp = ", ".join(f"{s} {v:+.2f}{_mark(mpi.get(s))}" for s, v in f["merge_minus_prune"].items())
         out.append(f"- Merging (smallest K > k) minus pure pruning (K = k), per scoring: {mp} pp.")
     for a in f.get("ablations", []):
         for name in ("routing", "loss"):
             if a.get(name):
                 items = ", ".join(
-                    f"{it['value']}: {it['avg']:.2f} ({it['delta']:+.2f})"
+                    f"{it['value']}: {it['avg']:.2f} ({it['delta']:+.2f}{_mark(it.get('interval'))})"
                     for it in a[name]
                     if it["delta"] is not None
                 )
@@ -319,6 +337,17 @@ def _fact_lines(f: dict[str, Any], who: str) -> list[str]:
                     f"- {name.capitalize()} ablation ({a['scoring']}×{a['grouping']}, K={a['K']}): {items}."
                 )
     return out
+
+
+def _pm(se: float | None) -> str:
+    return f" ± {se:.2f}" if se is not None else ""
+
+
+def _mark(d: dict[str, Any] | None) -> str:
+    """A short note for a difference inside a list: its interval, and † when it is indistinguishable."""
+    if not d:
+        return ""
+    return f" [{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}]" + ("" if d["distinguishable"] else " †")
 
 
 def _index(
@@ -351,7 +380,16 @@ def _index(
         lines.append(
             f"- [`{path.relative_to(out_dir).as_posix()}`]({path.relative_to(out_dir).as_posix()}) — {cap}"
         )
-    lines += ["", "## Derived facts", ""]
+    lines += [
+        "",
+        "## Derived facts",
+        "",
+        "Each stated difference carries its 95% interval: a paired bootstrap over the items (or perplexity "
+        "windows) all compared students were scored on, or, for a paper's numbers, the binomial standard "
+        "error from the benchmarks' published sizes (unpaired, conservative). A difference whose interval "
+        f"contains zero is {NOT_DISTINGUISHABLE} (marked † in lists); ± is one standard error.",
+        "",
+    ]
     for model, mf in f.items():
         lines += [f"### {model}", "", *_fact_lines(mf, "ours" if not matched else "this sweep"), ""]
         m = matched.get(model)

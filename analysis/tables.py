@@ -600,6 +600,14 @@ def ablation_tables(
 
 
 # ---- Figure 4's numbers --------------------------------------------------------------------------------
+def _interval_note(d: dict[str, Any] | None) -> str:
+    """A difference's 95% interval for a table note, and whether it is distinguishable at this n."""
+    if not d:
+        return ""
+    ci = f"95% CI [{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}] pp, n={d['n']}"
+    return f" ({ci})" if d["distinguishable"] else f", not distinguishable at this n ({ci})"
+
+
 def marginal_table(
     f: dict[str, Any], label: str, ref_f: dict[str, Any] | None, ref_label: str, stem: str
 ) -> Table | None:
@@ -609,7 +617,14 @@ def marginal_table(
         return None
     rmm = (ref_f or {}).get("marginal_means") or {}
     head: list[list[str] | str] = [
-        ["Axis", "Value", "n", f"Mean ({esc(label)})", *([f"Paper ({esc(ref_label)})"] if ref_f else [])]
+        [
+            "Axis",
+            "Value",
+            "n",
+            f"Mean ({esc(label)})",
+            r"$\pm$ SE",
+            *([f"Paper ({esc(ref_label)})", r"$\pm$ SE"] if ref_f else []),
+        ]
     ]
     rows: list[list[str] | str] = []
     notes = []
@@ -624,26 +639,32 @@ def marginal_table(
                 esc(v),
                 str(m["n"]),
                 bold(mean) if m["mean"] == best else mean,
+                fmt_pct(m.get("se")),
             ]
             if ref_f:
                 rv = rmm.get(axis, {}).get(v)
-                line.append(fmt_pct(rv["mean"]) if rv else "")
+                line += [fmt_pct(rv["mean"]) if rv else "", fmt_pct(rv.get("se")) if rv else ""]
             rows.append(line)
         sp = f["spread"].get(axis)
         if sp:
             notes.append(
                 f"{axis}: best {sp['best']} ({sp['best_mean']:.2f}%), worst {sp['worst']} "
-                f"({sp['worst_mean']:.2f}%), spread {sp['pp']:.2f} pp."
+                f"({sp['worst_mean']:.2f}%), spread {sp['pp']:.2f} pp{_interval_note(sp.get('interval'))}."
             )
+    for st in f.get("stated", []):
+        if st.get("interval"):
+            notes.append(f"{st['a']} minus {st['b']}: {st['pp']:+.2f} pp{_interval_note(st['interval'])}.")
     cap = (
         f"Marginal effect of each design axis on post-distill average accuracy (%) of the "
         f"{f.get('n_distilled')} distilled students of {label}: mean over the students with that value "
-        "(Figure 4)."
+        "(Figure 4), with its standard error (own sweeps: paired bootstrap over items; papers: binomial, "
+        "from the benchmarks' published sizes). A spread whose 95% interval holds 0 is not "
+        "distinguishable at this n."
     )
     return Table(
         stem,
         cap,
-        "llrr" + ("r" if ref_f else ""),
+        "llrrr" + ("rr" if ref_f else ""),
         head,
         rows,
         notes=notes,

@@ -14,6 +14,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     String,
     Text,
     UniqueConstraint,
@@ -145,6 +146,25 @@ class Metric(Base):
     num_fewshot: Mapped[int | None] = mapped_column(Integer)
     headline: Mapped[int] = mapped_column(Integer, default=0)
     extra_json: Mapped[str | None] = mapped_column(Text)  # protocol / eval settings / backend
+
+
+class ItemScore(Base):
+    """Per-item scores behind a metric (db/items.py packs them): lm-eval's per-sample metrics and choice
+    log-likelihoods keyed by doc_id (task = the suite's label, subtask = lm-eval's leaf task), or a
+    perplexity's per-window Σ NLL (`nll`) and scored tokens (`tokens`) keyed by window (task '')."""
+
+    __tablename__ = "item_scores"
+    __table_args__ = (UniqueConstraint("job_id", "stage", "task", "subtask", "step", "name"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    stage: Mapped[str] = mapped_column(String(20), default="")
+    task: Mapped[str] = mapped_column(String(100), default="")
+    subtask: Mapped[str] = mapped_column(String(200), default="")
+    step: Mapped[int] = mapped_column(Integer, default=-1)
+    name: Mapped[str] = mapped_column(String(50))  # acc, acc_norm, loglik, nll, tokens, ...
+    n: Mapped[int] = mapped_column(Integer)  # entries (items; loglik: choices)
+    ids: Mapped[bytes] = mapped_column(LargeBinary)  # zlib(int64 LE): doc_id / window index
+    vals: Mapped[bytes] = mapped_column(LargeBinary)  # zlib(float64 LE)
 
 
 class Artifact(Base):

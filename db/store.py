@@ -25,10 +25,12 @@ from sqlalchemy import Connection, create_engine, delete, event, func, insert, i
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
 
+from db.items import item_row
 from db.models import (
     Artifact,
     ConfigJob,
     Configuration,
+    ItemScore,
     Job,
     LayerDiagnostic,
     Metric,
@@ -299,7 +301,7 @@ class Store:
             jid = c.scalar(select(Job.id).where(Job.key == key, Job.owner == owner, Job.status == "running"))
             if jid is None:
                 return False
-            for table in (Metric, Artifact, PlanRow, LayerDiagnostic):
+            for table in (Metric, Artifact, PlanRow, LayerDiagnostic, ItemScore):
                 c.execute(delete(table).where(table.job_id == jid))
             self._write_records(c, result, job_id=jid)
             c.execute(update(Job).where(Job.id == jid).values(
@@ -390,6 +392,9 @@ class Store:
             rows = [dict(r, job_id=job_id) for r in result.get(name, [])]
             if rows:
                 c.execute(insert(table), rows)
+        items = [dict(item_row(r), job_id=job_id) for r in result.get("item_scores", [])]
+        if items:
+            c.execute(insert(ItemScore), items)
 
     # ---- configurations -------------------------------------------------------------------
     def upsert_configs(self, sweep_id: int, configs: Iterable[dict[str, Any]]) -> dict[str, int]:

@@ -23,7 +23,8 @@ from pydantic import BaseModel
 
 from orchestrator.schema import Resources
 
-RECORD_KINDS = frozenset({"outputs", "metrics", "artifacts", "plan_rows", "layer_diag"})
+# item_scores: per-item scores (lm-eval samples, perplexity windows) behind a metric's standard error
+RECORD_KINDS = frozenset({"outputs", "metrics", "artifacts", "plan_rows", "layer_diag", "item_scores"})
 LIBS = ("torch", "transformers", "lm_eval")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import random
 import re
 import shutil
 import struct
@@ -68,12 +69,46 @@ def _run(store: Store, sid: int, stage: str, key: str, result: dict) -> int:
     return store.jobs([key])[key]["id"]
 
 
-def _eval_record(acc: float, ppl: float) -> dict:
+N_ITEMS = 200
+
+
+def _item_values(p: float, key: str) -> list[float]:
+    """N_ITEMS 0/1 scores whose mean is p, in an order of their own per student (seeded by `key`)."""
+    ones = round(p * N_ITEMS)
+    vals = [1.0] * ones + [0.0] * (N_ITEMS - ones)
+    random.Random(key).shuffle(vals)
+    return vals
+
+
+def _window_items(ppl: float, key: str, stage: str) -> list[dict]:
+    """Ten windows of 100 tokens whose pooled perplexity is ppl, with some window-to-window noise."""
+    rng = random.Random(key)
+    noise = [rng.uniform(-20.0, 20.0) for _ in range(10)]
+    nll = [math.log(ppl) * 100 + e - sum(noise) / 10 for e in noise]
+    ids = list(range(10))
+    return [
+        {"stage": stage, "name": "nll", "doc_ids": ids, "values": nll},
+        {"stage": stage, "name": "tokens", "doc_ids": ids, "values": [100.0] * 10},
+    ]
+
+
+def _eval_record(acc: float, ppl: float, key: str = "") -> dict:
     metrics = [
         {"name": "ppl", "stage": "post", "value": ppl, "sum_nll": math.log(ppl) * 1000, "n_tokens": 1000}
     ]
+    items = []
     for t, shift in (("tiny_mc", 0.0), ("tiny_cloze", -0.05)):
         for m, extra in (("acc", -0.02), ("acc_norm", 0.0)):
+            items.append(
+                {
+                    "stage": "post",
+                    "task": t,
+                    "subtask": t,
+                    "name": m,
+                    "doc_ids": list(range(N_ITEMS)),
+                    "values": _item_values(acc + shift + extra, f"{key}|{t}|{m}"),
+                }
+            )
             metrics.append(
                 {
                     "name": m,
@@ -86,7 +121,7 @@ def _eval_record(acc: float, ppl: float) -> dict:
                     "headline": int(m == "acc_norm"),
                 }
             )
-    return {"metrics": metrics}
+    return {"metrics": metrics, "item_scores": items}
 
 
 def _distill_record(start: float, end: float) -> dict:
@@ -197,7 +232,8 @@ def build_own_sweep(store: Store) -> dict[str, int]:
                         "sum_nll": math.log(p) * 1000 if math.isfinite(p) else None,
                         "n_tokens": 1000,
                     }
-                ]
+                ],
+                "item_scores": _window_items(p, c["config_key"], "pre") if math.isfinite(p) else [],
             },
         )
         cid = ids[c["config_key"]]
@@ -269,7 +305,7 @@ def build_own_sweep(store: Store) -> dict[str, int]:
         elif ck.endswith("variant=1"):
             acc = acc - 0.03
         dist = _run(store, sid, "distill", _key("distill", ck), _distill_record(start, start - 1.0))
-        ev = _run(store, sid, "evaluate", _key("evaluate", ck), _eval_record(acc, 20.0 - 10 * acc))
+        ev = _run(store, sid, "evaluate", _key("evaluate", ck), _eval_record(acc, 20.0 - 10 * acc, ck))
         links += [(ids[ck], "distill", dist), (ids[ck], "evaluate", ev)]
         if "|variant=" in ck:
             base = ids[ck.split("|variant=")[0]]
@@ -287,7 +323,7 @@ def build_own_sweep(store: Store) -> dict[str, int]:
         (
             ids["teacher"],
             "evaluate",
-            _run(store, sid, "evaluate", _key("evaluate", "teacher"), _eval_record(0.62, 12.0)),
+            _run(store, sid, "evaluate", _key("evaluate", "teacher"), _eval_record(0.62, 12.0, "teacher")),
         )
     )
     store.link(links)
@@ -613,7 +649,7 @@ def test_own_report_derived_facts(store, own_report):
     assert {s: round(v["mean"], 4) for s, v in means.items()} == {
         s: round(100 * (ACC[s] - 0.025), 4) for s in SCORINGS
     }  # mean of the two tasks' headline accuracies
-    assert f["spread"]["scoring"] == {
+    assert {k: v for k, v in f["spread"]["scoring"].items() if k != "interval"} == {
         "best": "DO-ACP",
         "best_mean": 47.5,
         "worst": "SF",
@@ -627,6 +663,50 @@ def test_own_report_derived_facts(store, own_report):
         "forward_kl": 0.0,
         "reverse_kl": pytest.approx(-3.0),
     }
+
+
+def test_own_report_states_every_difference_with_its_interval(store, own_report):
+    out, _ = own_report
+    f = json.loads((out / "facts.json").read_text())["facts"]["tiny-moe"]
+    scoring, grouping = f["spread"]["scoring"]["interval"], f["spread"]["grouping"]["interval"]
+    assert scoring["method"].startswith("paired bootstrap over 400 items") and scoring["n"] == 400
+    assert scoring["distinguishable"] and scoring["ci"][0] < 10.0 < scoring["ci"][1]
+    # every grouping has the same accuracies: a spread of 0 pp that nothing can tell apart
+    assert f["spread"]["grouping"]["pp"] == 0.0 and not grouping["distinguishable"]
+    assert grouping["ci"][0] <= 0.0 <= grouping["ci"][1]
+    assert all(v["se"] > 0 for v in f["marginal_means"]["scoring"].values())
+    assert f["scoring_gap_at_k_equals_topk"]["interval"]["distinguishable"] in (True, False)
+    assert f["intervals"]["gain_over_random_ffn"]["distinguishable"]  # 20 pp on 400 items
+    assert set(f["intervals"]["merge_minus_prune"]) == set(f["merge_minus_prune"])
+    assert all(it["interval"] is not None for it in f["ablations"][0]["loss"] if it["delta"] != 0)
+    margins = f["selection"]["margins"]
+    assert margins and all(m["interval"]["n"] == 10 and m["ppl_diff"] > 0 for m in margins)
+    assert [s["a"] for s in f["stated"]] == ["DO-ACP", "RR"] and f["stated"][1]["pp"] == 0.0
+    index = (out / "index.md").read_text()
+    assert "spread 0.00 pp — not distinguishable at this n (95% CI [" in index
+    assert re.search(r"spread 10\.00 pp \(95% CI \[\+\d+\.\d\d, \+\d+\.\d\d\] pp, n=400\)", index)
+    tex = (out / "tables" / "marginal.tex").read_text()
+    assert r"\pm" in tex and "not distinguishable at this n" in tex
+    # the results view: every number's standard error and n
+    _, rows = store.query(
+        "SELECT avg_acc_se, avg_acc_n, ppl_pre_se, ppl_pre_n FROM results WHERE sweep = :s AND kind = 'teacher'",
+        {"s": OWN},
+    )
+    assert rows[0][0] == pytest.approx(math.sqrt(2 * 0.01**2) / 2) and rows[0][1] == 400
+
+
+def test_paper_report_annotates_the_stated_differences(paper_report):
+    out, _ = paper_report
+    f = json.loads((out / "facts.json").read_text())["facts"]["Qwen3-30B-A3B"]
+    stated = {(s["a"], s["b"]): s for s in f["stated"]}
+    assert set(stated) == {("DO-ACP", "ACP"), ("RR", "AB")}
+    for s in stated.values():
+        iv = s["interval"]
+        assert iv["method"].startswith("binomial SE from published benchmark sizes")
+        assert iv["diff"] == s["pp"] and iv["ci"][0] < s["pp"] < iv["ci"][1]
+        assert iv["n"] == 1267 + 10042 + 2376 + 1172 + 14042
+    index = (out / "index.md").read_text()
+    assert "Stated difference DO-ACP − ACP (scoring means, " in index
 
 
 def test_selection_overlap_and_effective_rank(store):

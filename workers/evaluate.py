@@ -4,7 +4,10 @@ The HF backend wraps the in-memory model (no checkpoint needed); the vLLM backen
 loads ``model_path`` (the model is saved to ``workdir`` first when there is none). lm-eval's response
 cache ignores model identity, so each (model_key, backend) gets its own cache file under cache_dir.
 Task hashes are lm-eval's own (sha256 over every sample's doc, prompt and target hashes, as its
-EvaluationTracker computes them); the stored results JSON leaves the samples out.
+EvaluationTracker computes them); the stored results JSON leaves the samples out, but each task keeps
+its per-item scores (`items`: per leaf task, lm-eval's doc_id, every numeric per-sample metric such as
+acc / acc_norm, and each choice's log-likelihood), so a comparison between models evaluated on the same
+items can be paired and recomputed.
 
 Generative tasks (workers/suites.py GENERATIVE) run only when what they declare is here: a GPU (unless
 allow_cpu), their data (the hub reachable, the dataset in the local cache, or a local copy), permission to
@@ -182,12 +185,15 @@ class Evaluation:
         todo = [t for t in tasks if t.label not in stored]
         merged: dict[str, Any] = {}
         hashes: dict[str, str] = {}
+        per_item: dict[str, list[dict[str, Any]]] = {}
         if todo:
-            self._evaluate(todo, limits, run.get("seed"), merged, hashes)
+            self._evaluate(todo, limits, run.get("seed"), merged, hashes, per_item)
         rows = []
         for t in tasks:
             if t.label not in stored:
-                stored[t.label] = {"row": _row(t, merged, hashes), "sections": _sections(merged, t.name)}
+                items = [per_item[leaf] for leaf in _leaves(merged, t.name) if leaf in per_item]
+                stored[t.label] = {"row": _row(t, merged, hashes) | {"items": items},
+                                   "sections": _sections(merged, t.name)}
                 _write_json(paths[t.label], stored[t.label])
             else:
                 _merge(merged, stored[t.label]["sections"])
@@ -217,7 +223,7 @@ class Evaluation:
         return self.stored / f"{t.label}-{hashlib.sha256(blob.encode()).hexdigest()[:24]}.json"
 
     def _evaluate(self, tasks: list[SuiteTask], limits: dict[str, Any], seed: int | None,
-                  merged: dict[str, Any], hashes: dict[str, str]) -> None:
+                  merged: dict[str, Any], hashes: dict[str, str], per_item: dict[str, dict[str, Any]]) -> None:
         import lm_eval
         from lm_eval.tasks import TaskManager
 
@@ -237,6 +243,7 @@ class Evaluation:
                                               confirm_run_unsafe_code=code and self.allow_code_eval, **seeds)
             samples = res.pop("samples", None) or {}
             hashes |= {name: _hash_samples(s) for name, s in samples.items()}
+            per_item |= {name: item_scores(name, s) for name, s in samples.items()}
             _merge(merged, res)
 
 
@@ -298,6 +305,29 @@ def _hash_samples(samples: list[dict[str, Any]]) -> str:
     """lm-eval's task hash (loggers/evaluation_tracker.py): sha256 over doc+prompt+target hashes."""
     joined = "".join(s["doc_hash"] + s["prompt_hash"] + s["target_hash"] for s in samples)
     return hashlib.sha256(joined.encode()).hexdigest()
+
+
+def item_scores(subtask: str, samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """One leaf task's per-item scores from lm-eval's logged samples, sorted by doc_id: every numeric
+    per-sample metric (acc, acc_norm, exact_match, ...) and, for log-likelihood tasks, each choice's
+    log-likelihood (`loglik`, ragged: `loglik_doc` repeats the doc_id once per choice)."""
+    rows = sorted(samples, key=lambda s: int(s["doc_id"]))
+    doc_ids = [int(s["doc_id"]) for s in rows]
+    if len(set(doc_ids)) != len(doc_ids):
+        raise ValueError(f"task {subtask!r}: lm-eval logged a doc_id twice; per-item scores need one sample per doc")
+    names = [m for m in rows[0].get("metrics", []) if _number(rows[0].get(m))] if rows else []
+    metrics = {m: [float(s[m]) if _number(s.get(m)) else math.nan for s in rows] for m in names}
+    loglik, loglik_doc = [], []
+    for d, s in zip(doc_ids, rows, strict=True):
+        for r in s.get("filtered_resps") or []:
+            if isinstance(r, list | tuple) and r and _number(r[0]):  # (log-likelihood, is_greedy)
+                loglik.append(float(r[0]))
+                loglik_doc.append(d)
+    return {"subtask": subtask, "doc_ids": doc_ids, "metrics": metrics, "loglik": loglik, "loglik_doc": loglik_doc}
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float)  # a bool metric (correct or not) counts as 0 / 1
 
 
 def _merge(into: dict[str, Any], res: dict[str, Any]) -> None:

@@ -18,6 +18,9 @@ Protocol (the record's ``protocol`` dict repeats it):
 
 Σ NLL is accumulated in float64 from float32 log-softmax computed in chunks of positions, so a full
 [B, T, V] float32 copy is never held; ppl = exp(Σ NLL / n_tokens).
+
+Each window's Σ NLL and scored-token count are returned too (`window_nll`, `window_tokens`, in window
+order): windows are the units a standard error and a paired bootstrap resample (`window_stats`).
 """
 
 from __future__ import annotations
@@ -105,11 +108,12 @@ def perplexity(model, tok, texts: list[str], seq_len: int, batch_size: int, add_
         raise ValueError(f"texts give {len(ids)} tokens: too few for one scored window of seq_len {seq_len}")
     device = torch.device(device) if device is not None else next(model.parameters()).device
 
-    by_len: dict[int, list[tuple[list[int], int]]] = defaultdict(list)
-    for w in wins:
-        by_len[len(w[0])].append(w)
-    sum_nll = torch.zeros((), dtype=torch.float64)
-    n_tokens, done = 0, 0
+    by_len: dict[int, list[tuple[int, tuple[list[int], int]]]] = defaultdict(list)
+    for i, w in enumerate(wins):
+        by_len[len(w[0])].append((i, w))
+    window_nll = [0.0] * len(wins)
+    window_tokens = [w[1] for w in wins]
+    done = 0
     was_training = model.training
     model.eval()
     try:
@@ -117,18 +121,18 @@ def perplexity(model, tok, texts: list[str], seq_len: int, batch_size: int, add_
             for group in by_len.values():
                 for i in range(0, len(group), batch_size):
                     batch = group[i:i + batch_size]
-                    seqs = torch.tensor([s for s, _ in batch], dtype=torch.long, device=device)
+                    seqs = torch.tensor([s for _, (s, _) in batch], dtype=torch.long, device=device)
                     logits = model(input_ids=seqs[:, :-1], use_cache=False).logits
-                    for row, (_, n_scored) in enumerate(batch):
-                        sum_nll += _row_nll(logits[row, -n_scored:], seqs[row, -n_scored:])
-                        n_tokens += n_scored
+                    for row, (idx, (_, n_scored)) in enumerate(batch):
+                        window_nll[idx] = float(_row_nll(logits[row, -n_scored:], seqs[row, -n_scored:]))
                     done += len(batch)
                     if progress:
                         progress(done, len(wins))
     finally:
         model.train(was_training)
 
-    total = float(sum_nll)
+    total = math.fsum(window_nll)
+    n_tokens = sum(window_tokens)
     ppl = _safe_exp(total / n_tokens)
     kind = "nan" if math.isnan(ppl) else "inf" if math.isinf(ppl) else "finite"
     rule = ("disjoint windows of seq_len tokens; " + (
@@ -145,7 +149,23 @@ def perplexity(model, tok, texts: list[str], seq_len: int, batch_size: int, add_
         "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "nll_accumulation": "float64 sum of float32 log-softmax",
     }
-    return {"ppl": ppl, "sum_nll": total, "n_tokens": n_tokens, "value_kind": kind, "protocol": protocol}
+    return {"ppl": ppl, "sum_nll": total, "n_tokens": n_tokens, "value_kind": kind, "protocol": protocol,
+            "window_nll": window_nll, "window_tokens": window_tokens}
+
+
+def window_stats(window_nll: list[float], window_tokens: list[int]) -> tuple[float | None, int]:
+    """(standard error of the perplexity, number of windows): the ratio estimator of the mean NLL per
+    token over windows (the sampled units), carried to ppl by the delta method (se_ppl = ppl · se_log)."""
+    n = len(window_nll)
+    total_tokens = sum(window_tokens)
+    if n < 2 or total_tokens == 0:
+        return None, n
+    mean = math.fsum(window_nll) / total_tokens
+    resid = [x - mean * t for x, t in zip(window_nll, window_tokens, strict=True)]
+    var = n / (n - 1) * math.fsum(r * r for r in resid) / total_tokens ** 2
+    se_log = math.sqrt(var)
+    ppl = _safe_exp(mean)
+    return (ppl * se_log if math.isfinite(ppl) and math.isfinite(se_log) else None), n
 
 
 def _row_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -338,8 +339,11 @@ def moe_student_params(payload: dict) -> int | None:
     return sum(p.numel() for p in student.parameters())
 
 
-def ppl_record(model, tok, payload: dict, cache: dict, stage: str) -> dict[str, Any]:
-    from workers.ppl import perplexity, text_ids
+def ppl_record(model, tok, payload: dict, cache: dict, stage: str,
+               items: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The ppl metric with its standard error over windows (n = `total` = windows); `items`, when given,
+    gains the per-window item scores (Σ NLL and scored tokens per window) for paired comparisons."""
+    from workers.ppl import perplexity, text_ids, window_stats
 
     pp = payload["params"]["ppl"]
     texts = eval_texts(payload, cache, pp["data"])
@@ -349,17 +353,24 @@ def ppl_record(model, tok, payload: dict, cache: dict, stage: str) -> dict[str, 
     r = perplexity(model, tok, texts, seq_len=pp["seq_len"], batch_size=pp["batch_size"], add_bos=pp["add_bos"],
                    device=device(), max_windows=pp.get("max_windows"), windows=pp.get("windows", "disjoint"),
                    ids=cache[key])
-    return _metric("ppl", r["ppl"], stage=stage, sum_nll=r["sum_nll"], n_tokens=r["n_tokens"],
-                   value_kind=r["value_kind"], extra={"protocol": r["protocol"], "data": pp["data"]})
+    se, n = window_stats(r["window_nll"], r["window_tokens"])
+    metric = _metric("ppl", r["ppl"], stage=stage, sum_nll=r["sum_nll"], n_tokens=r["n_tokens"], stderr=se,
+                     total=n, value_kind=r["value_kind"], extra={"protocol": r["protocol"], "data": pp["data"]})
+    if items is not None:
+        items += [{"stage": stage, "name": name, "doc_ids": list(range(n)), "values": [float(v) for v in vals]}
+                  for name, vals in (("nll", r["window_nll"]), ("tokens", r["window_tokens"]))]
+    return metric
 
 
 def stage_ppl_pre(payload: dict, cache: dict, progress) -> dict:
     recipe = payload["params"]["student"]
     student, tok = make_student(payload, cache, recipe, for_training=False)
+    items: list[dict[str, Any]] = []
     with torch.no_grad():
-        m = ppl_record(student, tok, payload, cache, "pre")
+        m = ppl_record(student, tok, payload, cache, "pre", items)
     params = _metric("params", float(sum(t.numel() for t in student.parameters())), stage="pre")
-    return {"outputs": {"ppl": m["value"], "value_kind": m["value_kind"]}, "metrics": [m, params]}
+    return {"outputs": {"ppl": m["value"], "value_kind": m["value_kind"]}, "metrics": [m, params],
+            "item_scores": items}
 
 
 # ---- distillation -------------------------------------------------------------------------------
@@ -512,10 +523,10 @@ def stage_evaluate(payload: dict, cache: dict, progress) -> dict:
             model.save_pretrained(path)
             tok.save_pretrained(path)
             saved.append(artifact("student", Path(path)))
-    metrics = []
+    metrics, items = [], []
     if ev.get("ppl", True):
         with torch.no_grad():
-            metrics.append(ppl_record(model, tok, payload, cache, "post"))
+            metrics.append(ppl_record(model, tok, payload, cache, "post", items))
     if ev["backend"] == "vllm" and kind != "teacher":  # vLLM loads it from disk itself
         del model
         model = None
@@ -528,6 +539,7 @@ def stage_evaluate(payload: dict, cache: dict, progress) -> dict:
                     allow_cpu=ev.get("allow_cpu", False), allow_code_eval=ev.get("allow_code_eval", False),
                     runs=ev.get("runs"))
     metrics += eval_metrics(res, repeated=ev.get("runs") is not None)
+    items += eval_items(res, repeated=ev.get("runs") is not None)
     out = Path(payload["workdir"]) / "lm_eval_results.json"
     out.write_text(json.dumps(res["results_json"], indent=1, default=str, sort_keys=True))
     outputs = {"avg": res.get("average"), **({"student": saved[0]["path"]} if saved else {})}
@@ -536,7 +548,8 @@ def stage_evaluate(payload: dict, cache: dict, progress) -> dict:
     if ev.get("runs") is not None:
         outputs["runs"] = [{"step": i, **r["settings"], "avg": r["average"], "reused": r["reused"]}
                            for i, r in enumerate(res["runs"])]
-    return {"outputs": outputs, "metrics": metrics, "artifacts": [artifact("lm_eval_results", out), *saved]}
+    return {"outputs": outputs, "metrics": metrics, "artifacts": [artifact("lm_eval_results", out), *saved],
+            "item_scores": items}
 
 
 def evaluated_model_key(payload: dict) -> str:
@@ -566,8 +579,9 @@ def eval_metrics(res: dict[str, Any], repeated: bool) -> list[dict[str, Any]]:
             for metric in ("acc", "acc_norm"):
                 if t.get(metric) is None:
                     continue
+                se = item_stderr(t.get("items") or [], metric, t[metric])
                 rows.append(_metric(metric, t[metric], stage="post", task=t["task"], step=step,
-                                    stderr=t.get(f"{metric}_stderr"), total=t.get("n"),
+                                    stderr=t.get(f"{metric}_stderr") if se is None else se, total=t.get("n"),
                                     num_fewshot=t.get("num_fewshot"), headline=int(metric == t["headline"]),
                                     extra=extra))
             for name, value in sorted(t.get("other", {}).items()):
@@ -581,6 +595,41 @@ def eval_metrics(res: dict[str, Any], repeated: bool) -> list[dict[str, Any]]:
             rows.append(_metric(GENERATIVE[task].score, None, stage="post", task=task, step=step,
                                 value_kind="skipped", extra=common | {"not_run": reason}))
     return rows
+
+
+def eval_items(res: dict[str, Any], repeated: bool) -> list[dict[str, Any]]:
+    """item_scores records of run_suite's result: per run, task, leaf task and per-sample metric (and the
+    choices' log-likelihoods), keyed by lm-eval's doc_id so students are paired on the same items."""
+    out = []
+    for i, run in enumerate(res["runs"]):
+        step = i if repeated else -1
+        for t in run["tasks"]:
+            for it in t.get("items") or []:
+                common = {"stage": "post", "task": t["task"], "subtask": it["subtask"], "step": step}
+                for name, vals in sorted(it["metrics"].items()):
+                    out.append(common | {"name": name, "doc_ids": it["doc_ids"], "values": vals})
+                if it["loglik"]:
+                    out.append(common | {"name": "loglik", "doc_ids": it["loglik_doc"], "values": it["loglik"]})
+    return out
+
+
+def item_stderr(items: list[dict[str, Any]], metric: str, value: float) -> float | None:
+    """Standard error of a task's metric from its per-item scores (sample sd / √n, as lm-eval's): over all
+    items when `value` is their mean (one task, or a group weighted by size), else the macro mean's over
+    its leaf tasks. None without items."""
+    leaves = [[x for x in it["metrics"].get(metric, []) if not math.isnan(x)] for it in items]
+    leaves = [v for v in leaves if v]
+    flat = [x for v in leaves for x in v]
+    if len(flat) < 2:
+        return None
+
+    def var(v: list[float]) -> float:
+        m = sum(v) / len(v)
+        return sum((x - m) ** 2 for x in v) / (len(v) - 1) if len(v) > 1 else 0.0
+
+    if abs(sum(flat) / len(flat) - value) < 1e-6:
+        return math.sqrt(var(flat) / len(flat))
+    return math.sqrt(sum(var(v) / len(v) for v in leaves)) / len(leaves)
 
 
 def _stderr_name(name: str) -> str:

@@ -125,5 +125,5 @@ def after(ctx: SweepContext) -> None:
 
 STAGE = Stage(
     name="evaluate", run="workers.stages:stage_evaluate", jobs=jobs, section="evaluate", params=Evaluate,
-    upstream=("distill", "router_kd"), records=frozenset({"outputs", "metrics", "artifacts"}), estimate=estimate,
-    summary="lm-eval suite, generative tasks and post-distillation perplexity", after=after)
+    upstream=("distill", "router_kd"), records=frozenset({"outputs", "metrics", "artifacts", "item_scores"}),
+    estimate=estimate, summary="lm-eval suite, generative tasks and post-distillation perplexity", after=after)
