@@ -64,6 +64,9 @@ class Frames:
     # `config_items` (per-item scores: headline metrics by doc_id, perplexity windows' nll / tokens), `ids`
     # and `vals` unpacked to numpy arrays; empty for sweeps without them (imported papers, older runs)
     items: pd.DataFrame = field(default_factory=pd.DataFrame)
+    # the metrics of dense → MoE configurations (kind dense2moe): `ppl` of stage dot_moe per evaluated top-k
+    # (`step`; who student) and of the dense model (who dense)
+    dense2moe: pd.DataFrame = field(default_factory=pd.DataFrame)
 
 
 def _read(engine: Engine, sql: str, names: list[str]) -> pd.DataFrame:
@@ -125,7 +128,16 @@ def load_frames(engine: Engine, sweeps: list[str]) -> Frames:
     code = _read(
         engine, "SELECT * FROM config_code WHERE sweep IN :names ORDER BY sweep, config_id, stage", names
     )
-    return Frames(tuple(names), results, tasks, selections, diagnostics, curves, info, code, load_items(engine, names))
+    dense2moe = _read(
+        engine,
+        "SELECT m.config_id AS config_id, m.name AS name, m.stage AS stage, m.who AS who, m.step AS step, "
+        "m.value AS value FROM config_metrics m WHERE m.stage = 'dot_moe' AND m.config_id IN "
+        "(SELECT r.config_id FROM results r WHERE r.sweep IN :names AND r.kind = 'dense2moe') "
+        "ORDER BY m.config_id, m.metric_id",
+        names,
+    )
+    return Frames(tuple(names), results, tasks, selections, diagnostics, curves, info, code,
+                  load_items(engine, names), dense2moe)
 
 
 def load_items(engine: Engine, sweeps: list[str]) -> pd.DataFrame:

@@ -12,6 +12,7 @@ from typing import Any
 
 import pandas as pd
 
+from analysis import dot_tables as dt
 from analysis import figures as fg
 from analysis import moe_tables as mt
 from analysis import tables as tb
@@ -141,6 +142,14 @@ def write_report(frames: Frames, name: str, out_dir: Path, compare: Frames | Non
                 "baselines",
             )
         )
+        dense2moe = dt.dense2moe_rows(everything)
+        if len(dense2moe):  # dense → MoE models (DOT-MoE), and the published ones as context
+            w.table(dt.dot_table(dense2moe, frames.dense2moe, name, "dense2moe"))
+            if compare is not None:
+                ref = dt.dense2moe_rows(compare.results[compare.results["sweep_kind"] == "reference"])
+                for rs in sorted(set(ref["sweep"])):
+                    w.table(dt.dot_paper_table(ref[ref["sweep"] == rs], compare.tasks[compare.tasks["sweep"] == rs],
+                                               rs, f"dense2moe_{tb.slug(rs, True).strip('_')}"))
         small = mt.moe_models(everything)
         for model in small:  # smaller MoEs (output = moe), beside a paper's of the same model
             ref = None

@@ -335,3 +335,33 @@ def test_micro_batches_accumulate_the_whole_batch_gradient():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
     with pytest.raises(ValueError, match="micro_batch"):
         DotMoeSpec(batch_size=4, micro_batch=8)
+
+
+def test_report_has_a_dense_to_moe_table_beside_the_papers(tmp_path):
+    """A sweep's dense → MoE models get their own table (perplexity per evaluated top-k, the dense model's
+    beside it), and with the papers imported the DOT-MoE paper's rows come as a context table."""
+    from analysis.load import load_frames
+    from analysis.reference import reference_sweeps
+    from analysis.report import write_report
+    from db.store import Store
+
+    store = Store(f"sqlite:///{tmp_path}/d.db")
+    store.import_reference(reference_sweeps())
+    sid = store.upsert_sweep("own-dot", spec_yaml="name: own-dot")
+    key = "dense2moe|dot|dense_teacher|E=4|k=2"
+    settings = {"method": "dot", "source": "dense_teacher", "experts": 4, "top_k": 2}
+    ids = store.upsert_configs(sid, [{"config_key": key, "model": "tiny", "kind": "dense2moe", "K": 4, "top_k": 2,
+                                      "settings": json.dumps(settings)}])
+    store.register_jobs(sid, [{"key": "dot-job", "stage": "dot_moe", "params": {"k": 1}}])
+    assert store.claim("dot-job", "t")
+    ppl = [{"name": "ppl", "stage": "dot_moe", "who": "dense", "value": 100.0}] + [
+        {"name": "ppl", "stage": "dot_moe", "who": "student", "step": k, "value": v}
+        for k, v in ((1, 180.0), (2, 130.0), (4, 100.0))]
+    store.finish("dot-job", "t", {"metrics": ppl}, 0.1)
+    store.link([(ids[key], "dot_moe", store.jobs(["dot-job"])["dot-job"]["id"])])
+    frames = load_frames(store.engine, ["own-dot"])
+    write_report(frames, "own-dot", tmp_path / "r", load_frames(store.engine, [s["name"] for s in reference_sweeps()]))
+    tex = (tmp_path / "r" / "tables" / "dense2moe.tex").read_text()
+    assert r"dot & dense\_teacher & 4 & 2 & 100.0 & 180.0 & 130.0 & 100.0 \\" in tex
+    paper = (tmp_path / "r" / "tables" / "dense2moe_paper-dot-moe.tex").read_text()
+    assert "DOT-MoE (active=3.49B)" in paper and "61.50" in paper
