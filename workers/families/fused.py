@@ -219,8 +219,10 @@ class FusedMoeAdapter(FamilyAdapter):
         """[T, E] per-expert values the router multiplies into the chosen experts (softmax here)."""
         return torch.softmax(logits.float(), dim=-1)
 
-    def choice_scores(self, router: nn.Module, logits: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """What the router takes its top-k of (the probabilities here)."""
+    def choice_scores(self, router: nn.Module, logits: torch.Tensor, gate: torch.Tensor,
+                      *router_args: Any) -> torch.Tensor:
+        """What the router takes its top-k of (the probabilities here). `router_args`: the router forward's
+        arguments after the hidden states (MiniMax-M2 passes its block's correction bias there)."""
         return gate
 
     def scale(self, router: nn.Module) -> float:
@@ -291,7 +293,7 @@ class FusedMoeAdapter(FamilyAdapter):
                 return out
             logits, native_w = out[0], out[1]
             gate = self.gate_values(logits)
-            idx = torch.topk(self.choice_scores(router, logits, gate), k, dim=-1).indices
+            idx = torch.topk(self.choice_scores(router, logits, gate, *args), k, dim=-1).indices
             w = gate.gather(1, idx)
             if renorm:
                 w = w / w.sum(dim=-1, keepdim=True)
@@ -488,7 +490,7 @@ class FusedMoeAdapter(FamilyAdapter):
 
 def assemble(cfg: Any, teacher: nn.Module, ffn_tensors: dict[str, torch.Tensor],
              ffn_prefixes: tuple[str, ...], share_weights: bool) -> nn.Module:
-    """Build the student on the meta device, then fill it: FFN parameters from `ffn_tensors`,
+    """Build the student on the meta device, then fill it: FFN parameters (and FFN buffers) from `ffn_tensors`,
     everything else from the teacher's tensor of the same name (the same object when sharing,
     a copy otherwise). A student bias the teacher lacks (e.g. Qwen2's qkv bias) becomes zeros."""
     from transformers import AutoModelForCausalLM
@@ -530,9 +532,15 @@ def assemble(cfg: Any, teacher: nn.Module, ffn_tensors: dict[str, torch.Tensor],
         mod_name, _, leaf = name.rpartition(".")
         student.get_submodule(mod_name)._parameters[leaf] = new
     for name, b in list(student.named_buffers(remove_duplicate=False)):
+        mod_name, _, leaf = name.rpartition(".")
+        if name.startswith(ffn_prefixes) and name in ffn_tensors:  # an FFN buffer (MiniMax-M2's router bias)
+            t = ffn_tensors[name].detach().to(device=ref.device, dtype=b.dtype).contiguous()
+            if tuple(t.shape) != tuple(b.shape):
+                raise ValueError(f"{name}: shape {tuple(t.shape)} but the student needs {tuple(b.shape)}")
+            student.get_submodule(mod_name)._buffers[leaf] = t
+            continue
         if name not in t_buffers or tuple(t_buffers[name].shape) != tuple(b.shape):
             raise ValueError(f"student buffer {name} has no teacher counterpart")
-        mod_name, _, leaf = name.rpartition(".")
         student.get_submodule(mod_name)._buffers[leaf] = from_teacher(t_buffers[name], False)
     for mod_name, mod in student.named_modules():
         for key, v in vars(mod).items():
