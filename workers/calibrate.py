@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from workers.merge import activation
-from workers.types import SAMPLE_SHARED, STATS_TENSORS, ExpertWeights, LayerStats
+from workers.types import FAMILY_STATS, SAMPLE_SHARED, STATS_TENSORS, ExpertWeights, LayerStats
 
 STAT_FIELDS = STATS_TENSORS
 MAX_FIELDS = frozenset({"max_norm_sel"})  # a max over tokens; every other field of LayerStats is a sum
@@ -236,6 +236,15 @@ def collect_stats(model: nn.Module, adapter, batches: Sequence[tuple[torch.Tenso
     offsets, shared = sample_plan(batches, sample_tokens, sample_seed) if sample_tokens > 0 else ({}, {})
     samples: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {layer: [] for layer in layers}
 
+    gate_sums: dict[int, torch.Tensor] = {}
+
+    def gate_hook(layer: int):
+        """Σ over real tokens of the shared expert's per-token gate (FamilyAdapter.shared_gate_values)."""
+        def hook(module: nn.Module, args: tuple, output) -> None:
+            g = adapter.shared_gate_values(output).reshape(-1)[current["mask"].to(output.device)]
+            gate_sums[layer] = gate_sums.get(layer, 0) + g.double().sum()
+        return hook
+
     def make_hook(layer: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
             h = args[0] if args else kwargs["hidden_states"]
@@ -256,6 +265,9 @@ def collect_stats(model: nn.Module, adapter, batches: Sequence[tuple[torch.Tenso
         for layer in layers:
             handles.append(adapter.router_module(model, layer).register_forward_hook(
                 make_hook(layer), with_kwargs=True))
+            gate = adapter.shared_gate(model, layer)
+            if gate is not None:
+                handles.append(gate.register_forward_hook(gate_hook(layer)))
         with torch.no_grad():
             for i, (ids, mask) in enumerate(batches):
                 if ids.shape != mask.shape:
@@ -270,6 +282,8 @@ def collect_stats(model: nn.Module, adapter, batches: Sequence[tuple[torch.Tenso
             handle.remove()
         model.train(was_training)
     out = {layer: acc.finish() for layer, acc in accs.items()}
+    for layer, total in gate_sums.items():
+        out[layer].sum_shared_gate = total.reshape(1).to(out[layer].count.device)
     for layer, parts in samples.items():
         if parts:
             out[layer].sample = {"x": torch.cat([x for x, _ in parts]), "p": torch.cat([p for _, p in parts]),
@@ -328,7 +342,7 @@ def _mix_layer(stats: dict[str, LayerStats], weights: dict[str, float]) -> Layer
     total = sum(weights.values())
     lam = {name: (weights[name] / total) * (n / st.n_tokens) for name, st in stats.items()}
     fields: dict[str, torch.Tensor | None] = {}
-    for field in STATS_TENSORS:
+    for field in (*STATS_TENSORS, *FAMILY_STATS):
         values = {name: getattr(st, field) for name, st in stats.items()}
         missing = [name for name, v in values.items() if v is None]
         if len(missing) == len(values):

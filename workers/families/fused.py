@@ -62,6 +62,13 @@ def stack_ffns(a: DenseFFN, b: DenseFFN) -> DenseFFN:
     return concat_blocks([a, b], [1.0, 1.0])
 
 
+def scale_ffn(ffn: DenseFFN, scale: float) -> DenseFFN:
+    """scale · ffn(h): the down projection (and its bias) multiplied by `scale` (new tensors)."""
+    return DenseFFN(gate=ffn.gate, up=ffn.up, down=ffn.down * scale, gate_bias=ffn.gate_bias, up_bias=ffn.up_bias,
+                    down_bias=None if ffn.down_bias is None else ffn.down_bias * scale, act=ffn.act,
+                    act_alpha=ffn.act_alpha, act_limit=ffn.act_limit)
+
+
 def pad_ffn(ffn: DenseFFN, width: int) -> DenseFFN:
     """Zero-pad an FFN to `width` intermediate units (a zero unit contributes act(0, 0)·0 = 0)."""
     extra = width - ffn.width
@@ -458,14 +465,19 @@ class FusedMoeAdapter(FamilyAdapter):
                 out[pre + name + ".bias"] = t
         return out
 
-    def layer_ffns(self, teacher: nn.Module, ffns: dict[int, DenseFFN]) -> list[DenseFFN]:
-        """One FFN per layer, all of one width: ffns[l] (+ shared experts) or the teacher's dense FFN."""
+    def layer_ffns(self, teacher: nn.Module, ffns: dict[int, DenseFFN],
+                   shared_scale: Mapping[int, float] | None = None) -> list[DenseFFN]:
+        """One FFN per layer, all of one width: ffns[l] (+ shared experts × shared_scale[l], default 1.0)
+        or the teacher's dense FFN."""
         moe = set(self.moe_layers(teacher))
+        scales = {int(k): float(v) for k, v in (shared_scale or {}).items()}
         out: list[DenseFFN] = []
         for layer in range(len(self.layers(teacher))):
             if layer in ffns:
                 f = ffns[layer]
                 shared = self.shared_ffn(teacher, layer) if layer in moe else None
+                if shared is not None and scales.get(layer, 1.0) != 1.0:
+                    shared = scale_ffn(shared, scales[layer])
                 f = f if shared is None else stack_ffns(f, shared)
             elif layer in moe:
                 raise ValueError(f"ffns: MoE layer {layer} has no FFN; given layers {sorted(ffns)}")
@@ -477,9 +489,9 @@ class FusedMoeAdapter(FamilyAdapter):
         width = max(f.width for f in out)
         return [pad_ffn(f, width) for f in out]
 
-    def build_student(self, teacher: nn.Module, ffns: dict[int, DenseFFN],
-                      share_weights: bool = False) -> nn.Module:
-        per_layer = self.layer_ffns(teacher, ffns)
+    def build_student(self, teacher: nn.Module, ffns: dict[int, DenseFFN], share_weights: bool = False,
+                      shared_scale: Mapping[int, float] | None = None) -> nn.Module:
+        per_layer = self.layer_ffns(teacher, ffns, shared_scale)
         cfg = self.student_config(teacher, per_layer[0].width)
         tensors: dict[str, torch.Tensor] = {}
         for layer, f in enumerate(per_layer):
