@@ -111,7 +111,8 @@ def tiny_config(family: str, **overrides: Any):
     v3 = dict(num_key_value_heads=2, num_hidden_layers=2, intermediate_size=40, moe_intermediate_size=16,
               n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1)
     if family == "glm4_moe":  # layer 0 dense (3 layers: two MoE layers, as the per-layer tests need), q/k norm
-        kw = dict(v3, num_hidden_layers=3, first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5, use_qk_norm=True)
+        kw = dict(v3, num_hidden_layers=3, first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+                  use_qk_norm=True)
         return tf.Glm4MoeConfig(**{**COMMON, **kw, **overrides})
     if family == "dots1":  # no dense layer, sliding attention in layer 1
         kw = dict(v3, first_k_dense_replace=0, norm_topk_prob=True, routed_scaling_factor=1.5, sliding_window=4,
@@ -161,7 +162,8 @@ def routed_scale(family: str, teacher: nn.Module) -> float:
 
 def correction_bias(family: str, block: nn.Module) -> torch.Tensor:
     """The [E] score-correction bias of a sigmoid router (on the router, or on the block for MiniMax-M2)."""
-    return block.e_score_correction_bias if CASES[family].bias_on_block else router_of(family, block).e_score_correction_bias
+    owner = block if CASES[family].bias_on_block else router_of(family, block)
+    return owner.e_score_correction_bias
 
 
 def hand_plans(adapter, teacher: nn.Module, merged: bool) -> list[LayerPlan]:

@@ -21,6 +21,8 @@ class FamilyAdapter(ABC):
     name: str = ""  # e.g. "qwen3_moe"
     model_types: tuple[str, ...] = ()  # config.model_type values this adapter handles
     block_classes: tuple[str, ...] = ()  # MoE block class names (transformers 5.x) this adapter handles
+    routing: str = ""  # the router's semantics, shared experts and dense layers in one line (`moesweep families`)
+    student: str = ""  # what the dense student is (a dense sibling class, or the same class with one expert)
 
     # --- structure from the config alone (no model built) ---------------------------------------
     @abstractmethod

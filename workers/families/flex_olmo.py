@@ -17,6 +17,8 @@ from workers.families.fused import FusedMoeAdapter, copy_config
 
 class FlexOlmoAdapter(FusedMoeAdapter):
     name = "flex_olmo"
+    routing = "softmax over E, top-k, renormalized iff norm_topk_prob; no shared experts"
+    student = "dense sibling Olmo2"
     model_types = ("flex_olmo",)
     block_classes = ("FlexOlmoSparseMoeBlock",)
 

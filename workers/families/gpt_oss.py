@@ -31,6 +31,8 @@ from workers.types import DenseFFN, ExpertWeights
 
 class GptOssAdapter(FusedMoeAdapter):
     name = "gpt_oss"
+    routing = "top-k of the biased logits, softmax over the k; no shared experts; biased clamped-SwiGLU experts"
+    student = "same class, one expert, top-1"
     model_types = ("gpt_oss",)
     block_classes = ("GptOssMLP",)
     router_attr = "router"

@@ -28,6 +28,9 @@ from workers.types import DenseFFN
 
 class MiniMaxM2Adapter(FusedMoeAdapter):
     name = "minimax_m2"
+    routing = ("sigmoid scores, top-k of scores + the block's e_score_correction_bias, unbiased scores "
+               "renormalized over the k; no shared experts")
+    student = "same class, one expert, top-1"
     model_types = ("minimax_m2",)
     block_classes = ("MiniMaxM2SparseMoeBlock",)
     experts_key = "num_local_experts"

@@ -23,6 +23,10 @@ from workers.families.qwen3_moe import sparse_step_moe_layers
 
 class Qwen2MoeAdapter(FusedMoeAdapter):
     name = "qwen2_moe"
+    routing = ("softmax over E, top-k, renormalized iff norm_topk_prob; one shared expert gated per token "
+               "by sigmoid(w·h) (student: static scale, shared_gate_scales); dense layers by "
+               "mlp_only_layers / decoder_sparse_step")
+    student = "dense sibling Qwen2"
     model_types = ("qwen2_moe",)
     block_classes = ("Qwen2MoeSparseMoeBlock",)
     shared_attr = "shared_expert"
