@@ -1,4 +1,5 @@
-"""The `moesweep` command: launch, status, verify, stages, sweeps, sql, migrate, report, import-paper, serve."""
+"""The `moesweep` command: launch, status, verify, stages, families, sweeps, sql, migrate, report, import-paper,
+serve."""
 
 from __future__ import annotations
 
@@ -268,6 +269,17 @@ def stages_cmd() -> None:
         res = f"{s.resources.cpus:g} CPU" + (f", {s.resources.gpus:g} GPU" if s.resources.gpus else "")
         print(f"{s.name}: {s.summary}\n  section: {s.section or '-'}   reads: {', '.join(s.upstream) or '-'}   "
               f"records: {', '.join(sorted(s.records - {'outputs'})) or '-'}   default resources: {res}")
+
+
+@app.command("families")
+def families_cmd() -> None:
+    """The supported MoE families (a sweep's teacher must be one): model types, MoE block, routing
+    semantics and the dense student's class."""
+    from workers.families import ADAPTERS
+
+    for a in ADAPTERS:
+        print(f"{a.name}: model_type {', '.join(a.model_types)} ({'/'.join(a.block_classes)})\n"
+              f"  routing: {a.routing}\n  student: {a.student}")
 
 
 @app.command()

@@ -57,7 +57,8 @@ def model_shape(spec: SweepSpec, path: str | None = None) -> TeacherShape:
     try:
         s = teacher_shape(config)
     except ValueError as e:
-        raise SpecError(f"{path}: teacher.model: {str(e).splitlines()[0]}") from None
+        hint = " (`moesweep families` describes each)" if "unsupported model_type" in str(e) else ""
+        raise SpecError(f"{path}: teacher.model: {str(e).splitlines()[0]}{hint}") from None
     stated = {"num_experts": t.num_experts, "top_k": t.top_k, "renormalize": t.renormalize,
               "shared_experts": t.shared_experts}
     for name, value in stated.items():

@@ -4,11 +4,18 @@ calibration, conversion and teacher-shape tests.
 Each family's config exercises what makes it special: Qwen3-MoE a dense first layer narrower than
 k·I (`mlp_only_layers`), Qwen2-MoE its sigmoid-gated shared expert, DeepSeek-V2/V3 a dense first
 layer (`first_k_dense_replace`), one shared expert, group-limited routing and a routed scaling factor
-(V3: sigmoid router with a correction bias), GPT-OSS its biased router and biased clamped-SwiGLU experts.
+(V3: sigmoid router with a correction bias), GPT-OSS its biased router and biased clamped-SwiGLU experts,
+GLM-4-MoE / dots1 the V3 router (group-limited, scaled; GLM-4 with a dense first layer, dots1 without
+renormalization), MiniMax-M2 a sigmoid router whose correction bias lives on the block, FlexOlmo OLMoE's
+router in OLMo-2's post-norm layer.
+
+`CASES` states each family's semantics for the tests' independent reference math (written per router
+kind, not per family): adding a family is one tiny config and one Case.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,7 +23,50 @@ from torch import nn
 
 from workers.types import LayerPlan
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss"]
+
+@dataclass(frozen=True)
+class Case:
+    """What the tiny teacher of a family is, written out independently of the adapters."""
+
+    moe_layers: tuple[int, ...]
+    experts: int
+    top_k: int
+    experts_key: str  # config field with the routed expert count
+    router: str  # "softmax": top-k of softmax p; "softmax_v2": DeepSeek-V2 (groups by max p, scaled);
+    #              "sigmoid": top-k of sigmoid + correction bias, weights the raw sigmoid (DeepSeek-V3 style);
+    #              "logits": top-k of biased logits, softmax over the k (GPT-OSS)
+    renorm: bool  # weights renormalized over the chosen k
+    student: str  # transformers config class of the dense student
+    groups: bool = False  # group-limited routing (n_group / topk_group, contiguous groups)
+    scaled: bool = False  # routed_scaling_factor multiplies the weights
+    shared: str | None = None  # block attribute of the shared experts
+    shared_gate: str | None = None  # block attribute of a per-token sigmoid gate of the shared expert
+    shared_width: int = 0
+    bias_on_block: bool = False  # the correction bias is a buffer of the block, not of the router
+    one_expert_student: bool = False  # the student is the same class with one expert and top-1
+    all_dense_student: bool = False  # the student is the same class with first_k_dense_replace = n
+
+
+CASES: dict[str, Case] = {
+    "qwen3_moe": Case((1, 2), 6, 2, "num_experts", "softmax", True, "Qwen3Config"),
+    "qwen2_moe": Case((0, 1), 6, 2, "num_experts", "softmax", False, "Qwen2Config", shared="shared_expert",
+                      shared_gate="shared_expert_gate", shared_width=24),
+    "mixtral": Case((0, 1), 6, 2, "num_local_experts", "softmax", True, "MistralConfig"),
+    "olmoe": Case((0, 1), 6, 2, "num_experts", "softmax", False, "OlmoeConfig", one_expert_student=True),
+    "deepseek_v2": Case((1, 2), 8, 2, "n_routed_experts", "softmax_v2", False, "DeepseekV2Config", groups=True,
+                        scaled=True, shared="shared_experts", shared_width=16, all_dense_student=True),
+    "deepseek_v3": Case((1, 2), 8, 2, "n_routed_experts", "sigmoid", True, "DeepseekV3Config", groups=True,
+                        scaled=True, shared="shared_experts", shared_width=16, all_dense_student=True),
+    "gpt_oss": Case((0, 1), 6, 2, "num_local_experts", "logits", True, "GptOssConfig", one_expert_student=True),
+    "glm4_moe": Case((1, 2), 8, 2, "n_routed_experts", "sigmoid", True, "Glm4MoeConfig", groups=True, scaled=True,
+                     shared="shared_experts", shared_width=16, all_dense_student=True),
+    "dots1": Case((0, 1), 8, 2, "n_routed_experts", "sigmoid", True, "Dots1Config", groups=True, scaled=True,
+                  shared="shared_experts", shared_width=16, all_dense_student=True),
+    "minimax_m2": Case((0, 1), 6, 2, "num_local_experts", "sigmoid", True, "MiniMaxM2Config",
+                       bias_on_block=True, one_expert_student=True),
+    "flex_olmo": Case((0, 1), 6, 2, "num_experts", "softmax", True, "Olmo2Config"),
+}
+FAMILIES = list(CASES)
 V = 256  # vocabulary of every tiny teacher
 H = 32  # hidden size of every tiny teacher
 COMMON = dict(vocab_size=V, hidden_size=H, num_attention_heads=4, max_position_embeddings=64,
@@ -58,6 +108,24 @@ def tiny_config(family: str, **overrides: Any):
         kw = dict(num_key_value_heads=2, head_dim=8, intermediate_size=16, num_hidden_layers=2, num_local_experts=6,
                   num_experts_per_tok=2, sliding_window=4, layer_types=["sliding_attention", "full_attention"])
         return tf.GptOssConfig(**{**COMMON, **kw, **overrides})
+    v3 = dict(num_key_value_heads=2, num_hidden_layers=2, intermediate_size=40, moe_intermediate_size=16,
+              n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1)
+    if family == "glm4_moe":  # layer 0 dense (3 layers: two MoE layers, as the per-layer tests need), q/k norm
+        kw = dict(v3, num_hidden_layers=3, first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+                  use_qk_norm=True)
+        return tf.Glm4MoeConfig(**{**COMMON, **kw, **overrides})
+    if family == "dots1":  # no dense layer, sliding attention in layer 1
+        kw = dict(v3, first_k_dense_replace=0, norm_topk_prob=True, routed_scaling_factor=1.5, sliding_window=4,
+                  max_window_layers=1)
+        return tf.Dots1Config(**{**COMMON, **kw, **overrides})
+    if family == "minimax_m2":
+        kw = dict(num_key_value_heads=2, head_dim=8, intermediate_size=16, num_hidden_layers=2, num_local_experts=6,
+                  num_experts_per_tok=2)
+        return tf.MiniMaxM2Config(**{**COMMON, **kw, **overrides})
+    if family == "flex_olmo":
+        kw = dict(num_key_value_heads=2, intermediate_size=16, num_hidden_layers=2, num_experts=6,
+                  num_experts_per_tok=2, norm_topk_prob=True)
+        return tf.FlexOlmoConfig(**{**COMMON, **kw, **overrides})
     raise ValueError(f"no tiny config for family {family!r}")
 
 
@@ -88,8 +156,14 @@ def router_of(family: str, block: nn.Module) -> nn.Module:
 
 
 def routed_scale(family: str, teacher: nn.Module) -> float:
-    """The constant DeepSeek's routers multiply into their weights (1 elsewhere)."""
-    return float(teacher.config.routed_scaling_factor) if family.startswith("deepseek") else 1.0
+    """The constant DeepSeek-style routers multiply into their weights (1 elsewhere)."""
+    return float(teacher.config.routed_scaling_factor) if CASES[family].scaled else 1.0
+
+
+def correction_bias(family: str, block: nn.Module) -> torch.Tensor:
+    """The [E] score-correction bias of a sigmoid router (on the router, or on the block for MiniMax-M2)."""
+    owner = block if CASES[family].bias_on_block else router_of(family, block)
+    return owner.e_score_correction_bias
 
 
 def hand_plans(adapter, teacher: nn.Module, merged: bool) -> list[LayerPlan]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from families_cases import FAMILIES, ids, make_teacher, router_of
+from families_cases import CASES, FAMILIES, correction_bias, ids, make_teacher, router_of
 
 from workers.families import get_adapter
 from workers.moe_merging import (
@@ -24,10 +24,6 @@ from workers.moe_merging import (
 )
 from workers.registry import registry_names
 from workers.types import ExpertWeights, LayerContext, LayerPlan, LayerStats, MergedLayer
-
-EXPERTS_KEY = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts", "mixtral": "num_local_experts",
-               "olmoe": "num_experts", "deepseek_v2": "n_routed_experts", "deepseek_v3": "n_routed_experts",
-               "gpt_oss": "num_local_experts"}
 
 
 def teacher(family: str, seed: int = 0) -> torch.nn.Module:
@@ -228,7 +224,7 @@ def kept_subset(family: str, model) -> dict[int, list[int]]:
     """E − 2 experts per layer (DeepSeek: 2 of each group of 4, keeping the group limit)."""
     adapter = get_adapter(model)
     E = adapter.num_experts(model)
-    if family.startswith("deepseek"):
+    if CASES[family].groups:
         return {layer: [0, 2, 5, 7] if i % 2 else [1, 3, 4, 6]
                 for i, layer in enumerate(adapter.moe_layers(model))}
     return {layer: [e for e in range(E) if e not in (i % E, (i + 2) % E)]
@@ -247,17 +243,17 @@ def test_singleton_clusters_equal_the_pruned_moe(family):
         merged = adapter.merged_moe_student(model, singletons(kept, rule=rule))
         assert merged.config.to_dict() == pruned.config.to_dict()
         torch.testing.assert_close(logits(merged, x), want, rtol=1e-12, atol=1e-12 * float(want.abs().max()))
-    if family.startswith("deepseek"):
+    if CASES[family].groups:
         assert (merged.config.n_group, merged.config.topk_group) == (2, 1)
 
 
 def router_tensors(family: str, block) -> dict[str, torch.Tensor]:
     r = router_of(family, block)
     out = {"weight": r.weight}
-    if family == "gpt_oss":
+    if CASES[family].router == "logits":
         out["bias"] = r.bias
-    if family == "deepseek_v3":
-        out["e_score_correction_bias"] = r.e_score_correction_bias
+    if CASES[family].router == "sigmoid":
+        out["e_score_correction_bias"] = correction_bias(family, block)
     return out
 
 
@@ -288,7 +284,7 @@ def test_merged_tensors_are_the_weighted_average(family, rule):
     perms = {e: torch.randperm(n_units, generator=g) for e in (0, 5, 4)}
     merged = {layer: MergedLayer(groups, weights, rule, dominant, perms) for layer in layers}
     student = adapter.merged_moe_student(model, merged)
-    assert getattr(student.config, EXPERTS_KEY[family]) == len(groups)
+    assert getattr(student.config, CASES[family].experts_key) == len(groups)
     for layer in layers:
         t_ex, s_ex = adapter.expert_weights(model, layer), adapter.expert_weights(student, layer)
         t_r = router_tensors(family, moe_blocks(model)[layer])
@@ -381,7 +377,7 @@ def test_calibrate_merge_save_reload(family, method, tmp_path):
     student.save_pretrained(tmp_path)
     back = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64, experts_implementation="eager")
     assert type(back) is type(model)
-    assert getattr(back.config, EXPERTS_KEY[family]) == M
+    assert getattr(back.config, CASES[family].experts_key) == M
     assert back.config.num_experts_per_tok == k
     for layer, blk in moe_blocks(back).items():
         assert router_of(family, blk).weight.shape == (M, H)

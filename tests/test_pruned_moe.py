@@ -3,7 +3,7 @@ checkpoint of the teacher's class that routes like the teacher with the dropped 
 
 The reference is built here, independently of the adapters: the teacher (float64) with its routers
 patched so that the dropped experts' logits are -inf (softmax routers), their score-correction bias is
--inf (DeepSeek-V3's sigmoid router: out of the group scores, the top-k and the normalization over the
+-inf (DeepSeek-V3-style sigmoid routers: out of the group scores, the top-k and the normalization over the
 chosen k) or their router bias is -inf (GPT-OSS: out of the top-k of the logits).
 """
 
@@ -14,13 +14,9 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from families_cases import FAMILIES, ids, make_teacher, router_of
+from families_cases import CASES, FAMILIES, correction_bias, ids, make_teacher, router_of
 
 from workers.families import get_adapter
-
-EXPERTS_KEY = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts", "mixtral": "num_local_experts",
-               "olmoe": "num_experts", "deepseek_v2": "n_routed_experts", "deepseek_v3": "n_routed_experts",
-               "gpt_oss": "num_local_experts"}
 
 
 def teacher(family: str, seed: int = 0) -> torch.nn.Module:
@@ -71,14 +67,15 @@ def masked_teacher(family: str, model, kept: dict[int, list[int]], groups: bool 
         E = router.weight.shape[0]
         dropped = torch.ones(E, dtype=torch.bool)
         dropped[kept[layer]] = False
-        if family.startswith("deepseek") and not groups:
+        case = CASES[family]
+        if case.groups and not groups:
             router.num_group, router.topk_group = 1, 1
         with torch.no_grad():
-            if family == "gpt_oss":
+            if case.router == "logits":
                 router.bias[dropped] = float("-inf")
-            elif family == "deepseek_v3":
-                router.e_score_correction_bias[dropped] = float("-inf")
-            elif family == "deepseek_v2":
+            elif case.router == "sigmoid":
+                correction_bias(family, block)[dropped] = float("-inf")
+            elif case.router == "softmax_v2":
                 router.forward = _deepseek_v2_router_forward(router, dropped)
             else:
                 router.forward = _softmax_router_forward(router, dropped, always_renorm=family == "mixtral")
@@ -118,7 +115,7 @@ def check_pruned_checkpoint(family, model, kept, pruned, tmp_path):
     pruned.save_pretrained(tmp_path)
     back = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64, experts_implementation="eager")
     assert type(back) is type(model)
-    assert getattr(back.config, EXPERTS_KEY[family]) == e_new
+    assert getattr(back.config, CASES[family].experts_key) == e_new
     assert back.config.num_experts_per_tok == model.config.num_experts_per_tok
     t_blocks, b_blocks = moe_blocks(model), moe_blocks(back)
     assert sorted(t_blocks) == sorted(b_blocks) == sorted(kept)
@@ -131,12 +128,13 @@ def check_pruned_checkpoint(family, model, kept, pruned, tmp_path):
         for name, t in src.experts.named_parameters():
             got = dict(blk.experts.named_parameters())[name]
             assert got.shape == (e_new, *t.shape[1:]) and torch.equal(got, t[idx]), name
-        if family == "gpt_oss":
+        case = CASES[family]
+        if case.router == "logits":
             assert router.bias.shape == (e_new,) and torch.equal(router.bias, t_router.bias[idx])
-        if family == "deepseek_v3":
-            assert torch.equal(router.e_score_correction_bias, t_router.e_score_correction_bias[idx])
-        if family == "qwen2_moe":
-            assert torch.equal(blk.shared_expert_gate.weight, src.shared_expert_gate.weight)
+        if case.router == "sigmoid":
+            assert torch.equal(correction_bias(family, blk), correction_bias(family, src)[idx])
+        if case.shared_gate:
+            assert torch.equal(getattr(blk, case.shared_gate).weight, getattr(src, case.shared_gate).weight)
         for name in ("shared_expert", "shared_experts"):
             if hasattr(src, name):
                 for (n1, a), (n2, b) in zip(getattr(src, name).named_parameters(),
@@ -163,10 +161,10 @@ def test_pruned_checkpoint_routes_as_the_teacher_without_the_dropped_experts(fam
     model = teacher(family)
     adapter = get_adapter(model)
     E, k = adapter.num_experts(model), adapter.top_k(model)
-    kept = balanced_kept(model, per_group=2) if family.startswith("deepseek") else some_kept(family, model, E - 2)
+    kept = balanced_kept(model, per_group=2) if CASES[family].groups else some_kept(family, model, E - 2)
     pruned = adapter.pruned_moe_student(model, kept)
     back = check_pruned_checkpoint(family, model, kept, pruned, tmp_path)
-    if family.startswith("deepseek"):  # balanced across the groups: the group limit is kept
+    if CASES[family].groups:  # balanced across the groups: the group limit is kept
         assert (back.config.n_group, back.config.topk_group) == (model.config.n_group, model.config.topk_group)
     x = ids(3, 12, seed=4)
     want = logits(masked_teacher(family, model, kept), x)

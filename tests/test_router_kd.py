@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from families_cases import FAMILIES, ids, make_teacher
+from families_cases import CASES, FAMILIES, ids, make_teacher
 
 from workers.families import get_adapter
 from workers.router_kd import (
@@ -274,7 +274,9 @@ def test_bf16_student_keeps_fp32_master_weights():
 # routed into the wrong group cannot be moved out of it; it stalls at 0.73–0.79 (0.53 with n_group 1,
 # see below). It can fail for a family whose noise happens to leave routing nearly intact (small start)
 # or whose selections the noise flips beyond what local gradient steps can undo.
-MAX_RATIO = {f: 0.5 for f in FAMILIES} | {"deepseek_v3": 0.9}
+# GLM-4-MoE and dots1 have the same router (0.82 and 0.53 at these seeds): every group-limited sigmoid router
+# gets the same bound.
+MAX_RATIO = {f: 0.9 if CASES[f].groups and CASES[f].router == "sigmoid" else 0.5 for f in FAMILIES}
 
 
 def recovery(family: str, **overrides) -> tuple[float, float, dict]:

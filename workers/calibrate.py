@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from workers.merge import activation
-from workers.types import SAMPLE_SHARED, STATS_TENSORS, ExpertWeights, LayerStats
+from workers.types import FAMILY_STATS, SAMPLE_SHARED, STATS_TENSORS, ExpertWeights, LayerStats
 
 STAT_FIELDS = STATS_TENSORS
 MAX_FIELDS = frozenset({"max_norm_sel"})  # a max over tokens; every other field of LayerStats is a sum
@@ -247,6 +247,22 @@ def router_hook(adapter, acc: LayerAccumulator, current: dict[str, torch.Tensor]
     return hook
 
 
+def gate_hook(adapter, gate_sums: dict[int, torch.Tensor], layer: int, current: dict[str, torch.Tensor]) -> Callable:
+    """The forward hook on a layer's shared-expert gate: Σ over real tokens of its per-token value
+    (FamilyAdapter.shared_gate_values) into gate_sums[layer]."""
+    def hook(module: nn.Module, args: tuple, output) -> None:
+        g = adapter.shared_gate_values(output).reshape(-1)[current["mask"].to(output.device)]
+        gate_sums[layer] = gate_sums.get(layer, 0) + g.double().sum()
+    return hook
+
+
+def attach_gate_sums(stats: dict[int, LayerStats], gate_sums: dict[int, torch.Tensor]) -> dict[int, LayerStats]:
+    """`stats` with each gated layer's Σ_t gate as its `sum_shared_gate` [1]."""
+    for layer, total in gate_sums.items():
+        stats[layer].sum_shared_gate = total.reshape(1).to(stats[layer].count.device)
+    return stats
+
+
 def attach_sample(st: LayerStats, parts: list[tuple[torch.Tensor, torch.Tensor]],
                   shared: dict[str, torch.Tensor]) -> LayerStats:
     """`st` with the layer's sampled (x, p) rows and the shared windows as its token sample (none: as is)."""
@@ -268,6 +284,7 @@ def collect_stats(model: nn.Module, adapter, batches: Sequence[tuple[torch.Tenso
     current: dict[str, torch.Tensor] = {}
     offsets, shared = sample_plan(batches, sample_tokens, sample_seed) if sample_tokens > 0 else ({}, {})
     samples: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {layer: [] for layer in layers}
+    gate_sums: dict[int, torch.Tensor] = {}
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     was_training = model.training
     handles = []
@@ -276,6 +293,9 @@ def collect_stats(model: nn.Module, adapter, batches: Sequence[tuple[torch.Tenso
         for layer in layers:
             handles.append(adapter.router_module(model, layer).register_forward_hook(
                 router_hook(adapter, accs[layer], current, samples[layer]), with_kwargs=True))
+            gate = adapter.shared_gate(model, layer)
+            if gate is not None:
+                handles.append(gate.register_forward_hook(gate_hook(adapter, gate_sums, layer, current)))
         with torch.no_grad():
             for i, (ids, mask) in enumerate(batches):
                 current["mask"] = mask.reshape(-1).bool()
@@ -287,7 +307,8 @@ def collect_stats(model: nn.Module, adapter, batches: Sequence[tuple[torch.Tenso
         for handle in handles:
             handle.remove()
         model.train(was_training)
-    return {layer: attach_sample(acc.finish(), samples[layer], shared) for layer, acc in accs.items()}
+    out = {layer: attach_sample(acc.finish(), samples[layer], shared) for layer, acc in accs.items()}
+    return attach_gate_sums(out, gate_sums)
 
 
 # ---- several sources ------------------------------------------------------------------------------
@@ -341,7 +362,7 @@ def _mix_layer(stats: dict[str, LayerStats], weights: dict[str, float]) -> Layer
     total = sum(weights.values())
     lam = {name: (weights[name] / total) * (n / st.n_tokens) for name, st in stats.items()}
     fields: dict[str, torch.Tensor | None] = {}
-    for field in STATS_TENSORS:
+    for field in (*STATS_TENSORS, *FAMILY_STATS):
         values = {name: getattr(st, field) for name, st in stats.items()}
         missing = [name for name, v in values.items() if v is None]
         if len(missing) == len(values):

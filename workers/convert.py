@@ -61,9 +61,10 @@ def plan_ffns(model: nn.Module, adapter: FamilyAdapter, plans: list[LayerPlan],
 
 
 def build_student_from_plans(model: nn.Module, adapter: FamilyAdapter, plans: list[LayerPlan],
-                             share_weights: bool,
-                             progress: Callable[[int, int], None] | None = None) -> nn.Module:
+                             share_weights: bool, progress: Callable[[int, int], None] | None = None,
+                             shared_scale: dict[int, float] | None = None) -> nn.Module:
     """The dense student of a set of plans (one per MoE layer; dense layers come from the teacher,
-    zero-padded). share_weights=True: non-FFN tensors are the teacher's own (do not train it)."""
+    zero-padded). share_weights=True: non-FFN tensors are the teacher's own (do not train it).
+    `shared_scale`: per layer, the static scale of a gated shared expert (default 1.0)."""
     ffns = plan_ffns(model, adapter, plans, progress)
-    return adapter.build_student(model, ffns, share_weights=share_weights)
+    return adapter.build_student(model, ffns, share_weights=share_weights, shared_scale=shared_scale)

@@ -1,9 +1,8 @@
 """Edited MoE checkpoints (workers.editing): the teacher's architecture with every MoE block's routed experts
 stored as factors, a real transformers model that saves and reloads offline.
 
-Layout. For a family `<model_type>` (qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v2, deepseek_v3,
-gpt_oss) the edited checkpoint has config model_type `<model_type>_edited` (a subclass of the family's
-config with one extra field, `moesweep_editing`) and architecture `<Family>EditedForCausalLM` (a subclass
+Layout. For a family `<model_type>` (every key of FAMILIES below, one per family adapter) the edited
+checkpoint has config model_type `<model_type>_edited` (a subclass of the family's config with one extra field, `moesweep_editing`) and architecture `<Family>EditedForCausalLM` (a subclass
 of the family's CausalLM). `moesweep_editing = {"method", "layers": {"<layer>": {"<proj>": {"kind",
 "shapes", ...}}}}` lists, per MoE layer and projection (gate, up, down), the factor kind (mobe, tucker,
 dense) and the shape of each factor. The experts module `model.layers.<l>.mlp.experts` is a subclass of the
@@ -47,6 +46,10 @@ FAMILIES = {
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", "fused"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", "fused"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", "gptoss"),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", "fused"),
+    "dots1": ("Dots1Config", "Dots1ForCausalLM", "fused"),
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", "fused"),
+    "flex_olmo": ("FlexOlmoConfig", "FlexOlmoForCausalLM", "fused"),
 }
 
 

@@ -26,7 +26,9 @@ def dense_student(model: nn.Module, adapter: FamilyAdapter, plans: list[LayerPla
                   plan_path: str | None = None) -> nn.Module:
     from workers.convert import build_student_from_plans
 
-    return build_student_from_plans(model, adapter, plans, share_weights=share_weights)
+    scales = {p.layer: p.extras["student"]["shared_scale"] for p in plans
+              if "shared_scale" in p.extras.get("student", {})}  # setting shared_gate: mean (else 1.0)
+    return build_student_from_plans(model, adapter, plans, share_weights=share_weights, shared_scale=scales or None)
 
 
 def moe_student(model: nn.Module, adapter: FamilyAdapter, plans: list[LayerPlan], share_weights: bool,

@@ -170,7 +170,7 @@ def stage_convert(payload: dict, cache: dict, progress) -> dict:
             "layer_diag": diag, "artifacts": artifacts}
 
 
-OUTPUT_SETTINGS = {"dense": (), "moe": ("super_experts",), "merged": (), "edited": ()}
+OUTPUT_SETTINGS = {"dense": ("shared_gate",), "moe": ("super_experts",), "merged": (), "edited": ()}
 
 
 def convert_plans(contexts: Mapping, p: dict[str, Any], teacher: tuple | None = None) -> tuple[list, Path | None]:
@@ -181,6 +181,7 @@ def convert_plans(contexts: Mapping, p: dict[str, Any], teacher: tuple | None = 
     takes settings when its selector has `parse_settings`: they reach it as LayerContext.settings).
     `teacher`: the resident (model, adapter), for scorings that re-run it (sequential inputs). `contexts`
     is looked up once per layer, in layer order (a streamed teacher's are read from its shards then)."""
+    from workers.families.base import SHARED_GATE_DEFAULT, shared_gate_scales
     from workers.planning import plan_layer, select_layer
 
     output, K = p.get("output", "dense"), p["K"]
@@ -216,10 +217,19 @@ def convert_plans(contexts: Mapping, p: dict[str, Any], teacher: tuple | None = 
         for plan in plans:
             plan.extras["student"] = {**plan.extras.get("student", {}), "factors_sha256": sha}
         return plans, path
-    if own or (settings and scoring_settings is None):
-        raise ValueError(f"settings {', '.join(sorted({**settings, **own}))}: a dense student takes none")
-    return _scored_plans(layers, scoring_settings, rerun, lambda layer, ctx: plan_layer(
-        layer, ctx, p["scoring"], p["grouping"], p["dp_scaling"], K)), None
+    if settings and scoring_settings is None:
+        raise ValueError(f"settings {', '.join(sorted(settings))}: a dense student takes "
+                         f"{', '.join(OUTPUT_SETTINGS['dense'])}")
+    gate = own.get("shared_gate")
+
+    def dense_plan(layer: int, ctx) -> Any:
+        plan = plan_layer(layer, ctx, p["scoring"], p["grouping"], p["dp_scaling"], K)
+        if gate is not None and gate != SHARED_GATE_DEFAULT:  # the default builds the student as before
+            scale = shared_gate_scales({layer: ctx.stats}, gate)[layer]
+            plan.extras["student"] = {**plan.extras.get("student", {}), "shared_scale": scale}
+        return plan
+
+    return _scored_plans(layers, scoring_settings, rerun, dense_plan), None
 
 
 def _scoring_settings(p: dict[str, Any], settings: dict[str, Any], teacher: tuple | None) -> tuple:

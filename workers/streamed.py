@@ -38,8 +38,10 @@ from torch import nn
 
 from workers.calibrate import (
     LayerAccumulator,
+    attach_gate_sums,
     attach_sample,
     check_batches,
+    gate_hook,
     router_hook,
     sample_plan,
     stats_to,
@@ -324,10 +326,14 @@ def _run_layer(teacher: StreamedTeacher, adapter, i: int, layer: nn.Module,
     acc = LayerAccumulator(adapter.expert_weights(teacher.model, i), chunk_tokens) if is_moe else None
     current: dict[str, torch.Tensor] = {}
     samples: list[tuple[torch.Tensor, torch.Tensor]] = []
-    handle = None
+    handles = []
+    gate_sums: dict[int, torch.Tensor] = {}
     if acc is not None:
-        handle = adapter.router_module(teacher.model, i).register_forward_hook(
-            router_hook(adapter, acc, current, samples), with_kwargs=True)
+        handles.append(adapter.router_module(teacher.model, i).register_forward_hook(
+            router_hook(adapter, acc, current, samples), with_kwargs=True))
+        gate = adapter.shared_gate(teacher.model, i)
+        if gate is not None:
+            handles.append(gate.register_forward_hook(gate_hook(adapter, gate_sums, i, current)))
     try:
         with torch.no_grad():
             for b, ((_, mask), c) in enumerate(zip(batches, calls, strict=True)):
@@ -336,11 +342,11 @@ def _run_layer(teacher: StreamedTeacher, adapter, i: int, layer: nn.Module,
                 args, kwargs = move(c[i], layer_device(layer))
                 hidden[b] = layer(hidden[b].to(layer_device(layer)), *args, **kwargs).to(store)
     finally:
-        if handle is not None:
+        for handle in handles:
             handle.remove()
     if acc is None:
         return {}
-    return stats_to({i: attach_sample(acc.finish(), samples, shared)}, "cpu")
+    return stats_to(attach_gate_sums({i: attach_sample(acc.finish(), samples, shared)}, gate_sums), "cpu")
 
 
 def layer_device(layer: nn.Module) -> torch.device:

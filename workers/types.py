@@ -94,6 +94,8 @@ SAMPLE_SHARED = ("ids", "mask", "window", "pos")
 # Every tensor of LayerStats, in file order.
 STATS_TENSORS = ("count", "sum_p", "sum_p_sel", "sum_sq", "sum_gnorm_sel", "sum_norm_sel", "gram",
                  "sum_pnorm_sel", "max_norm_sel", "sum_out", "gram_p", "sum_xx")
+# Statistics only some families have (written and read when present; older files simply lack them).
+FAMILY_STATS = ("sum_shared_gate",)
 
 
 @dataclass
@@ -120,6 +122,8 @@ class LayerStats:
     sum_out: torch.Tensor | None = None  # [E, H] Σ_t f_e(t) over all tokens (HC-SMoE's representative A_e)
     gram_p: torch.Tensor | None = None  # [E, E] Σ_t p(t) p(t)ᵀ over all tokens (M-SMoE's router similarity)
     sum_xx: torch.Tensor | None = None  # [H, H] Σ_t x(t) x(t)ᵀ of the block's input (TD-MoE's whitening)
+    # [1] Σ_t σ(w·x(t)) of a per-token shared-expert gate (Qwen2-MoE); None for a family without one
+    sum_shared_gate: torch.Tensor | None = None
     # Real tokens, not sums (reconstruction-loss selection): SAMPLE_LAYER and SAMPLE_SHARED names → tensors
     sample: dict[str, torch.Tensor] | None = None
 
@@ -136,7 +140,7 @@ class LayerStats:
     def to_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """Flatten for safetensors; `prefix` is e.g. 'layer.3.'. Missing optional statistics are left out."""
         out = {f"{prefix}n_tokens": torch.tensor([self.n_tokens], dtype=torch.int64)}
-        for name in STATS_TENSORS:
+        for name in (*STATS_TENSORS, *FAMILY_STATS):
             if getattr(self, name) is not None:
                 out[prefix + name] = getattr(self, name).contiguous()
         for name in SAMPLE_LAYER:  # the shared sample tensors are written once per file (save_stats)
@@ -153,6 +157,7 @@ class LayerStats:
             raise ValueError(f"statistics '{prefix}*' lack {', '.join(missing)} (written by an older "
                              "moesweep): recompute the calibration statistics")
         kw = {name: tensors[prefix + name] for name in STATS_TENSORS}
+        kw.update({name: tensors[prefix + name] for name in FAMILY_STATS if prefix + name in tensors})
         sample = {n: tensors[f"{prefix}sample_{n}"] for n in SAMPLE_LAYER if f"{prefix}sample_{n}" in tensors}
         return cls(n_tokens=int(tensors[prefix + "n_tokens"].item()), sample=sample or None, **kw)
 

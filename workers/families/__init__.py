@@ -10,7 +10,10 @@ from torch import nn
 
 from workers.families.base import FamilyAdapter
 from workers.families.deepseek_v2 import DeepseekV2Adapter, DeepseekV3Adapter
+from workers.families.flex_olmo import FlexOlmoAdapter
+from workers.families.glm4_moe import Dots1Adapter, Glm4MoeAdapter
 from workers.families.gpt_oss import GptOssAdapter
+from workers.families.minimax_m2 import MiniMaxM2Adapter
 from workers.families.mixtral import MixtralAdapter
 from workers.families.olmoe import OlmoeAdapter
 from workers.families.qwen2_moe import Qwen2MoeAdapter
@@ -18,7 +21,8 @@ from workers.families.qwen3_moe import Qwen3MoeAdapter
 from workers.types import TeacherShape
 
 ADAPTERS: list[FamilyAdapter] = [Qwen3MoeAdapter(), Qwen2MoeAdapter(), MixtralAdapter(), OlmoeAdapter(),
-                                 DeepseekV2Adapter(), DeepseekV3Adapter(), GptOssAdapter()]
+                                 DeepseekV2Adapter(), DeepseekV3Adapter(), GptOssAdapter(), Glm4MoeAdapter(),
+                                 Dots1Adapter(), MiniMaxM2Adapter(), FlexOlmoAdapter()]
 
 
 def supported() -> list[str]:

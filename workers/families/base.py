@@ -7,19 +7,22 @@ interface, so it never asks which family it is in.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch import nn
 
-from workers.types import DenseFFN, ExpertWeights, MergedLayer, TeacherShape
+from workers.types import DenseFFN, ExpertWeights, LayerStats, MergedLayer, TeacherShape
 
 
 class FamilyAdapter(ABC):
     name: str = ""  # e.g. "qwen3_moe"
     model_types: tuple[str, ...] = ()  # config.model_type values this adapter handles
     block_classes: tuple[str, ...] = ()  # MoE block class names (transformers 5.x) this adapter handles
+    routing: str = ""  # the router's semantics, shared experts and dense layers in one line (`moesweep families`)
+    student: str = ""  # what the dense student is (a dense sibling class, or the same class with one expert)
 
     # --- structure from the config alone (no model built) ---------------------------------------
     @abstractmethod
@@ -86,8 +89,19 @@ class FamilyAdapter(ABC):
         return 0
 
     def shared_ffn(self, model: nn.Module, layer: int) -> DenseFFN | None:
-        """Shared experts of a layer as one dense FFN (copied into the student with scale 1.0)."""
+        """Shared experts of a layer as one dense FFN (copied into the student with scale 1.0, or the
+        layer's `shared_scale` where build_student is given one)."""
         return None
+
+    def shared_gate(self, model: nn.Module, layer: int) -> nn.Module | None:
+        """The module whose output gates the layer's shared expert per token (Qwen2-MoE's
+        shared_expert_gate); None where the shared experts are ungated or absent. Calibration hooks it
+        and records Σ_t shared_gate_values (LayerStats.sum_shared_gate)."""
+        return None
+
+    def shared_gate_values(self, output: torch.Tensor) -> torch.Tensor:
+        """[T] the factor the gate module's output multiplies into the shared expert (a sigmoid here)."""
+        return torch.sigmoid(output.double()).reshape(-1)
 
     @abstractmethod
     def dense_ffn(self, model: nn.Module, layer: int) -> DenseFFN:
@@ -137,10 +151,34 @@ class FamilyAdapter(ABC):
         ...
 
     @abstractmethod
-    def build_student(self, teacher: nn.Module, ffns: dict[int, DenseFFN],
-                      share_weights: bool = False) -> nn.Module:
+    def build_student(self, teacher: nn.Module, ffns: dict[int, DenseFFN], share_weights: bool = False,
+                      shared_scale: Mapping[int, float] | None = None) -> nn.Module:
         """A dense HF model: attention, embeddings and norms from the teacher; layer l's FFN
-        from ffns[l] (plus shared experts); dense teacher layers zero-padded to the same width.
-        share_weights=True reuses the teacher's tensors instead of copying them (for fast
-        in-memory evaluation with the teacher resident); the student must then not be trained."""
+        from ffns[l] (plus shared experts, times shared_scale[l] where given, else 1.0); dense teacher
+        layers zero-padded to the same width. share_weights=True reuses the teacher's tensors instead of
+        copying them (for fast in-memory evaluation with the teacher resident); the student must then
+        not be trained."""
         ...
+
+
+SHARED_GATE_RULES = ("one", "mean")
+SHARED_GATE_DEFAULT = "one"
+
+
+def shared_gate_scales(stats: Mapping[int, LayerStats], rule: str = SHARED_GATE_DEFAULT) -> dict[int, float]:
+    """The static scale of each MoE layer's gated shared expert in the dense student (build_student's
+    shared_scale). "one" (default; what every student so far was built with): the gate is dropped, its
+    upper bound 1. "mean": the calibration mean of the gate, Σ_t σ(w·x_t) / N (§3.4's principle: a
+    static scale ≈ the average routing); layers whose statistics hold no gate (ungated or no shared
+    expert) get 1.0."""
+    if rule not in SHARED_GATE_RULES:
+        raise ValueError(f"shared_gate={rule!r}; allowed: {', '.join(SHARED_GATE_RULES)}")
+    out: dict[int, float] = {}
+    for layer, st in stats.items():
+        if rule == "mean" and st.sum_shared_gate is not None:
+            if st.n_tokens <= 0:
+                raise ValueError(f"layer {layer}: no calibration tokens, no shared-gate mean")
+            out[int(layer)] = float(st.sum_shared_gate.sum()) / st.n_tokens
+        else:
+            out[int(layer)] = 1.0
+    return out

@@ -124,6 +124,10 @@ class _DeepseekAdapter(FusedMoeAdapter):
 
 class DeepseekV2Adapter(_DeepseekAdapter):
     name = "deepseek_v2"
+    routing = ("softmax over E, greedy or group-limited top-k (groups ranked by their max), × "
+               "routed_scaling_factor, never renormalized; ungated shared experts; first_k_dense_replace "
+               "dense layers")
+    student = "same class, every layer dense (first_k_dense_replace = num_hidden_layers)"
     model_types = ("deepseek_v2",)
     block_classes = ("DeepseekV2Moe",)
 
@@ -146,6 +150,10 @@ class DeepseekV2Adapter(_DeepseekAdapter):
 
 class DeepseekV3Adapter(_DeepseekAdapter):
     name = "deepseek_v3"
+    routing = ("sigmoid scores, group-limited top-k of scores + e_score_correction_bias (groups ranked by their "
+               "top-2 sum), unbiased scores renormalized iff norm_topk_prob, × routed_scaling_factor; ungated "
+               "shared experts; first_k_dense_replace dense layers")
+    student = "same class, every layer dense (first_k_dense_replace = num_hidden_layers)"
     model_types = ("deepseek_v3",)
     block_classes = ("DeepseekV3MoE",)
     expert_tensors = ("gate.weight", "gate.e_score_correction_bias", "experts.gate_up_proj", "experts.down_proj")

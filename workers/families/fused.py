@@ -62,6 +62,13 @@ def stack_ffns(a: DenseFFN, b: DenseFFN) -> DenseFFN:
     return concat_blocks([a, b], [1.0, 1.0])
 
 
+def scale_ffn(ffn: DenseFFN, scale: float) -> DenseFFN:
+    """scale · ffn(h): the down projection (and its bias) multiplied by `scale` (new tensors)."""
+    return DenseFFN(gate=ffn.gate, up=ffn.up, down=ffn.down * scale, gate_bias=ffn.gate_bias, up_bias=ffn.up_bias,
+                    down_bias=None if ffn.down_bias is None else ffn.down_bias * scale, act=ffn.act,
+                    act_alpha=ffn.act_alpha, act_limit=ffn.act_limit)
+
+
 def pad_ffn(ffn: DenseFFN, width: int) -> DenseFFN:
     """Zero-pad an FFN to `width` intermediate units (a zero unit contributes act(0, 0)·0 = 0)."""
     extra = width - ffn.width
@@ -219,8 +226,10 @@ class FusedMoeAdapter(FamilyAdapter):
         """[T, E] per-expert values the router multiplies into the chosen experts (softmax here)."""
         return torch.softmax(logits.float(), dim=-1)
 
-    def choice_scores(self, router: nn.Module, logits: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """What the router takes its top-k of (the probabilities here)."""
+    def choice_scores(self, router: nn.Module, logits: torch.Tensor, gate: torch.Tensor,
+                      *router_args: Any) -> torch.Tensor:
+        """What the router takes its top-k of (the probabilities here). `router_args`: the router forward's
+        arguments after the hidden states (MiniMax-M2 passes its block's correction bias there)."""
         return gate
 
     def scale(self, router: nn.Module) -> float:
@@ -291,7 +300,7 @@ class FusedMoeAdapter(FamilyAdapter):
                 return out
             logits, native_w = out[0], out[1]
             gate = self.gate_values(logits)
-            idx = torch.topk(self.choice_scores(router, logits, gate), k, dim=-1).indices
+            idx = torch.topk(self.choice_scores(router, logits, gate, *args), k, dim=-1).indices
             w = gate.gather(1, idx)
             if renorm:
                 w = w / w.sum(dim=-1, keepdim=True)
@@ -456,14 +465,19 @@ class FusedMoeAdapter(FamilyAdapter):
                 out[pre + name + ".bias"] = t
         return out
 
-    def layer_ffns(self, teacher: nn.Module, ffns: dict[int, DenseFFN]) -> list[DenseFFN]:
-        """One FFN per layer, all of one width: ffns[l] (+ shared experts) or the teacher's dense FFN."""
+    def layer_ffns(self, teacher: nn.Module, ffns: dict[int, DenseFFN],
+                   shared_scale: Mapping[int, float] | None = None) -> list[DenseFFN]:
+        """One FFN per layer, all of one width: ffns[l] (+ shared experts × shared_scale[l], default 1.0)
+        or the teacher's dense FFN."""
         moe = set(self.moe_layers(teacher))
+        scales = {int(k): float(v) for k, v in (shared_scale or {}).items()}
         out: list[DenseFFN] = []
         for layer in range(len(self.layers(teacher))):
             if layer in ffns:
                 f = ffns[layer]
                 shared = self.shared_ffn(teacher, layer) if layer in moe else None
+                if shared is not None and scales.get(layer, 1.0) != 1.0:
+                    shared = scale_ffn(shared, scales[layer])
                 f = f if shared is None else stack_ffns(f, shared)
             elif layer in moe:
                 raise ValueError(f"ffns: MoE layer {layer} has no FFN; given layers {sorted(ffns)}")
@@ -475,9 +489,9 @@ class FusedMoeAdapter(FamilyAdapter):
         width = max(f.width for f in out)
         return [pad_ffn(f, width) for f in out]
 
-    def build_student(self, teacher: nn.Module, ffns: dict[int, DenseFFN],
-                      share_weights: bool = False) -> nn.Module:
-        per_layer = self.layer_ffns(teacher, ffns)
+    def build_student(self, teacher: nn.Module, ffns: dict[int, DenseFFN], share_weights: bool = False,
+                      shared_scale: Mapping[int, float] | None = None) -> nn.Module:
+        per_layer = self.layer_ffns(teacher, ffns, shared_scale)
         cfg = self.student_config(teacher, per_layer[0].width)
         tensors: dict[str, torch.Tensor] = {}
         for layer, f in enumerate(per_layer):
@@ -488,7 +502,7 @@ class FusedMoeAdapter(FamilyAdapter):
 
 def assemble(cfg: Any, teacher: nn.Module, ffn_tensors: dict[str, torch.Tensor],
              ffn_prefixes: tuple[str, ...], share_weights: bool) -> nn.Module:
-    """Build the student on the meta device, then fill it: FFN parameters from `ffn_tensors`,
+    """Build the student on the meta device, then fill it: FFN parameters (and FFN buffers) from `ffn_tensors`,
     everything else from the teacher's tensor of the same name (the same object when sharing,
     a copy otherwise). A student bias the teacher lacks (e.g. Qwen2's qkv bias) becomes zeros."""
     from transformers import AutoModelForCausalLM
@@ -530,9 +544,15 @@ def assemble(cfg: Any, teacher: nn.Module, ffn_tensors: dict[str, torch.Tensor],
         mod_name, _, leaf = name.rpartition(".")
         student.get_submodule(mod_name)._parameters[leaf] = new
     for name, b in list(student.named_buffers(remove_duplicate=False)):
+        mod_name, _, leaf = name.rpartition(".")
+        if name.startswith(ffn_prefixes) and name in ffn_tensors:  # an FFN buffer (MiniMax-M2's router bias)
+            t = ffn_tensors[name].detach().to(device=ref.device, dtype=b.dtype).contiguous()
+            if tuple(t.shape) != tuple(b.shape):
+                raise ValueError(f"{name}: shape {tuple(t.shape)} but the student needs {tuple(b.shape)}")
+            student.get_submodule(mod_name)._buffers[leaf] = t
+            continue
         if name not in t_buffers or tuple(t_buffers[name].shape) != tuple(b.shape):
             raise ValueError(f"student buffer {name} has no teacher counterpart")
-        mod_name, _, leaf = name.rpartition(".")
         student.get_submodule(mod_name)._buffers[leaf] = from_teacher(t_buffers[name], False)
     for mod_name, mod in student.named_modules():
         for key, v in vars(mod).items():

@@ -19,6 +19,7 @@ down_proj's middle axis; down_proj_bias has no unit axis.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -30,6 +31,8 @@ from workers.types import DenseFFN, ExpertWeights
 
 class GptOssAdapter(FusedMoeAdapter):
     name = "gpt_oss"
+    routing = "top-k of the biased logits, softmax over the k; no shared experts; biased clamped-SwiGLU experts"
+    student = "same class, one expert, top-1"
     model_types = ("gpt_oss",)
     block_classes = ("GptOssMLP",)
     router_attr = "router"
@@ -81,11 +84,11 @@ class GptOssAdapter(FusedMoeAdapter):
                 pre + "experts.down_proj": ffn.down.T[None],
                 pre + "experts.down_proj_bias": db[None]}
 
-    def build_student(self, teacher: nn.Module, ffns: dict[int, DenseFFN],
-                      share_weights: bool = False) -> nn.Module:
+    def build_student(self, teacher: nn.Module, ffns: dict[int, DenseFFN], share_weights: bool = False,
+                      shared_scale: Mapping[int, float] | None = None) -> nn.Module:
         ex = self.block(teacher, self.moe_layers(teacher)[0]).experts
         for layer, f in ffns.items():
             if (f.act_alpha, f.act_limit) != (float(ex.alpha), float(ex.limit)):
                 raise ValueError(f"layer {layer}: ffn act_alpha/act_limit={f.act_alpha}/{f.act_limit}, "
                                  f"the student has {ex.alpha}/{ex.limit}")
-        return super().build_student(teacher, ffns, share_weights)
+        return super().build_student(teacher, ffns, share_weights, shared_scale)

@@ -15,6 +15,8 @@ from workers.families.fused import FusedMoeAdapter, copy_config
 
 class MixtralAdapter(FusedMoeAdapter):
     name = "mixtral"
+    routing = "softmax over E, top-k, always renormalized; no shared experts"
+    student = "dense sibling Mistral"
     model_types = ("mixtral",)
     block_classes = ("MixtralSparseMoeBlock",)
     experts_key = "num_local_experts"

@@ -18,6 +18,8 @@ from workers.types import DenseFFN
 
 class OlmoeAdapter(FusedMoeAdapter):
     name = "olmoe"
+    routing = "softmax over E, top-k, renormalized iff norm_topk_prob; no shared experts"
+    student = "same class, one expert, top-1"
     model_types = ("olmoe",)
     block_classes = ("OlmoeSparseMoeBlock",)
 

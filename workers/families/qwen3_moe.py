@@ -26,6 +26,9 @@ def sparse_step_moe_layers(config: Any) -> list[int]:
 
 class Qwen3MoeAdapter(FusedMoeAdapter):
     name = "qwen3_moe"
+    routing = ("softmax over E, top-k, renormalized iff norm_topk_prob; no shared experts; dense layers by "
+               "mlp_only_layers / decoder_sparse_step")
+    student = "dense sibling Qwen3"
     model_types = ("qwen3_moe",)
     block_classes = ("Qwen3MoeSparseMoeBlock",)
 

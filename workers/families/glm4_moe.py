@@ -1,0 +1,44 @@
+"""GLM-4.5 / GLM-4.6 (`Glm4MoeMoE`) and dots.llm1 (`Dots1MoE`): the DeepSeek-V3 MoE block under another
+name (transformers builds both from the same modular code), so they reuse the V3 adapter unchanged.
+
+Router: sigmoid scores; the choice takes the group-limited top-k of scores + e_score_correction_bias
+(n_group contiguous groups ranked by the sum of their top-2 biased scores, topk_group of them kept); the
+weights are the unbiased sigmoid scores of the chosen k, renormalized iff norm_topk_prob, ×
+routed_scaling_factor. Shared experts (n_shared_experts × moe_intermediate_size wide) are ungated and
+added to every token; the first first_k_dense_replace layers are dense MLPs (intermediate_size).
+
+Student: the family's own class with first_k_dense_replace = num_hidden_layers, i.e. every layer a dense
+MLP of width `width` and no MoE block at all (GLM-4's dense sibling `Glm4` has extra post-norms, dots1
+has none: the same class is the exact match of attention, norms and rope). Pruned and merged MoE
+students: the DeepSeek-V3 rule for the group limit (workers.families.deepseek_v2).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from workers.families.deepseek_v2 import DeepseekV3Adapter
+from workers.families.fused import copy_config
+
+
+class Glm4MoeAdapter(DeepseekV3Adapter):
+    name = "glm4_moe"
+    model_types = ("glm4_moe",)
+    block_classes = ("Glm4MoeMoE",)
+    config_class = "Glm4MoeConfig"
+
+    def student_config(self, teacher: nn.Module, width: int) -> Any:
+        import transformers
+
+        n = teacher.config.num_hidden_layers
+        return copy_config(teacher.config, getattr(transformers, self.config_class), intermediate_size=int(width),
+                           first_k_dense_replace=n, output_router_logits=False)
+
+
+class Dots1Adapter(Glm4MoeAdapter):
+    name = "dots1"
+    model_types = ("dots1",)
+    block_classes = ("Dots1MoE",)
+    config_class = "Dots1Config"
