@@ -11,6 +11,7 @@ machine. The fake stage functions stand in for the real ones in the workers (the
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -176,16 +177,30 @@ def marked(token: str) -> set[int]:
     return found
 
 
-def launch(cluster: LocalCluster, sweep: Path, db: str, home: Path, *, temp_dir: str | None = None,
+def launch(cluster: LocalCluster | None, sweep: Path, db: str, home: Path, *, temp_dir: str | None = None,
            **popen: Any) -> subprocess.Popen:
-    """`moesweep launch SWEEP --address ADDRESS --db DB` with the fake stages, as a process of its own."""
-    env = {**cluster.env, "MOESWEEP_HOME": str(home)}
-    env.pop(TOKEN_ENV)  # the launch is not the cluster's: stop() leaves it alone
+    """`moesweep launch SWEEP --address ADDRESS --db DB` with the fake stages, as a process of its own
+    (`cluster` None: `--executor serial`)."""
+    env = {k: v for k, v in (cluster.env if cluster else os.environ).items() if k != TOKEN_ENV}
+    env.update(MOESWEEP_HOME=str(home), PYTHONPATH=str(ROOT))  # (not the cluster's: stop() leaves it alone)
     if temp_dir:
         env["MOESWEEP_TEST_RAY_TEMP"] = temp_dir
-    return subprocess.Popen([sys.executable, "-c", DRIVER, "launch", str(sweep), "--address", cluster.address,
-                             "--db", db], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, **popen)
+    where = ["--address", cluster.address] if cluster else ["--executor", "serial"]
+    return subprocess.Popen([sys.executable, "-c", DRIVER, "launch", str(sweep), *where, "--db", db], env=env,
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+# a sweep for the fake stages (tests/test_orchestrator.py's fake_sweep points its teacher at a local config):
+# 1 calibration (on a node with `head_only`), 4 conversions (on nodes with `gpu_like`), 4 perplexities
+SWEEP = """name: cluster
+description: fake stages on a two-node Ray cluster
+teacher: {source: hf, model: fake/teacher, num_experts: 8, top_k: 2}
+calibration: {n_samples: 4, seq_len: 8}
+grid: {scoring: [SF, CP], grouping: [RR], dp_scaling: [uniform], K: [2, 4]}
+execution:
+  retries: 0
+  resources: {calibrate: {cpus: 1, custom: {head_only: 1}}, convert: {cpus: 1, custom: {gpu_like: 1}}}
+"""
 
 
 # ---- fake stage functions: cheap, deterministic, and each run appends a line to $MOESWEEP_HOME/runs.jsonl --------
@@ -197,7 +212,9 @@ def _ran(p: dict[str, Any]) -> None:
 
 
 def _num(p: dict[str, Any]) -> float:
-    return 10 + int(p["key"][:6], 16) % 1000 / 10
+    """A number from what the job read (the same wherever the sweep's files are)."""
+    digest = hashlib.sha256(json.dumps([p["stage"], p["inputs"]], sort_keys=True).encode()).hexdigest()
+    return 10 + int(digest[:6], 16) % 1000 / 10
 
 
 def calibrate(p, cache, progress):

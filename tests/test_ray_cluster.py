@@ -15,22 +15,11 @@ import pytest
 
 from db.store import Store
 from orchestrator.spec import load_spec
-from tests.ray_cluster import LocalCluster, launch, marked
+from tests.ray_cluster import SWEEP, LocalCluster, launch, marked
 from tests.test_orchestrator import fake_sweep
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the clean-up reads /proc")]
-
-SWEEP = """name: cluster
-description: fake stages on a two-node Ray cluster
-teacher: {source: hf, model: fake/teacher, num_experts: 8, top_k: 2}
-calibration: {n_samples: 4, seq_len: 8}
-grid: {scoring: [SF, CP], grouping: [RR], dp_scaling: [uniform], K: [2, 4]}
-execution:
-  retries: 0
-  resources: {calibrate: {cpus: 1, custom: {head_only: 1}}, convert: {cpus: 1, custom: {gpu_like: 1}}}
-"""
-
 
 @pytest.fixture(scope="module")
 def cluster():
