@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ Done = Callable[[dict[str, Any], dict[str, Any] | None, str | None, float], None
 # (validation CE during distillation); the orchestrator writes them at once, the final record replaces them
 Progress = Callable[[str, float, float, str, list | None], None]
 Claim = Callable[[dict[str, Any]], bool]  # take the job just before it starts; False: someone else has it
+Shape = tuple[float, float, tuple[tuple[str, float], ...]]  # (cpus, gpus, sorted Ray custom resources)
 
 
 class JobLog:
@@ -86,7 +88,8 @@ class JobLog:
             self.file = None
 
 
-def run_payload(payload: dict[str, Any], cache: dict, progress: Progress | None) -> tuple[dict | None, str | None]:
+def run_payload(payload: dict[str, Any], cache: dict, progress: Progress | None,
+                where: dict[str, Any] | None = None) -> tuple[dict | None, str | None]:
     """Run one job with its output going to its log file; returns (result, error text). Never raises an
     Exception: a job that cannot write its log still runs, and its error (with why the log is missing)
     comes back to the orchestrator, which records it."""
@@ -108,6 +111,8 @@ def run_payload(payload: dict[str, Any], cache: dict, progress: Progress | None)
         log.close()
     if err is not None and log.error:
         err += f"\n(its log is incomplete: {log.error})"
+    if result is not None:  # where it ran, beside the library versions (jobs.versions_json)
+        result["versions"] = {**result.get("versions", {}), "host": socket.gethostname(), **(where or {})}
     return result, err
 
 
@@ -118,6 +123,16 @@ def fresh_cache(cache: dict, epoch: int, payload: dict[str, Any]) -> int:
     if new != epoch:
         cache.clear()
     return new
+
+
+def payload_shape(payload: dict[str, Any]) -> Shape:
+    """The resources a job holds while it runs: jobs of one shape share a pool of actors."""
+    return (payload.get("cpus", 1), payload.get("gpus", 0), tuple(sorted((payload.get("custom") or {}).items())))
+
+
+def _amounts(shape: Shape) -> dict[str, float]:
+    """A shape as Ray names its resources: {"CPU": .., "GPU": .., custom name: ..}."""
+    return {"CPU": shape[0], "GPU": shape[1], **dict(shape[2])}
 
 
 class SerialExecutor:
@@ -142,7 +157,7 @@ class SerialExecutor:
 
 
 class RayExecutor:
-    """Jobs as Ray actor calls; one actor pool per (cpus, gpus) shape, reused across stages."""
+    """Jobs as Ray actor calls; one actor pool per (cpus, gpus, custom resources) shape, reused across stages."""
 
     name = "ray"
 
@@ -151,8 +166,9 @@ class RayExecutor:
         self.address, self.num_cpus, self.max_concurrent = address, num_cpus, max_concurrent
         self.ray: Any = None  # Ray starts with the first job: a resumed sweep with nothing to run never starts it
         self.hub: Any = None
-        self.pools: dict[tuple[float, float], list[Any]] = {}
+        self.pools: dict[Shape, list[Any]] = {}
         self.holds: dict[Any, str] = {}  # actor -> the resident model its last job loaded
+        self.starting: dict[Any, Any] = {}  # actor -> its readiness ref, until it has started
 
     def _start(self) -> None:
         import ray
@@ -168,22 +184,31 @@ class RayExecutor:
                     ray.init(num_cpus=self.num_cpus or os.cpu_count() or 1, **kw)
         self.hub = _progress_hub(ray).remote()
 
-    def _pool(self, cpus: float, gpus: float, wanted: int) -> list[Any]:
-        shape = (cpus, gpus)
+    def _pool(self, shape: Shape, wanted: int) -> list[Any]:
+        cpus, gpus, custom = shape
         pool = self.pools.setdefault(shape, [])
         total = self.ray.cluster_resources()
         fit = int(total.get("CPU", 1) // cpus) if cpus else wanted
-        if gpus:
-            fit = min(fit, int(total.get("GPU", 0) // gpus))
+        for name, need in (("GPU", gpus), *custom):
+            if need:
+                fit = min(fit, int(total.get(name, 0) // need))
         if fit < 1:
-            raise RuntimeError(f"no node can hold a job needing {cpus} CPUs and {gpus} GPUs "
-                               f"(cluster: {total.get('CPU', 0)} CPUs, {total.get('GPU', 0)} GPUs)")
+            extra = "".join(f", {v:g} {k}" for k, v in custom)
+            have = "".join(f", {total.get(k, 0):g} {k}" for k, _ in custom)
+            raise RuntimeError(f"no node can hold a job needing {cpus} CPUs and {gpus} GPUs{extra} "
+                               f"(cluster: {total.get('CPU', 0)} CPUs, {total.get('GPU', 0)} GPUs{have})")
         n = max(1, min(wanted, fit, self.max_concurrent or wanted))
         self._make_room(shape, max(n, len(pool)), total)
-        actor_cls = _worker_actor(self.ray)
         while len(pool) < n:
-            pool.append(actor_cls.options(num_cpus=cpus, num_gpus=gpus).remote(self.hub, cpus))
+            pool.append(self._actor(shape))
         return pool[:n]
+
+    def _actor(self, shape: Shape) -> Any:
+        cpus, gpus, custom = shape
+        actor = _worker_actor(self.ray).options(num_cpus=cpus, num_gpus=gpus,
+                                                resources=dict(custom) or None).remote(self.hub, cpus)
+        self.starting[actor] = actor.__ray_ready__.remote()
+        return actor
 
     def run(self, payloads: list[dict[str, Any]], on_done: Done, progress: Progress | None = None,
             poll: Callable[[], None] | None = None, claim: Claim | None = None) -> None:
@@ -193,27 +218,29 @@ class RayExecutor:
             self._start()
         # jobs that want the same resident model go to the same actor, in order
         payloads = sorted(payloads, key=lambda p: (p.get("resident") or "", p["key"]))
-        shape = (payloads[0].get("cpus", 1), payloads[0].get("gpus", 0))
-        pool = self._pool(*shape, wanted=len(payloads))
+        shape = payload_shape(payloads[0])
+        pool = self._pool(shape, wanted=len(payloads))
         queue = list(payloads)
         inflight: dict[Any, tuple[dict, Any, float]] = {}
         idle = list(pool)
         try:
             while queue or inflight:
-                while queue and idle:
-                    actor = idle[0]
+                while queue and (actor := self._first_started(idle, shape)) is not None:
                     p = self._next_job(actor, queue)
                     if claim is not None and not claim(p):
                         continue
-                    idle.pop(0)
+                    idle.remove(actor)
                     if p.get("resident"):
                         self.holds[actor] = p["resident"]
                     inflight[actor.run.remote(p)] = (p, actor, time.perf_counter())
-                ready, _ = self.ray.wait(list(inflight), num_returns=1, timeout=0.5)
+                refs = list(inflight) or [self.starting[a] for a in idle if a in self.starting]
+                ready, _ = self.ray.wait(refs, num_returns=1, timeout=0.5) if refs else ([], [])
                 self._drain_progress(progress)
                 if poll:
                     poll()
                 for ref in ready:
+                    if ref not in inflight:  # an actor has started: it takes a job in the next round
+                        continue
                     p, actor, t0 = inflight.pop(ref)
                     try:
                         result, err = self.ray.get(ref)
@@ -231,6 +258,26 @@ class RayExecutor:
                 self.ray.cancel(ref, force=True)
             raise
 
+    def _first_started(self, idle: list[Any], shape: Shape) -> Any:
+        """The first idle actor that has started (None: none yet). A job is claimed only once an actor
+        can run it: a job claimed for an actor that cannot be placed (another launch on the cluster holds
+        what it needs) would stay `running` while that launch waits for it, and neither would go on."""
+        for actor in list(idle):
+            ref = self.starting.get(actor)
+            if ref is None:
+                return actor
+            if not self.ray.wait([ref], timeout=0)[0]:
+                continue
+            del self.starting[actor]
+            try:
+                self.ray.get(ref)
+                return actor
+            except Exception:  # it died while starting: a fresh one takes its place
+                idle.remove(actor)
+                self._replace(actor, shape)
+                idle.append(self.pools[shape][-1])
+        return None
+
     def _next_job(self, actor: Any, queue: list[dict[str, Any]]) -> dict[str, Any]:
         """The first queued job that wants the model this actor already holds, else the first one.
 
@@ -240,26 +287,30 @@ class RayExecutor:
         i = next((i for i, p in enumerate(queue) if held is not None and p.get("resident") == held), 0)
         return queue.pop(i)
 
-    def _make_room(self, shape: tuple[float, float], n: int, total: dict[str, float]) -> None:
-        """Actors hold their CPUs/GPUs for as long as they live: when the pools of other shapes hold
+    def _make_room(self, shape: Shape, n: int, total: dict[str, float]) -> None:
+        """Actors hold their resources for as long as they live: when the pools of other shapes hold
         what `n` actors of this shape need, end those pools (else this pool's actors never start)."""
         others = [s for s in self.pools if s != shape and self.pools[s]]
-        held_cpu = sum(s[0] * len(self.pools[s]) for s in others)
-        held_gpu = sum(s[1] * len(self.pools[s]) for s in others)
-        if (held_cpu + shape[0] * n <= total.get("CPU", 0) + 1e-9
-                and held_gpu + shape[1] * n <= total.get("GPU", 0) + 1e-9):
+        held: dict[str, float] = {}
+        for s in [*others, shape]:
+            count = n if s == shape else len(self.pools[s])
+            for name, amount in _amounts(s).items():
+                held[name] = held.get(name, 0) + amount * count
+        if all(v <= total.get(name, 0) + 1e-9 for name, v in held.items()):
             return
         for s in others:
             for a in self.pools.pop(s):
                 self.holds.pop(a, None)
+                self.starting.pop(a, None)
                 self.ray.kill(a)
 
-    def _replace(self, actor: Any, shape: tuple[float, float]) -> None:
+    def _replace(self, actor: Any, shape: Shape) -> None:
         self.holds.pop(actor, None)
+        self.starting.pop(actor, None)
         pool = self.pools[shape]
         if actor in pool:
             pool.remove(actor)
-        pool.append(_worker_actor(self.ray).options(num_cpus=shape[0], num_gpus=shape[1]).remote(self.hub, shape[0]))
+        pool.append(self._actor(shape))
 
     def _drain_progress(self, progress: Progress | None) -> None:
         if progress is None:
@@ -273,6 +324,7 @@ class RayExecutor:
                 self.ray.kill(a)
         self.pools.clear()
         self.holds.clear()
+        self.starting.clear()
 
 
 # ---- a local Ray ends with the process that started it ------------------------------------------
@@ -396,12 +448,15 @@ def _worker_actor(ray):
         @ray.remote
         class JobWorker:
             def __init__(self, hub, cpus: float) -> None:
+                import ray as _ray
                 import torch
 
                 torch.set_num_threads(max(1, int(cpus)))
                 self.hub = hub
                 self.cache: dict = {}
                 self.epoch = 0
+                ctx = _ray.get_runtime_context()  # where its jobs run, recorded with each result
+                self.where = {"ray_node": ctx.get_node_id(), "ray_resources": ctx.get_assigned_resources()}
 
             def run(self, payload: dict[str, Any]):
                 self.epoch = fresh_cache(self.cache, self.epoch, payload)
@@ -409,7 +464,7 @@ def _worker_actor(ray):
                 def report(key: str, done: float, total: float, desc: str = "", metrics: list | None = None) -> None:
                     self.hub.put.remote(key, done, total, desc, metrics)
 
-                return run_payload(payload, self.cache, report)
+                return run_payload(payload, self.cache, report, self.where)
 
         _ACTOR = JobWorker
     return _ACTOR

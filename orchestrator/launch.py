@@ -343,7 +343,7 @@ class Runner:
         inputs = {role: json.loads(rows[d]["outputs_json"] or "{}") for role, d in j.deps.items()}
         root = home()
         return {"key": j.key, "stage": j.stage, "run": ":".join(st.run_ref()), "params": j.params, "inputs": inputs,
-                "resident": j.resident, "cpus": j.cpus, "gpus": j.gpus, "home": str(root),
+                "resident": j.resident, "cpus": j.cpus, "gpus": j.gpus, "custom": j.custom, "home": str(root),
                 "workdir": str(root / "artifacts" / j.stage / j.key),
                 "log_path": str(root / "logs" / j.stage / f"{j.key}.log"), "cache_epoch": self.cache_epoch}
 
@@ -391,7 +391,7 @@ def _inputs_of(j: JobSpec, arts: dict[str, list[dict[str, Any]]]) -> dict[str, d
 def _by_shape(payloads: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
     out: dict[tuple, list[dict[str, Any]]] = {}
     for p in payloads:
-        out.setdefault((p["cpus"], p["gpus"]), []).append(p)
+        out.setdefault((p["cpus"], p["gpus"], tuple(sorted(p.get("custom", {}).items()))), []).append(p)
     return out
 
 

@@ -93,9 +93,24 @@ class Teacher(Strict):
         return self
 
 
+RAY_BUILTIN = ("CPU", "GPU", "memory", "object_store_memory")
+
+
 class Resources(Strict):
+    """What one job of a stage holds while it runs. `custom`: Ray custom resources (`ray start
+    --resources '{"a100": 8}'`), so a stage runs only on the nodes that declare them."""
+
     cpus: Annotated[float, Field(gt=0, strict=False)] = 1
     gpus: Annotated[float, Field(ge=0, strict=False)] = 0
+    custom: dict[str, Annotated[float, Field(gt=0, strict=False)]] = Field(default_factory=dict)
+
+    @field_validator("custom")
+    @classmethod
+    def _custom(cls, v: dict[str, float]) -> dict[str, float]:
+        for name in v:
+            if name in RAY_BUILTIN:
+                raise ValueError(f"custom resource {name!r} is built in; use cpus / gpus")
+        return v
 
 
 def worker_settings(cls: type, values: dict[str, Any], where: str = "") -> dict[str, Any]:

@@ -182,6 +182,7 @@ class JobSpec:
     resident: str | None = None  # the model this job wants kept in memory
     cpus: float = 1
     gpus: float = 0
+    custom: dict[str, float] = field(default_factory=dict)  # Ray custom resources (not part of the key)
     key_deps: dict[str, str] | None = None
     code: dict[str, str] = field(default_factory=dict)
     key: str = ""
@@ -244,9 +245,9 @@ class SweepContext:
         job = self.jobs.get(stage, {}).get(config_key)
         return None if job is None else self.outputs.get(stage, {}).get(job.key)
 
-    def resources(self, stage: str) -> dict[str, float]:
+    def resources(self, stage: str) -> dict[str, Any]:
         res = self.spec.resources(stage)
-        return {"cpus": res.cpus, "gpus": res.gpus}
+        return {"cpus": res.cpus, "gpus": res.gpus, "custom": dict(res.custom)}
 
     def job(self, stage: str, params: dict[str, Any], deps: dict[str, str] | None = None, *,
             resident: str | None = None, key_deps: dict[str, str] | None = None) -> JobSpec:

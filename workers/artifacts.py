@@ -3,6 +3,11 @@
 Workers record them when a job writes an artifact (workers.runtime.artifact); the orchestrator
 (which may import workers, as the database may not be imported by workers) compares them before a recorded artifact is used again: size and mtime on every use (cheap), the
 content hash only where either changed (`check`), every hash with `moesweep verify`.
+
+An artifact's path is a local path or an fsspec URL (`s3://`, `gs://`, `memory://`, `file://`): the
+same fingerprints, read through fsspec, so an artifact on shared storage is checked where it lives and
+never assumed to be on this machine's disk. (An object store has no folders and no folder mtimes: a
+folder is the files under its prefix, its mtime their latest.)
 """
 
 from __future__ import annotations
@@ -11,13 +16,47 @@ import hashlib
 import json
 import struct
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+
+
+def is_url(path: str | Path) -> bool:
+    return "://" in str(path)
+
+
+def _remote(url: str):
+    """(fsspec filesystem, path in it, its files in sorted order or None for a file) of an existing URL;
+    None when nothing is there."""
+    import fsspec
+
+    fs, p = fsspec.core.url_to_fs(url)
+    if fs.isfile(p):
+        return fs, p, None
+    files = sorted(fs.find(p), key=lambda f: f.split("/"))  # as local paths sort: by their parts
+    return (fs, p, files) if files or fs.isdir(p) else None
+
+
+def _remote_mtime(fs, p: str) -> float:
+    try:
+        return fs.modified(p).timestamp()
+    except (NotImplementedError, AttributeError, OSError):
+        return 0.0  # a store that keeps no times: size and hash only
+
+
+def _remote_stat(url: str) -> tuple[int, float] | None:
+    found = _remote(url)
+    if found is None:
+        return None
+    fs, p, files = found
+    files = [p] if files is None else files
+    return sum(fs.size(f) for f in files), max((_remote_mtime(fs, f) for f in files), default=0.0)
 
 
 def stat(path: str | Path) -> tuple[int, float] | None:
     """(size in bytes, mtime in seconds) of a file, or of a folder over everything in it: the sum of its
     files' sizes and the latest mtime of the folder, its subfolders and its files (so adding or removing a
     file shows too). None when the path does not exist."""
+    if is_url(path):
+        return _remote_stat(str(path))
     p = Path(path)
     try:
         st = p.stat()
@@ -39,16 +78,24 @@ def content_hash(path: str | Path, canonical: bool = True) -> str:
     A .safetensors file's content is its header with the keys sorted, then its tensor bytes: safetensors
     writes the header's `__metadata__` in an arbitrary order, so two writes of the same tensors and metadata
     differ in bytes but not in content (`canonical=False`: the raw bytes, as hashes were recorded before)."""
-    p = Path(path)
+    if is_url(path):
+        found = _remote(str(path))
+        if found is None:
+            raise FileNotFoundError(str(path))
+        fs, p, files = found
+        opener = fs.open
+    else:
+        p = Path(path)
+        files = [str(f) for f in sorted(f for f in p.rglob("*") if f.is_file())] if p.is_dir() else None
+        opener = open
     h = hashlib.sha256()
-    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
-    for f in files:
-        if p.is_dir():
-            h.update(f.name.encode())
-        with open(f, "rb") as fh:
-            if canonical and f.suffix == ".safetensors":
+    for f in [None] if files is None else files:
+        if f is not None:  # a folder: each file's name, then its content
+            h.update(PurePosixPath(f).name.encode())
+        with opener(p if f is None else f, "rb") as fh:
+            if canonical and str(path if f is None else f).endswith(".safetensors"):
                 _safetensors_header(fh, h)
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
+            for chunk in iter(lambda fh=fh: fh.read(1 << 20), b""):
                 h.update(chunk)
     return h.hexdigest()
 
@@ -88,12 +135,19 @@ class Check:
     hashed: bool = False
 
 
-def _files(path: str | Path) -> list[Path]:
+def _files(path: str | Path) -> list[str]:
+    if is_url(path):
+        found = _remote(str(path))
+        return [] if found is None else (found[2] if found[2] is not None else [found[1]])
     p = Path(path)
-    return [f for f in p.rglob("*") if f.is_file()] if p.is_dir() else [p]
+    return [str(f) for f in p.rglob("*") if f.is_file()] if p.is_dir() else [str(p)]
 
 
 def name(path: str | Path) -> str:
+    if is_url(path):
+        found = _remote(str(path))
+        folder = found is not None and found[2] is not None
+        return PurePosixPath(str(path).rstrip("/")).name + ("/" if folder else "")
     p = Path(path)
     return p.name + ("/" if p.is_dir() else "")
 
@@ -104,12 +158,12 @@ def check(row: dict, full: bool = False) -> Check:
     path = row["path"]
     now = stat(path)
     if now is None:
-        return Check(f"{Path(path).name} is missing (recorded at {path})")
+        return Check(f"{PurePosixPath(str(path).rstrip('/')).name} is missing (recorded at {path})")
     size, mtime = now
     if not full and row.get("mtime") is not None and size == row.get("size_bytes") and mtime == row["mtime"]:
         return Check()
     digest = content_hash(path)
-    if digest != row.get("content_hash") and any(f.suffix == ".safetensors" for f in _files(path)) \
+    if digest != row.get("content_hash") and any(f.endswith(".safetensors") for f in _files(path)) \
             and content_hash(path, canonical=False) == row.get("content_hash"):
         digest = row["content_hash"]  # recorded as raw bytes (before canonical safetensors headers): unchanged
     if row.get("content_hash") in (None, digest):
