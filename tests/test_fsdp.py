@@ -146,3 +146,57 @@ def test_bad_sharding_settings_are_one_line(section, message):
 
     with pytest.raises(ValidationError, match=message):
         Distill(**section)
+
+
+# ---- one rank in this process: what the 2-rank runs cannot see from outside --------------------------
+@pytest.fixture
+def one_rank(tmp_path):
+    """A 1-rank gloo process group in this process (torch.distributed is destroyed afterwards)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _one_rank_run(tiny, **settings):
+    """fsdp_worker on fresh copies of the saved teacher/student; forwards of the student's first MLP counted
+    (inside the layer: HF checkpoints a layer's forward, under its FSDP hooks)."""
+    from transformers import AutoModelForCausalLM
+
+    from workers.fsdp import fsdp_worker
+
+    d = tiny["dir"]
+    teacher = AutoModelForCausalLM.from_pretrained(d / "teacher")
+    student = AutoModelForCausalLM.from_pretrained(d / "student")
+    calls = []
+    student.model.layers[0].mlp.register_forward_pre_hook(lambda m, a: calls.append(torch.is_grad_enabled()))
+    train, val = torch.load(d / "train.pt"), torch.load(d / "val.pt")
+    spec = DistillSpec(**{**SETTINGS, "steps": 1, **settings})
+    res = fsdp_worker(student, teacher, get_adapter(teacher), (train[i:i + 4] for i in range(0, 8, 4)), val, spec)
+    return res, calls
+
+
+def test_checkpointing_recomputes_inside_the_sharded_layers(tiny, one_rank):
+    plain, calls = _one_rank_run(tiny)
+    ckpt, calls_ckpt = _one_rank_run(tiny, grad_checkpoint=True)
+    assert ckpt["loss_curve"] == pytest.approx(plain["loss_curve"], rel=1e-6)
+    # validation at steps 0 and 1 (no grad, 2 batches each) + 2 micro-batches, which checkpointing runs again
+    assert calls == [False, False, True, True, False, False]
+    assert calls_ckpt == [False, False, True, True, True, True, False, False]
+
+
+def test_bf16_mixed_precision_on_one_rank_is_close_to_autocast(tiny, one_rank):
+    from transformers import AutoModelForCausalLM
+
+    res, _ = _one_rank_run(tiny, dtype="bf16")
+    d = tiny["dir"]
+    teacher = AutoModelForCausalLM.from_pretrained(d / "teacher")
+    student = AutoModelForCausalLM.from_pretrained(d / "student")
+    train, val = torch.load(d / "train.pt"), torch.load(d / "val.pt")
+    ref = distill(student, teacher, get_adapter(teacher), (train[i:i + 4] for i in range(0, 8, 4)), val,
+                  DistillSpec(**{**SETTINGS, "steps": 1, "dtype": "bf16"}))
+    assert res["loss_curve"] == pytest.approx(ref["loss_curve"], rel=5e-3)  # bf16 params vs bf16 autocast: 1e-3
+    assert abs(res["loss_curve"][0] - tiny["single"]["loss_curve"][0]) > 1e-3  # and not fp32 (6e-3 away)
