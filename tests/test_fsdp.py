@@ -200,3 +200,46 @@ def test_bf16_mixed_precision_on_one_rank_is_close_to_autocast(tiny, one_rank):
                   DistillSpec(**{**SETTINGS, "steps": 1, "dtype": "bf16"}))
     assert res["loss_curve"] == pytest.approx(ref["loss_curve"], rel=5e-3)  # bf16 params vs bf16 autocast: 1e-3
     assert abs(res["loss_curve"][0] - tiny["single"]["loss_curve"][0]) > 1e-3  # and not fp32 (6e-3 away)
+
+
+# ---- the stage: distill.sharding: fsdp through stage_distill -----------------------------------------
+def test_stage_distill_with_fsdp_matches_one_process(tmp_path):
+    """stage_distill with processes 2 and sharding fsdp (torchrun) records the same curves as with one
+    process, and writes a student with its tokenizer that loads as a normal HF checkpoint."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from workers.stages import stage_distill
+    from workers.tiny.tokenizer import train_tokenizer
+
+    texts = [f"doc {i}: " + "alpha beta gamma delta epsilon " * (2 + i % 4) for i in range(60)]
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    tok = train_tokenizer(texts, 300, tmp_path / "teacher")
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                       moe_intermediate_size=16, max_position_embeddings=64,
+                                       tie_word_embeddings=False)).save_pretrained(tmp_path / "teacher")
+    settings = dict(steps=2, batch_size=2, seq_len=16, lr=3e-3, warmup=1, eval_every=1, val_windows=3)
+
+    def run(name: str, **extra) -> dict:
+        params = {"teacher": {"source": "local", "dtype": "float32"}, "student": {"type": "random_ffn", "seed": 0},
+                  "settings": settings, "data": {"source": "jsonl", "path": str(data)},
+                  "val_data": {"source": "jsonl", "path": str(data)}, **extra}
+        payload = {"params": params, "inputs": {"teacher": {"path": str(tmp_path / "teacher")}},
+                   "workdir": str(tmp_path / name), "home": str(tmp_path)}
+        (tmp_path / name).mkdir()
+        return stage_distill(payload, {}, None)
+
+    one = run("one", processes=1)
+    two = run("two", processes=2, sharding="fsdp")
+    curve = [(m["name"], m.get("who"), m.get("step")) for m in one["metrics"]]
+    assert curve == [(m["name"], m.get("who"), m.get("step")) for m in two["metrics"]]
+    assert [m["value"] for m in two["metrics"]] == pytest.approx([m["value"] for m in one["metrics"]], rel=1e-5)
+    assert two["metrics"][-1]["extra"] == {**one["metrics"][-1]["extra"], "processes": 2, "sharding": "fsdp"}
+    a = AutoModelForCausalLM.from_pretrained(one["outputs"]["path"])
+    b = AutoModelForCausalLM.from_pretrained(two["outputs"]["path"])
+    assert all(torch.allclose(p, q, atol=1e-5) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    assert len(AutoTokenizer.from_pretrained(two["outputs"]["path"])) == len(tok)

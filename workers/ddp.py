@@ -31,7 +31,8 @@ process group itself::
 
 Memory: each GPU holds the whole teacher (e.g. Qwen3-30B-A3B in bf16 ≈ 61 GB) plus the student with
 fp32 master weights, gradients and AdamW moments (16 bytes/parameter: ≈ 53 GB for the 3.3B student),
-so the paper's setting fits on H200s (141 GB), not on 80 GB cards; the paper used DeepSpeed ZeRO-2.
+DDP's bucket copy of the gradients and autocast's bf16 weights: the paper's setting fits neither 80 GB
+nor 141 GB cards (workers/memory_model.py). ``job["sharding"] = "fsdp"`` shards both (workers/fsdp.py).
 """
 
 from __future__ import annotations
