@@ -126,6 +126,7 @@ def fsdp_worker(student: nn.Module, teacher: nn.Module, adapter: Any, batches: I
     lead = ranks.rank == 0
     result = train_loop(student, root, teacher, adapter, batches, val, spec,
                         progress if lead else None, on_val if lead else None, ranks=ranks)
+    root.reshard()  # the root keeps its gathered (bf16) parameters after a no-grad forward: free them
     return {**result, "shards": shards}
 
 
