@@ -87,11 +87,6 @@ def test_fsdp_two_ranks_match_single_process_and_shard(tiny):
     assert all(0.45 < (n - head) / (sh["teacher_total"] - head) < 0.55 for n in sh["teacher"])
 
 
-def test_fsdp_checkpointing_and_teacher_offload_give_the_same_run(tiny):
-    multi = _launch(tiny, "ckpt", spec={"grad_checkpoint": True}, teacher_offload=True)
-    _assert_same_run(multi, tiny, tiny["dir"] / "ckpt")
-
-
 def test_validation_rows_are_padded_to_the_same_count():
     ranks = FSDPRanks.__new__(FSDPRanks)
     ranks.world = 2
@@ -204,8 +199,9 @@ def test_bf16_mixed_precision_on_one_rank_is_close_to_autocast(tiny, one_rank):
 
 # ---- the stage: distill.sharding: fsdp through stage_distill -----------------------------------------
 def test_stage_distill_with_fsdp_matches_one_process(tmp_path):
-    """stage_distill with processes 2 and sharding fsdp (torchrun) records the same curves as with one
-    process, and writes a student with its tokenizer that loads as a normal HF checkpoint."""
+    """stage_distill with processes 2 and sharding fsdp (torchrun; activation checkpointing on, teacher
+    offloaded) records the same curves as one process without checkpointing, and writes a student with
+    its tokenizer that loads as a normal HF checkpoint."""
     import json
 
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -224,7 +220,7 @@ def test_stage_distill_with_fsdp_matches_one_process(tmp_path):
                                        tie_word_embeddings=False)).save_pretrained(tmp_path / "teacher")
     settings = dict(steps=2, batch_size=2, seq_len=16, lr=3e-3, warmup=1, eval_every=1, val_windows=3)
 
-    def run(name: str, **extra) -> dict:
+    def run(name: str, settings: dict, **extra) -> dict:
         params = {"teacher": {"source": "local", "dtype": "float32"}, "student": {"type": "random_ffn", "seed": 0},
                   "settings": settings, "data": {"source": "jsonl", "path": str(data)},
                   "val_data": {"source": "jsonl", "path": str(data)}, **extra}
@@ -233,13 +229,32 @@ def test_stage_distill_with_fsdp_matches_one_process(tmp_path):
         (tmp_path / name).mkdir()
         return stage_distill(payload, {}, None)
 
-    one = run("one", processes=1)
-    two = run("two", processes=2, sharding="fsdp")
+    one = run("one", settings, processes=1)
+    two = run("two", {**settings, "grad_checkpoint": True}, processes=2, sharding="fsdp", teacher_offload=True)
     curve = [(m["name"], m.get("who"), m.get("step")) for m in one["metrics"]]
     assert curve == [(m["name"], m.get("who"), m.get("step")) for m in two["metrics"]]
     assert [m["value"] for m in two["metrics"]] == pytest.approx([m["value"] for m in one["metrics"]], rel=1e-5)
     assert two["metrics"][-1]["extra"] == {**one["metrics"][-1]["extra"], "processes": 2, "sharding": "fsdp"}
+    student_ce = [m["value"] for m in one["metrics"] if m["name"] == "val_ce" and m.get("who") == "student"]
+    assert len(student_ce) == 3 and abs(student_ce[-1] - student_ce[0]) > 1e-2  # the curve moves: the check can fail
     a = AutoModelForCausalLM.from_pretrained(one["outputs"]["path"])
     b = AutoModelForCausalLM.from_pretrained(two["outputs"]["path"])
     assert all(torch.allclose(p, q, atol=1e-5) for p, q in zip(a.parameters(), b.parameters(), strict=True))
     assert len(AutoTokenizer.from_pretrained(two["outputs"]["path"])) == len(tok)
+
+
+def test_benchmark_smoke_mode_runs(tmp_path):
+    """benchmarks/bench_fsdp.py --smoke (one CPU process, tiny shapes) prints its JSON line."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.test_benchmarks import smoke_env
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_fsdp.py"), "--smoke"], cwd=tmp_path,
+                       env=smoke_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("{")))
+    assert line["ranks"] == 1 and line["tokens_per_s"] > 0 and len(line["loss_curve"]) == 4
