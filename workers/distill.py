@@ -123,10 +123,10 @@ def val_ce(model: nn.Module, val: torch.Tensor, batch_size: int, chunk: int, amp
            ranks: Ranks = Ranks(), through: nn.Module | None = None) -> float:
     """Mean next-token cross-entropy (nats/token) over the validation windows [n, T]; `through` is a
     KDStudent(model) (or its sharded root) to run the windows through instead of `model` itself."""
-    device = next(model.parameters()).device
+    head = lm_head(model)
+    device = head.weight.device  # where the model computes (a teacher offloaded by FSDP keeps its shards on the CPU)
     was_training = model.training
     model.eval()
-    head = lm_head(model)
     rows, real = ranks.val_rows(val)
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = torch.zeros((), dtype=torch.float64, device=device)
