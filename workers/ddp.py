@@ -15,7 +15,8 @@ The distill stage (a Ray job holding the GPUs of one node) writes a job file and
     job = {"student": "<dir of the initial student (save_pretrained)>", "teacher": "<teacher dir or HF id>",
            "teacher_dtype": "bfloat16", "moe_teacher": true,
            "train": "<train.pt: LongTensor [steps·grad_accum·batch_size, seq_len]>", "val": "<val.pt>",
-           "spec": {...DistillSpec fields...}, "out": "<dir>"}
+           "spec": {...DistillSpec fields...}, "out": "<dir>",
+           "sharding": "ddp" | "fsdp", "teacher_offload": false}   # fsdp: workers/fsdp.py
     result = workers.ddp.launch(job, workdir, nproc=torch.cuda.device_count())
     # = python -m torch.distributed.run --standalone --nproc_per_node=N -m workers.ddp <workdir>/job.json
     # rank 0 writes <out>/student (save_pretrained) and <out>/result.json (what `distill` returns)
@@ -30,7 +31,8 @@ process group itself::
 
 Memory: each GPU holds the whole teacher (e.g. Qwen3-30B-A3B in bf16 ≈ 61 GB) plus the student with
 fp32 master weights, gradients and AdamW moments (16 bytes/parameter: ≈ 53 GB for the 3.3B student),
-so the paper's setting fits on H200s (141 GB), not on 80 GB cards; the paper used DeepSpeed ZeRO-2.
+DDP's bucket copy of the gradients and autocast's bf16 weights: the paper's setting fits neither 80 GB
+nor 141 GB cards (workers/memory_model.py). ``job["sharding"] = "fsdp"`` shards both (workers/fsdp.py).
 """
 
 from __future__ import annotations
@@ -113,15 +115,20 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
 
     import workers.edited_model  # noqa: F401  (registers edited-MoE checkpoints with the Auto classes)
 
+    sharding = job.get("sharding", "ddp")
+    if sharding not in ("ddp", "fsdp"):
+        raise ValueError(f"job.sharding: {sharding!r} is not allowed; allowed: ddp, fsdp")
     own_group = not dist.is_initialized()
     device = _device()
     if own_group:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    # FSDP: loaded on the CPU; fully_shard moves each unit's shard to the device, so no rank holds it all
+    place = device if sharding == "ddp" else torch.device("cpu")
     try:
         spec = DistillSpec(**job["spec"])
         teacher = AutoModelForCausalLM.from_pretrained(job["teacher"], dtype=getattr(torch, job.get(
-            "teacher_dtype", "float32"))).to(device).eval()
-        student = AutoModelForCausalLM.from_pretrained(job["student"], dtype=torch.float32).to(device)
+            "teacher_dtype", "float32"))).to(place).eval()
+        student = AutoModelForCausalLM.from_pretrained(job["student"], dtype=torch.float32).to(place)
         adapter = None
         if job.get("moe_teacher", True):
             from workers.families import get_adapter
@@ -130,11 +137,18 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         train = torch.load(job["train"], weights_only=True)
         val = torch.load(job["val"], weights_only=True)
         batches = (train[i:i + spec.batch_size] for i in range(0, train.shape[0], spec.batch_size))
-        result = distill_worker(student, teacher, adapter, batches, val, spec)
+        out = Path(job["out"])
+        if sharding == "fsdp":
+            from workers.fsdp import fsdp_worker, save_student
+
+            result = fsdp_worker(student, teacher, adapter, batches, val, spec, bool(job.get("teacher_offload")))
+            save_student(student, out / "student")  # collective: rank 0 gathers and writes
+        else:
+            result = distill_worker(student, teacher, adapter, batches, val, spec)
+            if dist.get_rank() == 0:
+                student.save_pretrained(out / "student")
         if dist.get_rank() == 0:
-            out = Path(job["out"])
             out.mkdir(parents=True, exist_ok=True)
-            student.save_pretrained(out / "student")
             (out / "result.json").write_text(json.dumps(result, indent=1))
         dist.barrier()
         return result

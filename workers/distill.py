@@ -8,8 +8,9 @@ their top-k′ experts while producing the KD targets (Eq. 6), through the famil
 are computed from the final hidden states, chunk by chunk through the LM head, so [tokens, vocab]
 logits are never built for a whole micro-batch.
 
-The same loop serves the multi-process path (``workers.ddp``): ``train_loop`` takes the module to run
-forward through (DDP-wrapped there) and a ``Ranks`` object that shards batches and reduces numbers.
+The same loop serves the multi-process paths (``workers.ddp``, ``workers.fsdp``): ``train_loop`` takes the
+module to run forward through (DDP-wrapped or FSDP-sharded there) and a ``Ranks`` object that shards
+batches and reduces numbers.
 """
 
 from __future__ import annotations
@@ -76,8 +77,15 @@ class KDStudent(nn.Module):
         self.hidden_weight = hidden_weight
         self.chunk = chunk
 
-    def forward(self, ids: torch.Tensor, t_last: torch.Tensor, t_head: torch.Tensor,
-                t_hidden: list[torch.Tensor] | None = None, t_bias: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, t_last: torch.Tensor | None = None, t_head: torch.Tensor | None = None,
+                t_hidden: list[torch.Tensor] | None = None, t_bias: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, int]:
+        """The KD loss; without teacher states, (Σ NLL, tokens) of next-token prediction where `mask` [B, T−1]
+        is true: validation through this module, since a sharded root has its parameters only in forward."""
+        if t_last is None:
+            h, _ = base_forward(self.student, ids, False)
+            head = lm_head(self.student)
+            return head_cross_entropy(h[:, :-1], head.weight, ids[:, 1:], mask=mask, chunk=self.chunk, bias=head.bias)
         s_last, s_hidden = base_forward(self.student, ids, self.kd.uses_hidden)
         head = lm_head(self.student)
         loss = head_divergence(self.kd.token_loss, t_last, t_head, s_last, head.weight, self.tau,
@@ -92,10 +100,15 @@ class Ranks:
     """Single-process rank: the identity for sharding and reductions. workers.ddp subclasses it."""
 
     rank, world = 0, 1
+    collective_forward = False  # True where every forward is a collective (FSDP): validation goes through it
 
     def shard(self, x: torch.Tensor, even: bool = True) -> torch.Tensor:
         """This rank's rows of a global batch (`even`: every rank must get the same number)."""
         return x
+
+    def val_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's validation windows and which of them are real (None: all); workers.fsdp pads."""
+        return self.shard(x, even=False), None
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -107,20 +120,25 @@ class Ranks:
 
 @torch.no_grad()
 def val_ce(model: nn.Module, val: torch.Tensor, batch_size: int, chunk: int, amp: torch.dtype | None,
-           ranks: Ranks = Ranks()) -> float:
-    """Mean next-token cross-entropy (nats/token) over the validation windows [n, T]."""
-    device = next(model.parameters()).device
+           ranks: Ranks = Ranks(), through: nn.Module | None = None) -> float:
+    """Mean next-token cross-entropy (nats/token) over the validation windows [n, T]; `through` is a
+    KDStudent(model) (or its sharded root) to run the windows through instead of `model` itself."""
+    head = lm_head(model)
+    device = head.weight.device  # where the model computes (a teacher offloaded by FSDP keeps its shards on the CPU)
     was_training = model.training
     model.eval()
-    head = lm_head(model)
-    rows = ranks.shard(val, even=False)
+    rows, real = ranks.val_rows(val)
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = torch.zeros((), dtype=torch.float64, device=device)
     for i in range(0, rows.shape[0], batch_size):
         ids = rows[i:i + batch_size].to(device)
+        mask = None if real is None else real[i:i + batch_size, None].expand(-1, ids.shape[1] - 1).to(device)
         with _autocast(amp, device):
-            h, _ = base_forward(model, ids, False)
-            s, n = head_cross_entropy(h[:, :-1], head.weight, ids[:, 1:], chunk=chunk, bias=head.bias)
+            if through is not None:
+                s, n = through(ids, mask=mask)
+            else:
+                h, _ = base_forward(model, ids, False)
+                s, n = head_cross_entropy(h[:, :-1], head.weight, ids[:, 1:], mask=mask, chunk=chunk, bias=head.bias)
         total += s.double()
         count += n
     model.train(was_training)
@@ -216,8 +234,10 @@ def train_loop(student: nn.Module, forward_module: nn.Module, teacher: nn.Module
             teacher_ce[f"teacher_k{routing['top_k']}"] = val_ce(teacher, val, spec.batch_size, spec.logit_chunk,
                                                                 amp, ranks)
 
+    through = forward_module if ranks.collective_forward else None
+
     def evaluate(step: int) -> None:
-        record(val_ce(student, val, spec.batch_size, spec.logit_chunk, amp, ranks), "student", step)
+        record(val_ce(student, val, spec.batch_size, spec.logit_chunk, amp, ranks, through), "student", step)
         for who, value in teacher_ce.items():  # same steps, so the curves can be drawn side by side
             record(value, who, step)
 

@@ -7,6 +7,7 @@ modules together and never touch the database.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -399,9 +400,13 @@ def stage_distill(payload: dict, cache: dict, progress) -> dict:
     val = windows(payload, cache, tok, p["val_data"], spec.seq_len, spec.val_windows, spec.seed + 2)
     out = Path(payload["workdir"]) / "student"
     procs = _processes(p.get("processes", 1))
-    if procs > 1:  # data-parallel over this job's GPUs (or CPU processes): torchrun, same loop and losses
+    sharding = _sharding(p.get("sharding"), procs)
+    if sharding != "none":  # ddp or fsdp over this job's GPUs (or CPU processes): torchrun, same loop and losses
         train = windows(payload, cache, tok, p["data"], spec.seq_len, n_train, spec.seed + 1)
-        rec = _distill_multiprocess(payload, student, tok, teacher_path(payload, role), role, train, val, spec, procs)
+        student.to("cpu")  # saved from here; the ranks load their own copies
+        with _off_device(teacher):
+            rec = _distill_multiprocess(payload, student, tok, teacher_path(payload, role), role, train, val, spec,
+                                        procs, sharding, bool(p.get("teacher_offload")))
     else:
         cb = (lambda i, n, *_: progress(i, n, "distill")) if progress else None
         stream = (lambda r: progress(r["step"], spec.steps, "distill", metrics=[_val_metric(r)])) if progress else None
@@ -413,7 +418,8 @@ def stage_distill(payload: dict, cache: dict, progress) -> dict:
     metrics += [_metric("train_loss", v, stage="train", who="student", step=i)
                 for i, v in enumerate(rec["loss_curve"])]
     metrics.append(_metric("distill_tokens", float(rec["tokens"]), stage="train", n_tokens=rec["tokens"],
-                           extra={"teacher_routing": rec.get("teacher_routing"), "processes": procs}))
+                           extra={"teacher_routing": rec.get("teacher_routing"), "processes": procs,
+                                  **({"sharding": sharding} if "sharding" in p else {})}))
     return {"outputs": {"path": str(out), "tokens": rec["tokens"]}, "metrics": metrics,
             "artifacts": [artifact("student", out)]}
 
@@ -444,9 +450,33 @@ def _processes(value: int | str) -> int:
     return int(value)
 
 
+def _sharding(value: str | None, procs: int) -> str:
+    """`distill.sharding`: as set, else none for one process and ddp for more (the behaviour before it)."""
+    if value is None:
+        return "none" if procs == 1 else "ddp"
+    if value == "none" and procs != 1:
+        raise ValueError(f"distill.sharding: 'none' runs one process; processes must be 1, got {procs}")
+    return value
+
+
+@contextlib.contextmanager
+def _off_device(model):
+    """The (resident) model moved to the CPU for the block and back: the ranks need this job's GPU memory."""
+    where = next(model.parameters()).device
+    try:
+        model.to("cpu")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        yield
+    finally:
+        model.to(where)
+
+
 def _distill_multiprocess(payload: dict, student, tok, teacher_dir: str, role: str, train: torch.Tensor,
-                          val: torch.Tensor, spec, procs: int) -> dict[str, Any]:
-    """Run workers.ddp under torchrun (see its docstring); rank 0 writes the student into workdir/student."""
+                          val: torch.Tensor, spec, procs: int, sharding: str = "ddp",
+                          teacher_offload: bool = False) -> dict[str, Any]:
+    """Run workers.ddp under torchrun (see its docstring; sharding ddp or fsdp); rank 0 writes the student
+    into workdir/student."""
     from dataclasses import asdict
 
     from workers.ddp import launch
@@ -459,7 +489,7 @@ def _distill_multiprocess(payload: dict, student, tok, teacher_dir: str, role: s
     ref = payload["params"]["teacher"]
     job = {"student": str(init), "teacher": teacher_dir, "teacher_dtype": ref.get("dtype", "float32"),
            "moe_teacher": role == "teacher", "train": str(work / "train.pt"), "val": str(work / "val.pt"),
-           "spec": asdict(spec), "out": str(work)}
+           "spec": asdict(spec), "out": str(work), "sharding": sharding, "teacher_offload": teacher_offload}
     rec = launch(job, work / "ddp", nproc=procs)
     tok.save_pretrained(work / "student")
     shutil.rmtree(init)

@@ -27,6 +27,10 @@ class Distill(Strict):
     variants_on: dict[str, Any] = Field(default_factory=dict)  # which selected configs get them
     # data-parallel processes per distillation job: 1, N, or "gpus" (one per GPU the job holds; torchrun)
     processes: int | Literal["gpus"] = 1
+    # none: one process; ddp: replicas (workers/ddp.py); fsdp: student and teacher sharded (workers/fsdp.py).
+    # Unset: none for one process, ddp above (and then it is not part of the job, so keys stay as they were)
+    sharding: Literal["none", "ddp", "fsdp"] | None = None
+    teacher_offload: bool = False  # fsdp only: the teacher's shards stay in host memory between layers
 
     @field_validator("settings")
     @classmethod
@@ -50,6 +54,23 @@ class Distill(Strict):
             raise ValueError(f"must be >= 1 or 'gpus', got {v}")
         return v
 
+    @model_validator(mode="after")
+    def _sharding(self) -> Distill:
+        if self.sharding == "none" and self.processes != 1:
+            raise ValueError(f"sharding: 'none' runs one process; processes must be 1, got {self.processes!r}")
+        if self.teacher_offload and self.sharding != "fsdp":
+            raise ValueError(f"teacher_offload: needs sharding: fsdp, got sharding: {self.sharding}")
+        return self
+
+    def sharding_params(self) -> dict[str, Any]:
+        """The job params of the sharding settings: only those a sweep sets, so existing job keys stay."""
+        out: dict[str, Any] = {}
+        if self.sharding is not None:
+            out["sharding"] = self.sharding
+        if self.teacher_offload:
+            out["teacher_offload"] = True
+        return out
+
 
 def variant_label(overrides: dict[str, Any]) -> str:
     """`loss=reverse_kl`, `teacher_top_k=16`, `steps=400,tau=2.0`: what a variant run changes."""
@@ -64,7 +85,7 @@ def distill_job(ctx: SweepContext, ppl: JobSpec, overrides: dict[str, Any]) -> J
     deps = {**ppl.deps, **tdeps}
     params = {"teacher": tparams, "student": student, "teacher_of_student": ppl.params["teacher"],
               "settings": {**d.settings, **overrides}, "data": d.data.model_dump(),
-              "val_data": d.val_data.model_dump(), "processes": d.processes}
+              "val_data": d.val_data.model_dump(), "processes": d.processes, **d.sharding_params()}
     return ctx.job("distill", params, deps, resident=resident,
                    key_deps={k: v for k, v in deps.items() if k != "convert"})
 

@@ -1,0 +1,145 @@
+"""Benchmark of sharded distillation (workers/fsdp.py): peak memory per rank, tokens/s and MFU, next to
+what workers/memory_model.py predicts for the same shapes, ranks and settings.
+
+Random weights and random tokens (no download): a Qwen3-30B-A3B-shaped teacher and the 3.3B dense
+student (k·I = 6144), optionally cut to fewer layers (--layers) so it fits the GPUs at hand. The models
+are built on the CPU and handed to fsdp_worker, which shards them onto the GPUs layer by layer, as a
+real job does (workers.ddp.run_job). Each rank's peak is torch.cuda.max_memory_allocated over the
+whole run; tokens/s is the global batch over the median step time (steps 2..n−1: the first compiles
+and allocates, the last includes the final validation). MFU counts model FLOPs only (no recomputation):
+student 6·N + attention 6·L·T·d_q per token, teacher forward 2·N_active + attention 2·L·T·d_q, over
+--peak-tflops per GPU (989: H100/H200 SXM dense bf16). No asserts: it prints one JSON line.
+
+  torchrun --standalone --nproc_per_node=8 benchmarks/bench_fsdp.py --preset real --checkpointing
+  python benchmarks/bench_fsdp.py --preset real --layers 8 --checkpointing   # one lent GPU
+  .venv/bin/python benchmarks/bench_fsdp.py --smoke     # one CPU process, tiny shapes: does it still run?
+
+Not run on a GPU yet (none was lent for this work): no figures in the README come from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from machine import describe  # noqa: E402  (benchmarks/machine.py, beside this script)
+
+from workers.memory_model import QWEN3_30B_A3B, STUDENT_3B, Shapes, per_rank_bytes  # noqa: E402
+
+SMOKE_TEACHER = Shapes(layers=2, hidden=32, vocab=128, heads=4, kv_heads=2, head_dim=8, ffn=16, experts=8, top_k=2)
+SMOKE_STUDENT = dataclasses.replace(SMOKE_TEACHER, ffn=32, experts=0, top_k=0)
+
+
+def build(s: Shapes, dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    """A random-weight Qwen3 (MoE when s.experts) of these shapes, on the CPU."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common = dict(hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
+                  num_key_value_heads=s.kv_heads, head_dim=s.head_dim, vocab_size=s.vocab,
+                  tie_word_embeddings=s.tied, max_position_embeddings=40960)
+    torch.manual_seed(seed)
+    if s.experts:
+        cfg = Qwen3MoeConfig(**common, num_experts=s.experts, num_experts_per_tok=s.top_k, moe_intermediate_size=s.ffn,
+                             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        return Qwen3MoeForCausalLM(cfg).to(dtype)
+    return Qwen3ForCausalLM(Qwen3Config(**common, intermediate_size=s.ffn)).to(dtype)
+
+
+def flops_per_token(teacher: Shapes, student: Shapes, seq_len: int) -> float:
+    """Model FLOPs per trained token: student forward + backward, teacher forward (active experts only)."""
+    def attention(s: Shapes) -> float:  # QK^T and AV over a causal context of seq_len/2 on average
+        return 2 * 2 * s.layers * (seq_len / 2) * s.heads * s.head_dim
+
+    def matmul(s: Shapes) -> int:  # parameters a token multiplies with: all but the embedding lookup, and
+        unused = s.layers * (s.experts - s.top_k) * 3 * s.hidden * s.ffn  # the experts it is not routed to
+        return s.params() - (0 if s.tied else s.embedding_params()) - unused
+
+    return 6 * matmul(student) + 3 * attention(student) + 2 * matmul(teacher) + attention(teacher)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", choices=["real", "smoke"], default="real")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, one CPU process, 4 steps")
+    ap.add_argument("--layers", type=int, default=None, help="cut teacher and student to this many layers")
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--sequences", type=int, default=1, help="sequences per rank per micro-batch")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--checkpointing", action="store_true")
+    ap.add_argument("--teacher-offload", action="store_true")
+    ap.add_argument("--logit-chunk", type=int, default=1024)
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of one GPU")
+    ap.add_argument("--out", type=Path, default=None, help="also append the JSON line to this file")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.preset, args.seq_len, args.steps, args.logit_chunk = "smoke", 16, 4, 8
+    teacher_s, student_s = (QWEN3_30B_A3B, STUDENT_3B) if args.preset == "real" else (SMOKE_TEACHER, SMOKE_STUDENT)
+    if args.layers:
+        teacher_s = dataclasses.replace(teacher_s, layers=args.layers)
+        student_s = dataclasses.replace(student_s, layers=args.layers)
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    if "LOCAL_RANK" in os.environ:
+        if cuda:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if cuda else "gloo")
+    else:  # one process without torchrun
+        store = Path(tempfile.mkdtemp()) / "pg"
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from workers.distill import DistillSpec
+    from workers.families import get_adapter
+    from workers.fsdp import fsdp_worker
+
+    teacher = build(teacher_s, torch.bfloat16 if cuda else torch.float32, 0).eval()
+    student = build(student_s, torch.float32, 1)
+    batch = args.sequences * world
+    spec = DistillSpec(steps=args.steps, batch_size=batch, seq_len=args.seq_len, warmup=1, eval_every=args.steps,
+                       val_windows=world, grad_checkpoint=args.checkpointing, logit_chunk=args.logit_chunk,
+                       dtype="auto")
+    g = torch.Generator().manual_seed(2)
+    train = torch.randint(0, student_s.vocab, (args.steps * batch, args.seq_len), generator=g)
+    val = torch.randint(0, student_s.vocab, (world, args.seq_len), generator=g)
+    stamps: list[float] = []
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    res = fsdp_worker(student, teacher, get_adapter(teacher), (train[i:i + batch] for i in range(0, len(train), batch)),
+                      val, spec, teacher_offload=args.teacher_offload,
+                      progress=lambda i, n: stamps.append(time.perf_counter()))
+    peak = torch.cuda.max_memory_allocated() if cuda else 0
+    peaks = [None] * world
+    dist.all_gather_object(peaks, peak)
+    if rank == 0:
+        steps = [b - a for a, b in zip(stamps[1:-2], stamps[2:-1], strict=True)] or [stamps[-1] - stamps[0]]
+        step_s = statistics.median(steps)
+        tok_s = batch * args.seq_len / step_s
+        flops = flops_per_token(teacher_s, student_s, args.seq_len)
+        model = per_rank_bytes(teacher_s, student_s, world, "fsdp", args.teacher_offload, args.checkpointing,
+                               args.sequences * args.seq_len, args.logit_chunk)
+        line = {"device": describe("cuda" if cuda else "cpu"), "ranks": world, "layers": student_s.layers,
+                "seq_len": args.seq_len, "sequences_per_rank": args.sequences, "checkpointing": args.checkpointing,
+                "teacher_offload": args.teacher_offload, "step_s": round(step_s, 4), "tokens_per_s": round(tok_s, 1),
+                "mfu": round(flops * tok_s / (args.peak_tflops * 1e12 * world), 4) if cuda else None,
+                "peak_gb_per_rank": [round(p / 1e9, 2) for p in peaks] if cuda else None,
+                "model_gb_per_rank": round(model["total"] / 1e9, 2), "loss_curve": res["loss_curve"]}
+        print(json.dumps(line))
+        print(f"tokens/s: {tok_s:.1f}, median step {step_s:.3f} s, model {model['total'] / 1e9:.2f} GB per rank")
+        if args.out:
+            with args.out.open("a") as f:
+                f.write(json.dumps(line) + "\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
