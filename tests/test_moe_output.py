@@ -143,6 +143,11 @@ def test_a_real_sweep_writes_smaller_moes_that_reload_with_fewer_experts(tmp_pat
         changed = {n for (n, a), (_, b) in zip(plain.state_dict().items(), kd.state_dict().items(), strict=True)
                    if not torch.equal(a, b)}
         assert changed and all(n.endswith("mlp.gate.weight") for n in changed), (plain_key, changed)
+    # long jobs wrote their step, loss and throughput to their logs
+    logs = dict(store.query("SELECT stage, log_path FROM jobs WHERE stage IN ('teacher', 'distill', 'router_kd')")[1])
+    for stage, what in (("teacher", "teacher"), ("distill", "distill"), ("router_kd", "router_kd")):
+        text = Path(logs[stage]).read_text()
+        assert f"{what}: step " in text and " loss " in text and "tokens/s" in text, (stage, text[-500:])
     # full KD trains the experts too (its own settings: single linkage)
     full = students["merged|HC-SMoE|K=4|recovery=full_kd"]
     assert any("experts" in n and not torch.equal(a, b) for (n, a), (_, b) in zip(

@@ -26,6 +26,7 @@ from torch import nn
 
 from workers.distill_spec import DTYPES, DistillSpec  # noqa: F401  (re-exported)
 from workers.losses import LOSSES, KDLoss, head_cross_entropy, head_divergence, hidden_mse
+from workers.steplog import StepLog
 
 
 def lr_at(step: int, spec: DistillSpec) -> float:
@@ -250,6 +251,7 @@ def train_loop(student: nn.Module, forward_module: nn.Module, teacher: nn.Module
     loss_curve: list[float] = []
     it = iter(batches)
     tokens = 0
+    steplog = StepLog("distill", spec.steps)
     for step in range(spec.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, spec)
@@ -270,6 +272,8 @@ def train_loop(student: nn.Module, forward_module: nn.Module, teacher: nn.Module
         opt.zero_grad(set_to_none=True)
         loss_curve.append(float(ranks.sum(step_loss) / ranks.world))
         done = step + 1
+        if ranks.rank == 0:
+            steplog(done, loss_curve[-1], tokens)
         if done % spec.eval_every == 0 or done == spec.steps:
             evaluate(done)
         if progress is not None:

@@ -31,6 +31,7 @@ from torch.nn import functional as F
 
 from workers.dot_moe_spec import METHODS, DotMoeSpec
 from workers.sinkhorn import greedy_round, sinkhorn
+from workers.steplog import StepLog
 
 SUPPORTED = ("qwen3",)  # dense model_type → extracted as workers.dot_moe_hf.DotQwen3MoeForCausalLM
 _COPY = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -260,6 +261,7 @@ def align(model: nn.Module, ffns: list[DotMoeFFN], batches: Iterable[torch.Tenso
     curve: list[dict[str, float]] = []
     dev = next(model.parameters()).device
     model.eval()  # no dropout: the frozen model is the teacher too
+    steplog = StepLog("dot_moe", spec.steps)
     for step, ids in enumerate(batches):
         if step >= spec.steps:
             break
@@ -273,6 +275,7 @@ def align(model: nn.Module, ffns: list[DotMoeFFN], batches: Iterable[torch.Tenso
         torch.nn.utils.clip_grad_norm_(params, spec.grad_clip)
         opt.step()
         curve.append({"step": step, "tau": tau, **{k: float(v) for k, v in terms.items()}})
+        steplog(step + 1, curve[-1].get("loss"), (step + 1) * ids.numel())
         if progress is not None:
             progress(step + 1, spec.steps)
     for f in ffns:

@@ -42,6 +42,7 @@ from torch import nn
 from workers.distill import lm_head
 from workers.losses import head_weighted_divergence, token_forward_kl
 from workers.router_kd_spec import RouterKDSpec
+from workers.steplog import StepLog
 
 DELTA_FORMAT = "moesweep.router_delta.v1"
 
@@ -203,6 +204,7 @@ def router_kd(student: nn.Module, teacher: nn.Module, adapter: Any, batches: Seq
     torch.manual_seed(spec.seed)
     loss_curve: list[float] = []
     tokens = targets = 0
+    steplog = StepLog("router_kd", steps)
     try:
         student.requires_grad_(False)
         for p in routers.values():
@@ -238,6 +240,7 @@ def router_kd(student: nn.Module, teacher: nn.Module, adapter: Any, batches: Seq
                         p.copy_(masters[n])
                 loss_curve.append(step_loss)
                 step += 1
+                steplog(step, float(step_loss), targets)
                 if progress is not None:
                     progress(step, steps)
     finally:

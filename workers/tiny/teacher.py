@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from workers.steplog import StepLog
 from workers.tiny.spec import TinyTeacherSpec  # noqa: F401  (re-exported)
 
 TRAIN_VERSION = 1  # bump when training or evaluation changes: it is part of the model cache key
@@ -280,6 +281,7 @@ def _train(kind: str, spec: TinyTeacherSpec, out: Path, data: dict[str, Any], ke
     curve, balance = [], []
     model.train()
     t_train = time.perf_counter()
+    steplog = StepLog("dense teacher" if not moe else "teacher", spec.steps)
     for step in range(spec.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, spec.steps, spec.lr, spec.warmup, spec.min_lr_ratio)
@@ -297,6 +299,7 @@ def _train(kind: str, spec: TinyTeacherSpec, out: Path, data: dict[str, Any], ke
         torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
         opt.step()
         curve.append(float(ce.detach()))
+        steplog(step + 1, curve[-1], (step + 1) * ids.numel())
         if progress is not None:
             progress(step + 1, spec.steps)
     train_seconds = time.perf_counter() - t_train
