@@ -120,12 +120,16 @@ def test_mobe_error_decreases_as_the_rank_grows():
     assert errs[-1] < 1e-6  # r = H: act(mixture) is square and invertible
 
 
-def test_mobe_adam_lowers_the_error_and_is_deterministic_per_seed():
+def test_mobe_adam_lowers_the_error_and_is_reproducible_per_seed():
     W = synthetic_ctx(E=4, I=2, H=8).experts.gate  # one expert per group, rank 2 < r = 4: seeded basis rows
     err = lambda f: float((reconstruct(MOBE, f) - W).norm())  # noqa: E731
     a, b = fit_mobe(W, 4, 4, steps=40, seed=1), fit_mobe(W, 4, 4, steps=40, seed=1)
-    assert all(torch.equal(a[n], b[n]) for n in a)
-    assert not torch.equal(a["bases"], fit_mobe(W, 4, 4, steps=40, seed=2)["bases"])
+    # the same seed gives the same fit up to rounding (a CPU BLAS may round differently from one call to the
+    # next: MKL's results depend on the buffers' alignment); another seed gives another fit
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], rtol=1e-6, atol=1e-9)
+    c = fit_mobe(W, 4, 4, steps=40, seed=2)
+    assert (a["bases"] - c["bases"]).abs().max() > 1e-3
     W = synthetic_ctx(E=6, I=12, H=8).experts.gate
     assert err(fit_mobe(W, 3, 2, steps=40)) < 0.99 * err(fit_mobe(W, 3, 2, steps=0))
 

@@ -157,7 +157,8 @@ def _mobe_init(W: torch.Tensor, r: int, m: int, coef_mode: str, gen: torch.Gener
 def fit_mobe(W: torch.Tensor, r: int, m: int, activation: str = "silu", coef: str = "softmax",
              steps: int = 300, lr: float = 0.07, seed: int = 0, refit: bool = True) -> dict[str, torch.Tensor]:
     """MoBE factors {A [E, I, r], bases [m, r, H], coef [E, m]} of W [E, I, H] (module docstring).
-    Deterministic given the seed (CPU, or a deterministic accelerator backend)."""
+    Reproducible given the seed, up to rounding (a CPU BLAS may round differently from one call to the next,
+    e.g. MKL by the buffers' alignment; an accelerator needs its deterministic algorithms)."""
     E, I, H = W.shape  # noqa: E741
     if not 1 <= m <= E or r < 1:
         raise ValueError(f"MoBE: bases={m} must be in 1..{E} and rank={r} >= 1")
