@@ -19,7 +19,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -49,16 +49,37 @@ def _autocast(dtype: torch.dtype | None, device: torch.device) -> contextlib.Abs
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
-def lm_head(model: nn.Module) -> nn.Linear:
-    """The output projection; refuses models whose logits are more than lm_head(h) (softcap, scale)."""
+class ScaledHead(NamedTuple):
+    """An output projection with the model's constant logit factor folded in: logits = weight·h + bias."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+def logit_factor(config: Any) -> float:
+    """The constant the model multiplies into lm_head(h): Cohere's logit_scale, 1 / Granite's logits_scaling."""
+    factor = 1.0
+    if getattr(config, "logit_scale", None) is not None:
+        factor *= float(config.logit_scale)
+    if getattr(config, "logits_scaling", None) is not None:
+        factor /= float(config.logits_scaling)
+    return factor
+
+
+def lm_head(model: nn.Module) -> nn.Linear | ScaledHead:
+    """The output projection, with a constant logit factor (logit_factor) folded into its weight and bias (the
+    student's stays differentiable); refuses models whose logits are more than that (softcap)."""
     cfg = getattr(model, "config", None)
-    for key in ("final_logit_softcapping", "logit_scale"):
-        if getattr(cfg, key, None) not in (None, 1, 1.0):
-            raise ValueError(f"{type(model).__name__}: config.{key} is set; the chunked KD loss supports plain lm_head")
+    if getattr(cfg, "final_logit_softcapping", None) not in (None, 1, 1.0):
+        raise ValueError(f"{type(model).__name__}: config.final_logit_softcapping is set; the chunked KD loss "
+                         "supports a linear lm_head")
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):
         raise ValueError(f"{type(model).__name__}: output embeddings are {type(head).__name__}, expected nn.Linear")
-    return head
+    factor = logit_factor(cfg)
+    if factor == 1.0:
+        return head
+    return ScaledHead(head.weight * factor, None if head.bias is None else head.bias * factor)
 
 
 def base_forward(model: nn.Module, ids: torch.Tensor, hidden: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
