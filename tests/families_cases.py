@@ -66,6 +66,11 @@ CASES: dict[str, Case] = {
                        bias_on_block=True, one_expert_student=True),
     "flex_olmo": Case((0, 1), 6, 2, "num_experts", "softmax", True, "Olmo2Config"),
 }
+# issue #17, second batch: Cohere2-MoE and the Granite MoE families
+CASES.update({
+    "cohere2_moe": Case((1, 2), 6, 2, "num_experts", "softmax", True, "Cohere2MoeConfig", shared="shared_experts",
+                        shared_width=16),
+})
 FAMILIES = list(CASES)
 V = 256  # vocabulary of every tiny teacher
 H = 32  # hidden size of every tiny teacher
@@ -126,6 +131,12 @@ def tiny_config(family: str, **overrides: Any):
         kw = dict(num_key_value_heads=2, intermediate_size=16, num_hidden_layers=2, num_experts=6,
                   num_experts_per_tok=2, norm_topk_prob=True)
         return tf.FlexOlmoConfig(**{**COMMON, **kw, **overrides})
+    # issue #17, second batch
+    if family == "cohere2_moe":  # layer 0 dense (full attention, forced RoPE), 1-2 sliding; shared summed; logits × 2
+        kw = dict(num_key_value_heads=2, head_dim=8, intermediate_size=16, prefix_dense_intermediate_size=24,
+                  num_hidden_layers=3, first_k_dense_replace=1, num_experts=6, num_experts_per_tok=2,
+                  num_shared_experts=1, shared_expert_combination_strategy="sum", sliding_window=4, logit_scale=2.0)
+        return tf.Cohere2MoeConfig(**{**COMMON, **kw, **overrides})
     raise ValueError(f"no tiny config for family {family!r}")
 
 

@@ -31,7 +31,7 @@ def moe_blocks(model) -> dict[int, torch.nn.Module]:
 def _softmax_router_forward(router, dropped: torch.Tensor, always_renorm: bool):
     """Qwen2/Qwen3/OLMoE/Mixtral router with the dropped experts' logits at -inf."""
     def forward(hidden_states):
-        h = hidden_states.reshape(-1, router.hidden_dim)
+        h = hidden_states.reshape(-1, router.weight.shape[1])
         logits = F.linear(h, router.weight).masked_fill(dropped, float("-inf"))
         probs = torch.softmax(logits, dtype=torch.float, dim=-1)
         w, idx = torch.topk(probs, router.top_k, dim=-1)

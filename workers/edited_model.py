@@ -50,6 +50,8 @@ FAMILIES = {
     "dots1": ("Dots1Config", "Dots1ForCausalLM", "fused"),
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", "fused"),
     "flex_olmo": ("FlexOlmoConfig", "FlexOlmoForCausalLM", "fused"),
+    # issue #17, second batch
+    "cohere2_moe": ("Cohere2MoeConfig", "Cohere2MoeForCausalLM", "fused"),
 }
 
 

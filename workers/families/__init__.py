@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from workers.families.base import FamilyAdapter
+from workers.families.cohere2_moe import Cohere2MoeAdapter
 from workers.families.deepseek_v2 import DeepseekV2Adapter, DeepseekV3Adapter
 from workers.families.flex_olmo import FlexOlmoAdapter
 from workers.families.glm4_moe import Dots1Adapter, Glm4MoeAdapter
@@ -23,6 +24,8 @@ from workers.types import TeacherShape
 ADAPTERS: list[FamilyAdapter] = [Qwen3MoeAdapter(), Qwen2MoeAdapter(), MixtralAdapter(), OlmoeAdapter(),
                                  DeepseekV2Adapter(), DeepseekV3Adapter(), GptOssAdapter(), Glm4MoeAdapter(),
                                  Dots1Adapter(), MiniMaxM2Adapter(), FlexOlmoAdapter()]
+# issue #17, second batch: Cohere2-MoE and the Granite MoE families
+ADAPTERS += [Cohere2MoeAdapter()]
 
 
 def supported() -> list[str]:
