@@ -1,13 +1,12 @@
-"""Cohere2-MoE (`Cohere2MoeSparseMoeBlock`, Command A MoE): a top-k of the router logits, then softmax or
-sigmoid over the chosen k only; parallel attention + FFN layers; dense layers by `mlp_layer_types`.
+"""Cohere2-MoE (`Cohere2MoeSparseMoeBlock`, Command A MoE): a top-k of the router logits, then softmax over
+the chosen k only; parallel attention + FFN layers; dense layers by `mlp_layer_types`.
 
-Router (`block.gate`, `expert_selection_fn`): the choice is the top-k of the logits z (= the top-k of
-softmax(z) or sigmoid(z), both monotone). "softmax": the weights are softmax over the k chosen logits,
-exp(z_i) / Σ_{j∈top-k} exp(z_j) = p_i / Σ_{j∈top-k} p_j with p = softmax(z) over all E (the common
-factor Σ_all exp(z) cancels): p renormalized over the k, always (norm_topk_prob is not read). "sigmoid":
-the weights are sigmoid(z) of the k, renormalized iff norm_topk_prob; p (router_decision) is the sigmoid
-scores normalized over all E, so p restricted to the k and renormalized is the applied weights. No
-constant factor in the router.
+Router (`block.gate`, expert_selection_fn "softmax", the config default): the choice is the top-k of the
+logits z (= the top-k of p = softmax(z), a monotone map); the weights are softmax over the k chosen logits,
+exp(z_i) / Σ_{j∈top-k} exp(z_j) = p_i / Σ_{j∈top-k} p_j (the common factor Σ_E exp z cancels): p
+renormalized over the k, always (norm_topk_prob is not read); no constant factor. expert_selection_fn
+"sigmoid" (sigmoid of the k logits, renormalized iff norm_topk_prob) is refused with a one-line error:
+router_decision sees only the router's output, which does not say which function made the weights.
 
 Shared experts (`block.shared_experts`, num_shared_experts × intermediate_size wide, ungated):
 `shared_expert_combination_strategy` "sum" adds them; "average" (the config default) returns
@@ -39,17 +38,16 @@ from workers.types import DenseFFN
 
 
 def check_softmax(fn: str) -> None:
-    """The sigmoid router is refused: router_decision sees only the router's output, which does not say
-    which of the two functions made the weights, so p could not be computed."""
+    """The sigmoid router is refused (module docstring: p could not be told from the router's output)."""
     if fn != "softmax":
         raise ValueError(f"cohere2_moe: expert_selection_fn={fn!r} is not supported (only 'softmax')")
 
 
 class Cohere2MoeAdapter(FusedMoeAdapter):
     name = "cohere2_moe"
-    routing = ("top-k of the logits, softmax over the k (= p renormalized over the k) or sigmoid over the k "
-               "renormalized iff norm_topk_prob; ungated shared experts summed or averaged with the routed "
-               "output; dense layers by mlp_layer_types")
+    routing = ("top-k of the logits, softmax over the k (= p renormalized over the k; the sigmoid router is "
+               "refused); ungated shared experts summed or averaged with the routed output; dense layers by "
+               "mlp_layer_types")
     student = ("same class, every layer dense (or, where RoPE differs across full-attention layers, MoE layers "
                "with one expert and top-1)")
     model_types = ("cohere2_moe",)
