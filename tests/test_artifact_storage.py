@@ -150,3 +150,47 @@ def test_a_bad_artifact_root_is_one_line_before_anything_runs(tmp_path, monkeypa
     r = CliRunner().invoke(app, ["launch", str(sweep), "--executor", "serial", "--db", f"sqlite:///{tmp_path}/r.db"])
     assert r.exit_code == 2 and "MOESWEEP_ARTIFACTS: nope:// is not a protocol fsspec knows" in r.output, r.output
     assert not (tmp_path / "r.db").exists() and not (tmp_path / "home").exists()
+
+
+def test_upload_and_fetch_keep_a_jobs_layout_and_refuse_what_they_cannot_vouch_for(tmp_path):
+    """A job's folder of artifacts arrives as it was written (the factors beside the plan); an output
+    naming a workdir file that is not an artifact, or an artifact outside the workdir, is an error; a copy
+    whose content is not the recorded one is never used."""
+    from workers.artifacts import fetch, record
+    from workers.jobs import uploaded, with_local_inputs
+
+    url = f"memory://moesweep-test-{uuid.uuid4().hex}/convert/k1"
+    work = tmp_path / "scratch" / "convert" / "k1"
+    (work / "round1").mkdir(parents=True)
+    (work / "round1" / "plan.json").write_text("[1, 2]")
+    (work / "round1" / "factors.safetensors").write_bytes(b"\0" * 16)
+    (work / "junk.txt").write_text("not an artifact")
+    plan, factors = work / "round1" / "plan.json", work / "round1" / "factors.safetensors"
+    rec = {"outputs": {"plan_path": str(plan), "n": 3}, "artifacts": [record("plan", plan), record("factors", factors)]}
+    up = uploaded(rec, work, url)
+    assert up["outputs"] == {"plan_path": f"{url}/round1/plan.json", "n": 3}
+    assert [a["path"] for a in up["artifacts"]] == [f"{url}/round1/plan.json", f"{url}/round1/factors.safetensors"]
+    assert [a["content_hash"] for a in up["artifacts"]] == [a["content_hash"] for a in rec["artifacts"]]
+
+    recorded = {a["path"]: a["content_hash"] for a in up["artifacts"]}
+    payload = {"home": str(tmp_path / "home"), "inputs": {"convert": up["outputs"]}, "fetch": {url: recorded}}
+    local = Path(with_local_inputs(payload)["inputs"]["convert"]["plan_path"])
+    assert local.read_text() == "[1, 2]" and local.with_name("factors.safetensors").read_bytes() == b"\0" * 16
+    assert local.parent.parent.parent == tmp_path / "home" / "cache" / "fetched"
+    assert with_local_inputs(payload)["inputs"]["convert"]["plan_path"] == str(local)  # cached: the same copy
+
+    with pytest.raises(ValueError, match=r"^outputs\.log names .*junk\.txt, a file of the job's workdir that is "
+                                         r"not a declared artifact; only declared artifacts are uploaded$"):
+        uploaded({**rec, "outputs": {"log": str(work / "junk.txt")}}, work, url)
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text("{}")
+    with pytest.raises(ValueError, match=r"^artifact 'plan' at .* is not inside the job's workdir"):
+        uploaded({"artifacts": [record("plan", elsewhere)]}, work, url)
+
+    fs, p = fsspec.core.url_to_fs(f"{url}/round1/plan.json")
+    fs.pipe(p, b"[9, 9]")  # changed at the URL after it was recorded
+    with pytest.raises(ValueError, match=r"^memory://.*/round1/plan\.json changed since it was recorded "
+                                         r"\(content hash [0-9a-f]{8}… → [0-9a-f]{8}…\)$"):
+        fetch(url, recorded, tmp_path / "other_cache")
+    assert list((tmp_path / "other_cache").iterdir()) == []  # nothing half-fetched is left to be trusted
+    fs.rm(fsspec.core.url_to_fs(url)[1], recursive=True)

@@ -92,23 +92,16 @@ def uploaded(record: dict[str, Any], workdir: Path, url: str) -> dict[str, Any]:
     """The record with its artifacts uploaded under `url` and recorded there (the URL, the content hash
     computed here, size and mtime as the store reports them) and its outputs naming them by URL. An
     artifact outside the workdir, or an output that names a file of the workdir that is not an artifact,
-    is an error: only the declared artifacts leave this machine."""
+    is an error (found before anything is uploaded): only the declared artifacts leave this machine."""
     from workers.artifacts import remove, upload
 
     url, work = url.rstrip("/"), str(workdir)
     moved: dict[str, str] = {}  # local artifact path -> its URL
-    arts = []
-    remove(url)  # what an earlier run of this job left there is not part of this one
     for a in record.get("artifacts", []):
         if not _inside(a["path"], work) or a["path"] == work:
             raise ValueError(f"artifact {a['kind']!r} at {a['path']} is not inside the job's workdir {work}; "
                              "only the workdir's artifacts are uploaded")
-        there = f"{url}/{Path(a['path']).relative_to(work).as_posix()}"
-        size, mtime = upload(a["path"], there)
-        if size != a["size_bytes"]:
-            raise OSError(f"artifact {a['kind']!r}: {size} bytes arrived at {there}, {a['size_bytes']} were sent")
-        moved[a["path"]] = there
-        arts.append({**a, "path": there, "size_bytes": size, "mtime": mtime})
+        moved[a["path"]] = f"{url}/{Path(a['path']).relative_to(work).as_posix()}"
 
     def rewrite(v: Any, where: str) -> Any:
         if isinstance(v, dict):
@@ -123,7 +116,17 @@ def uploaded(record: dict[str, Any], workdir: Path, url: str) -> dict[str, Any]:
         raise ValueError(f"{where} names {v}, a file of the job's workdir that is not a declared artifact; "
                          "only declared artifacts are uploaded")
 
-    out = {**record, "artifacts": arts} if "artifacts" in record else dict(record)
+    out = dict(record)
     if "outputs" in record:
         out["outputs"] = rewrite(record["outputs"], "outputs")
+    remove(url)  # what an earlier run of this job left there is not part of this one
+    arts = []
+    for a in record.get("artifacts", []):
+        there = moved[a["path"]]
+        size, mtime = upload(a["path"], there)
+        if size != a["size_bytes"]:
+            raise OSError(f"artifact {a['kind']!r}: {size} bytes arrived at {there}, {a['size_bytes']} were sent")
+        arts.append({**a, "path": there, "size_bytes": size, "mtime": mtime})
+    if "artifacts" in record:
+        out["artifacts"] = arts
     return out
