@@ -34,9 +34,11 @@ from sqlalchemy.exc import OperationalError
 from db.store import STALE_AFTER_S, Store, explain, home, owner_id
 from orchestrator import configs as P
 from orchestrator.axes import AXES
-from orchestrator.spec import SweepSpec, check_local_paths, spec_hash
+from orchestrator.schema import artifact_root
+from orchestrator.spec import SpecError, SweepSpec, check_local_paths, spec_hash
 from orchestrator.stage import JobSpec, Stage, SweepContext, TeacherShape, stages, unique
 from workers.artifacts import check as artifact_check
+from workers.artifacts import is_url
 
 
 @dataclass
@@ -152,6 +154,7 @@ class Runner:
         self._consumed: dict[str, dict[str, dict[str, str]]] = {}  # job key -> the input artifacts it reads
         self._recomputing: set[str] = set()
         self._announced: set[str] = set()  # stale jobs this launch already named on the console
+        self.artifacts = artifacts_root(spec)  # None: artifacts stay under $MOESWEEP_HOME
 
     def held(self) -> list[str]:
         with self._lock:
@@ -208,7 +211,7 @@ class Runner:
                                        highlight=False, soft_wrap=True)
                     rep.stale += 1
                 self._consumed[j.key] = _inputs_of(j, arts)
-                payloads.append(self._payload(st, j, rows))
+                payloads.append(self._payload(st, j, rows, arts))
             retry: list[JobSpec] = []
             by_key = {j.key: j for j in pending}
 
@@ -339,13 +342,24 @@ class Runner:
                 self._recomputing.discard(d)
             self.cache_epoch += 1  # workers drop what they loaded from the old artifact
 
-    def _payload(self, st: Stage, j: JobSpec, rows: dict[str, dict]) -> dict[str, Any]:
+    def _payload(self, st: Stage, j: JobSpec, rows: dict[str, dict],
+                 arts: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+        """What a worker needs to run a job. With an artifact root the job runs in a local scratch folder and
+        uploads its artifacts under `artifacts_url`; inputs recorded at URLs are listed in `fetch` (whatever
+        the root is now: they were recorded there by an earlier launch)."""
         inputs = {role: json.loads(rows[d]["outputs_json"] or "{}") for role, d in j.deps.items()}
         root = home()
-        return {"key": j.key, "stage": j.stage, "run": ":".join(st.run_ref()), "params": j.params, "inputs": inputs,
-                "resident": j.resident, "cpus": j.cpus, "gpus": j.gpus, "custom": j.custom, "home": str(root),
-                "workdir": str(root / "artifacts" / j.stage / j.key),
-                "log_path": str(root / "logs" / j.stage / f"{j.key}.log"), "cache_epoch": self.cache_epoch}
+        payload = {"key": j.key, "stage": j.stage, "run": ":".join(st.run_ref()), "params": j.params,
+                   "inputs": inputs, "resident": j.resident, "cpus": j.cpus, "gpus": j.gpus, "custom": j.custom,
+                   "home": str(root), "workdir": str(root / "artifacts" / j.stage / j.key),
+                   "log_path": str(root / "logs" / j.stage / f"{j.key}.log"), "cache_epoch": self.cache_epoch}
+        if self.artifacts:
+            payload["workdir"] = str(root / "scratch" / j.stage / j.key)
+            payload["artifacts_url"] = f"{self.artifacts}/{j.stage}/{j.key}"
+        fetch = _fetch_of(j, arts)
+        if fetch:
+            payload["fetch"] = fetch
+        return payload
 
     def _wait_for_others(self, waiting: list[JobSpec]) -> list[JobSpec]:
         """Jobs another launch holds: wait while they run, taking over those whose owner died (on this host
@@ -388,6 +402,32 @@ def _inputs_of(j: JobSpec, arts: dict[str, list[dict[str, Any]]]) -> dict[str, d
     return {d: {a["path"]: a["content_hash"] for a in arts.get(d, [])} for d in j.deps.values()}
 
 
+def _fetch_of(j: JobSpec, arts: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, str]]:
+    """{upstream job's prefix: {artifact URL: content hash}} for the upstream artifacts recorded at URLs. A
+    job's artifacts were uploaded under `<root>/<stage>/<its key>/`, so its prefix ends at its key."""
+    out: dict[str, dict[str, str]] = {}
+    for d in j.deps.values():
+        for a in arts.get(d, []):
+            path = a["path"]
+            if is_url(path) and f"/{d}/" in path:
+                out.setdefault(path[:path.index(f"/{d}/") + len(d) + 1], {})[path] = a["content_hash"]
+    return out
+
+
+def artifacts_root(spec: SweepSpec) -> str | None:
+    """Where jobs upload their artifacts: the sweep's `execution.artifacts`, else `$MOESWEEP_ARTIFACTS`, else
+    None (each job writes into `$MOESWEEP_HOME/artifacts/<stage>/<key>/`, as before)."""
+    if spec.execution.artifacts:
+        return spec.execution.artifacts
+    value = os.environ.get("MOESWEEP_ARTIFACTS", "").strip()
+    if not value:
+        return None
+    try:
+        return artifact_root(value)
+    except ValueError as e:
+        raise SpecError(f"MOESWEEP_ARTIFACTS: {e}") from None
+
+
 def _by_shape(payloads: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
     out: dict[tuple, list[dict[str, Any]]] = {}
     for p in payloads:
@@ -406,6 +446,7 @@ def prepare(spec: SweepSpec, path: str | None = None) -> tuple[TeacherShape, lis
     against its config, K against it): (the teacher's shape, the configurations). SpecError otherwise."""
     where = path or spec.name
     check_local_paths(spec, where)
+    artifacts_root(spec)  # $MOESWEEP_ARTIFACTS is checked here too
     shape = P.model_shape(spec, where)
     return shape, P.build_configs(spec, shape)
 

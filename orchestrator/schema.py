@@ -139,3 +139,24 @@ def known(values: list[Any], allowed, what: str) -> list[Any]:
             raise ValueError(f"{what} {v!r} is listed twice")
         seen.add(v)
     return values
+
+
+def artifact_root(value: str) -> str:
+    """Where jobs upload their artifacts (`execution.artifacts`, `$MOESWEEP_ARTIFACTS`): an fsspec URL
+    (`s3://bucket/prefix`, `gs://…`, `file:///mnt/shared/x`, `memory://x` in one process) or an absolute
+    path (read as `file://`). A protocol fsspec does not know, or whose package is not installed (`s3fs`,
+    `gcsfs`), is a ValueError line when the sweep is read, not after a job ran."""
+    import fsspec
+
+    if "://" not in value:
+        if not value.startswith("/"):
+            raise ValueError(f"{value!r} is neither a URL (s3://…, gs://…, file:///…) nor an absolute path")
+        value = "file://" + value
+    protocol = value.split("://", 1)[0]
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ImportError as e:
+        raise ValueError(f"{protocol}:// needs its fsspec package ({str(e).splitlines()[0]})") from None
+    except ValueError:
+        raise ValueError(f"{protocol}:// is not a protocol fsspec knows") from None
+    return value.rstrip("/")

@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 
 from orchestrator.axes import AXES
-from orchestrator.schema import Data, Resources, SpecError, Strict, Teacher, known  # noqa: F401  (re-exported)
+from orchestrator.schema import Data, Resources, SpecError, Strict, Teacher, artifact_root, known  # noqa: F401  (re-exported)
 from orchestrator.stage import get_stage, stages
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -46,6 +46,12 @@ class Execution(Strict):
     retries: int = Field(1, ge=0)
     max_concurrent: int | None = Field(None, gt=0)
     resources: dict[str, Resources] = Field(default_factory=dict)
+    artifacts: str | None = None  # an fsspec URL jobs upload their artifacts to (default: $MOESWEEP_HOME)
+
+    @field_validator("artifacts")
+    @classmethod
+    def _artifacts(cls, v: str | None) -> str | None:
+        return None if v is None else artifact_root(v)
 
     @field_validator("resources")
     @classmethod

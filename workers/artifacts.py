@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 import struct
+import uuid
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -173,3 +176,73 @@ def check(row: dict, full: bool = False) -> Check:
     how = f"size {was} → {size}" if was is not None and was != size else \
         f"same size, content hash {row['content_hash'][:8]}… → {digest[:8]}…"
     return Check(f"{name(path)} changed since it was recorded ({how})", hashed=True)
+
+
+# ---- artifacts on shared storage: uploaded after a job, fetched before one -----------------------
+# (kept apart from the fingerprints above: a job's key hashes the code its stage calls, and stage
+# functions record artifacts through `record`, never through what follows)
+def upload(local: str | Path, url: str) -> tuple[int, float]:
+    """Copy a file or folder to `url` (fsspec `put`, recursive for a folder; whatever was there is
+    replaced) and return its (size, mtime) as the store reports them, which later checks compare with."""
+    import fsspec
+
+    fs, p = fsspec.core.url_to_fs(url)
+    if fs.exists(p):
+        fs.rm(p, recursive=True)
+    fs.makedirs(fs._parent(p), exist_ok=True)
+    fs.put(str(local), p, recursive=Path(local).is_dir())
+    now = stat(url)
+    if now is None:
+        raise OSError(f"uploading {local} to {url} left nothing there")
+    return now
+
+
+def remove(url: str) -> None:
+    """Delete what is at `url` (a job's prefix before its artifacts are uploaded again); nothing there is fine."""
+    import fsspec
+
+    fs, p = fsspec.core.url_to_fs(url)
+    if fs.exists(p):
+        fs.rm(p, recursive=True)
+
+
+def download(url: str, local: Path) -> None:
+    """Copy a file or folder at `url` to `local` (which must not exist yet)."""
+    found = _remote(url)
+    if found is None:
+        raise FileNotFoundError(f"{url} does not exist")
+    fs, p, files = found
+    local.parent.mkdir(parents=True, exist_ok=True)
+    fs.get(p, str(local), recursive=files is not None)
+
+
+def fetch(prefix: str, artifacts: dict[str, str], cache_root: str | Path) -> Path:
+    """A local copy of the artifacts one job uploaded under `prefix` ({URL: content hash}), laid out as
+    they are there (a plan's factors stay beside the plan). The copy is cached under `cache_root` by the
+    artifacts' names and content hashes, so a worker fetches each job's artifacts once, whoever reads them,
+    and a recomputed artifact with other content is fetched anew. Each file is hashed after the download:
+    content that changed since it was recorded is an error, never used."""
+    prefix = prefix.rstrip("/")
+    listing = sorted((url[len(prefix):].lstrip("/"), h) for url, h in artifacts.items())
+    digest = hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+    root = Path(cache_root)
+    dest = root / digest
+    if dest.is_dir():
+        return dest
+    tmp = root / f".{digest}.{os.getpid()}.{uuid.uuid4().hex[:8]}"  # renamed into place when complete
+    try:
+        for rel, h in listing:
+            download(f"{prefix}/{rel}", tmp / rel)
+            got = content_hash(tmp / rel)
+            if got != h:
+                raise ValueError(f"{prefix}/{rel} changed since it was recorded "
+                                 f"(content hash {h[:8]}… → {got[:8]}…)")
+        tmp.mkdir(parents=True, exist_ok=True)  # a job with no artifact to fetch still gets its folder
+        try:
+            os.rename(tmp, dest)
+        except OSError:  # another worker on this machine fetched it first: theirs is the same content
+            if not dest.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
