@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pandas as pd
 import pytest
 
 import workers.stages as stages
@@ -85,3 +86,35 @@ def test_dry_run_names_the_seed_repeats(tmp_path):
     assert rows["calibrate"]["distinct"] == 3
     assert "2 more seed(s)" in rows["seed_convert"]["note"]
     assert "2 seed repeats of each selected student" in rows["distill"]["note"]
+
+
+def test_pooling_over_seeds_on_synthetic_rows():
+    import analysis.uncertainty as U
+
+    rows = pd.DataFrame([  # two students (1, 2), each with two repeats; a baseline (3) without any
+        {"config_id": 1, "variant": None, "variant_of": None, "avg": 0.50},
+        {"config_id": 2, "variant": None, "variant_of": None, "avg": 0.40},
+        {"config_id": 3, "variant": None, "variant_of": None, "avg": 0.30},
+        {"config_id": 4, "variant": "seed=2", "variant_of": 1, "avg": 0.52},
+        {"config_id": 5, "variant": "seed=3", "variant_of": 1, "avg": 0.48},
+        {"config_id": 6, "variant": "seed=2", "variant_of": 2, "avg": 0.45},
+        {"config_id": 7, "variant": "seed=3", "variant_of": 2, "avg": 0.38},
+        {"config_id": 8, "variant": "loss=reverse_kl", "variant_of": 1, "avg": 0.10},  # an ablation, not a seed
+    ])
+    sv = U.SeedValues.of(rows, "avg")
+    assert sv.values == {1: {"main": 0.50, "seed=2": 0.52, "seed=3": 0.48}, 2: {"main": 0.40, "seed=2": 0.45,
+                                                                                "seed=3": 0.38}}
+    p = U.pooled(sv.values[1], 100.0)
+    assert p["values"] == [50.0, 52.0, 48.0] and p["mean"] == 50.0 and p["sd"] == pytest.approx(2.0)
+    t = sv.diff([1], [2], 100.0)  # per seed: 10, 7, 10 pp
+    assert t["diffs"] == pytest.approx([10.0, 7.0, 10.0]) and t["mean"] == pytest.approx(9.0)
+    assert t["sd"] == pytest.approx(3 ** 0.5, abs=1e-4) and t["n"] == 3
+    assert t["ci"] == pytest.approx([9.0 - 4.302653, 9.0 + 4.302653], abs=1e-3)  # t(2) · sd / √3 = 4.3027
+    assert t["survives"]
+    assert sv.diff([1], [3]) is None  # the baseline has no repeats: judged on its items alone
+    item = {"diff": 10.0, "ci": [2.0, 18.0], "distinguishable": True}
+    assert U.with_seeds(item, t)["distinguishable"] and U.verdict(U.with_seeds(item, t)) is None
+    noisy = {**t, "survives": False}
+    assert U.verdict(U.with_seeds(item, noisy)) == U.NOT_ACROSS_SEEDS
+    assert U.verdict(U.with_seeds({**item, "distinguishable": False}, t)) == U.NOT_DISTINGUISHABLE
+    assert U.with_seeds(item, None) == item
