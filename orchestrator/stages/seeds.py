@@ -114,6 +114,8 @@ CONVERT = Stage(
     estimate=estimate, summary="the selected students' conversions on each further seed's calibration")
 
 PPL = Stage(
-    name="seed_ppl", run="workers.stages:stage_ppl_pre", jobs=ppl_jobs, upstream=("seed_convert",), identity=True,
+    # not an identity stage: two seeds of a pick whose plan the calibration seed did not change share this job,
+    # yet are distilled with different seeds, so neither is the other's duplicate
+    name="seed_ppl", run="workers.stages:stage_ppl_pre", jobs=ppl_jobs, upstream=("seed_convert",),
     records=frozenset({"outputs", "metrics", "item_scores"}), after=after_ppl,
     estimate=lambda ctx, rows: [], summary="perplexity of each seed repeat before distillation")
