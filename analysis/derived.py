@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis.uncertainty import Uncertainty
+from analysis.uncertainty import SEED_RULE, SeedValues, Uncertainty, pooled, seed_label
 from db.select_rule import select_best_rows
 
 SCORING_ORDER = ("SF", "PP", "PS", "CP", "ACP", "DO-CP", "DO-ACP", "REAP", "EAN", "frequency")
@@ -103,6 +103,11 @@ def is_variant(df: pd.DataFrame) -> pd.Series:
     if "variant_of" not in df.columns:
         raise ValueError("rows: no column 'variant_of'; allowed: frames of the results view (analysis.load)")
     return df["variant_of"].notna()
+
+
+def is_seed_repeat(df: pd.DataFrame) -> pd.Series:
+    """Seed repeats of a selected student (variant `seed=<s>`): the same configuration under another seed."""
+    return df["variant"].map(seed_label).notna() if "variant" in df.columns else pd.Series(False, index=df.index)
 
 
 def grid_rows(results: pd.DataFrame) -> pd.DataFrame:
@@ -325,7 +330,7 @@ def ablations(rows: pd.DataFrame) -> list[dict[str, Any]]:
 
     The variants of a student are the rows whose `variant_of` is its configuration."""
     moe = rows[rows["kind"] == "moe2dense"]
-    var = moe[is_variant(moe) & moe["avg"].notna()]
+    var = moe[is_variant(moe) & ~is_seed_repeat(moe) & moe["avg"].notna()]
     base = distilled_rows(moe)
     axes = ["scoring", "grouping", "dp_scaling", "K"]
     out = []
@@ -367,6 +372,28 @@ def ablations(rows: pd.DataFrame) -> list[dict[str, Any]]:
             ]
         out.append(entry)
     return out
+
+
+def seed_report(rows: pd.DataFrame) -> dict[str, Any] | None:
+    """Per repeated student: accuracy (pp) and perplexities under each seed, pooled (mean, between-seed sd),
+    beside the item-level SE of its first seed's accuracy; None without seed repeats."""
+    moe = rows[rows["kind"] == "moe2dense"]
+    cols = {"avg": 100.0, "ppl_pre": 1.0, "ppl_post": 1.0}
+    seeds = {col: SeedValues.of(moe, col).values for col in cols}
+    ids = set().union(*(v.keys() for v in seeds.values()))
+    if not ids:
+        return None
+    axes = ["scoring", "grouping", "dp_scaling", "K"]
+    students = []
+    for r in records(sort_rows(moe[moe["config_id"].isin(ids)], axes)):
+        e: dict[str, Any] = {**{a: r[a] for a in axes}, "config_id": r["config_id"]}
+        for col, scale in cols.items():
+            if r["config_id"] in seeds[col]:
+                e[col] = pooled(seeds[col][r["config_id"]], scale)
+        if "avg" in e:
+            e["avg"]["item_se"] = r4(pct(r.get("avg_acc_se")))
+        students.append(e)
+    return {"rule": SEED_RULE, "students": students}
 
 
 def _config_of(v: pd.DataFrame, b: pd.DataFrame, name: str, key: Any) -> int | None:
@@ -449,6 +476,9 @@ def model_facts(results: pd.DataFrame, model: str, unc: Uncertainty | None = Non
                 f["intervals"][f"gain_over_{b}"] = unc.acc_diff(
                     [int(top["config_id"])], [int(bid["config_id"].iloc[0])], f[f"gain_over_{b}"]
                 )
+    seeds = seed_report(rows)
+    if seeds:
+        f["seeds"] = seeds
     abl = ablations(rows)
     if abl:
         for a in abl:

@@ -18,6 +18,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from analysis.derived import SCORING_ORDER, ordered, plain, records
+from analysis.uncertainty import seed_label
 
 STYLE: dict[str, Any] = {
     "font.family": "DejaVu Sans",
@@ -270,6 +271,7 @@ def curves_figure(
         if info[c]["kind"] == "moe2dense"
         and info[c]["distill_loss"] is None
         and info[c]["teacher_top_k"] is None
+        and seed_label(info[c].get("variant")) is None  # a seed repeat: its main configuration's line
     ]
     other = [c for c in ids if c not in moe and info[c]["kind"] != "moe2dense"]
     if len(moe) + len(other) > max_lines:  # one line per scoring: its lowest final CE

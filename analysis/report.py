@@ -30,7 +30,7 @@ from analysis.derived import (
 )
 from analysis.latex import Table
 from analysis.load import Frames
-from analysis.uncertainty import NOT_DISTINGUISHABLE, phrase
+from analysis.uncertainty import NOT_ACROSS_SEEDS, NOT_DISTINGUISHABLE, phrase
 
 
 def match_reference(ref: pd.DataFrame, model: str, variant: str | None) -> tuple[str, str] | None:
@@ -321,6 +321,7 @@ def _fact_lines(f: dict[str, Any], who: str) -> list[str]:
             f"{b['avg']:.2f}%; students at K = k before the first K > k in the accuracy ranking: "
             f"{f.get('top_n_at_k_equals_topk')}."
         )
+    out += _seed_lines(f.get("seeds"), who)
     if "scoring_gap_at_k_equals_topk" in f:
         g = f["scoring_gap_at_k_equals_topk"]
         out.append(
@@ -345,6 +346,26 @@ def _fact_lines(f: dict[str, Any], who: str) -> list[str]:
                 out.append(
                     f"- {name.capitalize()} ablation ({a['scoring']}×{a['grouping']}, K={a['K']}): {items}."
                 )
+    return out
+
+
+def _seed_lines(sd: dict[str, Any] | None, who: str) -> list[str]:
+    """Per repeated student: its numbers under each seed, their mean and between-seed sd."""
+    if not sd:
+        return []
+    out = [f"- Seed repeats ({who}): each selected student under every seed (first: the main configuration), "
+           f"mean ± between-seed sd; a stated difference is {sd['rule']}."]
+    for st in sd["students"]:
+        parts = []
+        for col, name, fmt in (("avg", "accuracy", ".2f"), ("ppl_pre", "pre-distill PPL", ".1f"),
+                               ("ppl_post", "post-distill PPL", ".1f")):
+            p = st.get(col)
+            if p:
+                vals = ", ".join(f"{v:{fmt}}" for v in p["values"])
+                se = f", item SE {p['item_se']:.2f}" if p.get("item_se") is not None else ""
+                parts.append(f"{name} {vals} → {p['mean']:{fmt}}{_pm(p['sd'])}{se}")
+        axes = _cell({a: st[a] for a in ("scoring", "grouping", "dp_scaling", "K")})
+        out.append(f"  - {axes}: " + "; ".join(parts) + ".")
     return out
 
 
@@ -396,7 +417,9 @@ def _index(
         "Each stated difference carries its 95% interval: a paired bootstrap over the items (or perplexity "
         "windows) all compared students were scored on, or, for a paper's numbers, the binomial standard "
         "error from the benchmarks' published sizes (unpaired, conservative). A difference whose interval "
-        f"contains zero is {NOT_DISTINGUISHABLE} (marked † in lists); ± is one standard error.",
+        f"contains zero is {NOT_DISTINGUISHABLE} (marked † in lists); ± is one standard error. Where the "
+        "students were repeated with other seeds, a difference must also survive the seeds: its between-seed "
+        f"95% interval must exclude zero too (else: {NOT_ACROSS_SEEDS}).",
         "",
     ]
     for model, mf in f.items():

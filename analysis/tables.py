@@ -24,6 +24,7 @@ from analysis.derived import (
     top_k_of,
 )
 from analysis.latex import DASH, Table, bold, esc, fmt_pct, fmt_ppl
+from analysis.uncertainty import SEED_RULE, SeedValues, pooled, seed_words, verdict
 
 TASK_LABEL = {
     "winogrande": "Wino",
@@ -280,6 +281,31 @@ def selection_table(
     )
 
 
+# ---- seed repeats: pooled beside the item-level SE -------------------------------------------------
+SEED_HEAD = [r"$\pm$ SE", "Seeds", "SD"]
+
+
+def seed_pools(view: View) -> dict[int, dict[str, Any]]:
+    """{main config: its accuracy (%) pooled over its seeds}, empty without seed repeats."""
+    return {c: pooled(v, 100.0) for c, v in SeedValues.of(view.rows, "avg").values.items()}
+
+
+def seed_cells(r: dict[str, Any], pools: dict[int, dict[str, Any]]) -> list[str]:
+    """The item-level SE of the first seed's average, the mean over seeds and the between-seed sd."""
+    p = pools.get(r["config_id"])
+    se = fmt_pct(pct(r.get("avg_acc_se")))
+    return [se, fmt_pct(p["mean"]), fmt_pct(p["sd"])] if p else [se, "", ""]
+
+
+def seed_caption(pools: dict[int, dict[str, Any]]) -> str:
+    if not pools:
+        return ""
+    n = max(len(p["values"]) for p in pools.values())
+    return (f" ± SE: the item-level standard error of Avg (first seed); Seeds, SD: Avg's mean and "
+            f"between-seed standard deviation over {n} seeds (calibration sample, distillation data order, "
+            f"lm-eval seeds). A difference is {SEED_RULE}.")
+
+
 # ---- Table 12: the distilled students ------------------------------------------------------------
 def distilled_is_pairwise(view: View) -> bool:
     d = distilled_rows(view.rows)
@@ -299,7 +325,8 @@ def distilled_table(view: View, ref: View | None, stem: str) -> Table | None:
         if rd is not None
         else {}
     )
-    cols = ["K", "DP", "Pre", "Post", *task_header(view.tasks), "Avg"]
+    pools = seed_pools(view)
+    cols = ["K", "DP", "Pre", "Post", *task_header(view.tasks), "Avg", *(SEED_HEAD if pools else [])]
     head: list[list[str] | str] = []
     if ref is not None:
         head += _group_header(2, [(f"Ours ({view.label})", len(cols)), (f"Paper ({ref.label})", 3)])
@@ -326,6 +353,7 @@ def distilled_table(view: View, ref: View | None, stem: str) -> Table | None:
             fmt_ppl(r["ppl_post"], r["ppl_post_kind"]),
             *view.task_cells(r["config_id"]),
             bold(avg) if r["avg"] == best[r["scoring"]] else avg,
+            *(seed_cells(r, pools) if pools else []),
         ]
         if ref is not None:
             rr = ref_by.get((r["scoring"], r["grouping"]))
@@ -339,7 +367,7 @@ def distilled_table(view: View, ref: View | None, stem: str) -> Table | None:
     cap = (
         f"Distilled students of {view.label}: the best (K, scaling) per scoring × grouping pair. Pre/Post: "
         "perplexity before/after distillation; accuracies in %; Avg: unweighted mean of the tasks. "
-        "Bold: best average per scoring."
+        "Bold: best average per scoring." + seed_caption(pools)
     )
     if ref is not None:
         cap += f" Paper: the pair's published configuration and average ({ref.label})."
@@ -394,7 +422,8 @@ def cross_model_table(view: View, ref: View | None, stem: str) -> Table | None:
                 ref_by.setdefault((r["scoring"], r["K"] / rk), r)
         for r in _side_rows(ref):
             ref_side.setdefault(_role(r), r)
-    cols = ["K", *(["Pre"] if with_pre else []), *task_header(view.tasks), "Avg"]
+    pools = seed_pools(view)
+    cols = ["K", *(["Pre"] if with_pre else []), *task_header(view.tasks), "Avg", *(SEED_HEAD if pools else [])]
     head: list[list[str] | str] = []
     if ref is not None:
         head += _group_header(1, [(f"Ours ({view.label})", len(cols)), (f"Paper ({ref.label})", 2)])
@@ -424,6 +453,7 @@ def cross_model_table(view: View, ref: View | None, stem: str) -> Table | None:
             *([fmt_ppl(r["ppl_pre"], r["ppl_pre_kind"])] if with_pre else []),
             *cells,
             bold(avg) if r["avg"] == best_avg else avg,
+            *(seed_cells(r, pools) if pools else []),
         ]
         if ref is not None:
             rr = ref_by.get((r["scoring"], r["K"] / k)) if k else None
@@ -438,6 +468,7 @@ def cross_model_table(view: View, ref: View | None, stem: str) -> Table | None:
                 *([fmt_ppl(r["ppl_pre"], r["ppl_pre_kind"])] if with_pre else []),
                 *view.task_cells(r["config_id"]),
                 fmt_pct(pct(r["avg"])),
+                *(seed_cells(r, pools) if pools else []),
             ]
             if ref is not None:
                 rr = ref_side.get(_role(r))
@@ -445,7 +476,7 @@ def cross_model_table(view: View, ref: View | None, stem: str) -> Table | None:
             rows.append(line)
     cap = (
         f"Distilled students of {view.label} by scoring and K (K = k: pure pruning, one expert per group; "
-        "K > k: merging), with baselines. Accuracies in %. Bold: best per column."
+        "K > k: merging), with baselines. Accuracies in %. Bold: best per column." + seed_caption(pools)
     )
     if ref is not None:
         cap += f" Paper: the published average at the same K/k ({ref.label})."
@@ -604,8 +635,9 @@ def _interval_note(d: dict[str, Any] | None) -> str:
     """A difference's 95% interval for a table note, and whether it is distinguishable at this n."""
     if not d:
         return ""
-    ci = f"95% CI [{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}] pp, n={d['n']}"
-    return f" ({ci})" if d["distinguishable"] else f", not distinguishable at this n ({ci})"
+    ci = f"95% CI [{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}] pp, n={d['n']}{seed_words(d)}"
+    why = verdict(d)
+    return f" ({ci})" if why is None else f", {why} ({ci})"
 
 
 def marginal_table(

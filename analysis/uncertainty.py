@@ -13,11 +13,18 @@ means the conservative bound √(se_A² + se_B²) with a group's se the mean of 
 scored on the same items err together, so neither averaging nor pairing is assumed to shrink it).
 
 A difference whose 95% interval contains zero is "not distinguishable at this n".
+
+Seed repeats (`seeds: [..]`, configurations with variant `seed=<s>` of a selected student) add a second
+test: the difference is recomputed under each seed (the main configuration is the first seed) and its
+between-seed 95% interval, mean ± t(S−1)·sd/√S over the S per-seed differences, must exclude zero too.
+A comparison is distinguishable only if it survives both (SEED_RULE); one whose students were not all
+repeated (a baseline, a runner-up) is judged by the item-level interval alone.
 """
 
 from __future__ import annotations
 
 import csv
+import re
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -34,6 +41,11 @@ LEVEL = 0.95
 Z = 1.959963984540054  # two-sided 95% normal quantile
 SIZES = Path(__file__).parent / "data" / "benchmark_sizes.csv"
 NOT_DISTINGUISHABLE = "not distinguishable at this n"
+NOT_ACROSS_SEEDS = "not distinguishable across seeds"
+SEED_LABEL = re.compile(r"^seed=(\d+)$")  # the variant label of a seed repeat (orchestrator/stages/seeds.py)
+MAIN = "main"  # the main configuration: the first listed seed
+SEED_RULE = ("distinguishable only if both 95% intervals exclude 0: the item-level one (paired bootstrap, first "
+             "seed) and the between-seed one (the difference under each seed: mean ± t(S-1)·sd/sqrt(S))")
 
 
 @dataclass(frozen=True)
@@ -175,6 +187,78 @@ def binomial_se(tasks: pd.DataFrame, config_ids: Iterable[int]) -> dict[int, tup
     return out
 
 
+# ---- seed repeats ----------------------------------------------------------------------------------
+def seed_label(variant: Any) -> str | None:
+    """`seed=2` for a seed repeat's variant label, else None."""
+    return variant if isinstance(variant, str) and SEED_LABEL.match(variant) else None
+
+
+def seed_order(label: str) -> int:
+    return -1 if label == MAIN else int(label.split("=", 1)[1])
+
+
+@dataclass(frozen=True)
+class SeedValues:
+    """Per main configuration with seed repeats: {seed label: its number} (`main` = the first seed)."""
+
+    values: dict[int, dict[str, float]]
+
+    @classmethod
+    def of(cls, rows: pd.DataFrame, col: str) -> SeedValues:
+        """From `results` rows: each repeat's `col` under its main configuration's id, beside the main's."""
+        if "variant" not in rows.columns or col not in rows.columns:
+            return cls({})
+        out: dict[int, dict[str, float]] = {}
+        for r in rows[rows["variant"].map(seed_label).notna() & rows[col].notna()].itertuples():
+            out.setdefault(int(r.variant_of), {})[r.variant] = float(getattr(r, col))
+        main = rows.set_index("config_id")[col]
+        for c in list(out):
+            if c in main.index and pd.notna(main.loc[c]):
+                out[c][MAIN] = float(main.loc[c])
+            else:
+                del out[c]  # no number for the first seed: nothing to pool
+        return cls({c: dict(sorted(v.items(), key=lambda kv: seed_order(kv[0]))) for c, v in out.items()})
+
+    def diff(self, a: list[int], b: list[int], scale: float = 1.0) -> dict[str, Any] | None:
+        """Group a's mean minus group b's under each seed every member has (at least 2), with its test."""
+        if not all(c in self.values for c in a + b):
+            return None
+        labels = sorted(set.intersection(*(set(self.values[c]) for c in a + b)), key=seed_order)
+        if len(labels) < 2:
+            return None
+        d = [scale * (np.mean([self.values[c][s] for c in a]) - np.mean([self.values[c][s] for c in b]))
+             for s in labels]
+        return seed_test(d, labels)
+
+
+def pooled(values: dict[str, float], scale: float = 1.0) -> dict[str, Any]:
+    """One student's number over its seeds: each seed's, their mean and the between-seed sd (ddof 1)."""
+    v = np.array(list(values.values()), dtype=float) * scale
+    return {"seeds": list(values), "values": [_r(x) for x in v], "mean": _r(v.mean()),
+            "sd": _r(v.std(ddof=1)) if len(v) > 1 else None}
+
+
+def seed_test(diffs: list[float], labels: list[str]) -> dict[str, Any]:
+    """The per-seed differences, their mean, sd and t interval; `survives` when the interval excludes 0."""
+    from scipy.stats import t
+
+    d = np.asarray(diffs, dtype=float)
+    sd = float(d.std(ddof=1))
+    half = float(t.ppf((1 + LEVEL) / 2, len(d) - 1)) * sd / np.sqrt(len(d))
+    lo, hi = d.mean() - half, d.mean() + half
+    return {"seeds": labels, "diffs": [_r(x) for x in d], "mean": _r(d.mean()), "sd": _r(sd),
+            "ci": [_r(lo), _r(hi)], "n": len(d), "survives": bool(lo > 0 or hi < 0)}
+
+
+def with_seeds(iv: dict[str, Any] | None, seeds: dict[str, Any] | None) -> dict[str, Any] | None:
+    """An item-level interval with its seed test beside it: `distinguishable` becomes both (SEED_RULE), the
+    item-level verdict stays in `item_distinguishable`."""
+    if iv is None or seeds is None:
+        return iv
+    return {**iv, "item_distinguishable": iv["distinguishable"], "seeds": seeds,
+            "distinguishable": iv["distinguishable"] and seeds["survives"]}
+
+
 # ---- comparisons ---------------------------------------------------------------------------------
 def _r(x: float) -> float:
     return round(float(x), 4)
@@ -185,8 +269,10 @@ class Uncertainty:
     binomial bound from published sizes, else none. Accuracies in pp, perplexities as they are."""
 
     def __init__(self, acc: Replicates | None, ppl: Replicates | None,
-                 binom: dict[int, tuple[float, int]] | None = None) -> None:
+                 binom: dict[int, tuple[float, int]] | None = None, seed_acc: SeedValues | None = None,
+                 seed_ppl: SeedValues | None = None) -> None:
         self.acc, self.ppl, self.binom = acc, ppl, binom or {}
+        self.seed_acc, self.seed_ppl = seed_acc or SeedValues({}), seed_ppl or SeedValues({})
 
     @classmethod
     def of(cls, rows: pd.DataFrame, tasks: pd.DataFrame | None, items: pd.DataFrame | None) -> Uncertainty:
@@ -196,7 +282,7 @@ class Uncertainty:
             acc = acc_replicates(items, tasks, ids)
             ppl = ppl_replicates(items, ids)
         binom = binomial_se(tasks, ids) if tasks is not None and acc is None and len(tasks) else {}
-        return cls(acc, ppl, binom)
+        return cls(acc, ppl, binom, SeedValues.of(rows, "avg"), SeedValues.of(rows, "ppl_pre"))
 
     def acc_se(self, group: list[int]) -> float | None:
         """Standard error (pp) of the mean accuracy of a group of students."""
@@ -210,7 +296,7 @@ class Uncertainty:
         """The stated difference (pp) of group a's mean accuracy minus group b's with its 95% interval:
         bootstrap percentiles, or stated ± 1.96·se (binomial bound); None without the data."""
         if self.acc and all(c in self.acc.reps for c in a + b):
-            return _boot(self.acc, a, b, 100.0, stated)
+            return with_seeds(_boot(self.acc, a, b, 100.0, stated), self.seed_acc.diff(a, b, 100.0))
         if self.binom and all(c in self.binom for c in a + b):
             se = 100 * float(np.hypot(np.mean([self.binom[c][0] for c in a]),
                                       np.mean([self.binom[c][0] for c in b])))
@@ -221,7 +307,7 @@ class Uncertainty:
     def ppl_diff(self, a: list[int], b: list[int], stated: float) -> dict[str, Any] | None:
         """The stated difference of group a's mean perplexity minus group b's, paired over windows."""
         if self.ppl and all(c in self.ppl.reps for c in a + b):
-            return _boot(self.ppl, a, b, 1.0, stated)
+            return with_seeds(_boot(self.ppl, a, b, 1.0, stated), self.seed_ppl.diff(a, b))
         return None
 
 
@@ -246,9 +332,26 @@ def interval(point: float, lo: float, hi: float, se: float, n: int, method: str)
             "distinguishable": bool(lo > 0 or hi < 0)}
 
 
+def verdict(d: dict[str, Any]) -> str | None:
+    """Why a difference is not distinguishable (at this n, or across seeds), None when it is."""
+    if d["distinguishable"]:
+        return None
+    return NOT_DISTINGUISHABLE if d.get("item_distinguishable", d["distinguishable"]) is False else NOT_ACROSS_SEEDS
+
+
+def seed_words(d: dict[str, Any], unit: str = "pp") -> str:
+    """`; over 3 seeds +1.20 ± 0.40 sd, 95% CI [+0.21, +2.19]`: a difference's between-seed test, or ""."""
+    s = d.get("seeds")
+    if not s:
+        return ""
+    return (f"; over {s['n']} seeds {s['mean']:+.2f} ± {s['sd']:.2f} sd, 95% CI [{s['ci'][0]:+.2f}, "
+            f"{s['ci'][1]:+.2f}]{' ' + unit if unit else ''}")
+
+
 def phrase(d: dict[str, Any] | None, unit: str = "pp") -> str:
-    """The words after a stated difference: its interval, and whether it is distinguishable."""
+    """The words after a stated difference: its interval(s), and whether it is distinguishable."""
     if not d:
         return ""
-    ci = f"95% CI [{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}]{' ' + unit if unit else ''}, n={d['n']}"
-    return f" ({ci})" if d["distinguishable"] else f" — {NOT_DISTINGUISHABLE} ({ci})"
+    ci = f"95% CI [{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}]{' ' + unit if unit else ''}, n={d['n']}{seed_words(d, unit)}"
+    why = verdict(d)
+    return f" ({ci})" if why is None else f" — {why} ({ci})"

@@ -117,8 +117,8 @@ def _bad_record(payload: dict, cache: dict, progress) -> dict:
 
 def test_stage_order_follows_upstream_and_rejects_unknown_inputs():
     names = [s.name for s in stages()]
-    assert names == ["teacher", "dense_teacher", "calibrate", "dcdm", "convert", "ppl_pre", "distill", "router_kd",
-                     "evaluate", "dot_moe"]
+    assert names == ["teacher", "dense_teacher", "calibrate", "dcdm", "convert", "ppl_pre", "seed_convert",
+                     "seed_ppl", "distill", "router_kd", "evaluate", "dot_moe"]
     for s in stages():
         assert all(names.index(u) < names.index(s.name) for u in s.upstream)
     register(Stage(name="orphan", run=_bad_record, jobs=lambda ctx: {}, upstream=("nowhere",)))

@@ -800,3 +800,65 @@ def test_latex_compiles_alone_and_when_input(paper_report, own_report, tmp_path)
             "\\input{ablation_routing}\n\\input{own}\nMore text.\n\\end{document}\n"
         )
         assert _pdflatex(host / "paper.tex", overfull_ok).startswith(b"%PDF")
+
+
+# ---- seed repeats: pooled over seeds, beside the item-level intervals ----------------------------------
+SEED_NOISE = {"SF": (0.12, 0.0), "CP": (0.005, -0.005), "ACP": (-0.005, 0.005), "DO-ACP": (0.01, -0.01)}
+
+
+def add_seed_repeats(store: Store) -> None:
+    """Seeds 2 and 3 of every selected student, written as the seed stages write them (variant seed=<s>)."""
+    sid = store.upsert_sweep(OWN, spec_yaml=f"name: {OWN}", select_json=RULE)
+    _, rows = store.query("SELECT config_id, config_key, scoring, grouping, dp_scaling, \"K\" FROM results WHERE "
+                          "sweep = :s AND selected_for_distill = 1 AND kind = 'moe2dense' AND variant_of IS NULL",
+                          {"s": OWN})
+    links = []
+    for cid, ck, s, g, dp, K in rows:
+        for i, seed in enumerate((2, 3)):
+            rk = f"{ck}|seed={seed}"
+            rid = store.upsert_configs(sid, [{"config_key": rk, "model": "tiny-moe", "kind": "moe2dense", "scoring": s,
+                                              "grouping": g, "dp_scaling": dp, "K": K, "top_k": TOP_K,
+                                              "variant": f"seed={seed}", "selected_for_distill": 1}])[rk]
+            store.set_config_fields({rid: {"variant_of": cid}})
+            acc, p = ACC[s] + SEED_NOISE[s][i], ppl_of(s, g, dp, K) * (1 + 0.01 * seed)
+            pre = {"metrics": [{"name": "ppl", "stage": "pre", "value": p}], "item_scores": _window_items(p, rk, "pre")}
+            links += [(rid, "seed_ppl", _run(store, sid, "ppl_pre", _key("ppl", rk), pre)),
+                      (rid, "evaluate", _run(store, sid, "evaluate", _key("evaluate", rk),
+                                             _eval_record(acc, 20.0 - 10 * acc, rk)))]
+    store.link(links)
+
+
+@pytest.fixture(scope="module")
+def seeded_report(tmp_path_factory):
+    s = Store(f"sqlite:///{tmp_path_factory.mktemp('seeds')}/r.db")
+    build_own_sweep(s)
+    add_seed_repeats(s)
+    out = tmp_path_factory.mktemp("seeded_report")
+    write_report(load_frames(s.engine, [OWN]), OWN, out, None)
+    return out, json.loads((out / "facts.json").read_text())["facts"]["tiny-moe"]
+
+
+def test_report_pools_seeds_beside_the_item_level_intervals(seeded_report):
+    out, f = seeded_report
+    students = {(st["scoring"], st["grouping"]): st for st in f["seeds"]["students"]}
+    assert len(students) == 12  # every pick, none of the variants or baselines
+    do = students[("DO-ACP", "RR")]
+    assert do["avg"]["seeds"] == ["main", "seed=2", "seed=3"]
+    assert do["avg"]["values"] == pytest.approx([47.5, 48.5, 46.5]) and do["avg"]["mean"] == pytest.approx(47.5)
+    assert do["avg"]["sd"] == pytest.approx(1.0) and do["avg"]["item_se"] == pytest.approx(100 * math.sqrt(2e-4) / 2, abs=1e-4)
+    assert do["ppl_pre"]["sd"] > 0 and "ppl_post" in do
+    # the scoring spread (DO-ACP − SF, +10 pp) is clear on the items, but SF's second seed overtakes DO-ACP
+    sp = f["spread"]["scoring"]["interval"]
+    assert sp["item_distinguishable"] and not sp["distinguishable"]
+    assert sp["seeds"]["diffs"] == pytest.approx([10.0, -1.0, 9.0]) and not sp["seeds"]["survives"]
+    # DO-ACP − ACP is +5, +6.5, +3.5 over the seeds: its between-seed interval excludes 0
+    st = f["stated"][0]["interval"]["seeds"]
+    assert st["diffs"] == pytest.approx([5.0, 6.5, 3.5]) and st["survives"]
+    assert st["ci"][0] == pytest.approx(5.0 - 4.302653 * 1.5 / math.sqrt(3), abs=1e-3)
+    assert f["intervals"]["gain_over_random_ffn"].get("seeds") is None  # the baseline was not repeated
+    assert len(f["ablations"]) == 1 and set(f["ablations"][0]) >= {"routing", "loss"}  # repeats are no ablation
+    index = (out / "index.md").read_text()
+    assert "spread 10.00 pp — not distinguishable across seeds (95% CI [" in index
+    assert "over 3 seeds +6.00 ± 6.08 sd" in index and "Seed repeats (ours)" in index
+    dist = (out / "tables" / "distilled.tex").read_text()
+    assert r"$\pm$ SE & Seeds & SD" in dist and "& 0.71 & 47.50 & 1.00" in dist

@@ -10,9 +10,10 @@ from orchestrator.stages import (
     evaluate,
     ppl_pre,
     router_kd,
+    seeds,
     teacher,
 )
 
 for _stage in (teacher.STAGE, teacher.DENSE, calibrate.STAGE, dcdm.STAGE, convert.STAGE, ppl_pre.STAGE,
-               distill.STAGE, router_kd.STAGE, evaluate.STAGE, dot_moe.STAGE):
+               seeds.CONVERT, seeds.PPL, distill.STAGE, router_kd.STAGE, evaluate.STAGE, dot_moe.STAGE):
     register(_stage)

@@ -2,7 +2,7 @@
 layer (selection counts, router probability sums, activation norms, the experts' Gram matrix).
 
 One job per (teacher, data, seq_len, n_samples, seed): every configuration and every sweep that names
-the same calibration reuses it. Calibration data is either one `data` source or several named
+the same calibration reuses it (and one more per further seed of a sweep's `seeds`). Calibration data is either one `data` source or several named
 `sources` with weights: the job computes each source's statistics apart (a pass over its own windows)
 and stores them in one file; loading mixes them (workers.calibrate.mix_stats: each source contributes
 its weight's share of a token average).
@@ -92,10 +92,15 @@ def calibration_params(c: Calibration) -> dict[str, Any]:
 
 
 def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
+    """One job for every configuration, plus one per further seed of `seeds` (labelled `seed=<s>`: what the
+    seed repeats of the selected students are converted from; stages/seeds.py)."""
+    from orchestrator.stages.seeds import seeded_calibrations
+
     tparams, tdeps, resident = teacher_ref(ctx)
-    job = ctx.job("calibrate", {"teacher": tparams, **calibration_params(ctx.spec.calibration)}, tdeps,
-                  resident=resident)
-    return {c["config_key"]: job for c in ctx.configs if c["kind"] == "moe2dense"}
+    params = {"teacher": tparams, **calibration_params(ctx.spec.calibration)}
+    job = ctx.job("calibrate", params, tdeps, resident=resident)
+    out = {c["config_key"]: job for c in ctx.configs if c["kind"] == "moe2dense"}
+    return out | seeded_calibrations(ctx, params, tdeps, resident)
 
 
 STAGE = Stage(

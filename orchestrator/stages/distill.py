@@ -5,7 +5,8 @@ applied to the pre-distillation results; the d2d baseline distills its best cand
 whose `recovery` is `full_kd` is distilled too (all its parameters trained, the same loss and settings). `variants`
 are extra runs with overridden settings (e.g. another loss, expanded teacher routing k′) on the
 selected configurations that match `variants_on`: each is a configuration of its own with a
-`variant` label and `variant_of` pointing at the configuration it varies.
+`variant` label and `variant_of` pointing at the configuration it varies. Seed repeats of the selected
+students (`seeds`, stages/seeds.py) are distilled with `seed` shifted by their offset.
 """
 
 from __future__ import annotations
@@ -116,6 +117,9 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
             and ctx.succeeded("ppl_pre", c["config_key"]) is not None]
     for ck in full:  # a smaller MoE recovered by full KD: every one, whatever the selection rule
         out[ck] = distill_job(ctx, ppl[ck], {})
+    seed = d.settings.get("seed", 0)
+    for ck, job in ctx.jobs.get("seed_ppl", {}).items():  # seed repeats: the data order shifted too
+        out[ck] = distill_job(ctx, job, {"seed": seed + ctx.config(ck)["seed_offset"]})
     if variants:
         ctx.add_configs(variants)
     ctx.set_fields({ck: {"distill_tokens": distill_tokens(j.params["settings"]),
@@ -137,16 +141,18 @@ def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, An
     base = sum(1 for c in others if c["kind"] == "baseline" and not c["baseline"].startswith("d2d:"))
     d2d = int(any(c["kind"] == "baseline" and c["baseline"].startswith("d2d:") for c in others))
     variants = len(spec.distill.variants)
+    repeats = max(len(getattr(spec, "seeds", None) or []) - 1, 0)
     rule = f"best {sel.best_by} per {'×'.join(sel.per)} over {', '.join(sel.over)}" if sel else "all"
     n = groups + base + d2d + full
     return [{"stage": "select", "named": len(moe), "distinct": groups, "note": rule},
             {"stage": "distill", "named": n + variants, "distinct": n + variants,
              "note": f"{groups} selected + {base + d2d} baselines"
                      + (f" + {full} smaller MoEs (full_kd)" if full else "")
-                     + (f" + up to {variants} variant runs" if variants else "")}]
+                     + (f" + up to {variants} variant runs" if variants else "")
+                     + (f" + {repeats} seed repeats of each selected student" if repeats else "")}]
 
 
 STAGE = Stage(
     name="distill", run="workers.stages:stage_distill", jobs=jobs, section="distill", params=Distill,
-    upstream=("ppl_pre",), records=frozenset({"outputs", "metrics", "artifacts"}), estimate=estimate,
+    upstream=("ppl_pre", "seed_ppl"), records=frozenset({"outputs", "metrics", "artifacts"}), estimate=estimate,
     summary="distill the selected students (and baselines) from their teacher")

@@ -54,11 +54,19 @@ class Evaluate(Strict):
         return v
 
 
-def evaluate_job(ctx: SweepContext, upstream: JobSpec) -> JobSpec:
+def seeded_runs(runs: list[dict[str, Any]] | None, offset: int) -> list[dict[str, Any]]:
+    """A seed repeat's runs: each run's lm-eval seed (0 when unset) shifted by the repeat's offset."""
+    return [{**r, "seed": r.get("seed", 0) + offset} for r in (runs or [{}])]
+
+
+def evaluate_job(ctx: SweepContext, upstream: JobSpec, seed_offset: int = 0) -> JobSpec:
     """Evaluate a distilled student (upstream = its distill job), a smaller MoE with its routers retrained
-    (upstream = its router_kd job), or a student as converted, and the teacher (upstream = its ppl job)."""
+    (upstream = its router_kd job), or a student as converted, and the teacher (upstream = its ppl job).
+    A seed repeat (`seed_offset` > 0) shifts lm-eval's seeds; the items it scores stay the same."""
     tparams, tdeps, resident = teacher_ref(ctx)
     params = {"evaluate": ctx.spec.evaluate.model_dump(), "ppl": ctx.spec.ppl.model_dump(), "teacher": tparams}
+    if seed_offset:
+        params["evaluate"]["runs"] = seeded_runs(params["evaluate"]["runs"], seed_offset)
     deps = dict(tdeps)
     if upstream.stage == "distill":
         deps["distill"] = upstream.key
@@ -79,7 +87,9 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
     if ctx.spec.evaluate is None:
         return {}
     done = ctx.outputs.get("distill", {})
-    out = {ck: evaluate_job(ctx, j) for ck, j in ctx.jobs.get("distill", {}).items() if j.key in done}
+    known = {c["config_key"] for c in ctx.configs}
+    out = {ck: evaluate_job(ctx, j, ctx.config(ck).get("seed_offset", 0) if ck in known else 0)
+           for ck, j in ctx.jobs.get("distill", {}).items() if j.key in done}
     teacher = ctx.jobs.get("ppl_pre", {}).get("teacher")
     if teacher is not None:
         out["teacher"] = evaluate_job(ctx, teacher)

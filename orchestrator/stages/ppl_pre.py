@@ -41,9 +41,11 @@ def student_recipe(cfg: dict[str, Any], plan_out: dict[str, Any] | None) -> dict
     return {"type": "plan", "plan_key": plan_out["plan_key"], "output": cfg.get("output") or "dense"}
 
 
-def ppl_job(ctx: SweepContext, cfg: dict[str, Any], stage: str = "ppl_pre") -> JobSpec:
-    convert = ctx.jobs.get("convert", {}).get(cfg["config_key"])
-    recipe = student_recipe(cfg, ctx.succeeded("convert", cfg["config_key"]))
+def ppl_job(ctx: SweepContext, cfg: dict[str, Any], stage: str = "ppl_pre",
+            convert_stage: str = "convert") -> JobSpec:
+    """`convert_stage`: the stage whose job wrote the configuration's plan (seed_convert for a seed repeat)."""
+    convert = ctx.jobs.get(convert_stage, {}).get(cfg["config_key"])
+    recipe = student_recipe(cfg, ctx.succeeded(convert_stage, cfg["config_key"]))
     which = "dense_teacher" if recipe["type"] == "d2d" else "teacher"
     tparams, tdeps, resident = teacher_ref(ctx, which)
     params = {"teacher": tparams, "student": recipe, "ppl": ctx.spec.ppl.model_dump()}
