@@ -36,7 +36,7 @@ class GraniteMoeAdapter(FusedMoeAdapter):
     name = "granitemoe"
     routing = ("top-k of the logits, softmax over the k (= p renormalized over the k); block at "
                "block_sparse_moe; no shared experts, no dense layers")
-    student = "Granite (dense sibling)"
+    student = "Granite (dense sibling, the same embedding, residual and attention multipliers and logits_scaling)"
     model_types = ("granitemoe",)
     block_classes = ("GraniteMoeMoE",)
     block_attr = "block_sparse_moe"
