@@ -61,3 +61,25 @@ def test_a_shared_mlp_of_width_zero_is_none():
     assert a.num_shared_experts(teacher) == 0 and a.shared_ffn(teacher, 0) is None
     student = build_student_from_plans(teacher, a, hand_plans(a, teacher, False), share_weights=True)
     assert student.config.intermediate_size == 2 * 16  # k·I, no shared width
+
+
+def test_a_checkpoint_in_the_released_layout_loads_fused(tmp_path):
+    """Released Granite MoE checkpoints hold `block_sparse_moe.input_linear` [E, 2I, H] (gate rows first),
+    `output_linear` [E, H, I] and `router.layer`: transformers renames them at load time to the fused
+    experts and the router this adapter reads, so the model computes the same logits."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    teacher = make_teacher("granitemoeshared")
+    teacher.save_pretrained(tmp_path)
+    (f,) = tmp_path.glob("*.safetensors")
+    legacy = {k.replace("experts.gate_up_proj", "input_linear.weight").replace("experts.down_proj", "output_linear.weight")
+              .replace("router.weight", "router.layer.weight"): v for k, v in load_file(f).items()}
+    assert any("input_linear" in k for k in legacy) and not any("gate_up_proj" in k for k in legacy)
+    save_file(legacy, f, metadata={"format": "pt"})
+    back = AutoModelForCausalLM.from_pretrained(tmp_path)
+    x = ids(seed=3)
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, teacher(x).logits, rtol=0, atol=0)
+    a = get_adapter(back)
+    assert torch.equal(a.expert_weights(back, 1).gate, a.expert_weights(teacher, 1).gate)
