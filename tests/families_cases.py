@@ -7,7 +7,9 @@ layer (`first_k_dense_replace`), one shared expert, group-limited routing and a 
 (V3: sigmoid router with a correction bias), GPT-OSS its biased router and biased clamped-SwiGLU experts,
 GLM-4-MoE / dots1 the V3 router (group-limited, scaled; GLM-4 with a dense first layer, dots1 without
 renormalization), MiniMax-M2 a sigmoid router whose correction bias lives on the block, FlexOlmo OLMoE's
-router in OLMo-2's post-norm layer.
+router in OLMo-2's post-norm layer, the Granite MoE families their block at `block_sparse_moe`, multipliers
+and (granitemoeshared, granitemoe_swa) a shared MLP on the decoder layer (tests reach a teacher's blocks and
+shared experts through block_of / shared_of, not `layer.mlp`).
 
 `CASES` states each family's semantics for the tests' independent reference math (written per router
 kind, not per family): adding a family is one tiny config and one Case.
@@ -45,6 +47,9 @@ class Case:
     bias_on_block: bool = False  # the correction bias is a buffer of the block, not of the router
     one_expert_student: bool = False  # the student is the same class with one expert and top-1
     all_dense_student: bool = False  # the student is the same class with first_k_dense_replace = n
+    block: str = "mlp"  # decoder-layer attribute of the MoE block (Granite: block_sparse_moe)
+    router_attr: str = "gate"  # block attribute of the router (GPT-OSS, Granite: router)
+    shared_on_layer: bool = False  # `shared` is a decoder-layer attribute, added to the block's output there
 
 
 CASES: dict[str, Case] = {
@@ -70,6 +75,16 @@ CASES: dict[str, Case] = {
 CASES.update({
     "cohere2_moe": Case((1, 2), 6, 2, "num_experts", "softmax", True, "Cohere2MoeConfig", shared="shared_experts",
                         shared_width=16),
+})
+# Granite MoE: the block is `block_sparse_moe`, the shared MLP (granitemoeshared, granitemoe_swa) sits on the
+# decoder layer; the router's softmax over the top-k logits is p renormalized over the k
+CASES.update({
+    "granitemoe": Case((0, 1), 6, 2, "num_local_experts", "softmax", True, "GraniteConfig", block="block_sparse_moe",
+                       router_attr="router"),
+    "granitemoeshared": Case((0, 1), 6, 2, "num_local_experts", "softmax", True, "GraniteConfig", shared="shared_mlp",
+                             shared_width=16, block="block_sparse_moe", router_attr="router", shared_on_layer=True),
+    "granitemoe_swa": Case((0, 1), 6, 2, "num_local_experts", "softmax", True, "GraniteSWAConfig", shared="shared_mlp",
+                           shared_width=16, block="block_sparse_moe", router_attr="router", shared_on_layer=True),
 })
 FAMILIES = list(CASES)
 V = 256  # vocabulary of every tiny teacher
@@ -137,6 +152,22 @@ def tiny_config(family: str, **overrides: Any):
                   num_hidden_layers=3, first_k_dense_replace=1, num_experts=6, num_experts_per_tok=2,
                   num_shared_experts=1, shared_expert_combination_strategy="sum", sliding_window=4, logit_scale=2.0)
         return tf.Cohere2MoeConfig(**{**COMMON, **kw, **overrides})
+    # Granite MoE: every multiplier away from 1 (logits / 0.5: KL large enough for the Router KD tests)
+    granite = dict(num_key_value_heads=2, intermediate_size=16, num_hidden_layers=2, num_local_experts=6,
+                   num_experts_per_tok=2, embedding_multiplier=2.0, residual_multiplier=0.5,
+                   attention_multiplier=0.2, logits_scaling=0.5)
+    if family == "granitemoe":
+        return tf.GraniteMoeConfig(**{**COMMON, **granite, **overrides})
+    if family == "granitemoeshared":
+        return tf.GraniteMoeSharedConfig(**{**COMMON, **granite, "shared_intermediate_size": 16, **overrides})
+    # layer 0 sliding (RoPE), layer 1 full attention without RoPE (theta 0); sinks. Window 10: a float64 eager
+    # forward gives NaN where a right-padded row's window holds only padding (its softmax is forced to float32,
+    # float64's mask minimum becomes -inf), and the NaN values reach real tokens in the next layer; the tests'
+    # padded rows keep at least 3 real tokens of 12
+    if family == "granitemoe_swa":
+        kw = dict(granite, shared_intermediate_size=16, sliding_window=10,
+                  layer_types=["sliding_attention", "full_attention"], layer_rope_theta=[10000.0, 0.0])
+        return tf.GraniteMoeSWAConfig(**{**COMMON, **kw, **overrides})
     raise ValueError(f"no tiny config for family {family!r}")
 
 
@@ -163,7 +194,36 @@ def make_teacher(family: str, seed: int = 0, dtype: torch.dtype | None = None,
 
 def router_of(family: str, block: nn.Module) -> nn.Module:
     """The router module of a family's MoE block (written out, not asked of the adapter)."""
-    return block.router if family == "gpt_oss" else block.gate
+    return block.router if family == "gpt_oss" else getattr(block, CASES[family].router_attr)
+
+
+def block_of(family: str, model: nn.Module, layer: int) -> nn.Module:
+    """Decoder layer `layer`'s FFN module (the MoE block in MoE layers) in a model of the family's class
+    (the teacher, its pruned, merged and edited twins; dense students keep theirs at `mlp`)."""
+    return getattr(model.model.layers[layer], CASES[family].block)
+
+
+def set_block(family: str, model: nn.Module, layer: int, module: nn.Module) -> None:
+    """Replace decoder layer `layer`'s FFN module (see block_of)."""
+    setattr(model.model.layers[layer], CASES[family].block, module)
+
+
+def shared_of(family: str, model: nn.Module, layer: int) -> nn.Module | None:
+    """The shared-expert module of an MoE layer, in the block or (Granite) on the decoder layer; None if none."""
+    case = CASES[family]
+    if case.shared is None:
+        return None
+    owner = model.model.layers[layer] if case.shared_on_layer else block_of(family, model, layer)
+    return getattr(owner, case.shared, None)
+
+
+def shared_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gate [S, H], up [S, H], down [H, S]) of a shared-expert MLP: gate/up/down_proj, or Granite's
+    input_linear (halves: gate rows, then up rows) and output_linear."""
+    if hasattr(module, "input_linear"):
+        gate, up = module.input_linear.weight.chunk(2, dim=0)
+        return gate, up, module.output_linear.weight
+    return module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight
 
 
 def routed_scale(family: str, teacher: nn.Module) -> float:

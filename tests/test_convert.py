@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from families_cases import CASES, FAMILIES, H, hand_plans, ids, make_teacher, routed_scale, router_of
+from families_cases import (
+    CASES,
+    FAMILIES,
+    H,
+    block_of,
+    hand_plans,
+    ids,
+    make_teacher,
+    routed_scale,
+    router_of,
+)
 
 from workers.convert import build_student_from_plans, layer_contexts, plan_ffns
 from workers.families import get_adapter
@@ -36,7 +46,7 @@ def test_layer_contexts(fam):
     assert sorted(ctx) == moe[1:]
     c = ctx[moe[1]]
     assert c.stats is stats[moe[1]] and c.top_k == a.top_k(teacher) and c.renormalized == a.renormalized(teacher)
-    block = teacher.model.layers[moe[1]].mlp
+    block = block_of(family, teacher, moe[1])
     assert torch.equal(c.router_weight, router_of(family, block).weight)
     store = {p.untyped_storage().data_ptr() for p in block.experts.parameters()}
     assert c.experts.gate.untyped_storage().data_ptr() in store  # views, not copies

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from families_cases import FAMILIES, ids, make_teacher, router_of
+from families_cases import FAMILIES, block_of, ids, make_teacher, router_of
 
 from workers.editing import (
     EDITINGS,
@@ -214,7 +214,7 @@ def written_back(family: str, model, plans, factors):
     """The teacher (a copy) with every edited layer's expert weights replaced by the reconstructed ones."""
     ref = copy.deepcopy(model)
     for plan in plans:
-        ex = ref.model.layers[plan.layer].mlp.experts
+        ex = block_of(family, ref, plan.layer).experts
         specs = plan.extras["student"]["projections"]
         w = {p: reconstruct(specs[p], {n.split(".")[-1]: t for n, t in factors.items()
                                        if n.startswith(f"layer.{plan.layer}.{p}.") and not n.endswith(".bias")})
@@ -252,8 +252,8 @@ def test_edited_model_computes_the_teacher_with_the_reconstructed_experts(family
     s_routers = adapter.router_parameters(student)
     assert len(s_routers) == len(t_routers) and all(torch.equal(a, b) for a, b in zip(s_routers, t_routers, strict=True))
     for layer in adapter.moe_layers(student):
-        assert torch.equal(router_of(family, student.model.layers[layer].mlp).weight,
-                           router_of(family, model.model.layers[layer].mlp).weight)
+        assert torch.equal(router_of(family, block_of(family, student, layer)).weight,
+                           router_of(family, block_of(family, model, layer)).weight)
 
     student.save_pretrained(tmp_path)
     back = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64, experts_implementation="eager")
@@ -263,7 +263,7 @@ def test_edited_model_computes_the_teacher_with_the_reconstructed_experts(family
     from safetensors.torch import load_file
 
     saved = {k: v for f in tmp_path.glob("*.safetensors") for k, v in load_file(f).items()}
-    routed = sum(v.numel() for k, v in saved.items() if ".mlp.experts." in k)
+    routed = sum(v.numel() for k, v in saved.items() if ".experts." in k)
     assert routed == sum(p.extras["params_routed"] for p in plans)
     assert not any(k.endswith(("gate_up_proj", "down_proj")) for k in saved)
     assert sum(v.numel() for v in saved.values()) < sum(p.numel() for p in model.parameters())

@@ -15,12 +15,16 @@ from families_cases import (
     CASES,
     COMMON,
     FAMILIES,
+    block_of,
     correction_bias,
     hand_plans,
     ids,
     make_teacher,
     routed_scale,
     router_of,
+    set_block,
+    shared_of,
+    shared_weights,
 )
 from torch import nn
 
@@ -56,8 +60,9 @@ def renormalizes(family: str, teacher: nn.Module) -> bool:
 
 
 def shared_term(family: str, block: nn.Module, h: torch.Tensor, gated: bool) -> torch.Tensor:
+    """The shared experts inside the block (a shared MLP on the decoder layer is not in the block's output)."""
     case = CASES[family]
-    if case.shared is None:
+    if case.shared is None or case.shared_on_layer:
         return torch.zeros_like(h)
     out = getattr(block, case.shared)(h)
     if gated and case.shared_gate is not None:
@@ -107,7 +112,7 @@ class RefMLP(nn.Module):
 def reference_model(family: str, teacher: nn.Module, plans: list[LayerPlan]) -> nn.Module:
     ref = copy.deepcopy(teacher)
     for pl in plans:
-        ref.model.layers[pl.layer].mlp = RefMLP(family, ref.model.layers[pl.layer].mlp, pl, routed_scale(family, ref))
+        set_block(family, ref, pl.layer, RefMLP(family, block_of(family, ref, pl.layer), pl, routed_scale(family, ref)))
     return ref
 
 
@@ -125,7 +130,7 @@ def test_structure(fam):
     assert a.renormalized(teacher) == renormalizes(family, teacher)
     assert a.routed_scaling(teacher) == routed_scale(family, teacher)
     assert a.num_shared_experts(teacher) == (1 if case.shared else 0)  # one shared expert per MoE layer
-    assert torch.equal(a.router_weight(teacher, layers[0]), router_of(family, teacher.model.layers[layers[0]].mlp).weight)
+    assert torch.equal(a.router_weight(teacher, layers[0]), router_of(family, block_of(family, teacher, layers[0])).weight)
 
 
 def test_unknown_architecture_one_line_error():
@@ -146,7 +151,7 @@ def test_expert_views_match_experts_module(fam):
     torch.manual_seed(2)
     h = torch.randn(7, 32) * 3  # large: GPT-OSS clamps engage
     for layer in a.moe_layers(teacher):
-        ex = teacher.model.layers[layer].mlp.experts
+        ex = block_of(family, teacher, layer).experts
         w = a.expert_weights(teacher, layer)
         assert w.gate.shape == (a.num_experts(teacher), w.intermediate, 32)
         storages = {p.untyped_storage().data_ptr() for p in ex.parameters()}
@@ -194,7 +199,7 @@ def test_router_decision_is_what_the_block_used(fam):
         rec = seen.setdefault(layer, {})
         handles.append(a.router_module(teacher, layer).register_forward_hook(
             lambda m, i, o, rec=rec: rec.update(dec=a.router_decision(o))))
-        handles.append(teacher.model.layers[layer].mlp.register_forward_hook(
+        handles.append(block_of(family, teacher, layer).register_forward_hook(
             lambda m, i, o, rec=rec: rec.update(h=i[0].reshape(-1, i[0].shape[-1]), y=block_out(family, o))))
     with torch.no_grad():
         teacher(ids())
@@ -202,7 +207,7 @@ def test_router_decision_is_what_the_block_used(fam):
         hd.remove()
     k, scale = a.top_k(teacher), routed_scale(family, teacher)
     for layer, rec in seen.items():
-        block = teacher.model.layers[layer].mlp
+        block = block_of(family, teacher, layer)
         p, w, idx = rec["dec"]
         h = rec["h"]
         t = h.shape[0]
@@ -223,7 +228,7 @@ def test_router_decision_is_what_the_block_used(fam):
 # ---- expanded teacher routing (paper §4.3, Eq. 6) ---------------------------------------------------
 def _capture_blocks(family, teacher, a, fn):
     seen: dict[int, tuple] = {}
-    hs = [teacher.model.layers[layer].mlp.register_forward_hook(
+    hs = [block_of(family, teacher, layer).register_forward_hook(
         lambda m, i, o, layer=layer: seen.__setitem__(layer, (i[0].reshape(-1, i[0].shape[-1]),
                                                                block_out(family, o))))
         for layer in a.moe_layers(teacher)]
@@ -252,7 +257,7 @@ def test_routing_top_k_expanded(fam, kprime, renorm):
         _, seen = _capture_blocks(family, teacher, a, lambda: teacher(x))
     scale = routed_scale(family, teacher)
     for layer, (h, y) in seen.items():
-        block = teacher.model.layers[layer].mlp
+        block = block_of(family, teacher, layer)
         logits = ref_logits(family, block, h)
         p = ref_probs(family, logits)
         sel = torch.topk(_choice(family, block, logits), kk, -1).indices
@@ -303,11 +308,13 @@ def test_student_ffn_exact(fam, merged):
     h = torch.randn(9, 32) * 2
     with torch.no_grad():
         for pl in plans:
-            ref = RefMLP(family, teacher.model.layers[pl.layer].mlp, pl, routed_scale(family, teacher))
-            torch.testing.assert_close(student_mlp(family, student, pl.layer, h), block_out(family, ref(h[None]))[0],
-                                       rtol=1e-4, atol=1e-5)
+            ref = RefMLP(family, block_of(family, teacher, pl.layer), pl, routed_scale(family, teacher))
+            want = block_out(family, ref(h[None]))[0]
+            if CASES[family].shared_on_layer:  # the decoder layer adds its shared MLP to the block's output
+                want = want + shared_of(family, teacher, pl.layer)(h)
+            torch.testing.assert_close(student_mlp(family, student, pl.layer, h), want, rtol=1e-4, atol=1e-5)
         for layer in set(range(len(teacher.model.layers))) - set(a.moe_layers(teacher)):  # padded dense layers
-            torch.testing.assert_close(student_mlp(family, student, layer, h), teacher.model.layers[layer].mlp(h),
+            torch.testing.assert_close(student_mlp(family, student, layer, h), block_of(family, teacher, layer)(h),
                                        rtol=1e-5, atol=1e-6)
 
 
@@ -358,12 +365,12 @@ def test_shared_experts_scale_one_and_padding(fam):
     width = student.config.intermediate_size
     kI = a.top_k(teacher) * a.expert_weights(teacher, a.moe_layers(teacher)[0]).intermediate
     for layer, dec in enumerate(student.model.layers):
-        block = teacher.model.layers[layer].mlp
+        block = block_of(family, teacher, layer)
         mlp = dec.mlp
         if CASES[family].shared and layer in a.moe_layers(teacher):
-            sh = getattr(block, CASES[family].shared)
-            torch.testing.assert_close(mlp.gate_proj.weight[kI:], sh.gate_proj.weight, rtol=0, atol=0)
-            torch.testing.assert_close(mlp.down_proj.weight[:, kI:], sh.down_proj.weight, rtol=0, atol=0)
+            sh_gate, _, sh_down = shared_weights(shared_of(family, teacher, layer))
+            torch.testing.assert_close(mlp.gate_proj.weight[kI:], sh_gate, rtol=0, atol=0)
+            torch.testing.assert_close(mlp.down_proj.weight[:, kI:], sh_down, rtol=0, atol=0)
         if layer not in a.moe_layers(teacher):  # dense teacher layer zero-padded to the student's width
             d = block.gate_proj.weight.shape[0]
             assert d < width

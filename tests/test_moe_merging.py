@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from families_cases import CASES, FAMILIES, correction_bias, ids, make_teacher, router_of
+from families_cases import CASES, FAMILIES, block_of, correction_bias, ids, make_teacher, router_of
 
 from workers.families import get_adapter
 from workers.moe_merging import (
@@ -35,8 +35,9 @@ def logits(model, x: torch.Tensor) -> torch.Tensor:
         return model(input_ids=x, use_cache=False).logits
 
 
-def moe_blocks(model) -> dict[int, torch.nn.Module]:
-    return {i: layer.mlp for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")}
+def moe_blocks(family: str, model) -> dict[int, torch.nn.Module]:
+    blocks = {i: block_of(family, model, i) for i in range(len(model.model.layers))}
+    return {i: b for i, b in blocks.items() if hasattr(b, "experts")}
 
 
 def hand_ctx(count: list[float], sum_out: torch.Tensor | None = None, gram_p: torch.Tensor | None = None,
@@ -287,8 +288,8 @@ def test_merged_tensors_are_the_weighted_average(family, rule):
     assert getattr(student.config, CASES[family].experts_key) == len(groups)
     for layer in layers:
         t_ex, s_ex = adapter.expert_weights(model, layer), adapter.expert_weights(student, layer)
-        t_r = router_tensors(family, moe_blocks(model)[layer])
-        s_r = router_tensors(family, moe_blocks(student)[layer])
+        t_r = router_tensors(family, moe_blocks(family, model)[layer])
+        s_r = router_tensors(family, moe_blocks(family, student)[layer])
         for j, (grp, w) in enumerate(zip(groups, weights, strict=True)):
             got = permute_canonical(s_ex, j, None)
             parts = [permute_canonical(t_ex, e, perms.get(e)) for e in grp]
@@ -379,13 +380,14 @@ def test_calibrate_merge_save_reload(family, method, tmp_path):
     assert type(back) is type(model)
     assert getattr(back.config, CASES[family].experts_key) == M
     assert back.config.num_experts_per_tok == k
-    for layer, blk in moe_blocks(back).items():
+    for layer, blk in moe_blocks(family, back).items():
         assert router_of(family, blk).weight.shape == (M, H)
-        for name, t in moe_blocks(model)[layer].experts.named_parameters():
+        for name, t in moe_blocks(family, model)[layer].experts.named_parameters():
             assert dict(blk.experts.named_parameters())[name].shape == (M, *t.shape[1:]), name
-    for i, layer in enumerate(back.model.layers):  # dense teacher layers unchanged
-        if i not in moe_blocks(back):
-            for a, b in zip(model.model.layers[i].mlp.parameters(), layer.mlp.parameters(), strict=True):
+    for i in range(len(back.model.layers)):  # dense teacher layers unchanged
+        if i not in moe_blocks(family, back):
+            for a, b in zip(block_of(family, model, i).parameters(), block_of(family, back, i).parameters(),
+                            strict=True):
                 assert torch.equal(a, b)
     y = ids(2, 8, seed=8)
     out = logits(back, y)

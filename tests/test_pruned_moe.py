@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from families_cases import CASES, FAMILIES, correction_bias, ids, make_teacher, router_of
+from families_cases import CASES, FAMILIES, block_of, correction_bias, ids, make_teacher, router_of, shared_of
 
 from workers.families import get_adapter
 
@@ -23,13 +23,14 @@ def teacher(family: str, seed: int = 0) -> torch.nn.Module:
     return make_teacher(family, seed=seed, dtype=torch.float64, experts_implementation="eager")
 
 
-def moe_blocks(model) -> dict[int, torch.nn.Module]:
+def moe_blocks(family: str, model) -> dict[int, torch.nn.Module]:
     """Decoder layer index → its MoE block (the FFNs with routed experts)."""
-    return {i: layer.mlp for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")}
+    blocks = {i: block_of(family, model, i) for i in range(len(model.model.layers))}
+    return {i: b for i, b in blocks.items() if hasattr(b, "experts")}
 
 
 def _softmax_router_forward(router, dropped: torch.Tensor, always_renorm: bool):
-    """Qwen2/Qwen3/OLMoE/Mixtral router with the dropped experts' logits at -inf."""
+    """Qwen2/Qwen3/OLMoE/Mixtral/Granite router with the dropped experts' logits at -inf."""
     def forward(hidden_states):
         h = hidden_states.reshape(-1, router.weight.shape[1])
         logits = F.linear(h, router.weight).masked_fill(dropped, float("-inf"))
@@ -62,7 +63,7 @@ def masked_teacher(family: str, model, kept: dict[int, list[int]], groups: bool 
     """A deep copy of `model` routing as if the experts not in kept[layer] did not exist. groups=False:
     DeepSeek's group limit switched off (n_group = topk_group = 1)."""
     ref = copy.deepcopy(model)
-    for layer, block in moe_blocks(ref).items():
+    for layer, block in moe_blocks(family, ref).items():
         router = router_of(family, block)
         E = router.weight.shape[0]
         dropped = torch.ones(E, dtype=torch.bool)
@@ -78,7 +79,7 @@ def masked_teacher(family: str, model, kept: dict[int, list[int]], groups: bool 
             elif case.router == "softmax_v2":
                 router.forward = _deepseek_v2_router_forward(router, dropped)
             else:
-                router.forward = _softmax_router_forward(router, dropped, always_renorm=family == "mixtral")
+                router.forward = _softmax_router_forward(router, dropped, always_renorm=family == "mixtral" or family.startswith("granite"))
     return ref
 
 
@@ -117,7 +118,7 @@ def check_pruned_checkpoint(family, model, kept, pruned, tmp_path):
     assert type(back) is type(model)
     assert getattr(back.config, CASES[family].experts_key) == e_new
     assert back.config.num_experts_per_tok == model.config.num_experts_per_tok
-    t_blocks, b_blocks = moe_blocks(model), moe_blocks(back)
+    t_blocks, b_blocks = moe_blocks(family, model), moe_blocks(family, back)
     assert sorted(t_blocks) == sorted(b_blocks) == sorted(kept)
     H = model.config.hidden_size
     for layer, blk in b_blocks.items():
@@ -135,15 +136,14 @@ def check_pruned_checkpoint(family, model, kept, pruned, tmp_path):
             assert torch.equal(correction_bias(family, blk), correction_bias(family, src)[idx])
         if case.shared_gate:
             assert torch.equal(getattr(blk, case.shared_gate).weight, getattr(src, case.shared_gate).weight)
-        for name in ("shared_expert", "shared_experts"):
-            if hasattr(src, name):
-                for (n1, a), (n2, b) in zip(getattr(src, name).named_parameters(),
-                                            getattr(blk, name).named_parameters(), strict=True):
-                    assert n1 == n2 and torch.equal(a, b)
-    for i, layer in enumerate(back.model.layers):  # dense teacher layers unchanged
+        if case.shared:
+            for (n1, a), (n2, b) in zip(shared_of(family, model, layer).named_parameters(),
+                                        shared_of(family, back, layer).named_parameters(), strict=True):
+                assert n1 == n2 and torch.equal(a, b)
+    for i in range(len(back.model.layers)):  # dense teacher layers unchanged
         if i not in b_blocks:
-            for (n1, a), (n2, b) in zip(model.model.layers[i].mlp.named_parameters(),
-                                        layer.mlp.named_parameters(), strict=True):
+            for (n1, a), (n2, b) in zip(block_of(family, model, i).named_parameters(),
+                                        block_of(family, back, i).named_parameters(), strict=True):
                 assert n1 == n2 and torch.equal(a, b)
     # nothing shared with the teacher
     t_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -251,7 +251,7 @@ def test_calibrate_select_prune_end_to_end(family):
         kept[layer], protected = sel.selected, protected + len(sel.extras["protected"])
     assert protected > 0
     pruned = adapter.pruned_moe_student(model, kept)
-    for layer, block in moe_blocks(pruned).items():
-        t_router = router_of(family, moe_blocks(model)[layer])
+    for layer, block in moe_blocks(family, pruned).items():
+        t_router = router_of(family, moe_blocks(family, model)[layer])
         assert torch.equal(router_of(family, block).weight, t_router.weight[sorted(kept[layer])])
     assert torch.isfinite(logits(pruned, ids(2, 8, seed=8))).all()

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from families_cases import CASES, FAMILIES, ids, make_teacher
+from families_cases import CASES, FAMILIES, block_of, ids, make_teacher
 
 from workers.families import get_adapter
 from workers.router_kd import (
@@ -42,12 +42,13 @@ def perturbed(teacher, adapter, seed: int = 7, noise: float = NOISE):
 def expected_router_names(family: str, model) -> list[str]:
     """Written out per family: every MoE block's router weight (GPT-OSS: and its bias)."""
     out = []
-    for i, layer in enumerate(model.model.layers):
-        if hasattr(layer.mlp, "experts"):
-            attr = "router" if family == "gpt_oss" else "gate"
-            out.append(f"model.layers.{i}.mlp.{attr}.weight")
+    blk = CASES[family].block
+    for i in range(len(model.model.layers)):
+        if hasattr(block_of(family, model, i), "experts"):
+            attr = "router" if family == "gpt_oss" else CASES[family].router_attr
+            out.append(f"model.layers.{i}.{blk}.{attr}.weight")
             if family == "gpt_oss":
-                out.append(f"model.layers.{i}.mlp.{attr}.bias")
+                out.append(f"model.layers.{i}.{blk}.{attr}.bias")
     return out
 
 

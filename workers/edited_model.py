@@ -5,9 +5,9 @@ Layout. For a family `<model_type>` (every key of FAMILIES below, one per family
 checkpoint has config model_type `<model_type>_edited` (a subclass of the family's config with one extra field, `moesweep_editing`) and architecture `<Family>EditedForCausalLM` (a subclass
 of the family's CausalLM). `moesweep_editing = {"method", "layers": {"<layer>": {"<proj>": {"kind",
 "shapes", ...}}}}` lists, per MoE layer and projection (gate, up, down), the factor kind (mobe, tucker,
-dense) and the shape of each factor. The experts module `model.layers.<l>.mlp.experts` is a subclass of the
-family's experts class holding, instead of the fused `gate_up_proj` / `down_proj` parameters, one submodule
-per projection with the factors (`experts.gate.A`, `experts.gate.bases`, `experts.gate.coef`,
+dense) and the shape of each factor. The experts module `model.layers.<l>.mlp.experts` (Granite:
+`block_sparse_moe.experts`) is a subclass of the family's experts class holding, instead of the fused
+`gate_up_proj` / `down_proj` parameters, one submodule per projection with the factors (`experts.gate.A`, `experts.gate.bases`, `experts.gate.coef`,
 `experts.up.U`, `experts.up.core`, `experts.up.V`, `experts.down.weight`, GPT-OSS: `experts.<proj>.bias`),
 so the safetensors hold the factors and their size is the edited model's size. `gate_up_proj`,
 `down_proj` (and GPT-OSS's biases) are read-only properties that rebuild the family's fused layout from the
@@ -52,6 +52,10 @@ FAMILIES = {
     "flex_olmo": ("FlexOlmoConfig", "FlexOlmoForCausalLM", "fused"),
     # issue #17, second batch
     "cohere2_moe": ("Cohere2MoeConfig", "Cohere2MoeForCausalLM", "fused"),
+    # Granite MoE (the block at block_sparse_moe: _block_attr)
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", "fused"),
+    "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", "fused"),
+    "granitemoe_swa": ("GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", "fused"),
 }
 
 
@@ -138,6 +142,14 @@ def _family_of(model_type: str) -> str:
     return family
 
 
+def _block_attr(family: str) -> str:
+    """The decoder-layer attribute of the family's MoE block, as its adapter states it (`mlp`; Granite:
+    `block_sparse_moe`)."""
+    from workers.families import ADAPTERS
+
+    return next(getattr(a, "block_attr", "mlp") for a in ADAPTERS if a.name == family)
+
+
 def _experts_class(base: type, layout: str) -> type:
     """The factored subclass of a family's experts class (a module attribute, so it pickles)."""
     name = f"Factored{base.__name__}"
@@ -148,9 +160,10 @@ def _experts_class(base: type, layout: str) -> type:
 
 def _swap_experts(model: nn.Module) -> None:
     """Replace the experts module of every edited layer by its factored twin (factor shapes from the config)."""
-    layout = FAMILIES[_family_of(model.config.model_type)][2]
+    family = _family_of(model.config.model_type)
+    layout, block_attr = FAMILIES[family][2], _block_attr(family)
     for key, spec in model.config.moesweep_editing["layers"].items():
-        mlp = model.model.layers[int(key)].mlp
+        mlp = getattr(model.model.layers[int(key)], block_attr)
         template = getattr(mlp, "experts", None)
         if template is None:
             raise ValueError(f"edited layer {key} has no experts module in {type(model).__name__}")
@@ -252,10 +265,10 @@ def edited_moe_student(model: nn.Module, adapter: Any, plans: Sequence[LayerPlan
     with torch.device("meta"):
         student = AutoModelForCausalLM.from_config(cfg)
     ref = next(model.parameters())
-    replaced = {}
+    replaced, block_attr = {}, _block_attr(family)
     for key, t in factors.items():
         _, layer, proj, name = key.split(".", 3)
-        replaced[f"model.layers.{layer}.mlp.experts.{proj}.{name}"] = t.detach().to(ref.device, ref.dtype).clone()
+        replaced[f"model.layers.{layer}.{block_attr}.experts.{proj}.{name}"] = t.detach().to(ref.device, ref.dtype).clone()
     fill_from_teacher(student, model, replaced, "edited model")
     if getattr(model, "generation_config", None) is not None:
         student.generation_config = copy.deepcopy(model.generation_config)

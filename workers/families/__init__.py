@@ -14,6 +14,7 @@ from workers.families.deepseek_v2 import DeepseekV2Adapter, DeepseekV3Adapter
 from workers.families.flex_olmo import FlexOlmoAdapter
 from workers.families.glm4_moe import Dots1Adapter, Glm4MoeAdapter
 from workers.families.gpt_oss import GptOssAdapter
+from workers.families.granitemoe import GraniteMoeAdapter, GraniteMoeSharedAdapter, GraniteMoeSWAAdapter
 from workers.families.minimax_m2 import MiniMaxM2Adapter
 from workers.families.mixtral import MixtralAdapter
 from workers.families.olmoe import OlmoeAdapter
@@ -26,6 +27,7 @@ ADAPTERS: list[FamilyAdapter] = [Qwen3MoeAdapter(), Qwen2MoeAdapter(), MixtralAd
                                  Dots1Adapter(), MiniMaxM2Adapter(), FlexOlmoAdapter()]
 # issue #17, second batch: Cohere2-MoE and the Granite MoE families
 ADAPTERS += [Cohere2MoeAdapter()]
+ADAPTERS += [GraniteMoeAdapter(), GraniteMoeSharedAdapter(), GraniteMoeSWAAdapter()]
 
 
 def supported() -> list[str]:

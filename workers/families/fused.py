@@ -113,8 +113,9 @@ def _check_silu(act_fn: Any) -> None:
 
 
 class FusedMoeAdapter(FamilyAdapter):
-    """Adapter for an MoE block `layer.mlp` with `experts` (fused) and a top-k router."""
+    """Adapter for an MoE block `layer.<block_attr>` with `experts` (fused) and a top-k router."""
 
+    block_attr: str = "mlp"  # decoder-layer attribute holding the FFN (the MoE block in MoE layers)
     router_attr: str = "gate"
     # Tensors of the block with a leading expert axis, relative to the block: sliced by the pruned MoE.
     expert_tensors: tuple[str, ...] = ("gate.weight", "experts.gate_up_proj", "experts.down_proj")
@@ -162,13 +163,13 @@ class FusedMoeAdapter(FamilyAdapter):
         return model.model.layers
 
     def block(self, model: nn.Module, layer: int) -> nn.Module:
-        return self.layers(model)[layer].mlp
+        return getattr(self.layers(model)[layer], self.block_attr)
 
     def is_moe_block(self, mlp: nn.Module) -> bool:
         return type(mlp).__name__ in self.block_classes
 
     def moe_layers(self, model: nn.Module) -> list[int]:
-        return [i for i, layer in enumerate(self.layers(model)) if self.is_moe_block(layer.mlp)]
+        return [i for i, layer in enumerate(self.layers(model)) if self.is_moe_block(getattr(layer, self.block_attr))]
 
     def _first(self, model: nn.Module) -> nn.Module:
         moe = self.moe_layers(model)
@@ -350,7 +351,7 @@ class FusedMoeAdapter(FamilyAdapter):
         for layer, kept_ids in ids.items():
             idx = torch.tensor(kept_ids, dtype=torch.long)
             for rel in self.expert_tensors:
-                name = f"model.layers.{layer}.mlp.{rel}"
+                name = f"model.layers.{layer}.{self.block_attr}.{rel}"
                 if name not in named:
                     raise ValueError(f"{name}: no such tensor in the {self.name} model")
                 t = named[name].detach()
@@ -448,7 +449,7 @@ class FusedMoeAdapter(FamilyAdapter):
         new: dict[str, torch.Tensor] = {}
         for layer, m in merged.items():
             for rel in self.expert_tensors:
-                name = f"model.layers.{layer}.mlp.{rel}"
+                name = f"model.layers.{layer}.{self.block_attr}.{rel}"
                 if name not in named:
                     raise ValueError(f"{name}: no such tensor in the {self.name} model")
                 new[name] = self.merge_tensor(rel, named[name].detach(), m)
