@@ -66,6 +66,13 @@ CASES: dict[str, Case] = {
                        bias_on_block=True, one_expert_student=True),
     "flex_olmo": Case((0, 1), 6, 2, "num_experts", "softmax", True, "Olmo2Config"),
 }
+# issue #17: the V3 router with MoE layers by mlp_layer_types
+CASES.update({
+    "glm4_moe_lite": Case((1, 2), 8, 2, "n_routed_experts", "sigmoid", True, "Glm4MoeLiteConfig", groups=True,
+                          scaled=True, shared="shared_experts", shared_width=16),
+    "exaone_moe": Case((1, 2), 8, 2, "num_experts", "sigmoid", True, "ExaoneMoeConfig", groups=True, scaled=True,
+                       shared="shared_experts", shared_width=16, all_dense_student=True),
+})
 FAMILIES = list(CASES)
 V = 256  # vocabulary of every tiny teacher
 H = 32  # hidden size of every tiny teacher
@@ -126,6 +133,17 @@ def tiny_config(family: str, **overrides: Any):
         kw = dict(num_key_value_heads=2, intermediate_size=16, num_hidden_layers=2, num_experts=6,
                   num_experts_per_tok=2, norm_topk_prob=True)
         return tf.FlexOlmoConfig(**{**COMMON, **kw, **overrides})
+    # issue #17
+    if family == "glm4_moe_lite":  # MLA attention, layer 0 dense (GLM-4.7-Flash's layout)
+        kw = dict(mla, mlp_layer_types=["dense", "sparse", "sparse"], norm_topk_prob=True, routed_scaling_factor=1.8)
+        kw.pop("first_k_dense_replace")
+        return tf.Glm4MoeLiteConfig(**{**COMMON, **kw, **overrides})
+    if family == "exaone_moe":  # layer 0 dense; layers 0, 1 sliding (rope), layer 2 full attention (NoPE)
+        kw = dict(v3, num_hidden_layers=3, num_experts=8, num_shared_experts=1, first_k_dense_replace=1,
+                  norm_topk_prob=True, routed_scaling_factor=2.5, sliding_window=4, sliding_window_pattern=3)
+        for key in ("n_routed_experts", "n_shared_experts"):
+            kw.pop(key)
+        return tf.ExaoneMoeConfig(**{**COMMON, **kw, **overrides})
     raise ValueError(f"no tiny config for family {family!r}")
 
 

@@ -51,6 +51,11 @@ FAMILIES = {
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", "fused"),
     "flex_olmo": ("FlexOlmoConfig", "FlexOlmoForCausalLM", "fused"),
 }
+# issue #17 (glm4_moe_lite, exaone_moe, ...)
+FAMILIES.update({
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", "fused"),
+    "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM", "fused"),
+})
 
 
 class FactoredProjection(nn.Module):

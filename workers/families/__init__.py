@@ -12,6 +12,7 @@ from workers.families.base import FamilyAdapter
 from workers.families.deepseek_v2 import DeepseekV2Adapter, DeepseekV3Adapter
 from workers.families.flex_olmo import FlexOlmoAdapter
 from workers.families.glm4_moe import Dots1Adapter, Glm4MoeAdapter
+from workers.families.glm4_moe_lite import ExaoneMoeAdapter, Glm4MoeLiteAdapter
 from workers.families.gpt_oss import GptOssAdapter
 from workers.families.minimax_m2 import MiniMaxM2Adapter
 from workers.families.mixtral import MixtralAdapter
@@ -23,6 +24,8 @@ from workers.types import TeacherShape
 ADAPTERS: list[FamilyAdapter] = [Qwen3MoeAdapter(), Qwen2MoeAdapter(), MixtralAdapter(), OlmoeAdapter(),
                                  DeepseekV2Adapter(), DeepseekV3Adapter(), GptOssAdapter(), Glm4MoeAdapter(),
                                  Dots1Adapter(), MiniMaxM2Adapter(), FlexOlmoAdapter()]
+# issue #17, V3-style routers with mlp_layer_types, block-held biases, softmax with a corrected choice
+ADAPTERS += [Glm4MoeLiteAdapter(), ExaoneMoeAdapter()]
 
 
 def supported() -> list[str]:
