@@ -51,10 +51,11 @@ FAMILIES = {
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", "fused"),
     "flex_olmo": ("FlexOlmoConfig", "FlexOlmoForCausalLM", "fused"),
 }
-# issue #17 (glm4_moe_lite, exaone_moe, ...)
+# issue #17 (glm4_moe_lite, exaone_moe, afmoe)
 FAMILIES.update({
     "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", "fused"),
     "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM", "fused"),
+    "afmoe": ("AfmoeConfig", "AfmoeForCausalLM", "fused"),
 })
 
 

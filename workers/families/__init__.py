@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import nn
 
+from workers.families.afmoe import AfmoeAdapter
 from workers.families.base import FamilyAdapter
 from workers.families.deepseek_v2 import DeepseekV2Adapter, DeepseekV3Adapter
 from workers.families.flex_olmo import FlexOlmoAdapter
@@ -25,7 +26,7 @@ ADAPTERS: list[FamilyAdapter] = [Qwen3MoeAdapter(), Qwen2MoeAdapter(), MixtralAd
                                  DeepseekV2Adapter(), DeepseekV3Adapter(), GptOssAdapter(), Glm4MoeAdapter(),
                                  Dots1Adapter(), MiniMaxM2Adapter(), FlexOlmoAdapter()]
 # issue #17, V3-style routers with mlp_layer_types, block-held biases, softmax with a corrected choice
-ADAPTERS += [Glm4MoeLiteAdapter(), ExaoneMoeAdapter()]
+ADAPTERS += [Glm4MoeLiteAdapter(), ExaoneMoeAdapter(), AfmoeAdapter()]
 
 
 def supported() -> list[str]:
