@@ -45,6 +45,9 @@ class Case:
     bias_on_block: bool = False  # the correction bias is a buffer of the block, not of the router
     one_expert_student: bool = False  # the student is the same class with one expert and top-1
     all_dense_student: bool = False  # the student is the same class with first_k_dense_replace = n
+    scale_key: str = "routed_scaling_factor"  # config field of the constant factor (where scaled)
+    bias_attr: str = "e_score_correction_bias"  # name of a sigmoid router's correction bias
+    router_attr: str | None = None  # path of the router's linear map in the block where it is not `gate`
 
 
 CASES: dict[str, Case] = {
@@ -66,12 +69,15 @@ CASES: dict[str, Case] = {
                        bias_on_block=True, one_expert_student=True),
     "flex_olmo": Case((0, 1), 6, 2, "num_experts", "softmax", True, "Olmo2Config"),
 }
-# issue #17: the V3 router with MoE layers by mlp_layer_types
+# issue #17: the V3 router with MoE layers by mlp_layer_types; AFMoE: MiniMax-M2's router × route_scale
 CASES.update({
     "glm4_moe_lite": Case((1, 2), 8, 2, "n_routed_experts", "sigmoid", True, "Glm4MoeLiteConfig", groups=True,
                           scaled=True, shared="shared_experts", shared_width=16),
     "exaone_moe": Case((1, 2), 8, 2, "num_experts", "sigmoid", True, "ExaoneMoeConfig", groups=True, scaled=True,
                        shared="shared_experts", shared_width=16, all_dense_student=True),
+    "afmoe": Case((1, 2), 6, 2, "num_experts", "sigmoid", True, "AfmoeConfig", scaled=True, shared="shared_experts",
+                  shared_width=16, bias_on_block=True, scale_key="route_scale", bias_attr="expert_bias",
+                  router_attr="router.gate"),
 })
 FAMILIES = list(CASES)
 V = 256  # vocabulary of every tiny teacher
@@ -144,6 +150,11 @@ def tiny_config(family: str, **overrides: Any):
         for key in ("n_routed_experts", "n_shared_experts"):
             kw.pop(key)
         return tf.ExaoneMoeConfig(**{**COMMON, **kw, **overrides})
+    if family == "afmoe":  # layer 0 dense, layers 0 and 2 sliding (rope), layer 1 global (NoPE), gated attention
+        kw = dict(num_key_value_heads=2, head_dim=8, intermediate_size=40, moe_intermediate_size=16, num_hidden_layers=3,
+                  num_dense_layers=1, num_experts=6, num_experts_per_tok=2, num_shared_experts=1, route_scale=1.5,
+                  global_attn_every_n_layers=2, sliding_window=4)
+        return tf.AfmoeConfig(**{**COMMON, **kw, **overrides})
     raise ValueError(f"no tiny config for family {family!r}")
 
 
@@ -169,19 +180,22 @@ def make_teacher(family: str, seed: int = 0, dtype: torch.dtype | None = None,
 
 
 def router_of(family: str, block: nn.Module) -> nn.Module:
-    """The router module of a family's MoE block (written out, not asked of the adapter)."""
+    """The router module of a family's MoE block (written out, not asked of the adapter; AFMoE: the router's
+    linear map `router.gate`, which holds the [E, H] weight)."""
+    if CASES[family].router_attr is not None:
+        return block.get_submodule(CASES[family].router_attr)
     return block.router if family == "gpt_oss" else block.gate
 
 
 def routed_scale(family: str, teacher: nn.Module) -> float:
     """The constant DeepSeek-style routers multiply into their weights (1 elsewhere)."""
-    return float(teacher.config.routed_scaling_factor) if CASES[family].scaled else 1.0
+    return float(getattr(teacher.config, CASES[family].scale_key)) if CASES[family].scaled else 1.0
 
 
 def correction_bias(family: str, block: nn.Module) -> torch.Tensor:
     """The [E] score-correction bias of a sigmoid router (on the router, or on the block for MiniMax-M2)."""
     owner = block if CASES[family].bias_on_block else router_of(family, block)
-    return owner.e_score_correction_bias
+    return getattr(owner, CASES[family].bias_attr)
 
 
 def hand_plans(adapter, teacher: nn.Module, merged: bool) -> list[LayerPlan]:
