@@ -50,6 +50,8 @@ class Case:
     block: str = "mlp"  # decoder-layer attribute of the MoE block (Granite: block_sparse_moe)
     router_attr: str = "gate"  # block attribute of the router (GPT-OSS, Granite: router)
     shared_on_layer: bool = False  # `shared` is a decoder-layer attribute, added to the block's output there
+    scale_key: str = "routed_scaling_factor"  # config field of the constant factor (where scaled)
+    bias_attr: str = "e_score_correction_bias"  # name of a sigmoid router's correction bias
 
 
 CASES: dict[str, Case] = {
@@ -85,6 +87,16 @@ CASES.update({
                              shared_width=16, block="block_sparse_moe", router_attr="router", shared_on_layer=True),
     "granitemoe_swa": Case((0, 1), 6, 2, "num_local_experts", "softmax", True, "GraniteSWAConfig", shared="shared_mlp",
                            shared_width=16, block="block_sparse_moe", router_attr="router", shared_on_layer=True),
+})
+# issue #17: the V3 router with MoE layers by mlp_layer_types; AFMoE: MiniMax-M2's router × route_scale
+CASES.update({
+    "glm4_moe_lite": Case((1, 2), 8, 2, "n_routed_experts", "sigmoid", True, "Glm4MoeLiteConfig", groups=True,
+                          scaled=True, shared="shared_experts", shared_width=16),
+    "exaone_moe": Case((1, 2), 8, 2, "num_experts", "sigmoid", True, "ExaoneMoeConfig", groups=True, scaled=True,
+                       shared="shared_experts", shared_width=16, all_dense_student=True),
+    "afmoe": Case((1, 2), 6, 2, "num_experts", "sigmoid", True, "AfmoeConfig", scaled=True, shared="shared_experts",
+                  shared_width=16, bias_on_block=True, scale_key="route_scale", bias_attr="expert_bias",
+                  router_attr="router.gate"),
 })
 FAMILIES = list(CASES)
 V = 256  # vocabulary of every tiny teacher
@@ -168,6 +180,22 @@ def tiny_config(family: str, **overrides: Any):
         kw = dict(granite, shared_intermediate_size=16, sliding_window=10,
                   layer_types=["sliding_attention", "full_attention"], layer_rope_theta=[10000.0, 0.0])
         return tf.GraniteMoeSWAConfig(**{**COMMON, **kw, **overrides})
+    # issue #17
+    if family == "glm4_moe_lite":  # MLA attention, layer 0 dense (GLM-4.7-Flash's layout)
+        kw = dict(mla, mlp_layer_types=["dense", "sparse", "sparse"], norm_topk_prob=True, routed_scaling_factor=1.8)
+        kw.pop("first_k_dense_replace")
+        return tf.Glm4MoeLiteConfig(**{**COMMON, **kw, **overrides})
+    if family == "exaone_moe":  # layer 0 dense; layers 0, 1 sliding (rope), layer 2 full attention (NoPE)
+        kw = dict(v3, num_hidden_layers=3, num_experts=8, num_shared_experts=1, first_k_dense_replace=1,
+                  norm_topk_prob=True, routed_scaling_factor=2.5, sliding_window=4, sliding_window_pattern=3)
+        for key in ("n_routed_experts", "n_shared_experts"):
+            kw.pop(key)
+        return tf.ExaoneMoeConfig(**{**COMMON, **kw, **overrides})
+    if family == "afmoe":  # layer 0 dense, layers 0 and 2 sliding (rope), layer 1 global (NoPE), gated attention
+        kw = dict(num_key_value_heads=2, head_dim=8, intermediate_size=40, moe_intermediate_size=16, num_hidden_layers=3,
+                  num_dense_layers=1, num_experts=6, num_experts_per_tok=2, num_shared_experts=1, route_scale=1.5,
+                  global_attn_every_n_layers=2, sliding_window=4)
+        return tf.AfmoeConfig(**{**COMMON, **kw, **overrides})
     raise ValueError(f"no tiny config for family {family!r}")
 
 
@@ -193,8 +221,9 @@ def make_teacher(family: str, seed: int = 0, dtype: torch.dtype | None = None,
 
 
 def router_of(family: str, block: nn.Module) -> nn.Module:
-    """The router module of a family's MoE block (written out, not asked of the adapter)."""
-    return block.router if family == "gpt_oss" else getattr(block, CASES[family].router_attr)
+    """The router module of a family's MoE block (written out, not asked of the adapter; a dotted
+    `router_attr` such as AFMoE's `router.gate` names the router's linear map inside the router)."""
+    return block.router if family == "gpt_oss" else block.get_submodule(CASES[family].router_attr)
 
 
 def block_of(family: str, model: nn.Module, layer: int) -> nn.Module:
@@ -228,13 +257,13 @@ def shared_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch
 
 def routed_scale(family: str, teacher: nn.Module) -> float:
     """The constant DeepSeek-style routers multiply into their weights (1 elsewhere)."""
-    return float(teacher.config.routed_scaling_factor) if CASES[family].scaled else 1.0
+    return float(getattr(teacher.config, CASES[family].scale_key)) if CASES[family].scaled else 1.0
 
 
 def correction_bias(family: str, block: nn.Module) -> torch.Tensor:
     """The [E] score-correction bias of a sigmoid router (on the router, or on the block for MiniMax-M2)."""
     owner = block if CASES[family].bias_on_block else router_of(family, block)
-    return owner.e_score_correction_bias
+    return getattr(owner, CASES[family].bias_attr)
 
 
 def hand_plans(adapter, teacher: nn.Module, merged: bool) -> list[LayerPlan]:

@@ -57,6 +57,12 @@ FAMILIES = {
     "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", "fused"),
     "granitemoe_swa": ("GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", "fused"),
 }
+# issue #17 (glm4_moe_lite, exaone_moe, afmoe)
+FAMILIES.update({
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", "fused"),
+    "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM", "fused"),
+    "afmoe": ("AfmoeConfig", "AfmoeForCausalLM", "fused"),
+})
 
 
 class FactoredProjection(nn.Module):

@@ -8,11 +8,13 @@ from typing import Any
 
 from torch import nn
 
+from workers.families.afmoe import AfmoeAdapter
 from workers.families.base import FamilyAdapter
 from workers.families.cohere2_moe import Cohere2MoeAdapter
 from workers.families.deepseek_v2 import DeepseekV2Adapter, DeepseekV3Adapter
 from workers.families.flex_olmo import FlexOlmoAdapter
 from workers.families.glm4_moe import Dots1Adapter, Glm4MoeAdapter
+from workers.families.glm4_moe_lite import ExaoneMoeAdapter, Glm4MoeLiteAdapter
 from workers.families.gpt_oss import GptOssAdapter
 from workers.families.granitemoe import GraniteMoeAdapter, GraniteMoeSharedAdapter, GraniteMoeSWAAdapter
 from workers.families.minimax_m2 import MiniMaxM2Adapter
@@ -28,6 +30,8 @@ ADAPTERS: list[FamilyAdapter] = [Qwen3MoeAdapter(), Qwen2MoeAdapter(), MixtralAd
 # issue #17, second batch: Cohere2-MoE and the Granite MoE families
 ADAPTERS += [Cohere2MoeAdapter()]
 ADAPTERS += [GraniteMoeAdapter(), GraniteMoeSharedAdapter(), GraniteMoeSWAAdapter()]
+# issue #17, V3-style routers with mlp_layer_types, block-held biases, softmax with a corrected choice
+ADAPTERS += [Glm4MoeLiteAdapter(), ExaoneMoeAdapter(), AfmoeAdapter()]
 
 
 def supported() -> list[str]:
