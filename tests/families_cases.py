@@ -98,6 +98,11 @@ CASES.update({
                   shared_width=16, bias_on_block=True, scale_key="route_scale", bias_attr="expert_bias",
                   router_attr="router.gate"),
 })
+# issue #17: GLM-5, the glm4_moe_lite block under DSA-indexer attention
+CASES.update({
+    "glm_moe_dsa": Case((1, 2), 8, 2, "n_routed_experts", "sigmoid", True, "GlmMoeDsaConfig", groups=True,
+                        scaled=True, shared="shared_experts", shared_width=16, all_dense_student=True),
+})
 FAMILIES = list(CASES)
 V = 256  # vocabulary of every tiny teacher
 H = 32  # hidden size of every tiny teacher
@@ -196,6 +201,14 @@ def tiny_config(family: str, **overrides: Any):
                   num_dense_layers=1, num_experts=6, num_experts_per_tok=2, num_shared_experts=1, route_scale=1.5,
                   global_attn_every_n_layers=2, sliding_window=4)
         return tf.AfmoeConfig(**{**COMMON, **kw, **overrides})
+    # GLM-5: MLA with q_lora_rank, layer 0 dense; the indexer keeps 6 of the keys (fewer than the tests' 12
+    # tokens, so the sparse mask matters), layer 1 runs its own indexer, layer 2 reuses layer 1's top-k
+    if family == "glm_moe_dsa":
+        kw = dict(mla, q_lora_rank=16, mlp_layer_types=["dense", "sparse", "sparse"], norm_topk_prob=True,
+                  routed_scaling_factor=2.5, index_topk=6, index_head_dim=16, index_n_heads=2,
+                  indexer_types=["full", "full", "shared"])
+        kw.pop("first_k_dense_replace")
+        return tf.GlmMoeDsaConfig(**{**COMMON, **kw, **overrides})
     raise ValueError(f"no tiny config for family {family!r}")
 
 

@@ -63,6 +63,8 @@ FAMILIES.update({
     "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM", "fused"),
     "afmoe": ("AfmoeConfig", "AfmoeForCausalLM", "fused"),
 })
+# issue #17 (glm_moe_dsa)
+FAMILIES.update({"glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", "fused")})
 
 
 class FactoredProjection(nn.Module):

@@ -19,7 +19,8 @@ workers.calibrate.collect_stats, batch by batch in the same order, so they equal
 
 Version assumption (transformers 5.x): a decoder (`model.get_decoder()`) whose forward embeds the ids,
 builds masks and position embeddings, then runs `hidden_states = layer(hidden_states, **kwargs)` over
-`decoder.layers` in order, nothing depending on a layer's output except the next layer's input; the
+`decoder.layers` in order, nothing depending on a layer's output except the next layer's input (a layer that
+returns more, GLM-5's DSA top-k, is read through adapter.layer_output / recorded_layer_output); the
 checkpoint names a decoder layer's tensors `...layers.<i>....`; unquantized safetensors checkpoints.
 """
 
@@ -232,9 +233,11 @@ class LayerCalls:
     calls: list[tuple[tuple, dict[str, Any]]]
 
 
-def record_layer_calls(decoder: nn.Module, ids: torch.Tensor, mask: torch.Tensor, last: int) -> LayerCalls:
+def record_layer_calls(decoder: nn.Module, ids: torch.Tensor, mask: torch.Tensor, last: int,
+                       adapter: Any = None) -> LayerCalls:
     """Run the decoder's forward with the forward of layers 0..last replaced by recorders (identity on
-    the hidden states); the layers' weights are never touched, so they may be on the meta device."""
+    the hidden states, returned as adapter.recorded_layer_output wraps them); the layers' weights are never
+    touched, so they may be on the meta device."""
     layers = decoder.layers
     got: dict[str, Any] = {"calls": []}
 
@@ -244,7 +247,7 @@ def record_layer_calls(decoder: nn.Module, ids: torch.Tensor, mask: torch.Tensor
             got["calls"].append((args, kwargs))
             if i == last:
                 raise _Recorded
-            return hidden_states
+            return hidden_states if adapter is None else adapter.recorded_layer_output(hidden_states)
         return forward
 
     try:
@@ -298,17 +301,18 @@ def streamed_stats(teacher: StreamedTeacher, adapter, batches: Sequence[tuple[to
     try:
         teacher.load_outside(device)
         for ids, mask in batches:
-            rec = record_layer_calls(teacher.decoder, ids, mask, last)
+            rec = record_layer_calls(teacher.decoder, ids, mask, last, adapter)
             hidden.append(rec.hidden.to(store))
             calls.append(move(rec.calls, store))
     finally:
         teacher.free_outside()
     out: dict[int, LayerStats] = {}
+    carried: list[dict[str, Any]] = [{} for _ in batches]  # what each batch's last layer passes to the next
     for i in range(last + 1):
         try:
             layer = teacher.load_layer(i, device)
             out.update(_run_layer(teacher, adapter, i, layer, batches, calls, hidden, offsets, shared,
-                                  chunk_tokens, store))
+                                  chunk_tokens, store, carried))
         finally:
             teacher.free_layer(i)
         if progress is not None:
@@ -319,9 +323,9 @@ def streamed_stats(teacher: StreamedTeacher, adapter, batches: Sequence[tuple[to
 def _run_layer(teacher: StreamedTeacher, adapter, i: int, layer: nn.Module,
                batches: Sequence[tuple[torch.Tensor, torch.Tensor]], calls: list[list[tuple[tuple, dict]]],
                hidden: list[torch.Tensor], offsets: dict[int, torch.Tensor], shared: dict[str, torch.Tensor],
-               chunk_tokens: int, store: torch.device) -> dict[int, LayerStats]:
-    """Every batch's hidden states through decoder layer i (replaced in `hidden`); its statistics, on the
-    CPU, when it is an MoE layer."""
+               chunk_tokens: int, store: torch.device, carried: list[dict[str, Any]]) -> dict[int, LayerStats]:
+    """Every batch's hidden states through decoder layer i (replaced in `hidden`, and what the layer passes
+    to the next one in `carried`); its statistics, on the CPU, when it is an MoE layer."""
     is_moe = i in adapter.moe_layers(teacher.model)
     acc = LayerAccumulator(adapter.expert_weights(teacher.model, i), chunk_tokens) if is_moe else None
     current: dict[str, torch.Tensor] = {}
@@ -340,7 +344,9 @@ def _run_layer(teacher: StreamedTeacher, adapter, i: int, layer: nn.Module,
                 current["mask"] = mask.reshape(-1).bool()
                 current["rows"] = offsets.get(b)
                 args, kwargs = move(c[i], layer_device(layer))
-                hidden[b] = layer(hidden[b].to(layer_device(layer)), *args, **kwargs).to(store)
+                kwargs = {**kwargs, **move(carried[b], layer_device(layer))}
+                h, carried[b] = adapter.layer_output(layer(hidden[b].to(layer_device(layer)), *args, **kwargs))
+                hidden[b], carried[b] = h.to(store), move(carried[b], store)
     finally:
         for handle in handles:
             handle.remove()

@@ -15,6 +15,7 @@ from workers.families.deepseek_v2 import DeepseekV2Adapter, DeepseekV3Adapter
 from workers.families.flex_olmo import FlexOlmoAdapter
 from workers.families.glm4_moe import Dots1Adapter, Glm4MoeAdapter
 from workers.families.glm4_moe_lite import ExaoneMoeAdapter, Glm4MoeLiteAdapter
+from workers.families.glm_moe_dsa import GlmMoeDsaAdapter
 from workers.families.gpt_oss import GptOssAdapter
 from workers.families.granitemoe import GraniteMoeAdapter, GraniteMoeSharedAdapter, GraniteMoeSWAAdapter
 from workers.families.minimax_m2 import MiniMaxM2Adapter
@@ -32,6 +33,8 @@ ADAPTERS += [Cohere2MoeAdapter()]
 ADAPTERS += [GraniteMoeAdapter(), GraniteMoeSharedAdapter(), GraniteMoeSWAAdapter()]
 # issue #17, V3-style routers with mlp_layer_types, block-held biases, softmax with a corrected choice
 ADAPTERS += [Glm4MoeLiteAdapter(), ExaoneMoeAdapter(), AfmoeAdapter()]
+# issue #17: GLM-5 (the glm4_moe_lite block under DSA-indexer attention)
+ADAPTERS += [GlmMoeDsaAdapter()]
 
 
 def supported() -> list[str]:

@@ -108,6 +108,17 @@ class FamilyAdapter(ABC):
         """The FFN of a dense (non-MoE) teacher layer (zero-padded to the student's width)."""
         ...
 
+    def layer_output(self, output: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        """A decoder layer's output as (hidden states, the keyword arguments the model's forward passes from
+        it to the next layer). Most layers return the hidden states alone; GLM-5's also returns the DSA
+        indexer's top-k tokens, which the next layer receives as prev_topk_indices."""
+        return output, {}
+
+    def recorded_layer_output(self, hidden: torch.Tensor) -> Any:
+        """What a stand-in for a decoder layer returns so that the model's forward goes on (the inverse of
+        layer_output, with nothing carried)."""
+        return hidden
+
     def routed_scaling(self, model: nn.Module) -> float:
         """Constant factor the router multiplies into its weights (DeepSeek routed_scaling_factor).
 
