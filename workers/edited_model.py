@@ -63,6 +63,8 @@ FAMILIES.update({
     "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM", "fused"),
     "afmoe": ("AfmoeConfig", "AfmoeForCausalLM", "fused"),
 })
+# issue #17 (hunyuan_v1_moe)
+FAMILIES.update({"hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", "fused")})
 
 
 class FactoredProjection(nn.Module):

@@ -17,6 +17,7 @@ from workers.families.glm4_moe import Dots1Adapter, Glm4MoeAdapter
 from workers.families.glm4_moe_lite import ExaoneMoeAdapter, Glm4MoeLiteAdapter
 from workers.families.gpt_oss import GptOssAdapter
 from workers.families.granitemoe import GraniteMoeAdapter, GraniteMoeSharedAdapter, GraniteMoeSWAAdapter
+from workers.families.hunyuan_v1_moe import HunYuanMoeV1Adapter
 from workers.families.minimax_m2 import MiniMaxM2Adapter
 from workers.families.mixtral import MixtralAdapter
 from workers.families.olmoe import OlmoeAdapter
@@ -32,6 +33,8 @@ ADAPTERS += [Cohere2MoeAdapter()]
 ADAPTERS += [GraniteMoeAdapter(), GraniteMoeSharedAdapter(), GraniteMoeSWAAdapter()]
 # issue #17, V3-style routers with mlp_layer_types, block-held biases, softmax with a corrected choice
 ADAPTERS += [Glm4MoeLiteAdapter(), ExaoneMoeAdapter(), AfmoeAdapter()]
+# issue #17: HunYuan-MoE-V1 (softmax router at gate.wg, ungated shared MLP)
+ADAPTERS += [HunYuanMoeV1Adapter()]
 
 
 def supported() -> list[str]:
