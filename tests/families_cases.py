@@ -52,6 +52,8 @@ class Case:
     shared_on_layer: bool = False  # `shared` is a decoder-layer attribute, added to the block's output there
     scale_key: str = "routed_scaling_factor"  # config field of the constant factor (where scaled)
     bias_attr: str = "e_score_correction_bias"  # name of a sigmoid router's correction bias
+    router_dtype: torch.dtype | None = None  # the dtype the modeling code pins the router's linear map to
+    #              (HunYuan: float32 in any model dtype; from_pretrained keeps it there, so make_teacher does too)
 
 
 CASES: dict[str, Case] = {
@@ -102,6 +104,11 @@ CASES.update({
 CASES.update({
     "glm_moe_dsa": Case((1, 2), 8, 2, "n_routed_experts", "sigmoid", True, "GlmMoeDsaConfig", groups=True,
                         scaled=True, shared="shared_experts", shared_width=16, all_dense_student=True),
+})
+# issue #17: HunYuan-MoE-V1, the softmax router's linear map at gate.wg, an ungated shared MLP, no dense layer
+CASES.update({
+    "hunyuan_v1_moe": Case((0, 1), 6, 2, "num_experts", "softmax", True, "HunYuanDenseV1Config", shared="shared_mlp",
+                           shared_width=16, router_attr="gate.wg", router_dtype=torch.float32),
 })
 FAMILIES = list(CASES)
 V = 256  # vocabulary of every tiny teacher
@@ -209,6 +216,10 @@ def tiny_config(family: str, **overrides: Any):
                   indexer_types=["full", "full", "shared"])
         kw.pop("first_k_dense_replace")
         return tf.GlmMoeDsaConfig(**{**COMMON, **kw, **overrides})
+    if family == "hunyuan_v1_moe":  # q/k norm after RoPE; shared MLP and experts both intermediate_size wide
+        kw = dict(num_key_value_heads=2, head_dim=8, intermediate_size=16, num_hidden_layers=2, num_experts=6,
+                  moe_topk=2)
+        return tf.HunYuanMoEV1Config(**{**COMMON, **kw, **overrides})
     raise ValueError(f"no tiny config for family {family!r}")
 
 
@@ -230,13 +241,28 @@ def make_teacher(family: str, seed: int = 0, dtype: torch.dtype | None = None,
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.1)
-    return model if dtype is None else model.to(dtype)
+    if dtype is None:
+        return model
+    model = model.to(dtype)
+    if CASES.get(family) is not None and CASES[family].router_dtype is not None:  # as from_pretrained builds it
+        for layer in range(len(model.model.layers)):
+            block = block_of(family, model, layer)
+            if hasattr(block, "experts"):
+                router_of(family, block).to(CASES[family].router_dtype)
+    return model
 
 
 def router_of(family: str, block: nn.Module) -> nn.Module:
     """The router module of a family's MoE block (written out, not asked of the adapter; a dotted
     `router_attr` such as AFMoE's `router.gate` names the router's linear map inside the router)."""
     return block.router if family == "gpt_oss" else block.get_submodule(CASES[family].router_attr)
+
+
+def router_module_of(family: str, block: nn.Module) -> nn.Module:
+    """The router module itself (whose forward returns logits, weights, indices): router_of, or where
+    `router_attr` is dotted (AFMoE's `router.gate`, HunYuan's `gate.wg`) the module holding that linear map."""
+    attr = CASES[family].router_attr
+    return block.get_submodule(attr.partition(".")[0]) if "." in attr else router_of(family, block)
 
 
 def block_of(family: str, model: nn.Module, layer: int) -> nn.Module:

@@ -14,7 +14,17 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from families_cases import CASES, FAMILIES, block_of, correction_bias, ids, make_teacher, router_of, shared_of
+from families_cases import (
+    CASES,
+    FAMILIES,
+    block_of,
+    correction_bias,
+    ids,
+    make_teacher,
+    router_module_of,
+    router_of,
+    shared_of,
+)
 
 from workers.families import get_adapter
 
@@ -29,14 +39,18 @@ def moe_blocks(family: str, model) -> dict[int, torch.nn.Module]:
     return {i: b for i, b in blocks.items() if hasattr(b, "experts")}
 
 
-def _softmax_router_forward(router, dropped: torch.Tensor, always_renorm: bool):
-    """Qwen2/Qwen3/OLMoE/Mixtral/Granite router with the dropped experts' logits at -inf."""
+def _softmax_router_forward(router, dropped: torch.Tensor, always_renorm: bool, module=None):
+    """Qwen2/Qwen3/OLMoE/Mixtral/Granite/HunYuan router with the dropped experts' logits at -inf. `router` holds
+    the linear map, `module` (default: router) is the router module (top_k, norm_topk_prob; a router module
+    without norm_topk_prob, HunYuan's gate, always renormalizes but casts like the flagged ones)."""
+    module = router if module is None else module
+
     def forward(hidden_states):
-        h = hidden_states.reshape(-1, router.weight.shape[1])
+        h = hidden_states.reshape(-1, router.weight.shape[1]).to(router.weight.dtype)
         logits = F.linear(h, router.weight).masked_fill(dropped, float("-inf"))
         probs = torch.softmax(logits, dtype=torch.float, dim=-1)
-        w, idx = torch.topk(probs, router.top_k, dim=-1)
-        if always_renorm or router.norm_topk_prob:
+        w, idx = torch.topk(probs, module.top_k, dim=-1)
+        if always_renorm or getattr(module, "norm_topk_prob", True):
             w = w / w.sum(dim=-1, keepdim=True)
         return logits, (w if always_renorm else w.to(logits.dtype)), idx
     return forward
@@ -79,7 +93,9 @@ def masked_teacher(family: str, model, kept: dict[int, list[int]], groups: bool 
             elif case.router == "softmax_v2":
                 router.forward = _deepseek_v2_router_forward(router, dropped)
             else:
-                router.forward = _softmax_router_forward(router, dropped, always_renorm=family == "mixtral" or family.startswith("granite"))
+                module = router_module_of(family, block)  # the router module, not its inner linear map
+                module.forward = _softmax_router_forward(router, dropped, module=module,
+                                                         always_renorm=family == "mixtral" or family.startswith("granite"))
     return ref
 
 

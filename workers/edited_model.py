@@ -65,6 +65,8 @@ FAMILIES.update({
 })
 # issue #17 (glm_moe_dsa)
 FAMILIES.update({"glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", "fused")})
+# issue #17 (hunyuan_v1_moe)
+FAMILIES.update({"hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", "fused")})
 
 
 class FactoredProjection(nn.Module):

@@ -18,6 +18,7 @@ from workers.families.glm4_moe_lite import ExaoneMoeAdapter, Glm4MoeLiteAdapter
 from workers.families.glm_moe_dsa import GlmMoeDsaAdapter
 from workers.families.gpt_oss import GptOssAdapter
 from workers.families.granitemoe import GraniteMoeAdapter, GraniteMoeSharedAdapter, GraniteMoeSWAAdapter
+from workers.families.hunyuan_v1_moe import HunYuanMoeV1Adapter
 from workers.families.minimax_m2 import MiniMaxM2Adapter
 from workers.families.mixtral import MixtralAdapter
 from workers.families.olmoe import OlmoeAdapter
@@ -35,6 +36,8 @@ ADAPTERS += [GraniteMoeAdapter(), GraniteMoeSharedAdapter(), GraniteMoeSWAAdapte
 ADAPTERS += [Glm4MoeLiteAdapter(), ExaoneMoeAdapter(), AfmoeAdapter()]
 # issue #17: GLM-5 (the glm4_moe_lite block under DSA-indexer attention)
 ADAPTERS += [GlmMoeDsaAdapter()]
+# issue #17: HunYuan-MoE-V1 (softmax router at gate.wg, ungated shared MLP)
+ADAPTERS += [HunYuanMoeV1Adapter()]
 
 
 def supported() -> list[str]:
