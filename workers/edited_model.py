@@ -63,6 +63,8 @@ FAMILIES.update({
     "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM", "fused"),
     "afmoe": ("AfmoeConfig", "AfmoeForCausalLM", "fused"),
 })
+# issue #17 (ernie4_5_moe)
+FAMILIES.update({"ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", "fused")})
 
 
 class FactoredProjection(nn.Module):
