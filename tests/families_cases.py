@@ -36,7 +36,8 @@ class Case:
     experts_key: str  # config field with the routed expert count
     router: str  # "softmax": top-k of softmax p; "softmax_v2": DeepSeek-V2 (groups by max p, scaled);
     #              "sigmoid": top-k of sigmoid + correction bias, weights the raw sigmoid (DeepSeek-V3 style);
-    #              "logits": top-k of biased logits, softmax over the k (GPT-OSS)
+    #              "logits": top-k of biased logits, softmax over the k (GPT-OSS);
+    #              "softmax_bias": top-k of softmax p + correction bias, weights p of the k (ERNIE-4.5)
     renorm: bool  # weights renormalized over the chosen k
     student: str  # transformers config class of the dense student
     groups: bool = False  # group-limited routing (n_group / topk_group, contiguous groups)
@@ -109,6 +110,11 @@ CASES.update({
 CASES.update({
     "hunyuan_v1_moe": Case((0, 1), 6, 2, "num_experts", "softmax", True, "HunYuanDenseV1Config", shared="shared_mlp",
                            shared_width=16, router_attr="gate.wg", router_dtype=torch.float32),
+})
+# issue #17: ERNIE-4.5-MoE, softmax p whose top-k is corrected by a [1, E] bias on the router (gate.moe_statics)
+CASES.update({
+    "ernie4_5_moe": Case((1, 2), 6, 2, "moe_num_experts", "softmax_bias", True, "Ernie4_5Config",
+                         shared="shared_experts", shared_width=16, bias_attr="moe_statics.e_score_correction_bias"),
 })
 FAMILIES = list(CASES)
 V = 256  # vocabulary of every tiny teacher
@@ -220,6 +226,10 @@ def tiny_config(family: str, **overrides: Any):
         kw = dict(num_key_value_heads=2, head_dim=8, intermediate_size=16, num_hidden_layers=2, num_experts=6,
                   moe_topk=2)
         return tf.HunYuanMoEV1Config(**{**COMMON, **kw, **overrides})
+    if family == "ernie4_5_moe":  # layer 0 dense (moe_layer_start_index), one shared expert
+        kw = dict(num_key_value_heads=2, intermediate_size=40, moe_intermediate_size=16, num_hidden_layers=3,
+                  moe_num_experts=6, moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1)
+        return tf.Ernie4_5_MoeConfig(**{**COMMON, **kw, **overrides})
     raise ValueError(f"no tiny config for family {family!r}")
 
 
@@ -300,8 +310,11 @@ def routed_scale(family: str, teacher: nn.Module) -> float:
 
 
 def correction_bias(family: str, block: nn.Module) -> torch.Tensor:
-    """The [E] score-correction bias of a sigmoid router (on the router, or on the block for MiniMax-M2)."""
+    """The [E] score-correction bias of a sigmoid router (on the router, or on the block for MiniMax-M2); a dotted
+    `bias_attr` names a parameter in a submodule (ERNIE-4.5's [1, E] moe_statics bias: its [E] view)."""
     owner = block if CASES[family].bias_on_block else router_of(family, block)
+    if "." in CASES[family].bias_attr:
+        return owner.get_parameter(CASES[family].bias_attr).view(-1)
     return getattr(owner, CASES[family].bias_attr)
 
 

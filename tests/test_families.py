@@ -244,6 +244,8 @@ def _choice(family: str, block: nn.Module, logits: torch.Tensor) -> torch.Tensor
         return logits
     if CASES[family].router == "sigmoid":
         return torch.sigmoid(logits) + correction_bias(family, block)
+    if CASES[family].router == "softmax_bias":
+        return torch.softmax(logits, -1) + correction_bias(family, block)
     return torch.softmax(logits, -1)
 
 

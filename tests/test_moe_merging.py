@@ -253,7 +253,7 @@ def router_tensors(family: str, block) -> dict[str, torch.Tensor]:
     out = {"weight": r.weight}
     if CASES[family].router == "logits":
         out["bias"] = r.bias
-    if CASES[family].router == "sigmoid":
+    if CASES[family].router in ("sigmoid", "softmax_bias"):
         out["e_score_correction_bias"] = correction_bias(family, block)
     return out
 

@@ -4,7 +4,8 @@ checkpoint of the teacher's class that routes like the teacher with the dropped 
 The reference is built here, independently of the adapters: the teacher (float64) with its routers
 patched so that the dropped experts' logits are -inf (softmax routers), their score-correction bias is
 -inf (DeepSeek-V3-style sigmoid routers: out of the group scores, the top-k and the normalization over the
-chosen k) or their router bias is -inf (GPT-OSS: out of the top-k of the logits).
+chosen k) or their router bias is -inf (GPT-OSS: out of the top-k of the logits); a softmax router with a
+correction bias (ERNIE-4.5) gets both its dropped logits and biases at -inf.
 """
 
 from __future__ import annotations
@@ -73,6 +74,20 @@ def _deepseek_v2_router_forward(router, dropped: torch.Tensor):
     return forward
 
 
+def _softmax_bias_router_forward(router, dropped: torch.Tensor):
+    """ERNIE-4.5 router (top-k of softmax p + correction bias, p of the k renormalized) with the dropped
+    experts' logits and biases at -inf: the softmax runs over the kept experts only."""
+    def forward(hidden_states):
+        logits = F.linear(hidden_states.float(), router.weight.float()).masked_fill(dropped, float("-inf"))
+        p = torch.softmax(logits, dim=-1)
+        bias = router.moe_statics.e_score_correction_bias.float().reshape(-1).masked_fill(dropped, float("-inf"))
+        idx = torch.topk(p + bias, router.top_k, dim=-1).indices
+        w = p.gather(1, idx)
+        w = w / w.sum(dim=-1, keepdim=True).clamp(min=router.norm_min)
+        return logits, w.to(hidden_states.dtype), idx
+    return forward
+
+
 def masked_teacher(family: str, model, kept: dict[int, list[int]], groups: bool = True):
     """A deep copy of `model` routing as if the experts not in kept[layer] did not exist. groups=False:
     DeepSeek's group limit switched off (n_group = topk_group = 1)."""
@@ -90,6 +105,8 @@ def masked_teacher(family: str, model, kept: dict[int, list[int]], groups: bool 
                 router.bias[dropped] = float("-inf")
             elif case.router == "sigmoid":
                 correction_bias(family, block)[dropped] = float("-inf")
+            elif case.router == "softmax_bias":
+                router.forward = _softmax_bias_router_forward(router, dropped)
             elif case.router == "softmax_v2":
                 router.forward = _deepseek_v2_router_forward(router, dropped)
             else:
@@ -148,7 +165,7 @@ def check_pruned_checkpoint(family, model, kept, pruned, tmp_path):
         case = CASES[family]
         if case.router == "logits":
             assert router.bias.shape == (e_new,) and torch.equal(router.bias, t_router.bias[idx])
-        if case.router == "sigmoid":
+        if case.router in ("sigmoid", "softmax_bias"):
             assert torch.equal(correction_bias(family, blk), correction_bias(family, src)[idx])
         if case.shared_gate:
             assert torch.equal(getattr(blk, case.shared_gate).weight, getattr(src, case.shared_gate).weight)

@@ -67,6 +67,8 @@ FAMILIES.update({
 FAMILIES.update({"glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", "fused")})
 # issue #17 (hunyuan_v1_moe)
 FAMILIES.update({"hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", "fused")})
+# issue #17 (ernie4_5_moe)
+FAMILIES.update({"ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", "fused")})
 
 
 class FactoredProjection(nn.Module):

@@ -12,6 +12,7 @@ from workers.families.afmoe import AfmoeAdapter
 from workers.families.base import FamilyAdapter
 from workers.families.cohere2_moe import Cohere2MoeAdapter
 from workers.families.deepseek_v2 import DeepseekV2Adapter, DeepseekV3Adapter
+from workers.families.ernie4_5_moe import Ernie45MoeAdapter
 from workers.families.flex_olmo import FlexOlmoAdapter
 from workers.families.glm4_moe import Dots1Adapter, Glm4MoeAdapter
 from workers.families.glm4_moe_lite import ExaoneMoeAdapter, Glm4MoeLiteAdapter
@@ -38,6 +39,8 @@ ADAPTERS += [Glm4MoeLiteAdapter(), ExaoneMoeAdapter(), AfmoeAdapter()]
 ADAPTERS += [GlmMoeDsaAdapter()]
 # issue #17: HunYuan-MoE-V1 (softmax router at gate.wg, ungated shared MLP)
 ADAPTERS += [HunYuanMoeV1Adapter()]
+# issue #17: ERNIE-4.5-MoE (softmax router, top-k corrected by a [1, E] bias)
+ADAPTERS += [Ernie45MoeAdapter()]
 
 
 def supported() -> list[str]:

@@ -124,6 +124,9 @@ class FusedMoeAdapter(FamilyAdapter):
     # one entry per unit); None for a tensor without an intermediate axis. Used to permute units.
     unit_layout: Mapping[str, tuple[int, str] | None] = {"experts.gate_up_proj": (1, "halves"),
                                                           "experts.down_proj": (2, "plain")}
+    # Expert tensors whose expert axis is not 0 (relative name → axis), e.g. ERNIE-4.5's [1, E] correction bias:
+    # sliced (pruned MoE) and combined (merged MoE) along that axis.
+    expert_axis: Mapping[str, int] = {}
     shared_attr: str | None = None  # attribute of the block holding ungated shared experts
     student_act: str = "silu"
     experts_key: str = "num_experts"  # config field with the routed experts per MoE layer
@@ -355,7 +358,7 @@ class FusedMoeAdapter(FamilyAdapter):
                 if name not in named:
                     raise ValueError(f"{name}: no such tensor in the {self.name} model")
                 t = named[name].detach()
-                sliced[name] = t.index_select(0, idx.to(t.device))
+                sliced[name] = t.index_select(self.expert_axis.get(rel, 0), idx.to(t.device))
         return rebuild(cfg, model, sliced)
 
     # --- merged MoE student (HC-SMoE / M-SMoE: average clusters of experts) ----------------------
@@ -427,6 +430,12 @@ class FusedMoeAdapter(FamilyAdapter):
     def merge_tensor(self, rel: str, t: torch.Tensor, m: MergedLayer) -> torch.Tensor:
         """[M, ...]: per cluster Σ_i w_i perm_i(t[i]) (router tensors: by m.router_rows, never permuted),
         accumulated in at least float32, returned in t's dtype."""
+        axis = self.expert_axis.get(rel, 0)
+        if axis != 0:  # merge along the expert axis, put it back in place
+            return self.merge_tensor_axis0(rel, t.movedim(axis, 0), m).movedim(0, axis).contiguous()
+        return self.merge_tensor_axis0(rel, t, m)
+
+    def merge_tensor_axis0(self, rel: str, t: torch.Tensor, m: MergedLayer) -> torch.Tensor:
         router = self.is_router_tensor(rel)
         acc_dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
         out = []
