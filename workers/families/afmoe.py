@@ -36,6 +36,7 @@ class AfmoeAdapter(FusedMoeAdapter):
     router_attr = "router"
     shared_attr = "shared_experts"
     expert_tensors = ("router.gate.weight", "expert_bias", "experts.gate_up_proj", "experts.down_proj")
+    router_linear = "gate"  # Router KD trains this linear map's weight only
 
     def config_moe_layers(self, config: Any) -> list[int]:
         n = config_int(config, "num_hidden_layers")
@@ -56,30 +57,6 @@ class AfmoeAdapter(FusedMoeAdapter):
         return width // unit
 
     # --- router ---------------------------------------------------------------------------------
-    def router_weight(self, model: nn.Module, layer: int) -> torch.Tensor:
-        return self.router_module(model, layer).gate.weight.detach()
-
-    def router_parameters(self, model: nn.Module) -> list[nn.Parameter]:
-        """Each MoE block's `router.gate.weight` [E, H] (the router has no logit bias; expert_bias, a frozen
-        parameter of the block, is left out). Any other parameter in the router module is refused."""
-        hidden = config_int(model.config, "hidden_size")
-        out: list[nn.Parameter] = []
-        for layer in self.moe_layers(model):
-            router = self.router_module(model, layer)
-            weight = router.gate.weight
-            e = int(self.block(model, layer).experts.gate_up_proj.shape[0])
-            if tuple(weight.shape) != (e, hidden):
-                raise ValueError(f"layer {layer}: router weight {tuple(weight.shape)} is not the linear map from "
-                                 f"the hidden size to the routed experts ({e}, {hidden})")
-            for p in router.parameters():
-                if p is not weight:
-                    raise ValueError(f"layer {layer}: router parameter of shape {tuple(p.shape)} is not the [E, H] "
-                                     f"weight of router.gate (E={e}); AFMoE's router has no other")
-            out.append(weight)
-        if not out:
-            raise ValueError(f"model has no {'/'.join(self.block_classes)} layer")
-        return out
-
     def native_renorm(self, router: nn.Module) -> bool:
         return True
 

@@ -117,6 +117,7 @@ class FusedMoeAdapter(FamilyAdapter):
 
     block_attr: str = "mlp"  # decoder-layer attribute holding the FFN (the MoE block in MoE layers)
     router_attr: str = "gate"
+    router_linear: str = ""  # submodule of the router holding its [E, H] linear map ("": the router itself)
     # Tensors of the block with a leading expert axis, relative to the block: sliced by the pruned MoE.
     expert_tensors: tuple[str, ...] = ("gate.weight", "experts.gate_up_proj", "experts.down_proj")
     # Per expert tensor (not the router's): the axis of its intermediate units in the full [E, ...] tensor
@@ -192,31 +193,42 @@ class FusedMoeAdapter(FamilyAdapter):
     def router_module(self, model: nn.Module, layer: int) -> nn.Module:
         return getattr(self.block(model, layer), self.router_attr)
 
+    def router_linear_of(self, router: nn.Module) -> nn.Module:
+        """The module holding the router's [E, H] weight: the router itself, or its `router_linear` submodule
+        (AFMoE: `router.gate`, HunYuan: `gate.wg`)."""
+        return router.get_submodule(self.router_linear) if self.router_linear else router
+
     def router_weight(self, model: nn.Module, layer: int) -> torch.Tensor:
-        return self.router_module(model, layer).weight.detach()
+        return self.router_linear_of(self.router_module(model, layer)).weight.detach()
 
     def router_parameters(self, model: nn.Module) -> list[nn.Parameter]:
-        """Each MoE block's router weight [E, H] and, where the router module owns one, its logit bias [E]
-        (GPT-OSS). Buffers are not parameters: DeepSeek-V3's e_score_correction_bias is moved by its
+        """Each MoE block's router weight [E, H] and, where the router's linear map owns one, its logit bias
+        [E] (GPT-OSS). Buffers are not parameters: DeepSeek-V3's e_score_correction_bias is moved by its
         load-balancing rule, not by gradients, and enters only the (non-differentiable) top-k choice, so it
-        is left out. Any other parameter on a router module is refused (an adapter must say what it is)."""
+        is left out. Any other parameter on a router module is refused (an adapter must say what it is);
+        where the linear map is a submodule (`router_linear`), so is any parameter of the router outside it."""
         hidden = config_int(model.config, "hidden_size")
         out: list[nn.Parameter] = []
         for layer in self.moe_layers(model):
             router = self.router_module(model, layer)
+            linear = self.router_linear_of(router)
             e = int(self.block(model, layer).experts.gate_up_proj.shape[0])
-            own = dict(router.named_parameters(recurse=False))
-            weight = router.weight
+            weight = linear.weight
             if not isinstance(weight, nn.Parameter) or tuple(weight.shape) != (e, hidden):
                 raise ValueError(f"layer {layer}: router weight {tuple(weight.shape)} is not the linear map from "
                                  f"the hidden size to the routed experts ({e}, {hidden})")
             out.append(weight)
-            rest = [p for p in own.values() if p is not weight]
-            for p in rest:
+            own = [p for p in linear.parameters(recurse=False) if p is not weight]
+            for p in own:
                 if tuple(p.shape) != (e,):
                     raise ValueError(f"layer {layer}: router parameter of shape {tuple(p.shape)} is neither "
                                      f"the [E, H] weight nor an [E] logit bias (E={e})")
                 out.append(p)
+            if linear is not router:
+                for p in router.parameters():
+                    if p is not weight and not any(p is q for q in own):
+                        raise ValueError(f"layer {layer}: router parameter of shape {tuple(p.shape)} is outside "
+                                         f"its linear map {self.router_linear} (E={e})")
         if not out:
             raise ValueError(f"model has no {'/'.join(self.block_classes)} layer")
         return out

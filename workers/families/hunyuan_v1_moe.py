@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import torch
 from torch import nn
 
 from workers.families.fused import FusedMoeAdapter, config_int, copy_config
@@ -52,6 +51,7 @@ class HunYuanMoeV1Adapter(FusedMoeAdapter):
     router_attr = "gate"
     shared_attr = "shared_mlp"
     expert_tensors = ("gate.wg.weight", "experts.gate_up_proj", "experts.down_proj")
+    router_linear = "wg"  # Router KD trains this linear map's weight only
 
     # --- structure from the config alone -------------------------------------------------------
     def shape_from_config(self, config: Any) -> TeacherShape:
@@ -82,30 +82,6 @@ class HunYuanMoeV1Adapter(FusedMoeAdapter):
     # --- router ---------------------------------------------------------------------------------
     def native_renorm(self, router: nn.Module) -> bool:
         return True
-
-    def router_weight(self, model: nn.Module, layer: int) -> torch.Tensor:
-        return self.router_module(model, layer).wg.weight.detach()
-
-    def router_parameters(self, model: nn.Module) -> list[nn.Parameter]:
-        """Each MoE block's `gate.wg.weight` [E, H] (the gate has no bias); any other parameter in the gate is
-        refused."""
-        hidden = config_int(model.config, "hidden_size")
-        out: list[nn.Parameter] = []
-        for layer in self.moe_layers(model):
-            router = self.router_module(model, layer)
-            weight = router.wg.weight
-            e = int(self.block(model, layer).experts.gate_up_proj.shape[0])
-            if tuple(weight.shape) != (e, hidden):
-                raise ValueError(f"layer {layer}: router weight {tuple(weight.shape)} is not the linear map from "
-                                 f"the hidden size to the routed experts ({e}, {hidden})")
-            for p in router.parameters():
-                if p is not weight:
-                    raise ValueError(f"layer {layer}: router parameter of shape {tuple(p.shape)} is not the [E, H] "
-                                     f"weight of gate.wg (E={e}); HunYuan's gate has no other")
-            out.append(weight)
-        if not out:
-            raise ValueError(f"model has no {'/'.join(self.block_classes)} layer")
-        return out
 
     # --- student ----------------------------------------------------------------------------
     def student_config(self, teacher: nn.Module, width: int) -> Any:
