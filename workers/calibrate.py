@@ -230,21 +230,18 @@ def check_batches(batches: Sequence[tuple[torch.Tensor, torch.Tensor]], chunk_to
             raise ValueError(f"batch {i}: ids {tuple(ids.shape)} and mask {tuple(mask.shape)} differ")
 
 
-def router_hook(adapter, acc: LayerAccumulator, current: dict[str, torch.Tensor],
+def router_hook(acc: LayerAccumulator, current: dict[str, torch.Tensor],
                 samples: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable:
-    """The forward hook on one MoE layer's router module: its input and real decision into `acc`, the
-    sampled rows into `samples`. `current` holds the running batch's flat mask ('mask') and sampled rows
-    ('rows', None for none); a hook per layer, so a streamed pass can add them one layer at a time."""
-    def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
-        h = args[0] if args else kwargs["hidden_states"]
-        x = h.reshape(-1, h.shape[-1])
-        p, w, idx = adapter.router_decision(output)
+    """fn(x, p, w, idx) for FamilyAdapter.hook_routing on one MoE layer: the router's input and real decision
+    into `acc`, the sampled rows into `samples`. `current` holds the running batch's flat mask ('mask') and
+    sampled rows ('rows', None for none); one per layer, so a streamed pass can add them one layer at a time."""
+    def fn(x: torch.Tensor, p: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> None:
         acc.update(x, p, w, idx, current["mask"])
         rows = current.get("rows")
         if rows is not None:
             r = rows.to(x.device)
             samples.append((sample_copy(x[r]), sample_copy(p[r])))
-    return hook
+    return fn
 
 
 def gate_hook(adapter, gate_sums: dict[int, torch.Tensor], layer: int, current: dict[str, torch.Tensor]) -> Callable:
@@ -291,8 +288,7 @@ def collect_stats(model: nn.Module, adapter, batches: Sequence[tuple[torch.Tenso
     try:
         model.eval()
         for layer in layers:
-            handles.append(adapter.router_module(model, layer).register_forward_hook(
-                router_hook(adapter, accs[layer], current, samples[layer]), with_kwargs=True))
+            handles += adapter.hook_routing(model, layer, router_hook(accs[layer], current, samples[layer]))
             gate = adapter.shared_gate(model, layer)
             if gate is not None:
                 handles.append(gate.register_forward_hook(gate_hook(adapter, gate_sums, layer, current)))

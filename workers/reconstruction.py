@@ -252,21 +252,16 @@ class _Stop(Exception):
     """Raised by the capture hook: the layers after the one being sampled need not run."""
 
 
-def _compressed_router_hook(adapter, kept: list[int], k: int, renormalized: bool, scale: float, target: str):
-    """A router forward hook that replaces the decision by the compressed layer's (module docstring)."""
-    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        p, w0, _ = adapter.router_decision(output)
-        logits = output[0]
+def _compressed_decision(kept: list[int], k: int, renormalized: bool, scale: float, target: str) -> Callable:
+    """decide(p, w, idx) for FamilyAdapter.override_routing: the compressed layer's decision (module docstring)."""
+    def decide(p: torch.Tensor, w0: torch.Tensor, idx0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if target == "dense_proxy":
             idx = torch.as_tensor(sorted(kept), dtype=torch.long, device=p.device).expand(p.shape[0], len(kept))
             w = torch.full(idx.shape, 1.0 / len(kept), dtype=p.dtype, device=p.device)
         else:
             w, idx = routed_weights(p, kept, k, renormalized)
-        dropped = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
-        dropped[torch.as_tensor(kept, device=logits.device)] = False
-        logits = logits.masked_fill(dropped, torch.finfo(logits.dtype).min)
-        return (logits, (w * scale).to(w0.dtype), idx.to(output[2].dtype), *tuple(output[3:]))
-    return hook
+        return w * scale, idx
+    return decide
 
 
 def sequential_sample(model: nn.Module, adapter, sample: dict[str, torch.Tensor], layer: int,
@@ -284,18 +279,14 @@ def sequential_sample(model: nn.Module, adapter, sample: dict[str, torch.Tensor]
     got: list[tuple[torch.Tensor, torch.Tensor]] = []
     rows: dict[str, torch.Tensor] = {}
 
-    def capture(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        h = args[0] if args else kwargs["hidden_states"]
-        x = h.reshape(-1, h.shape[-1])
-        p, _, _ = adapter.router_decision(output)
+    def capture(x: torch.Tensor, p: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> None:
         r = rows["flat"].to(x.device)
         got.append((sample_copy(x[r]), sample_copy(p[r])))
         raise _Stop
 
-    handles = [adapter.router_module(model, other).register_forward_hook(
-        _compressed_router_hook(adapter, list(ks), k, renorm, scale, target), with_kwargs=True)
-        for other, ks in kept.items() if other != layer]
-    handles.append(adapter.router_module(model, layer).register_forward_hook(capture, with_kwargs=True))
+    handles = [h for other, ks in kept.items() if other != layer for h in adapter.override_routing(
+        model, other, _compressed_decision(list(ks), k, renorm, scale, target), list(ks))]
+    handles += adapter.hook_routing(model, layer, capture)
     was_training = model.training
     try:
         model.eval()

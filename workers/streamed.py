@@ -333,8 +333,7 @@ def _run_layer(teacher: StreamedTeacher, adapter, i: int, layer: nn.Module,
     handles = []
     gate_sums: dict[int, torch.Tensor] = {}
     if acc is not None:
-        handles.append(adapter.router_module(teacher.model, i).register_forward_hook(
-            router_hook(adapter, acc, current, samples), with_kwargs=True))
+        handles += adapter.hook_routing(teacher.model, i, router_hook(acc, current, samples))
         gate = adapter.shared_gate(teacher.model, i)
         if gate is not None:
             handles.append(gate.register_forward_hook(gate_hook(adapter, gate_sums, i, current)))

@@ -7,7 +7,7 @@ interface, so it never asks which family it is in.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -66,6 +66,36 @@ class FamilyAdapter(ABC):
         over all E (biased) logits, the weights the softmax over the chosen k. DeepSeek: the weights
         include routed_scaling_factor; V3 (sigmoid router): p = sigmoid scores normalized over E."""
         ...
+
+    # --- reading and replacing a layer's routing (what calibration and reconstruction hook) ----------
+    def hook_routing(self, model: nn.Module, layer: int,
+                     fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]) -> list[Any]:
+        """Call fn(x [T, H] the router's input, p, weights, indices) each time MoE layer `layer` routes
+        (p, weights, indices as router_decision gives them). Returns the hook handles (.remove() each).
+        Here: a forward hook on router_module reading router_decision(output); a family whose decision is
+        not in one module's output (DBRX: the block normalizes the router's logits) overrides this."""
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            h = args[0] if args else kwargs["hidden_states"]
+            fn(h.reshape(-1, h.shape[-1]), *self.router_decision(output))
+        return [self.router_module(model, layer).register_forward_hook(hook, with_kwargs=True)]
+
+    def override_routing(self, model: nn.Module, layer: int,
+                         decide: Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+                                          tuple[torch.Tensor, torch.Tensor]],
+                         allowed: Sequence[int]) -> list[Any]:
+        """Make MoE layer `layer` apply decide(p, weights, indices) -> (weights′ [T, k′], indices′ [T, k′])
+        instead of its own decision (weights′ as the experts multiply them, any constant factor included);
+        the router logits it reports are masked to the dtype's minimum outside `allowed`. Returns the hook
+        handles. Here: a forward hook replacing the router module's (logits, weights, indices, ...) output."""
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            p, w0, i0 = self.router_decision(output)
+            w, idx = decide(p, w0, i0)
+            logits = output[0]
+            dropped = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            dropped[torch.as_tensor(list(allowed), dtype=torch.long, device=logits.device)] = False
+            logits = logits.masked_fill(dropped, torch.finfo(logits.dtype).min)
+            return (logits, w.to(w0.dtype), idx.to(i0.dtype), *tuple(output[3:]))
+        return [self.router_module(model, layer).register_forward_hook(hook, with_kwargs=True)]
 
     @abstractmethod
     def router_weight(self, model: nn.Module, layer: int) -> torch.Tensor:
