@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from orchestrator.axes import AXES
 from orchestrator.schema import SpecError
 from orchestrator.spec import SweepSpec
 from orchestrator.stage import TeacherShape
@@ -90,6 +91,13 @@ def build_configs(spec: SweepSpec, shape: TeacherShape) -> list[dict[str, Any]]:
         configs = [dict(c, family=family) for c in grid_configs(spec, model, shape.top_k)]
     except ValueError as e:
         raise SpecError(str(e)) from None
+    if family is not None:
+        from workers.families import adapter_named
+
+        refused = adapter_named(family).refused_outputs
+        for out in sorted({c["output"] for c in configs if c.get("output") in refused}):
+            allowed = ", ".join(o for o in AXES["output"].allowed() if o not in refused)
+            raise SpecError(f"grid.output: {out}: {family} {refused[out]}; allowed for {family}: {allowed}")
     if spec.distill is None and any(c.get("recovery") == "full_kd" for c in configs):
         raise SpecError("grid.recovery: full_kd distils the smaller MoE with the distill section's settings; "
                         "add a distill section or use none / router_kd")

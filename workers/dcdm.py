@@ -175,7 +175,7 @@ def compress(model, adapter, per_source: dict, weights: dict[str, float], params
     job runs (workers.stages.convert_plans) and a student evaluation builds from (workers.outputs)."""
     from workers.calibrate import mix_stats
     from workers.convert import layer_contexts
-    from workers.outputs import OUTPUTS
+    from workers.outputs import write_student
     from workers.stages import convert_plans, plan_to_dict
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -183,8 +183,8 @@ def compress(model, adapter, per_source: dict, weights: dict[str, float], params
     plans, _ = convert_plans(contexts, {**params, "workdir": str(workdir)})
     path = workdir / "plan.json"
     path.write_text(json.dumps([plan_to_dict(pl) for pl in plans], indent=1))
-    student = OUTPUTS[params.get("output") or "dense"](model, adapter, plans, share_weights=True,
-                                                        plan_path=str(path))
+    student = write_student(params.get("output") or "dense", model, adapter, plans, share_weights=True,
+                            plan_path=str(path))
     return plans, student, path
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from torch import nn
 
-from workers.families.base import FamilyAdapter
+from workers.families.base import FamilyAdapter, check_output
 from workers.types import LayerPlan
 
 
@@ -65,3 +65,12 @@ OUTPUTS = {
     "merged": merged_student,
     "edited": edited_student,
 }
+
+
+def write_student(output: str, model: nn.Module, adapter: FamilyAdapter, plans: list[LayerPlan], share_weights: bool,
+                  plan_path: str | None = None) -> nn.Module:
+    """The `output` student of `plans` (one-line ValueError where the family cannot write that output)."""
+    if output not in OUTPUTS:
+        raise ValueError(f"output={output!r}; allowed: {', '.join(OUTPUTS)}")
+    check_output(adapter, output)
+    return OUTPUTS[output](model, adapter, plans, share_weights=share_weights, plan_path=plan_path)

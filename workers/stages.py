@@ -296,12 +296,12 @@ def make_student(payload: dict, cache: dict, recipe: dict[str, Any], *, for_trai
         return (copy.deepcopy(model) if for_training else model), tok
     adapter = get_adapter(model)
     if kind == "plan":
-        from workers.outputs import OUTPUTS
+        from workers.outputs import write_student
 
         plan_path = payload["inputs"]["convert"]["plan_path"]
         plans = load_plans(plan_path)
-        student = OUTPUTS[recipe.get("output", "dense")](model, adapter, plans, share_weights=not for_training,
-                                                         plan_path=plan_path)
+        student = write_student(recipe.get("output", "dense"), model, adapter, plans, share_weights=not for_training,
+                                plan_path=plan_path)
     elif kind == "random_ffn":
         from workers.baselines import random_ffn_student
 

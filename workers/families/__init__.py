@@ -62,6 +62,14 @@ def get_adapter(model: nn.Module) -> FamilyAdapter:
                      f"supported: {', '.join(supported())}")
 
 
+def adapter_named(name: str) -> FamilyAdapter:
+    """The adapter called `name` (its `name`, as configurations.family stores it)."""
+    for a in ADAPTERS:
+        if a.name == name:
+            return a
+    raise ValueError(f"family={name!r}; known families: {', '.join(a.name for a in ADAPTERS)}")
+
+
 def adapter_for_config(config: Any) -> FamilyAdapter:
     """The adapter for `config.model_type` (a transformers config; no model is built)."""
     model_type = getattr(config, "model_type", None)

@@ -23,6 +23,9 @@ class FamilyAdapter(ABC):
     block_classes: tuple[str, ...] = ()  # MoE block class names (transformers 5.x) this adapter handles
     routing: str = ""  # the router's semantics, shared experts and dense layers in one line (`moesweep families`)
     student: str = ""  # what the dense student is (a dense sibling class, or the same class with one expert)
+    # Outputs (workers.outputs.OUTPUTS) a family cannot write, each with the one-line reason; a sweep asking for
+    # one is refused before anything runs (orchestrator.configs.build_configs) and so is the conversion.
+    refused_outputs: Mapping[str, str] = {}
 
     # --- structure from the config alone (no model built) ---------------------------------------
     @abstractmethod
@@ -200,6 +203,12 @@ class FamilyAdapter(ABC):
         copying them (for fast in-memory evaluation with the teacher resident); the student must then
         not be trained."""
         ...
+
+
+def check_output(adapter: FamilyAdapter, output: str) -> None:
+    """A one-line ValueError where the adapter's family cannot write `output` (refused_outputs)."""
+    if output in adapter.refused_outputs:
+        raise ValueError(f"output={output!r}: {adapter.name} {adapter.refused_outputs[output]}")
 
 
 SHARED_GATE_RULES = ("one", "mean")
