@@ -22,6 +22,11 @@ transformers has no dense sibling (LayerNorm with bias, attention and lm_head bi
 edited MoE students (the same class, E′ ≥ 2 experts) are written. A pruned router's SparseMixer over the kept
 logits routes as the teacher's with the dropped experts' logits at -inf (a -inf logit is never the max and
 its softmax weight is 0).
+
+renormalized = False drives no default scaling here (dp_scaling applies to the dense student only); it is the
+rule reconstruction-loss selection (workers.reconstruction, target routed_subset) applies to a pruned layer,
+the top-2 of p restricted to the kept experts, not renormalized: an approximation of SparseMixer's masked
+softmaxes, as the top-k of p is of DeepSeek-V3's corrected choice.
 """
 
 from __future__ import annotations
