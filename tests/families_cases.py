@@ -17,6 +17,7 @@ kind, not per family): adding a family is one tiny config and one Case.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,8 @@ class Case:
     #              "sigmoid": top-k of sigmoid + correction bias, weights the raw sigmoid (DeepSeek-V3 style);
     #              "logits": top-k of biased logits, softmax over the k (GPT-OSS);
     #              "softmax_bias": top-k of softmax p + correction bias, weights p of the k (ERNIE-4.5)
+    #              "sparsemixer": PhiMoE's two picks (argmax, then argmax of the rest), each weighted by a softmax
+    #              over the logits within a relative threshold of its max (sparsemixer_ref below)
     renorm: bool  # weights renormalized over the chosen k
     student: str  # transformers config class of the dense student
     groups: bool = False  # group-limited routing (n_group / topk_group, contiguous groups)
@@ -55,6 +58,7 @@ class Case:
     bias_attr: str = "e_score_correction_bias"  # name of a sigmoid router's correction bias
     router_dtype: torch.dtype | None = None  # the dtype the modeling code pins the router's linear map to
     #              (HunYuan: float32 in any model dtype; from_pretrained keeps it there, so make_teacher does too)
+    dense_student: bool = True  # the family writes a dense student (False: refused_outputs holds "dense")
 
 
 CASES: dict[str, Case] = {
@@ -116,7 +120,14 @@ CASES.update({
     "ernie4_5_moe": Case((1, 2), 6, 2, "moe_num_experts", "softmax_bias", True, "Ernie4_5Config",
                          shared="shared_experts", shared_width=16, bias_attr="moe_statics.e_score_correction_bias"),
 })
+# PhiMoE: SparseMixer routing (always two experts, weights not renormalized); no dense student (refused)
+CASES.update({
+    "phimoe": Case((0, 1), 6, 2, "num_local_experts", "sparsemixer", False, "", router_attr="router",
+                   dense_student=False),
+})
 FAMILIES = list(CASES)
+DENSE_FAMILIES = [f for f in FAMILIES if CASES[f].dense_student]  # families whose tests build a dense student
+NO_DENSE_FAMILIES = [f for f in FAMILIES if not CASES[f].dense_student]
 V = 256  # vocabulary of every tiny teacher
 H = 32  # hidden size of every tiny teacher
 COMMON = dict(vocab_size=V, hidden_size=H, num_attention_heads=4, max_position_embeddings=64,
@@ -230,6 +241,11 @@ def tiny_config(family: str, **overrides: Any):
         kw = dict(num_key_value_heads=2, intermediate_size=40, moe_intermediate_size=16, num_hidden_layers=3,
                   moe_num_experts=6, moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1)
         return tf.Ernie4_5_MoeConfig(**{**COMMON, **kw, **overrides})
+    if family == "phimoe":  # LayerNorm with bias, attention and lm_head biases; a wide SparseMixer threshold
+        # (2·0.2 relative, not Phi-3.5's 2·0.01) so that the masked softmaxes hold several experts
+        kw = dict(num_key_value_heads=2, intermediate_size=16, num_hidden_layers=2, num_local_experts=6,
+                  num_experts_per_tok=2, router_jitter_noise=0.2, attention_bias=True, lm_head_bias=True)
+        return tf.PhimoeConfig(**{**COMMON, **kw, **overrides})
     raise ValueError(f"no tiny config for family {family!r}")
 
 
@@ -333,6 +349,26 @@ def hand_plans(adapter, teacher: nn.Module, merged: bool) -> list[LayerPlan]:
         out.append(LayerPlan(layer=layer, selected=sel, scores=[1.0] * e, groups=groups, merge_weights=mw,
                              alpha=[0.7, 0.45]))
     return out
+
+
+def sparsemixer_ref(logits: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PhiMoE's eval-mode routing written out per token (not transformers' sparsemixer): (weights [T, 2],
+    indices [T, 2]). Pick j's expert m_j is the largest logit among those not picked yet; its weight is
+    exp(z_m) / Σ exp(z_e) over the not-yet-picked e with (z_m − z_e) / max(|z_e|, z_m) <= 2·eps (a -inf
+    logit, a dropped expert, is never picked and adds nothing)."""
+    z = logits.detach().double()
+    weights = torch.zeros(z.shape[0], 2, dtype=torch.float64)
+    picks = torch.zeros(z.shape[0], 2, dtype=torch.long)
+    for t in range(z.shape[0]):
+        left = [e for e in range(z.shape[1]) if z[t, e] != float("-inf")]
+        for j in range(2):
+            m = max(left, key=lambda e: float(z[t, e]))
+            top = float(z[t, m])
+            near = [e for e in left if (top - float(z[t, e])) / max(abs(float(z[t, e])), top) <= 2 * eps]
+            weights[t, j] = 1.0 / sum(math.exp(float(z[t, e]) - top) for e in near)
+            picks[t, j] = m
+            left.remove(m)
+    return weights, picks
 
 
 def ids(n: int = 2, t: int = 12, seed: int = 1) -> torch.Tensor:

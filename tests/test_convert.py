@@ -6,6 +6,7 @@ import pytest
 import torch
 from families_cases import (
     CASES,
+    DENSE_FAMILIES,
     FAMILIES,
     H,
     block_of,
@@ -33,6 +34,13 @@ def fake_stats(e: int, seed: int) -> LayerStats:
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def fam(request):
+    teacher = make_teacher(request.param)
+    return request.param, teacher, get_adapter(teacher)
+
+
+@pytest.fixture(scope="module", params=DENSE_FAMILIES)
+def dense_fam(request):
+    """The families that write a dense student (Case.dense_student; test_families asserts the others refuse)."""
     teacher = make_teacher(request.param)
     return request.param, teacher, get_adapter(teacher)
 
@@ -95,10 +103,10 @@ def test_routed_scaling_folded_into_alpha(fam):
         torch.testing.assert_close(ffn_forward(ffns[pl.layer], h), expect, rtol=1e-5, atol=1e-6)
 
 
-def test_many_shared_students_leave_teacher_intact(fam):
+def test_many_shared_students_leave_teacher_intact(dense_fam):
     """The 350-grid fast path: students built in memory share the teacher's non-FFN tensors, copy
     nothing else, and never modify the teacher."""
-    family, teacher, a = fam
+    family, teacher, a = dense_fam
     before = {k: v.clone() for k, v in teacher.state_dict().items()}
     x = ids()
     with torch.no_grad():

@@ -14,7 +14,9 @@ import torch
 from families_cases import (
     CASES,
     COMMON,
+    DENSE_FAMILIES,
     FAMILIES,
+    NO_DENSE_FAMILIES,
     block_of,
     correction_bias,
     hand_plans,
@@ -25,6 +27,7 @@ from families_cases import (
     set_block,
     shared_of,
     shared_weights,
+    sparsemixer_ref,
 )
 from torch import nn
 
@@ -36,6 +39,13 @@ from workers.types import LayerPlan
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def fam(request):
+    teacher = make_teacher(request.param)
+    return request.param, teacher, get_adapter(teacher)
+
+
+@pytest.fixture(scope="module", params=DENSE_FAMILIES)
+def dense_fam(request):
+    """The families that write a dense student (Case.dense_student); the others are refused below."""
     teacher = make_teacher(request.param)
     return request.param, teacher, get_adapter(teacher)
 
@@ -215,6 +225,12 @@ def test_router_decision_is_what_the_block_used(fam):
         torch.testing.assert_close(p, ref_probs(family, ref_logits(family, block, h)), rtol=1e-5, atol=1e-6)
         ps = p.gather(1, idx)
         expect_w = ps / ps.sum(-1, keepdim=True) if renormalizes(family, teacher) else ps
+        if CASES[family].router == "sparsemixer":
+            expect_w, expect_idx = sparsemixer_ref(ref_logits(family, block, h),
+                                                   teacher.config.router_jitter_noise)
+            assert torch.equal(idx, expect_idx)
+            expect_w = expect_w.float()
+            assert (expect_w < 1 - 1e-6).any() and (expect_w.sum(-1) != 1).any()  # the masks hold several experts
         torch.testing.assert_close(w.float(), expect_w * scale, rtol=1e-5, atol=1e-6)
         # rebuild the block's output from (indices, weights) and the expert views
         ew = a.expert_weights(teacher, layer)
@@ -302,8 +318,8 @@ def test_routing_top_k_native_and_restore(fam):
 
 # ---- students (Appendix A exactness) -----------------------------------------------------------------
 @pytest.mark.parametrize("merged", [False, True])
-def test_student_ffn_exact(fam, merged):
-    family, teacher, a = fam
+def test_student_ffn_exact(dense_fam, merged):
+    family, teacher, a = dense_fam
     plans = hand_plans(a, teacher, merged)
     student = build_student_from_plans(teacher, a, plans, share_weights=True)
     torch.manual_seed(3)
@@ -321,8 +337,8 @@ def test_student_ffn_exact(fam, merged):
 
 
 @pytest.mark.parametrize("share", [False, True])
-def test_student_logits_equal_reference(fam, share):
-    family, teacher, a = fam
+def test_student_logits_equal_reference(dense_fam, share):
+    family, teacher, a = dense_fam
     plans = hand_plans(a, teacher, merged=True)
     student = build_student_from_plans(teacher, a, plans, share_weights=share)
     ref = reference_model(family, teacher, plans)
@@ -340,8 +356,8 @@ def test_student_logits_equal_reference(fam, share):
             assert p.untyped_storage().data_ptr() not in t_store, name
 
 
-def test_student_config_and_width(fam):
-    family, teacher, a = fam
+def test_student_config_and_width(dense_fam):
+    family, teacher, a = dense_fam
     import transformers
 
     case = CASES[family]
@@ -360,8 +376,8 @@ def test_student_config_and_width(fam):
         assert cfg.head_dim == 8 and cfg.rms_norm_eps == teacher.config.rms_norm_eps
 
 
-def test_shared_experts_scale_one_and_padding(fam):
-    family, teacher, a = fam
+def test_shared_experts_scale_one_and_padding(dense_fam):
+    family, teacher, a = dense_fam
     plans = hand_plans(a, teacher, merged=False)
     student = build_student_from_plans(teacher, a, plans, share_weights=False)
     width = student.config.intermediate_size
@@ -380,15 +396,15 @@ def test_shared_experts_scale_one_and_padding(fam):
             assert not mlp.gate_proj.weight[d:].any() and not mlp.down_proj.weight[:, d:].any()
 
 
-def test_build_student_rejects_bad_ffns(fam):
-    family, teacher, a = fam
+def test_build_student_rejects_bad_ffns(dense_fam):
+    family, teacher, a = dense_fam
     plans = hand_plans(a, teacher, merged=False)
     with pytest.raises(ValueError, match="MoE layer"):
         build_student_from_plans(teacher, a, plans[:-1], share_weights=True)
 
 
-def test_save_load_roundtrip(fam, tmp_path):
-    family, teacher, a = fam
+def test_save_load_roundtrip(dense_fam, tmp_path):
+    family, teacher, a = dense_fam
     from transformers import AutoModelForCausalLM
 
     student = build_student_from_plans(teacher, a, hand_plans(a, teacher, merged=True), share_weights=True)
@@ -398,3 +414,17 @@ def test_save_load_roundtrip(fam, tmp_path):
     x = ids(seed=7)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x).logits, student(x).logits, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", NO_DENSE_FAMILIES)
+def test_dense_student_refused_in_one_line(family):
+    """A family whose Case says it writes no dense student refuses it: refused_outputs names "dense", and
+    student_config / build_student raise the same one-line error."""
+    teacher = make_teacher(family)
+    a = get_adapter(teacher)
+    assert "dense" in a.refused_outputs and "\n" not in a.refused_outputs["dense"]
+    for build in (lambda: a.student_config(teacher, 16),
+                  lambda: build_student_from_plans(teacher, a, hand_plans(a, teacher, False), share_weights=True)):
+        with pytest.raises(ValueError) as err:
+            build()
+        assert str(err.value) == f"output='dense': {family} {a.refused_outputs['dense']}"

@@ -25,6 +25,7 @@ from families_cases import (
     router_module_of,
     router_of,
     shared_of,
+    sparsemixer_ref,
 )
 
 from workers.families import get_adapter
@@ -88,6 +89,16 @@ def _softmax_bias_router_forward(router, dropped: torch.Tensor):
     return forward
 
 
+def _sparsemixer_router_forward(router, dropped: torch.Tensor):
+    """PhiMoE router (SparseMixer, eval mode) with the dropped experts' logits at -inf, its two picks and
+    weights from the independent sparsemixer_ref."""
+    def forward(hidden_states):
+        logits = F.linear(hidden_states, router.weight).masked_fill(dropped, float("-inf"))
+        w, idx = sparsemixer_ref(logits, router.router_jitter_noise)
+        return logits, w.to(logits.dtype), idx
+    return forward
+
+
 def masked_teacher(family: str, model, kept: dict[int, list[int]], groups: bool = True):
     """A deep copy of `model` routing as if the experts not in kept[layer] did not exist. groups=False:
     DeepSeek's group limit switched off (n_group = topk_group = 1)."""
@@ -109,6 +120,8 @@ def masked_teacher(family: str, model, kept: dict[int, list[int]], groups: bool 
                 router.forward = _softmax_bias_router_forward(router, dropped)
             elif case.router == "softmax_v2":
                 router.forward = _deepseek_v2_router_forward(router, dropped)
+            elif case.router == "sparsemixer":
+                router.forward = _sparsemixer_router_forward(router, dropped)
             else:
                 module = router_module_of(family, block)  # the router module, not its inner linear map
                 module.forward = _softmax_router_forward(router, dropped, module=module,
@@ -208,6 +221,28 @@ def test_pruned_checkpoint_routes_as_the_teacher_without_the_dropped_experts(fam
     assert all(k <= len(v) < E for v in kept.values())
 
 
+def test_sparsemixer_over_the_kept_logits_is_the_teacher_with_the_dropped_logits_at_minus_inf():
+    """PhiMoE: a -inf logit gives a NaN relative threshold ((max − (−inf)) / inf), which never masks, but its
+    softmax weight is 0 and it is never the max: SparseMixer over the kept logits picks the same experts with
+    the same weights as over all E with the dropped logits at -inf, and both equal sparsemixer_ref."""
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(200, 6, generator=g, dtype=torch.float64) * 2
+    kept = [0, 2, 3, 5]
+    dropped = torch.ones(6, dtype=torch.bool)
+    dropped[kept] = False
+    for eps in (0.01, 0.2, 0.5):
+        w_all, i_all = sparsemixer(z.masked_fill(dropped, float("-inf")), jitter_eps=eps, training=False)
+        w_kept, i_kept = sparsemixer(z[:, kept], jitter_eps=eps, training=False)
+        assert torch.equal(i_all, torch.tensor(kept)[i_kept]) and torch.equal(w_all, w_kept)
+        w_ref, i_ref = sparsemixer_ref(z.masked_fill(dropped, float("-inf")), eps)
+        assert torch.equal(i_all, i_ref)
+        torch.testing.assert_close(w_all, w_ref, rtol=1e-12, atol=1e-12)
+        if eps == 0.2:  # the masked softmaxes hold several experts in some tokens
+            assert (w_ref < 1 - 1e-9).any()
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_pruning_to_all_experts_reproduces_the_teacher_exactly(family, tmp_path):
     model = teacher(family, seed=3)
@@ -245,7 +280,7 @@ def test_deepseek_drops_the_group_limit_when_the_groups_cannot_survive(family, c
     assert not torch.allclose(logits(masked_teacher(family, model, kept, groups=True), x), want, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss", "phimoe"])
 def test_bad_kept_gives_one_line_errors(family):
     model = teacher(family)
     adapter = get_adapter(model)

@@ -280,6 +280,10 @@ def test_bf16_student_keeps_fp32_master_weights():
 # GLM-4-MoE and dots1 have the same router (0.82 and 0.53 at these seeds): every group-limited sigmoid router
 # gets the same bound.
 MAX_RATIO = {f: 0.9 if CASES[f].groups and CASES[f].router == "sigmoid" else 0.5 for f in FAMILIES}
+# PhiMoE (SparseMixer, eval mode): a pick's weight is a softmax over the logits within the relative threshold of
+# its max, so about half the picks of the tiny teacher have a lone survivor, weight exactly 1 and no gradient to
+# the router; it recovers to 0.57 of the start at these seeds.
+MAX_RATIO["phimoe"] = 0.75
 
 
 def recovery(family: str, **overrides) -> tuple[float, float, dict]:

@@ -116,3 +116,21 @@ def test_unknown_model_type_and_bad_configs():
         teacher_shape(tiny_config("qwen3_moe", mlp_only_layers=[0, 1, 2]))
     with pytest.raises(ValueError, match="handles"):
         get_adapter(make_teacher("mixtral")).shape_from_config(tiny_config("olmoe"))
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_phimoe_refuses_a_k_sparsemixer_does_not_route(k):
+    """PhiMoE's SparseMixer routes two experts whatever num_experts_per_tok says: the built model really does,
+    and the config (and the adapter on the built model) is a one-line error naming the field."""
+    model = make_teacher("phimoe", num_experts_per_tok=k)
+    seen = []
+    handle = model.model.layers[0].mlp.router.register_forward_hook(lambda m, i, o: seen.append(o[2]))
+    with torch.no_grad():
+        model(ids())
+    handle.remove()
+    assert seen[0].shape[1] == 2
+    for call in (lambda: teacher_shape(tiny_config("phimoe", num_experts_per_tok=k)),
+                 lambda: get_adapter(model).top_k(model)):
+        with pytest.raises(ValueError, match=f"num_experts_per_tok={k}; SparseMixer always routes 2") as err:
+            call()
+        assert "\n" not in str(err.value)

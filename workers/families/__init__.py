@@ -23,6 +23,7 @@ from workers.families.hunyuan_v1_moe import HunYuanMoeV1Adapter
 from workers.families.minimax_m2 import MiniMaxM2Adapter
 from workers.families.mixtral import MixtralAdapter
 from workers.families.olmoe import OlmoeAdapter
+from workers.families.phimoe import PhimoeAdapter
 from workers.families.qwen2_moe import Qwen2MoeAdapter
 from workers.families.qwen3_moe import Qwen3MoeAdapter
 from workers.types import TeacherShape
@@ -41,6 +42,8 @@ ADAPTERS += [GlmMoeDsaAdapter()]
 ADAPTERS += [HunYuanMoeV1Adapter()]
 # issue #17: ERNIE-4.5-MoE (softmax router, top-k corrected by a [1, E] bias)
 ADAPTERS += [Ernie45MoeAdapter()]
+# PhiMoE (SparseMixer: always two experts; no dense student)
+ADAPTERS += [PhimoeAdapter()]
 
 
 def supported() -> list[str]:
