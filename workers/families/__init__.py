@@ -10,6 +10,7 @@ from torch import nn
 
 from workers.families.afmoe import AfmoeAdapter
 from workers.families.base import FamilyAdapter
+from workers.families.dbrx import DbrxAdapter
 from workers.families.cohere2_moe import Cohere2MoeAdapter
 from workers.families.deepseek_v2 import DeepseekV2Adapter, DeepseekV3Adapter
 from workers.families.ernie4_5_moe import Ernie45MoeAdapter
@@ -41,6 +42,8 @@ ADAPTERS += [GlmMoeDsaAdapter()]
 ADAPTERS += [HunYuanMoeV1Adapter()]
 # issue #17: ERNIE-4.5-MoE (softmax router, top-k corrected by a [1, E] bias)
 ADAPTERS += [Ernie45MoeAdapter()]
+# DBRX: the router returns logits alone, the block normalizes the top-k; layers at transformer.blocks
+ADAPTERS += [DbrxAdapter()]
 
 
 def supported() -> list[str]:
