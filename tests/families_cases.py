@@ -56,6 +56,7 @@ class Case:
     router_dtype: torch.dtype | None = None  # the dtype the modeling code pins the router's linear map to
     #              (HunYuan: float32 in any model dtype; from_pretrained keeps it there, so make_teacher does too)
     topk_key: str = "num_experts_per_tok"  # config field of k (a dotted key names a field of a sub-config)
+    logits_router: bool = False  # the router module returns the logits alone; the block picks and weights (DBRX)
     width_key: str = "intermediate_size"  # config field of a one-expert student's expert width
 
 
@@ -122,7 +123,7 @@ CASES.update({
 # top-k by their L1 norm), MoE fields in the nested ffn_config
 CASES.update({
     "dbrx": Case((0, 1), 6, 2, "ffn_config.moe_num_experts", "softmax", True, "DbrxConfig", one_expert_student=True,
-                 block="ffn", router_attr="router.layer", topk_key="ffn_config.moe_top_k",
+                 block="ffn", router_attr="router.layer", logits_router=True, topk_key="ffn_config.moe_top_k",
                  width_key="ffn_config.ffn_hidden_size"),
 })
 FAMILIES = list(CASES)
@@ -282,6 +283,15 @@ def cfg_get(config: Any, key: str) -> Any:
     for part in key.split("."):
         config = getattr(config, part)
     return config
+
+
+def expert_params(family: str, experts: nn.Module) -> dict[str, torch.Tensor]:
+    """The experts module's parameters by name, each with a leading expert axis (DBRX's [E·I, H] w1/v1/w2 as
+    their [E, I, H] views)."""
+    params = dict(experts.named_parameters())
+    if family != "dbrx":
+        return params
+    return {n: t.view(experts.num_experts, -1, t.shape[-1]) for n, t in params.items()}
 
 
 def layers_of(family: str, model: nn.Module) -> nn.ModuleList:
