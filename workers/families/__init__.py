@@ -10,8 +10,8 @@ from torch import nn
 
 from workers.families.afmoe import AfmoeAdapter
 from workers.families.base import FamilyAdapter
-from workers.families.dbrx import DbrxAdapter
 from workers.families.cohere2_moe import Cohere2MoeAdapter
+from workers.families.dbrx import DbrxAdapter
 from workers.families.deepseek_v2 import DeepseekV2Adapter, DeepseekV3Adapter
 from workers.families.ernie4_5_moe import Ernie45MoeAdapter
 from workers.families.flex_olmo import FlexOlmoAdapter
