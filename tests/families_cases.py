@@ -260,7 +260,8 @@ def make_teacher(family: str, seed: int = 0, dtype: torch.dtype | None = None,
     model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), **kw).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or "sinks" in name:
+            # the owning module's name, not any prefix: DBRX's attention lives under `norm_attn_norm`
+            if "norm" in name.rpartition(".")[0].rpartition(".")[2] or "sinks" in name:
                 p.uniform_(0.5, 1.5)
             else:
                 p.normal_(0.0, 0.25)
