@@ -19,7 +19,7 @@ Students: the same class (no dense sibling in transformers): the dense student h
 `width`, top-1 (softmax over one logit is 1, and so is its p-norm: exact), a zero [1, H] router and no router
 jitter; the pruned and merged MoE slice or average the router rows and the [E, I, H] views of w1/v1/w2.
 The edited MoE is refused (refused_outputs). The decoder layers are `transformer.blocks`, not
-`model.layers`: the streamed pass, FSDP and the baselines refuse DBRX in one line.
+`model.layers`: the streamed pass, FSDP and the random_ffn / random_init baselines refuse DBRX in one line.
 """
 
 from __future__ import annotations
