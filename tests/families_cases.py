@@ -34,7 +34,7 @@ class Case:
     moe_layers: tuple[int, ...]
     experts: int
     top_k: int
-    experts_key: str  # config field with the routed expert count
+    experts_key: str  # config field with the routed expert count (DBRX: ffn_config.moe_num_experts, see cfg_get)
     router: str  # "softmax": top-k of softmax p; "softmax_v2": DeepSeek-V2 (groups by max p, scaled);
     #              "sigmoid": top-k of sigmoid + correction bias, weights the raw sigmoid (DeepSeek-V3 style);
     #              "logits": top-k of biased logits, softmax over the k (GPT-OSS);
@@ -59,6 +59,9 @@ class Case:
     router_dtype: torch.dtype | None = None  # the dtype the modeling code pins the router's linear map to
     #              (HunYuan: float32 in any model dtype; from_pretrained keeps it there, so make_teacher does too)
     dense_student: bool = True  # the family writes a dense student (False: refused_outputs holds "dense")
+    topk_key: str = "num_experts_per_tok"  # config field of k (a dotted key names a field of a sub-config)
+    logits_router: bool = False  # the router module returns the logits alone; the block picks and weights (DBRX)
+    width_key: str = "intermediate_size"  # config field of a one-expert student's expert width
 
 
 CASES: dict[str, Case] = {
@@ -124,6 +127,13 @@ CASES.update({
 CASES.update({
     "phimoe": Case((0, 1), 6, 2, "num_local_experts", "sparsemixer", False, "", router_attr="router",
                    dense_student=False),
+})
+# DBRX: blocks at transformer.blocks, MoE block `ffn`, a router returning logits alone (the block normalizes the
+# top-k by their L1 norm), MoE fields in the nested ffn_config
+CASES.update({
+    "dbrx": Case((0, 1), 6, 2, "ffn_config.moe_num_experts", "softmax", True, "DbrxConfig", one_expert_student=True,
+                 block="ffn", router_attr="router.layer", logits_router=True, topk_key="ffn_config.moe_top_k",
+                 width_key="ffn_config.ffn_hidden_size"),
 })
 FAMILIES = list(CASES)
 DENSE_FAMILIES = [f for f in FAMILIES if CASES[f].dense_student]  # families whose tests build a dense student
@@ -246,6 +256,12 @@ def tiny_config(family: str, **overrides: Any):
         kw = dict(num_key_value_heads=2, intermediate_size=16, num_hidden_layers=2, num_local_experts=6,
                   num_experts_per_tok=2, router_jitter_noise=0.2, attention_bias=True, lm_head_bias=True)
         return tf.PhimoeConfig(**{**COMMON, **kw, **overrides})
+    if family == "dbrx":  # clipped fused qkv; the attention reads attn_config.rope_theta (no default there)
+        ffn = dict(ffn_hidden_size=16, moe_num_experts=6, moe_top_k=2, moe_normalize_expert_weights=1.0)
+        ffn.update(overrides.pop("ffn_config", {}))
+        kw = dict(d_model=H, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=V, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2, attn_config=dict(kv_n_heads=2, clip_qkv=2.0, rope_theta=10000.0), ffn_config=ffn)
+        return tf.DbrxConfig(**{**kw, **overrides})
     raise ValueError(f"no tiny config for family {family!r}")
 
 
@@ -260,7 +276,8 @@ def make_teacher(family: str, seed: int = 0, dtype: torch.dtype | None = None,
     model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), **kw).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or "sinks" in name:
+            # the owning module's name, not any prefix: DBRX's attention lives under `norm_attn_norm`
+            if "norm" in name.rpartition(".")[0].rpartition(".")[2] or "sinks" in name:
                 p.uniform_(0.5, 1.5)
             else:
                 p.normal_(0.0, 0.25)
@@ -271,11 +288,37 @@ def make_teacher(family: str, seed: int = 0, dtype: torch.dtype | None = None,
         return model
     model = model.to(dtype)
     if CASES.get(family) is not None and CASES[family].router_dtype is not None:  # as from_pretrained builds it
-        for layer in range(len(model.model.layers)):
+        for layer in range(len(layers_of(family, model))):
             block = block_of(family, model, layer)
             if hasattr(block, "experts"):
                 router_of(family, block).to(CASES[family].router_dtype)
     return model
+
+
+def cfg_get(config: Any, key: str) -> Any:
+    """A config field; a dotted key reads a sub-config's field (DBRX: ffn_config.moe_num_experts)."""
+    for part in key.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def expert_params(family: str, experts: nn.Module) -> dict[str, torch.Tensor]:
+    """The experts module's parameters by name, each with a leading expert axis (DBRX's [E·I, H] w1/v1/w2 as
+    their [E, I, H] views)."""
+    params = dict(experts.named_parameters())
+    if family != "dbrx":
+        return params
+    return {n: t.view(experts.num_experts, -1, t.shape[-1]) for n, t in params.items()}
+
+
+def layers_of(family: str, model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a model of the family's class (DBRX: transformer.blocks)."""
+    return model.transformer.blocks if family == "dbrx" else model.model.layers
+
+
+def student_ffn_of(family: str, student: nn.Module, layer: int) -> nn.Module:
+    """Layer `layer`'s FFN in the dense student: `mlp` of a dense sibling, the block of a one-expert student."""
+    return block_of(family, student, layer) if CASES[family].one_expert_student else student.model.layers[layer].mlp
 
 
 def router_of(family: str, block: nn.Module) -> nn.Module:
@@ -294,12 +337,12 @@ def router_module_of(family: str, block: nn.Module) -> nn.Module:
 def block_of(family: str, model: nn.Module, layer: int) -> nn.Module:
     """Decoder layer `layer`'s FFN module (the MoE block in MoE layers) in a model of the family's class
     (the teacher, its pruned, merged and edited twins; dense students keep theirs at `mlp`)."""
-    return getattr(model.model.layers[layer], CASES[family].block)
+    return getattr(layers_of(family, model)[layer], CASES[family].block)
 
 
 def set_block(family: str, model: nn.Module, layer: int, module: nn.Module) -> None:
     """Replace decoder layer `layer`'s FFN module (see block_of)."""
-    setattr(model.model.layers[layer], CASES[family].block, module)
+    setattr(layers_of(family, model)[layer], CASES[family].block, module)
 
 
 def shared_of(family: str, model: nn.Module, layer: int) -> nn.Module | None:
@@ -307,7 +350,7 @@ def shared_of(family: str, model: nn.Module, layer: int) -> nn.Module | None:
     case = CASES[family]
     if case.shared is None:
         return None
-    owner = model.model.layers[layer] if case.shared_on_layer else block_of(family, model, layer)
+    owner = layers_of(family, model)[layer] if case.shared_on_layer else block_of(family, model, layer)
     return getattr(owner, case.shared, None)
 
 

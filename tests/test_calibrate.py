@@ -44,15 +44,11 @@ def _capture(model, adapter, batches):
     state = {}
 
     def make(layer):
-        def hook(mod, args, kwargs, out):
-            h = args[0] if args else kwargs["hidden_states"]
-            p, w, idx = adapter.router_decision(out)
-            seen[layer].append((h.reshape(-1, h.shape[-1]).clone(), p.clone(), w.clone(), idx.clone(),
-                                state["mask"]))
+        def hook(x, p, w, idx):
+            seen[layer].append((x.clone(), p.clone(), w.clone(), idx.clone(), state["mask"]))
         return hook
 
-    handles = [adapter.router_module(model, layer).register_forward_hook(make(layer), with_kwargs=True)
-               for layer in seen]
+    handles = [h for layer in seen for h in adapter.hook_routing(model, layer, make(layer))]
     try:
         with torch.no_grad():
             for ids, mask in batches:
@@ -81,7 +77,7 @@ def naive_stats(model, adapter, batches) -> dict[int, dict[str, torch.Tensor]]:
                         continue
                     n += 1
                     one = torch.ones(1, 1, dtype=x.dtype)
-                    fs = [experts(x[t:t + 1], torch.tensor([[e]]), one)[0].double() for e in range(E)]
+                    fs = [experts(x[t:t + 1], torch.tensor([[e]]), one).reshape(-1).double() for e in range(E)]
                     stacked = torch.stack(fs)  # [E, H], this token only
                     acc["gram"] += stacked @ stacked.T
                     acc["sum_out"] += stacked
@@ -207,9 +203,7 @@ def test_hook_reads_the_real_decision(family):
     router = adapter.router_module(model, layer)
     block = _block_of(model, router)
     got: dict[str, object] = {}
-    hooks = [router.register_forward_hook(lambda m, a, kw, o: got.update(x=(a[0] if a else kw["hidden_states"]),
-                                                                           dec=adapter.router_decision(o)),
-                                          with_kwargs=True),
+    hooks = [*adapter.hook_routing(model, layer, lambda x, p, w, idx: got.update(x=x, dec=(p, w, idx))),
              block.experts.register_forward_hook(lambda m, a, o: got.update(experts=o)),
              block.register_forward_hook(lambda m, a, o: got.update(block=o[0] if isinstance(o, tuple) else o))]
     ids, mask = padded_batches(seed=8)[0]

@@ -30,7 +30,7 @@ from workers.editing import (
     tucker2,
     whitening,
 )
-from workers.families import get_adapter
+from workers.families import adapter_named, get_adapter
 from workers.registry import registry_names
 from workers.types import ExpertWeights, LayerContext, LayerStats
 
@@ -235,8 +235,40 @@ def logits(model, x):
         return model(input_ids=x, use_cache=False).logits
 
 
-@pytest.mark.parametrize("family,method", [(f, "TD-MoE") for f in FAMILIES] + [("qwen3_moe", "MoBE"),
-                                                                               ("gpt_oss", "MoBE")])
+EDITABLE = [f for f in FAMILIES if "edited" not in adapter_named(f).refused_outputs]  # dbrx refuses: see below
+
+
+def test_dbrx_refuses_an_edited_moe_in_the_sweep_and_in_the_conversion(tmp_path):
+    """DBRX keeps its experts as [E·I, H] w1/v1/w2, not the fused layout the edited experts rebuild: the only
+    family left out of EDITABLE, refused in one line before a sweep runs and by the conversion itself."""
+    import yaml
+    from families_cases import tiny_config
+
+    from orchestrator.configs import build_configs, model_shape
+    from orchestrator.schema import SpecError
+    from orchestrator.spec import load_spec
+    from workers.outputs import write_student
+
+    assert [f for f in FAMILIES if f not in EDITABLE] == ["dbrx"]
+    tiny_config("dbrx").save_pretrained(tmp_path / "dbrx")
+    f = tmp_path / "edited.yaml"
+    f.write_text(yaml.safe_dump({"name": "dbrx-edited", "teacher": {"source": "hf", "model": str(tmp_path / "dbrx")},
+                                 "calibration": {"n_samples": 4, "seq_len": 8},
+                                 "grid": [{"output": ["edited"], "editing": ["TD-MoE"], "K": [4]}]}))
+    spec, path, _ = load_spec(str(f))
+    with pytest.raises(SpecError) as e:
+        build_configs(spec, model_shape(spec, str(path)))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("grid.output: edited: dbrx cannot write an edited MoE: its experts keep")
+    assert msg.endswith("allowed for dbrx: dense, moe, merged")
+    teacher = make_teacher("dbrx")
+    with pytest.raises(ValueError, match=r"^output='edited': dbrx cannot write an edited MoE: its experts") as e:
+        write_student("edited", teacher, get_adapter(teacher), [], share_weights=True)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("family,method", [(f, "TD-MoE") for f in EDITABLE] + [("qwen3_moe", "MoBE"),
+                                                                              ("gpt_oss", "MoBE")])
 def test_edited_model_computes_the_teacher_with_the_reconstructed_experts(family, method, tmp_path):
     from transformers import AutoModelForCausalLM
 

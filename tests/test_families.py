@@ -18,9 +18,11 @@ from families_cases import (
     FAMILIES,
     NO_DENSE_FAMILIES,
     block_of,
+    cfg_get,
     correction_bias,
     hand_plans,
     ids,
+    layers_of,
     make_teacher,
     routed_scale,
     router_of,
@@ -28,6 +30,7 @@ from families_cases import (
     shared_of,
     shared_weights,
     sparsemixer_ref,
+    student_ffn_of,
 )
 from torch import nn
 
@@ -85,15 +88,20 @@ def forced(experts: nn.Module, h: torch.Tensor, ids: list[int], weights: list[fl
     t = h.shape[0]
     idx = torch.tensor(ids, device=h.device).expand(t, len(ids)).contiguous()
     w = torch.tensor(weights, dtype=h.dtype, device=h.device).expand(t, len(ids)).contiguous()
-    return experts(h, idx, w)
+    return experts(h, idx, w).reshape(h.shape)  # DBRX's experts return [T, 1, H]
 
 
-def merged_experts(experts: nn.Module, groups: list[list[int]], merge_w: list[list[float]]) -> nn.Module:
-    """A copy of the experts module whose slot g holds Σ_e w_e W_e of group g (raw fused tensors)."""
+def merged_experts(family: str, experts: nn.Module, groups: list[list[int]], merge_w: list[list[float]]) -> nn.Module:
+    """A copy of the experts module whose slot g holds Σ_e w_e W_e of group g (raw fused tensors; DBRX's
+    [E·I, H] w1/v1/w2 through their [E, I, H] views)."""
     ref = copy.deepcopy(experts)
+
+    def slots(t: torch.Tensor) -> torch.Tensor:
+        return t.view(experts.num_experts, -1, t.shape[-1]) if family == "dbrx" else t
+
     with torch.no_grad():
-        for name, p in ref.named_parameters():
-            src = getattr(experts, name)
+        for name, q in ref.named_parameters():
+            p, src = slots(q), slots(experts.get_parameter(name))
             for g, (members, ws) in enumerate(zip(groups, merge_w, strict=True)):
                 p[g] = sum(w * src[e] for e, w in zip(members, ws, strict=True))
     return ref
@@ -109,7 +117,7 @@ class RefMLP(nn.Module):
     def __init__(self, family: str, block: nn.Module, plan: LayerPlan, scale: float):
         super().__init__()
         self.family, self.block = family, block
-        self.experts = merged_experts(block.experts, plan.groups, plan.merge_weights)
+        self.experts = merged_experts(family, block.experts, plan.groups, plan.merge_weights)
         self.alpha = [a * scale for a in plan.alpha]
 
     def forward(self, x):
@@ -127,7 +135,7 @@ def reference_model(family: str, teacher: nn.Module, plans: list[LayerPlan]) -> 
 
 
 def student_mlp(family: str, student: nn.Module, layer: int, h: torch.Tensor) -> torch.Tensor:
-    return block_out(family, student.model.layers[layer].mlp(h[None]))[0]
+    return block_out(family, student_ffn_of(family, student, layer)(h[None]))[0]
 
 
 # ---- structure ------------------------------------------------------------------------------------
@@ -207,8 +215,7 @@ def test_router_decision_is_what_the_block_used(fam):
     handles = []
     for layer in a.moe_layers(teacher):
         rec = seen.setdefault(layer, {})
-        handles.append(a.router_module(teacher, layer).register_forward_hook(
-            lambda m, i, o, rec=rec: rec.update(dec=a.router_decision(o))))
+        handles += a.hook_routing(teacher, layer, lambda x, p, w, idx, rec=rec: rec.update(dec=(p, w, idx)))
         handles.append(block_of(family, teacher, layer).register_forward_hook(
             lambda m, i, o, rec=rec: rec.update(h=i[0].reshape(-1, i[0].shape[-1]), y=block_out(family, o))))
     with torch.no_grad():
@@ -331,7 +338,7 @@ def test_student_ffn_exact(dense_fam, merged):
             if CASES[family].shared_on_layer:  # the decoder layer adds its shared MLP to the block's output
                 want = want + shared_of(family, teacher, pl.layer)(h)
             torch.testing.assert_close(student_mlp(family, student, pl.layer, h), want, rtol=1e-4, atol=1e-5)
-        for layer in set(range(len(teacher.model.layers))) - set(a.moe_layers(teacher)):  # padded dense layers
+        for layer in set(range(len(layers_of(family, teacher)))) - set(a.moe_layers(teacher)):  # padded dense layers
             torch.testing.assert_close(student_mlp(family, student, layer, h), block_of(family, teacher, layer)(h),
                                        rtol=1e-5, atol=1e-6)
 
@@ -347,8 +354,9 @@ def test_student_logits_equal_reference(dense_fam, share):
         torch.testing.assert_close(student(x).logits, ref(x).logits, rtol=1e-4, atol=1e-4)
     t_params = dict(teacher.named_parameters())
     t_store = {p.untyped_storage().data_ptr() for p in teacher.parameters()}
+    ffn = f".{CASES[family].block}." if CASES[family].one_expert_student else ".mlp."
     for name, p in student.named_parameters():
-        if ".mlp." in name:
+        if ffn in name:
             assert p.untyped_storage().data_ptr() not in t_store, name  # FFN tensors are always new
         elif share:
             assert p is t_params[name], name
@@ -365,9 +373,10 @@ def test_student_config_and_width(dense_fam):
     cfg = student.config
     assert type(cfg) is getattr(transformers, case.student)
     i = a.expert_weights(teacher, a.moe_layers(teacher)[0]).intermediate
-    assert cfg.intermediate_size == a.top_k(teacher) * i + case.shared_width  # k·I + shared width
+    width_key = case.width_key if case.one_expert_student else "intermediate_size"
+    assert cfg_get(cfg, width_key) == a.top_k(teacher) * i + case.shared_width  # k·I + shared width
     if case.one_expert_student:
-        assert (getattr(cfg, case.experts_key), cfg.num_experts_per_tok) == (1, 1)
+        assert (cfg_get(cfg, case.experts_key), cfg_get(cfg, case.topk_key)) == (1, 1)
     if case.all_dense_student:
         assert cfg.first_k_dense_replace == cfg.num_hidden_layers
         assert not any(hasattr(layer.mlp, "experts") for layer in student.model.layers)
@@ -380,11 +389,12 @@ def test_shared_experts_scale_one_and_padding(dense_fam):
     family, teacher, a = dense_fam
     plans = hand_plans(a, teacher, merged=False)
     student = build_student_from_plans(teacher, a, plans, share_weights=False)
-    width = student.config.intermediate_size
+    width_key = CASES[family].width_key if CASES[family].one_expert_student else "intermediate_size"
+    width = cfg_get(student.config, width_key)
     kI = a.top_k(teacher) * a.expert_weights(teacher, a.moe_layers(teacher)[0]).intermediate
-    for layer, dec in enumerate(student.model.layers):
+    for layer in range(len(layers_of(family, student))):
         block = block_of(family, teacher, layer)
-        mlp = dec.mlp
+        mlp = student_ffn_of(family, student, layer)
         if CASES[family].shared and layer in a.moe_layers(teacher):
             sh_gate, _, sh_down = shared_weights(shared_of(family, teacher, layer))
             torch.testing.assert_close(mlp.gate_proj.weight[kI:], sh_gate, rtol=0, atol=0)

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from families_cases import CASES, FAMILIES, block_of, ids, make_teacher
+from families_cases import CASES, FAMILIES, block_of, ids, layers_of, make_teacher
 
 from workers.families import get_adapter
 from workers.router_kd import (
@@ -43,12 +43,13 @@ def expected_router_names(family: str, model) -> list[str]:
     """Written out per family: every MoE block's router weight (GPT-OSS: and its bias)."""
     out = []
     blk = CASES[family].block
-    for i in range(len(model.model.layers)):
+    prefix = "transformer.blocks" if family == "dbrx" else "model.layers"
+    for i in range(len(layers_of(family, model))):
         if hasattr(block_of(family, model, i), "experts"):
             attr = "router" if family == "gpt_oss" else CASES[family].router_attr
-            out.append(f"model.layers.{i}.{blk}.{attr}.weight")
+            out.append(f"{prefix}.{i}.{blk}.{attr}.weight")
             if family == "gpt_oss":
-                out.append(f"model.layers.{i}.{blk}.{attr}.bias")
+                out.append(f"{prefix}.{i}.{blk}.{attr}.bias")
     return out
 
 

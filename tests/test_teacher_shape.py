@@ -25,6 +25,8 @@ CASES = [(f, {}) for f in FAMILIES] + [
                      "topk_method": "greedy"}),
     ("deepseek_v3", {"norm_topk_prob": False, "n_shared_experts": 2, "first_k_dense_replace": 0}),
     ("gpt_oss", {"num_local_experts": 5, "num_experts_per_tok": 3}),
+    ("dbrx", {"ffn_config": {"moe_num_experts": 5, "moe_top_k": 3, "moe_normalize_expert_weights": None},
+              "n_layers": 3}),
 ]
 
 
@@ -35,17 +37,17 @@ def case_id(case) -> str:
 
 def built_shape(family: str, model, adapter) -> TeacherShape:
     """The shape as the adapter sees it on the built model; renormalization as calibration meets it:
-    the router's applied weights (router_decision, as collect_stats reads them) divided by the
+    the router's applied weights (hook_routing, as collect_stats reads them) divided by the
     routed scaling sum to 1 on every token iff the router renormalizes."""
     layers = adapter.moe_layers(model)
     decisions = []
-    handle = adapter.router_module(model, layers[0]).register_forward_hook(
-        lambda m, i, o: decisions.append(adapter.router_decision(o)))
+    handles = adapter.hook_routing(model, layers[0], lambda x, p, w, idx: decisions.append((p, w, idx)))
     try:
         with torch.no_grad():
             model(ids())
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     p, w, idx = decisions[0]
     k = adapter.top_k(model)
     assert idx.shape[1] == w.shape[1] == k  # the top_k the router really used

@@ -11,6 +11,7 @@ from torch import nn
 from workers.families.afmoe import AfmoeAdapter
 from workers.families.base import FamilyAdapter
 from workers.families.cohere2_moe import Cohere2MoeAdapter
+from workers.families.dbrx import DbrxAdapter
 from workers.families.deepseek_v2 import DeepseekV2Adapter, DeepseekV3Adapter
 from workers.families.ernie4_5_moe import Ernie45MoeAdapter
 from workers.families.flex_olmo import FlexOlmoAdapter
@@ -44,6 +45,8 @@ ADAPTERS += [HunYuanMoeV1Adapter()]
 ADAPTERS += [Ernie45MoeAdapter()]
 # PhiMoE (SparseMixer: always two experts; no dense student)
 ADAPTERS += [PhimoeAdapter()]
+# DBRX: the router returns logits alone, the block normalizes the top-k; layers at transformer.blocks
+ADAPTERS += [DbrxAdapter()]
 
 
 def supported() -> list[str]:
