@@ -71,6 +71,12 @@ FAMILIES.update({"hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausal
 FAMILIES.update({"ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", "fused")})
 # phimoe (SparseMixer router, Mixtral-like fused experts)
 FAMILIES.update({"phimoe": ("PhimoeConfig", "PhimoeForCausalLM", "fused")})
+# solar_open, mimo_v2_flash, hy_v3
+FAMILIES.update({
+    "solar_open": ("SolarOpenConfig", "SolarOpenForCausalLM", "fused"),
+    "mimo_v2_flash": ("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", "fused"),
+    "hy_v3": ("HYV3Config", "HYV3ForCausalLM", "fused"),
+})
 
 
 class FactoredProjection(nn.Module):

@@ -21,12 +21,15 @@ from workers.families.glm_moe_dsa import GlmMoeDsaAdapter
 from workers.families.gpt_oss import GptOssAdapter
 from workers.families.granitemoe import GraniteMoeAdapter, GraniteMoeSharedAdapter, GraniteMoeSWAAdapter
 from workers.families.hunyuan_v1_moe import HunYuanMoeV1Adapter
+from workers.families.hy_v3 import HYV3Adapter
+from workers.families.mimo_v2_flash import MiMoV2FlashAdapter
 from workers.families.minimax_m2 import MiniMaxM2Adapter
 from workers.families.mixtral import MixtralAdapter
 from workers.families.olmoe import OlmoeAdapter
 from workers.families.phimoe import PhimoeAdapter
 from workers.families.qwen2_moe import Qwen2MoeAdapter
 from workers.families.qwen3_moe import Qwen3MoeAdapter
+from workers.families.solar_open import SolarOpenAdapter
 from workers.types import TeacherShape
 
 ADAPTERS: list[FamilyAdapter] = [Qwen3MoeAdapter(), Qwen2MoeAdapter(), MixtralAdapter(), OlmoeAdapter(),
@@ -47,6 +50,9 @@ ADAPTERS += [Ernie45MoeAdapter()]
 ADAPTERS += [PhimoeAdapter()]
 # DBRX: the router returns logits alone, the block normalizes the top-k; layers at transformer.blocks
 ADAPTERS += [DbrxAdapter()]
+# Solar Open (GLM-4.5's block in Llama layers), MiMo-V2-Flash (the V3 router, no shared experts),
+# Hy-V3 (MiniMax-M2's router × router_scaling_factor, shared MLP, dense layers by mlp_layer_types)
+ADAPTERS += [SolarOpenAdapter(), MiMoV2FlashAdapter(), HYV3Adapter()]
 
 
 def supported() -> list[str]:
