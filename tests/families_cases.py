@@ -135,6 +135,17 @@ CASES.update({
                  block="ffn", router_attr="router.layer", logits_router=True, topk_key="ffn_config.moe_top_k",
                  width_key="ffn_config.ffn_hidden_size"),
 })
+# Solar Open: GLM-4.5's block in Llama layers (every layer MoE, dense sibling Llama); MiMo-V2-Flash: the V3 router
+# without shared experts, dense layers by mlp_layer_types; Hy-V3: MiniMax-M2's block-held bias × router_scaling_factor,
+# a shared MLP and dense layers by mlp_layer_types
+CASES.update({
+    "solar_open": Case((0, 1), 8, 2, "n_routed_experts", "sigmoid", True, "LlamaConfig", groups=True, scaled=True,
+                       shared="shared_experts", shared_width=16),
+    "mimo_v2_flash": Case((1, 2), 8, 2, "n_routed_experts", "sigmoid", True, "MiMoV2FlashConfig", groups=True,
+                          scaled=True),
+    "hy_v3": Case((1, 2), 6, 2, "num_experts", "sigmoid", True, "HYV3Config", scaled=True, shared="shared_experts",
+                  shared_width=16, bias_on_block=True, scale_key="router_scaling_factor"),
+})
 FAMILIES = list(CASES)
 DENSE_FAMILIES = [f for f in FAMILIES if CASES[f].dense_student]  # families whose tests build a dense student
 NO_DENSE_FAMILIES = [f for f in FAMILIES if not CASES[f].dense_student]
@@ -262,6 +273,27 @@ def tiny_config(family: str, **overrides: Any):
         kw = dict(d_model=H, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=V, pad_token_id=0, bos_token_id=1,
                   eos_token_id=2, attn_config=dict(kv_n_heads=2, clip_qkv=2.0, rope_theta=10000.0), ffn_config=ffn)
         return tf.DbrxConfig(**{**kw, **overrides})
+    if family == "solar_open":  # no dense layer; q/k/v biases (the Llama student's o_proj bias is zeros)
+        kw = dict(v3, head_dim=8, norm_topk_prob=True, routed_scaling_factor=2.5, attention_bias=True)
+        kw.pop("intermediate_size")
+        return tf.SolarOpenConfig(**{**COMMON, **kw, **overrides})
+    # MiMo-V2-Flash: layer 0 dense (narrower than k·I); layers 0 and 2 full attention, layer 1 sliding (double KV
+    # heads, sinks); partial RoPE with per-type theta, a smaller value head, values × attention_value_scale
+    if family == "mimo_v2_flash":
+        kw = dict(v3, num_hidden_layers=3, head_dim=8, v_head_dim=4, intermediate_size=24, norm_topk_prob=True,
+                  routed_scaling_factor=2.0, mlp_layer_types=["dense", "sparse", "sparse"], sliding_window=6, attention_value_scale=0.8,
+                  layer_types=["full_attention", "sliding_attention", "full_attention"],
+                  rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0,
+                                                      "partial_rotary_factor": 0.5},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0,
+                                                         "partial_rotary_factor": 0.5}})
+        kw.pop("n_shared_experts")
+        return tf.MiMoV2FlashConfig(**{**COMMON, **kw, **overrides})
+    if family == "hy_v3":  # layer 0 dense; per-head q/k norm; biased MLPs (the shared MLP's too)
+        kw = dict(num_key_value_heads=2, head_dim=8, intermediate_size=40, moe_intermediate_size=16,
+                  num_hidden_layers=3, num_experts=6, num_experts_per_tok=2, num_shared_experts=1,
+                  router_scaling_factor=1.5, mlp_layer_types=["dense", "sparse", "sparse"], mlp_bias=True)
+        return tf.HYV3Config(**{**COMMON, **kw, **overrides})
     raise ValueError(f"no tiny config for family {family!r}")
 
 

@@ -285,6 +285,9 @@ MAX_RATIO = {f: 0.9 if CASES[f].groups and CASES[f].router == "sigmoid" else 0.5
 # its max, so about half the picks of the tiny teacher have a lone survivor, weight exactly 1 and no gradient to
 # the router; it recovers to 0.57 of the start at these seeds.
 MAX_RATIO["phimoe"] = 0.75
+# Hy-V3 (MiniMax-M2's ungrouped sigmoid router × router_scaling_factor, a shared MLP): recovers to 0.52 of the start
+# at these seeds (0.56 without the MLP biases, 0.30 with k = 3): halfway, not the softmax routers' margin.
+MAX_RATIO["hy_v3"] = 0.6
 
 
 def recovery(family: str, **overrides) -> tuple[float, float, dict]:

@@ -27,6 +27,9 @@ CASES = [(f, {}) for f in FAMILIES] + [
     ("gpt_oss", {"num_local_experts": 5, "num_experts_per_tok": 3}),
     ("dbrx", {"ffn_config": {"moe_num_experts": 5, "moe_top_k": 3, "moe_normalize_expert_weights": None},
               "n_layers": 3}),
+    ("solar_open", {"norm_topk_prob": False, "n_shared_experts": 2, "num_experts_per_tok": 3}),
+    ("mimo_v2_flash", {"norm_topk_prob": False, "mlp_layer_types": ["sparse", "sparse", "dense"]}),
+    ("hy_v3", {"num_shared_experts": 2, "mlp_layer_types": ["sparse", "dense", "sparse"], "num_experts_per_tok": 3}),
 ]
 
 
