@@ -37,7 +37,8 @@ class Case:
     router: str  # "softmax": top-k of softmax p; "softmax_v2": DeepSeek-V2 (groups by max p, scaled);
     #              "sigmoid": top-k of sigmoid + correction bias, weights the raw sigmoid (DeepSeek-V3 style);
     #              "logits": top-k of biased logits, softmax over the k (GPT-OSS);
-    #              "softmax_bias": top-k of softmax p + correction bias, weights p of the k (ERNIE-4.5)
+    #              "softmax_bias": top-k of softmax p + correction bias, weights p of the k (ERNIE-4.5);
+    #              "topk_sigmoid": top-k of the logits, weights the sigmoid of those logits (Llama-4)
     renorm: bool  # weights renormalized over the chosen k
     student: str  # transformers config class of the dense student
     groups: bool = False  # group-limited routing (n_group / topk_group, contiguous groups)
@@ -55,6 +56,12 @@ class Case:
     bias_attr: str = "e_score_correction_bias"  # name of a sigmoid router's correction bias
     router_dtype: torch.dtype | None = None  # the dtype the modeling code pins the router's linear map to
     #              (HunYuan: float32 in any model dtype; from_pretrained keeps it there, so make_teacher does too)
+    input_scaled: bool = False  # the routing weight multiplies the expert's input, f_e(w·x) (Llama-4)
+    tuple_out: bool = False  # the MoE block returns (hidden states, router output) (GPT-OSS, Llama-4)
+    student_block: str = "mlp"  # decoder-layer attribute of the dense student's FFN
+    width_key: str = "intermediate_size"  # dense student config field with its FFN width
+    experts_call: str = "routed"  # the experts module's forward: "routed" (h, indices, weights);
+    #              "stacked": Llama-4's, every expert on its own [T, H] slice of an [E·T, H] input
 
 
 CASES: dict[str, Case] = {
@@ -115,6 +122,13 @@ CASES.update({
 CASES.update({
     "ernie4_5_moe": Case((1, 2), 6, 2, "moe_num_experts", "softmax_bias", True, "Ernie4_5Config",
                          shared="shared_experts", shared_width=16, bias_attr="moe_statics.e_score_correction_bias"),
+})
+# Llama-4's text decoder: layer 0 dense (moe_layers), layer 2 NoPE; sigmoid scores scale the experts' input
+CASES.update({
+    "llama4_text": Case((1, 2), 6, 2, "num_local_experts", "topk_sigmoid", False, "Llama4TextConfig",
+                        shared="shared_expert", shared_width=16, all_dense_student=True, block="feed_forward",
+                        router_attr="router", input_scaled=True, tuple_out=True, student_block="feed_forward",
+                        width_key="intermediate_size_mlp", experts_call="stacked"),
 })
 FAMILIES = list(CASES)
 V = 256  # vocabulary of every tiny teacher
@@ -230,6 +244,11 @@ def tiny_config(family: str, **overrides: Any):
         kw = dict(num_key_value_heads=2, intermediate_size=40, moe_intermediate_size=16, num_hidden_layers=3,
                   moe_num_experts=6, moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1)
         return tf.Ernie4_5_MoeConfig(**{**COMMON, **kw, **overrides})
+    if family == "llama4_text":  # layer 0 dense (wider than k·I + shared: padded), layers 0-1 chunked RoPE, 2 NoPE
+        kw = dict(num_key_value_heads=2, head_dim=8, intermediate_size=16, intermediate_size_mlp=40,
+                  num_hidden_layers=3, num_local_experts=6, num_experts_per_tok=2, moe_layers=[1, 2],
+                  no_rope_layers=[1, 1, 0], attention_chunk_size=4)
+        return tf.Llama4TextConfig(**{**COMMON, **kw, **overrides})
     raise ValueError(f"no tiny config for family {family!r}")
 
 
@@ -338,3 +357,14 @@ def hand_plans(adapter, teacher: nn.Module, merged: bool) -> list[LayerPlan]:
 def ids(n: int = 2, t: int = 12, seed: int = 1) -> torch.Tensor:
     """[n, t] random token ids (no special tokens)."""
     return torch.randint(3, V, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def experts_forward(family: str, experts: nn.Module, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The experts module's own forward on h [T, H] routed to idx [T, j] with weights w [T, j] (Llama-4's
+    stacked experts see w·h on the chosen slices and 0 elsewhere; f(0) = 0)."""
+    if CASES[family].experts_call != "stacked":
+        return experts(h, idx, w)
+    e = experts.gate_up_proj.shape[0]
+    scores = torch.zeros(h.shape[0], e, dtype=h.dtype, device=h.device).scatter_add(1, idx, w.to(h.dtype))
+    routed_in = h.repeat(e, 1) * scores.transpose(0, 1).reshape(-1, 1)
+    return experts(routed_in).reshape(e, h.shape[0], -1).sum(0)

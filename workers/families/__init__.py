@@ -20,6 +20,7 @@ from workers.families.glm_moe_dsa import GlmMoeDsaAdapter
 from workers.families.gpt_oss import GptOssAdapter
 from workers.families.granitemoe import GraniteMoeAdapter, GraniteMoeSharedAdapter, GraniteMoeSWAAdapter
 from workers.families.hunyuan_v1_moe import HunYuanMoeV1Adapter
+from workers.families.llama4 import Llama4TextAdapter
 from workers.families.minimax_m2 import MiniMaxM2Adapter
 from workers.families.mixtral import MixtralAdapter
 from workers.families.olmoe import OlmoeAdapter
@@ -41,6 +42,17 @@ ADAPTERS += [GlmMoeDsaAdapter()]
 ADAPTERS += [HunYuanMoeV1Adapter()]
 # issue #17: ERNIE-4.5-MoE (softmax router, top-k corrected by a [1, E] bias)
 ADAPTERS += [Ernie45MoeAdapter()]
+# Llama-4's text decoder (sigmoid top-k scores multiplying the expert's input, a shared expert)
+ADAPTERS += [Llama4TextAdapter()]
+# model types left out on purpose, with what to do instead (checked before any adapter is picked)
+LEFT_OUT = {"llama4": "is the multimodal Llama4ForConditionalGeneration: convert its text model (model_type "
+                      "llama4_text, Llama4ForCausalLM built from config.text_config) instead"}
+
+
+def check_left_out(model_type: Any) -> None:
+    """A one-line ValueError for a model type left out on purpose (LEFT_OUT)."""
+    if model_type in LEFT_OUT:
+        raise ValueError(f"model_type={model_type!r} {LEFT_OUT[model_type]}")
 
 
 def supported() -> list[str]:
@@ -50,6 +62,7 @@ def supported() -> list[str]:
 
 def get_adapter(model: nn.Module) -> FamilyAdapter:
     """The adapter whose MoE block class appears in the model (else the one for its model_type)."""
+    check_left_out(getattr(getattr(model, "config", None), "model_type", None))
     blocks = {type(m).__name__ for m in model.modules()}
     for a in ADAPTERS:
         if blocks & set(a.block_classes):
@@ -73,6 +86,7 @@ def adapter_named(name: str) -> FamilyAdapter:
 def adapter_for_config(config: Any) -> FamilyAdapter:
     """The adapter for `config.model_type` (a transformers config; no model is built)."""
     model_type = getattr(config, "model_type", None)
+    check_left_out(model_type)
     for a in ADAPTERS:
         if model_type in a.model_types:
             return a
