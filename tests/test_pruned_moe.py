@@ -88,6 +88,16 @@ def _softmax_bias_router_forward(router, dropped: torch.Tensor):
     return forward
 
 
+def _topk_sigmoid_router_forward(router, dropped: torch.Tensor):
+    """Llama-4's router with the dropped experts' logits at -inf: top-k of the logits, their sigmoid as scores."""
+    def forward(hidden_states):
+        logits = F.linear(hidden_states, router.weight).masked_fill(dropped, float("-inf"))
+        top, idx = torch.topk(logits, router.top_k, dim=1)
+        scores = torch.zeros_like(logits).scatter(1, idx, torch.sigmoid(top.float()).to(logits.dtype))
+        return scores, logits
+    return forward
+
+
 def masked_teacher(family: str, model, kept: dict[int, list[int]], groups: bool = True):
     """A deep copy of `model` routing as if the experts not in kept[layer] did not exist. groups=False:
     DeepSeek's group limit switched off (n_group = topk_group = 1)."""
@@ -109,6 +119,8 @@ def masked_teacher(family: str, model, kept: dict[int, list[int]], groups: bool 
                 router.forward = _softmax_bias_router_forward(router, dropped)
             elif case.router == "softmax_v2":
                 router.forward = _deepseek_v2_router_forward(router, dropped)
+            elif case.router == "topk_sigmoid":
+                router.forward = _topk_sigmoid_router_forward(router, dropped)
             else:
                 module = router_module_of(family, block)  # the router module, not its inner linear map
                 module.forward = _softmax_router_forward(router, dropped, module=module,
