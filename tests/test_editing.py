@@ -30,7 +30,7 @@ from workers.editing import (
     tucker2,
     whitening,
 )
-from workers.families import get_adapter
+from workers.families import adapter_named, get_adapter
 from workers.registry import registry_names
 from workers.types import ExpertWeights, LayerContext, LayerStats
 
@@ -235,7 +235,19 @@ def logits(model, x):
         return model(input_ids=x, use_cache=False).logits
 
 
-@pytest.mark.parametrize("family,method", [(f, "TD-MoE") for f in FAMILIES] + [("qwen3_moe", "MoBE"),
+EDITABLE = [f for f in FAMILIES if "edited" not in adapter_named(f).refused_outputs]
+
+
+def test_llama4_text_refuses_the_edited_output_in_one_line():
+    """Llama-4's experts are [E, H, 2I] and scale their input: the factored experts do not rebuild that layout."""
+    from workers.outputs import write_student
+
+    teacher = make_teacher("llama4_text")
+    with pytest.raises(ValueError, match=r"^output='edited': llama4_text cannot write an edited checkpoint: "):
+        write_student("edited", teacher, get_adapter(teacher), [], share_weights=True)
+
+
+@pytest.mark.parametrize("family,method", [(f, "TD-MoE") for f in EDITABLE] + [("qwen3_moe", "MoBE"),
                                                                                ("gpt_oss", "MoBE")])
 def test_edited_model_computes_the_teacher_with_the_reconstructed_experts(family, method, tmp_path):
     from transformers import AutoModelForCausalLM

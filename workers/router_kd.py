@@ -107,7 +107,7 @@ def _unpack(batch: Batch, i: int, spec: RouterKDSpec | None = None) -> tuple[tor
 
 # ---- the loss --------------------------------------------------------------------------------------
 def _last_hidden(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return model.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    return model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state  # every CausalLM here (Llama4ForCausalLM.base_model is itself)
 
 
 def kd_sum(student: nn.Module, teacher: nn.Module, ids: torch.Tensor, mask: torch.Tensor, norm: str,
