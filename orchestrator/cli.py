@@ -274,12 +274,14 @@ def stages_cmd() -> None:
 @app.command("families")
 def families_cmd() -> None:
     """The supported MoE families (a sweep's teacher must be one): model types, MoE block, routing
-    semantics and the dense student's class."""
+    semantics, the dense student's class and any output the family cannot write."""
     from workers.families import ADAPTERS
 
     for a in ADAPTERS:
         print(f"{a.name}: model_type {', '.join(a.model_types)} ({'/'.join(a.block_classes)})\n"
               f"  routing: {a.routing}\n  student: {a.student}")
+        for output, reason in a.refused_outputs.items():
+            print(f"  refused output {output}: {reason}")
 
 
 @app.command()

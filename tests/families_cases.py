@@ -17,6 +17,7 @@ kind, not per family): adding a family is one tiny config and one Case.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,11 +34,13 @@ class Case:
     moe_layers: tuple[int, ...]
     experts: int
     top_k: int
-    experts_key: str  # config field with the routed expert count
+    experts_key: str  # config field with the routed expert count (DBRX: ffn_config.moe_num_experts, see cfg_get)
     router: str  # "softmax": top-k of softmax p; "softmax_v2": DeepSeek-V2 (groups by max p, scaled);
     #              "sigmoid": top-k of sigmoid + correction bias, weights the raw sigmoid (DeepSeek-V3 style);
     #              "logits": top-k of biased logits, softmax over the k (GPT-OSS);
-    #              "softmax_bias": top-k of softmax p + correction bias, weights p of the k (ERNIE-4.5);
+    #              "softmax_bias": top-k of softmax p + correction bias, weights p of the k (ERNIE-4.5)
+    #              "sparsemixer": PhiMoE's two picks (argmax, then argmax of the rest), each weighted by a softmax
+    #              over the logits within a relative threshold of its max (sparsemixer_ref below)
     #              "topk_sigmoid": top-k of the logits, weights the sigmoid of those logits (Llama-4)
     renorm: bool  # weights renormalized over the chosen k
     student: str  # transformers config class of the dense student
@@ -59,9 +62,12 @@ class Case:
     input_scaled: bool = False  # the routing weight multiplies the expert's input, f_e(w·x) (Llama-4)
     tuple_out: bool = False  # the MoE block returns (hidden states, router output) (GPT-OSS, Llama-4)
     student_block: str = "mlp"  # decoder-layer attribute of the dense student's FFN
-    width_key: str = "intermediate_size"  # dense student config field with its FFN width
     experts_call: str = "routed"  # the experts module's forward: "routed" (h, indices, weights);
     #              "stacked": Llama-4's, every expert on its own [T, H] slice of an [E·T, H] input
+    dense_student: bool = True  # the family writes a dense student (False: refused_outputs holds "dense")
+    topk_key: str = "num_experts_per_tok"  # config field of k (a dotted key names a field of a sub-config)
+    logits_router: bool = False  # the router module returns the logits alone; the block picks and weights (DBRX)
+    width_key: str = "intermediate_size"  # config field of the dense student's FFN width (dotted: a sub-config's)
 
 
 CASES: dict[str, Case] = {
@@ -74,7 +80,8 @@ CASES: dict[str, Case] = {
                         scaled=True, shared="shared_experts", shared_width=16, all_dense_student=True),
     "deepseek_v3": Case((1, 2), 8, 2, "n_routed_experts", "sigmoid", True, "DeepseekV3Config", groups=True,
                         scaled=True, shared="shared_experts", shared_width=16, all_dense_student=True),
-    "gpt_oss": Case((0, 1), 6, 2, "num_local_experts", "logits", True, "GptOssConfig", one_expert_student=True),
+    "gpt_oss": Case((0, 1), 6, 2, "num_local_experts", "logits", True, "GptOssConfig", one_expert_student=True,
+                   tuple_out=True),
     "glm4_moe": Case((1, 2), 8, 2, "n_routed_experts", "sigmoid", True, "Glm4MoeConfig", groups=True, scaled=True,
                      shared="shared_experts", shared_width=16, all_dense_student=True),
     "dots1": Case((0, 1), 8, 2, "n_routed_experts", "sigmoid", True, "Dots1Config", groups=True, scaled=True,
@@ -123,6 +130,18 @@ CASES.update({
     "ernie4_5_moe": Case((1, 2), 6, 2, "moe_num_experts", "softmax_bias", True, "Ernie4_5Config",
                          shared="shared_experts", shared_width=16, bias_attr="moe_statics.e_score_correction_bias"),
 })
+# PhiMoE: SparseMixer routing (always two experts, weights not renormalized); no dense student (refused)
+CASES.update({
+    "phimoe": Case((0, 1), 6, 2, "num_local_experts", "sparsemixer", False, "", router_attr="router",
+                   dense_student=False),
+})
+# DBRX: blocks at transformer.blocks, MoE block `ffn`, a router returning logits alone (the block normalizes the
+# top-k by their L1 norm), MoE fields in the nested ffn_config
+CASES.update({
+    "dbrx": Case((0, 1), 6, 2, "ffn_config.moe_num_experts", "softmax", True, "DbrxConfig", one_expert_student=True,
+                 block="ffn", router_attr="router.layer", logits_router=True, topk_key="ffn_config.moe_top_k",
+                 width_key="ffn_config.ffn_hidden_size"),
+})
 # Llama-4's text decoder: layer 0 dense (moe_layers), layer 2 NoPE; sigmoid scores scale the experts' input
 CASES.update({
     "llama4_text": Case((1, 2), 6, 2, "num_local_experts", "topk_sigmoid", False, "Llama4TextConfig",
@@ -131,6 +150,8 @@ CASES.update({
                         width_key="intermediate_size_mlp", experts_call="stacked"),
 })
 FAMILIES = list(CASES)
+DENSE_FAMILIES = [f for f in FAMILIES if CASES[f].dense_student]  # families whose tests build a dense student
+NO_DENSE_FAMILIES = [f for f in FAMILIES if not CASES[f].dense_student]
 V = 256  # vocabulary of every tiny teacher
 H = 32  # hidden size of every tiny teacher
 COMMON = dict(vocab_size=V, hidden_size=H, num_attention_heads=4, max_position_embeddings=64,
@@ -244,6 +265,17 @@ def tiny_config(family: str, **overrides: Any):
         kw = dict(num_key_value_heads=2, intermediate_size=40, moe_intermediate_size=16, num_hidden_layers=3,
                   moe_num_experts=6, moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1)
         return tf.Ernie4_5_MoeConfig(**{**COMMON, **kw, **overrides})
+    if family == "phimoe":  # LayerNorm with bias, attention and lm_head biases; a wide SparseMixer threshold
+        # (2·0.2 relative, not Phi-3.5's 2·0.01) so that the masked softmaxes hold several experts
+        kw = dict(num_key_value_heads=2, intermediate_size=16, num_hidden_layers=2, num_local_experts=6,
+                  num_experts_per_tok=2, router_jitter_noise=0.2, attention_bias=True, lm_head_bias=True)
+        return tf.PhimoeConfig(**{**COMMON, **kw, **overrides})
+    if family == "dbrx":  # clipped fused qkv; the attention reads attn_config.rope_theta (no default there)
+        ffn = dict(ffn_hidden_size=16, moe_num_experts=6, moe_top_k=2, moe_normalize_expert_weights=1.0)
+        ffn.update(overrides.pop("ffn_config", {}))
+        kw = dict(d_model=H, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=V, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2, attn_config=dict(kv_n_heads=2, clip_qkv=2.0, rope_theta=10000.0), ffn_config=ffn)
+        return tf.DbrxConfig(**{**kw, **overrides})
     if family == "llama4_text":  # layer 0 dense (wider than k·I + shared: padded), layers 0-1 chunked RoPE, 2 NoPE
         kw = dict(num_key_value_heads=2, head_dim=8, intermediate_size=16, intermediate_size_mlp=40,
                   num_hidden_layers=3, num_local_experts=6, num_experts_per_tok=2, moe_layers=[1, 2],
@@ -263,7 +295,8 @@ def make_teacher(family: str, seed: int = 0, dtype: torch.dtype | None = None,
     model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), **kw).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or "sinks" in name:
+            # the owning module's name, not any prefix: DBRX's attention lives under `norm_attn_norm`
+            if "norm" in name.rpartition(".")[0].rpartition(".")[2] or "sinks" in name:
                 p.uniform_(0.5, 1.5)
             else:
                 p.normal_(0.0, 0.25)
@@ -274,11 +307,46 @@ def make_teacher(family: str, seed: int = 0, dtype: torch.dtype | None = None,
         return model
     model = model.to(dtype)
     if CASES.get(family) is not None and CASES[family].router_dtype is not None:  # as from_pretrained builds it
-        for layer in range(len(model.model.layers)):
+        for layer in range(len(layers_of(family, model))):
             block = block_of(family, model, layer)
             if hasattr(block, "experts"):
                 router_of(family, block).to(CASES[family].router_dtype)
     return model
+
+
+def cfg_get(config: Any, key: str) -> Any:
+    """A config field; a dotted key reads a sub-config's field (DBRX: ffn_config.moe_num_experts)."""
+    for part in key.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def expert_params(family: str, experts: nn.Module) -> dict[str, torch.Tensor]:
+    """The experts module's parameters by name, each with a leading expert axis (DBRX's [E·I, H] w1/v1/w2 as
+    their [E, I, H] views)."""
+    params = dict(experts.named_parameters())
+    if family != "dbrx":
+        return params
+    return {n: t.view(experts.num_experts, -1, t.shape[-1]) for n, t in params.items()}
+
+
+def layers_of(family: str, model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a model of the family's class (DBRX: transformer.blocks)."""
+    return model.transformer.blocks if family == "dbrx" else model.model.layers
+
+
+def student_ffn_of(family: str, student: nn.Module, layer: int) -> nn.Module:
+    """Layer `layer`'s FFN in the dense student: the block of a one-expert student, else the decoder layer's
+    `student_block` (`mlp`; Llama-4: `feed_forward`)."""
+    if CASES[family].one_expert_student:
+        return block_of(family, student, layer)
+    return getattr(student.model.layers[layer], CASES[family].student_block)
+
+
+def student_ffn_name(family: str) -> str:
+    """What the dense student's FFN parameter names contain (".mlp.", DBRX's one-expert ".ffn.", ...)."""
+    case = CASES[family]
+    return f".{case.block}." if case.one_expert_student else f".{case.student_block}."
 
 
 def router_of(family: str, block: nn.Module) -> nn.Module:
@@ -297,12 +365,12 @@ def router_module_of(family: str, block: nn.Module) -> nn.Module:
 def block_of(family: str, model: nn.Module, layer: int) -> nn.Module:
     """Decoder layer `layer`'s FFN module (the MoE block in MoE layers) in a model of the family's class
     (the teacher, its pruned, merged and edited twins; dense students keep theirs at `mlp`)."""
-    return getattr(model.model.layers[layer], CASES[family].block)
+    return getattr(layers_of(family, model)[layer], CASES[family].block)
 
 
 def set_block(family: str, model: nn.Module, layer: int, module: nn.Module) -> None:
     """Replace decoder layer `layer`'s FFN module (see block_of)."""
-    setattr(model.model.layers[layer], CASES[family].block, module)
+    setattr(layers_of(family, model)[layer], CASES[family].block, module)
 
 
 def shared_of(family: str, model: nn.Module, layer: int) -> nn.Module | None:
@@ -310,7 +378,7 @@ def shared_of(family: str, model: nn.Module, layer: int) -> nn.Module | None:
     case = CASES[family]
     if case.shared is None:
         return None
-    owner = model.model.layers[layer] if case.shared_on_layer else block_of(family, model, layer)
+    owner = layers_of(family, model)[layer] if case.shared_on_layer else block_of(family, model, layer)
     return getattr(owner, case.shared, None)
 
 
@@ -354,6 +422,26 @@ def hand_plans(adapter, teacher: nn.Module, merged: bool) -> list[LayerPlan]:
     return out
 
 
+def sparsemixer_ref(logits: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PhiMoE's eval-mode routing written out per token (not transformers' sparsemixer): (weights [T, 2],
+    indices [T, 2]). Pick j's expert m_j is the largest logit among those not picked yet; its weight is
+    exp(z_m) / Σ exp(z_e) over the not-yet-picked e with (z_m − z_e) / max(|z_e|, z_m) <= 2·eps (a -inf
+    logit, a dropped expert, is never picked and adds nothing)."""
+    z = logits.detach().double()
+    weights = torch.zeros(z.shape[0], 2, dtype=torch.float64)
+    picks = torch.zeros(z.shape[0], 2, dtype=torch.long)
+    for t in range(z.shape[0]):
+        left = [e for e in range(z.shape[1]) if z[t, e] != float("-inf")]
+        for j in range(2):
+            m = max(left, key=lambda e: float(z[t, e]))
+            top = float(z[t, m])
+            near = [e for e in left if (top - float(z[t, e])) / max(abs(float(z[t, e])), top) <= 2 * eps]
+            weights[t, j] = 1.0 / sum(math.exp(float(z[t, e]) - top) for e in near)
+            picks[t, j] = m
+            left.remove(m)
+    return weights, picks
+
+
 def ids(n: int = 2, t: int = 12, seed: int = 1) -> torch.Tensor:
     """[n, t] random token ids (no special tokens)."""
     return torch.randint(3, V, (n, t), generator=torch.Generator().manual_seed(seed))
@@ -363,7 +451,7 @@ def experts_forward(family: str, experts: nn.Module, h: torch.Tensor, idx: torch
     """The experts module's own forward on h [T, H] routed to idx [T, j] with weights w [T, j] (Llama-4's
     stacked experts see w·h on the chosen slices and 0 elsewhere; f(0) = 0)."""
     if CASES[family].experts_call != "stacked":
-        return experts(h, idx, w)
+        return experts(h, idx, w).reshape(h.shape)  # DBRX's experts return [T, 1, H]
     e = experts.gate_up_proj.shape[0]
     scores = torch.zeros(h.shape[0], e, dtype=h.dtype, device=h.device).scatter_add(1, idx, w.to(h.dtype))
     routed_in = h.repeat(e, 1) * scores.transpose(0, 1).reshape(-1, 1)

@@ -85,6 +85,19 @@ def test_random_init_has_the_student_architecture_and_nothing_from_the_teacher(m
 
 
 # ---- dense-to-dense ----------------------------------------------------------------------------------------
+def test_dbrx_is_refused_in_one_line():
+    """DBRX keeps its decoder layers at transformer.blocks; the random students refuse it before building one."""
+    from families_cases import make_teacher
+
+    teacher = make_teacher("dbrx")
+    msg = ("model_type='dbrx': decoder layers at base_model.blocks, not base_model.layers; the baselines need "
+           "base_model.layers")
+    for build in (random_ffn_student, random_init_student):
+        with pytest.raises(ValueError) as e:
+            build(teacher, get_adapter(teacher), seed=0)
+        assert str(e.value) == msg
+
+
 def test_d2d_candidates_match_the_moe_student_size(moe, tmp_path):
     adapter = get_adapter(moe)
     target = n_params(random_ffn_student(moe, adapter, seed=0))  # the MoE→dense student at K = k

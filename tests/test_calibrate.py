@@ -44,15 +44,11 @@ def _capture(model, adapter, batches):
     state = {}
 
     def make(layer):
-        def hook(mod, args, kwargs, out):
-            h = args[0] if args else kwargs["hidden_states"]
-            p, w, idx = adapter.router_decision(out)
-            seen[layer].append((h.reshape(-1, h.shape[-1]).clone(), p.clone(), w.clone(), idx.clone(),
-                                state["mask"]))
+        def hook(x, p, w, idx):
+            seen[layer].append((x.clone(), p.clone(), w.clone(), idx.clone(), state["mask"]))
         return hook
 
-    handles = [adapter.router_module(model, layer).register_forward_hook(make(layer), with_kwargs=True)
-               for layer in seen]
+    handles = [h for layer in seen for h in adapter.hook_routing(model, layer, make(layer))]
     try:
         with torch.no_grad():
             for ids, mask in batches:
@@ -81,8 +77,8 @@ def naive_stats(model, adapter, batches) -> dict[int, dict[str, torch.Tensor]]:
                         continue
                     n += 1
                     one = torch.ones(1, 1, dtype=x.dtype)
-                    fs = [experts_forward(adapter.name, experts, x[t:t + 1], torch.tensor([[e]]), one)[0].double()
-                          for e in range(E)]
+                    fs = [experts_forward(adapter.name, experts, x[t:t + 1], torch.tensor([[e]]), one).reshape(-1)
+                          .double() for e in range(E)]
                     stacked = torch.stack(fs)  # [E, H], this token only
                     acc["gram"] += stacked @ stacked.T
                     acc["sum_out"] += stacked
@@ -152,10 +148,10 @@ def test_batched_stats_equal_naive_per_expert_loop(family):
         routed = st.count > 0
         assert (st.max_norm_sel <= st.sum_norm_sel + 1e-12).all() and bool((st.max_norm_sel[~routed] == 0).all())
         assert (st.sum_norm_sel[routed] / st.count[routed] <= st.max_norm_sel[routed] * (1 + 1e-12)).all()
-        # p·‖f‖ and g·‖f‖ agree iff the gate is the plain softmax p (no renormalization, no scale)
-        # (Llama-4's weights are the chosen logits' sigmoid, not p = sigmoid normalized over E)
-        g_is_p = (not adapter.renormalized(model) and adapter.routed_scaling(model) == 1.0
-                  and CASES[adapter.name].router != "topk_sigmoid")
+        # p·‖f‖ and g·‖f‖ agree iff the gate is the plain softmax p (no renormalization, no scale; PhiMoE's
+        # SparseMixer weights are softmaxes over masked sets, and Llama-4's the chosen logits' sigmoid, not p)
+        g_is_p = (CASES[family].router not in ("sparsemixer", "topk_sigmoid") and not adapter.renormalized(model)
+                  and adapter.routed_scaling(model) == 1.0)
         assert torch.allclose(st.sum_pnorm_sel, st.sum_gnorm_sel, rtol=1e-6) == g_is_p
 
 
@@ -208,9 +204,7 @@ def test_hook_reads_the_real_decision(family):
     router = adapter.router_module(model, layer)
     block = _block_of(model, router)
     got: dict[str, object] = {}
-    hooks = [router.register_forward_hook(lambda m, a, kw, o: got.update(x=(a[0] if a else kw["hidden_states"]),
-                                                                           dec=adapter.router_decision(o)),
-                                          with_kwargs=True),
+    hooks = [*adapter.hook_routing(model, layer, lambda x, p, w, idx: got.update(x=x, dec=(p, w, idx))),
              block.experts.register_forward_hook(lambda m, a, o: got.update(experts=o)),
              block.register_forward_hook(lambda m, a, o: got.update(block=o[0] if isinstance(o, tuple) else o))]
     ids, mask = padded_batches(seed=8)[0]

@@ -14,18 +14,25 @@ import torch
 from families_cases import (
     CASES,
     COMMON,
+    DENSE_FAMILIES,
     FAMILIES,
+    NO_DENSE_FAMILIES,
     block_of,
+    cfg_get,
     correction_bias,
     experts_forward,
     hand_plans,
     ids,
+    layers_of,
     make_teacher,
     routed_scale,
     router_of,
     set_block,
     shared_of,
     shared_weights,
+    sparsemixer_ref,
+    student_ffn_name,
+    student_ffn_of,
 )
 from torch import nn
 
@@ -37,6 +44,13 @@ from workers.types import LayerPlan
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def fam(request):
+    teacher = make_teacher(request.param)
+    return request.param, teacher, get_adapter(teacher)
+
+
+@pytest.fixture(scope="module", params=DENSE_FAMILIES)
+def dense_fam(request):
+    """The families that write a dense student (Case.dense_student); the others are refused below."""
     teacher = make_teacher(request.param)
     return request.param, teacher, get_adapter(teacher)
 
@@ -86,12 +100,17 @@ def weighted(family: str, w: torch.Tensor, f, h: torch.Tensor) -> torch.Tensor:
     return f(w * h) if CASES[family].input_scaled else w * f(h)
 
 
-def merged_experts(experts: nn.Module, groups: list[list[int]], merge_w: list[list[float]]) -> nn.Module:
-    """A copy of the experts module whose slot g holds Σ_e w_e W_e of group g (raw fused tensors)."""
+def merged_experts(family: str, experts: nn.Module, groups: list[list[int]], merge_w: list[list[float]]) -> nn.Module:
+    """A copy of the experts module whose slot g holds Σ_e w_e W_e of group g (raw fused tensors; DBRX's
+    [E·I, H] w1/v1/w2 through their [E, I, H] views)."""
     ref = copy.deepcopy(experts)
+
+    def slots(t: torch.Tensor) -> torch.Tensor:
+        return t.view(experts.num_experts, -1, t.shape[-1]) if family == "dbrx" else t
+
     with torch.no_grad():
-        for name, p in ref.named_parameters():
-            src = getattr(experts, name)
+        for name, q in ref.named_parameters():
+            p, src = slots(q), slots(experts.get_parameter(name))
             for g, (members, ws) in enumerate(zip(groups, merge_w, strict=True)):
                 p[g] = sum(w * src[e] for e, w in zip(members, ws, strict=True))
     return ref
@@ -107,7 +126,7 @@ class RefMLP(nn.Module):
     def __init__(self, family: str, block: nn.Module, plan: LayerPlan, scale: float):
         super().__init__()
         self.family, self.block = family, block
-        self.experts = merged_experts(block.experts, plan.groups, plan.merge_weights)
+        self.experts = merged_experts(family, block.experts, plan.groups, plan.merge_weights)
         self.alpha = [a * scale for a in plan.alpha]
 
     def forward(self, x):
@@ -125,7 +144,7 @@ def reference_model(family: str, teacher: nn.Module, plans: list[LayerPlan]) -> 
 
 
 def student_mlp(family: str, student: nn.Module, layer: int, h: torch.Tensor) -> torch.Tensor:
-    y = getattr(student.model.layers[layer], CASES[family].student_block)(h[None])
+    y = student_ffn_of(family, student, layer)(h[None])
     return (y[0] if isinstance(y, tuple) else y)[0]  # a one-expert student's block returns a tuple (GPT-OSS)
 
 
@@ -207,8 +226,7 @@ def test_router_decision_is_what_the_block_used(fam):
     handles = []
     for layer in a.moe_layers(teacher):
         rec = seen.setdefault(layer, {})
-        handles.append(a.router_module(teacher, layer).register_forward_hook(
-            lambda m, i, o, rec=rec: rec.update(dec=a.router_decision(o))))
+        handles += a.hook_routing(teacher, layer, lambda x, p, w, idx, rec=rec: rec.update(dec=(p, w, idx)))
         handles.append(block_of(family, teacher, layer).register_forward_hook(
             lambda m, i, o, rec=rec: rec.update(h=i[0].reshape(-1, i[0].shape[-1]), y=block_out(family, o))))
     with torch.no_grad():
@@ -228,6 +246,12 @@ def test_router_decision_is_what_the_block_used(fam):
             ps = torch.sigmoid(ref_logits(family, block, h)).gather(1, idx)
             assert torch.equal(idx.sort(-1).values, torch.topk(ref_logits(family, block, h), k, -1).indices.sort(-1).values)
         expect_w = ps / ps.sum(-1, keepdim=True) if renormalizes(family, teacher) else ps
+        if CASES[family].router == "sparsemixer":
+            expect_w, expect_idx = sparsemixer_ref(ref_logits(family, block, h),
+                                                   teacher.config.router_jitter_noise)
+            assert torch.equal(idx, expect_idx)
+            expect_w = expect_w.float()
+            assert (expect_w < 1 - 1e-6).any() and (expect_w.sum(-1) != 1).any()  # the masks hold several experts
         torch.testing.assert_close(w.float(), expect_w * scale, rtol=1e-5, atol=1e-6)
         # rebuild the block's output from (indices, weights) and the expert views
         ew = a.expert_weights(teacher, layer)
@@ -319,8 +343,8 @@ def test_routing_top_k_native_and_restore(fam):
 
 # ---- students (Appendix A exactness) -----------------------------------------------------------------
 @pytest.mark.parametrize("merged", [False, True])
-def test_student_ffn_exact(fam, merged):
-    family, teacher, a = fam
+def test_student_ffn_exact(dense_fam, merged):
+    family, teacher, a = dense_fam
     plans = hand_plans(a, teacher, merged)
     student = build_student_from_plans(teacher, a, plans, share_weights=True)
     torch.manual_seed(3)
@@ -332,14 +356,14 @@ def test_student_ffn_exact(fam, merged):
             if CASES[family].shared_on_layer:  # the decoder layer adds its shared MLP to the block's output
                 want = want + shared_of(family, teacher, pl.layer)(h)
             torch.testing.assert_close(student_mlp(family, student, pl.layer, h), want, rtol=1e-4, atol=1e-5)
-        for layer in set(range(len(teacher.model.layers))) - set(a.moe_layers(teacher)):  # padded dense layers
+        for layer in set(range(len(layers_of(family, teacher)))) - set(a.moe_layers(teacher)):  # padded dense layers
             torch.testing.assert_close(student_mlp(family, student, layer, h), block_of(family, teacher, layer)(h),
                                        rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("share", [False, True])
-def test_student_logits_equal_reference(fam, share):
-    family, teacher, a = fam
+def test_student_logits_equal_reference(dense_fam, share):
+    family, teacher, a = dense_fam
     plans = hand_plans(a, teacher, merged=True)
     student = build_student_from_plans(teacher, a, plans, share_weights=share)
     ref = reference_model(family, teacher, plans)
@@ -348,8 +372,9 @@ def test_student_logits_equal_reference(fam, share):
         torch.testing.assert_close(student(x).logits, ref(x).logits, rtol=1e-4, atol=1e-4)
     t_params = dict(teacher.named_parameters())
     t_store = {p.untyped_storage().data_ptr() for p in teacher.parameters()}
+    ffn = student_ffn_name(family)
     for name, p in student.named_parameters():
-        if f".{CASES[family].student_block}." in name:
+        if ffn in name:
             assert p.untyped_storage().data_ptr() not in t_store, name  # FFN tensors are always new
         elif share:
             assert p is t_params[name], name
@@ -357,8 +382,8 @@ def test_student_logits_equal_reference(fam, share):
             assert p.untyped_storage().data_ptr() not in t_store, name
 
 
-def test_student_config_and_width(fam):
-    family, teacher, a = fam
+def test_student_config_and_width(dense_fam):
+    family, teacher, a = dense_fam
     import transformers
 
     case = CASES[family]
@@ -366,9 +391,9 @@ def test_student_config_and_width(fam):
     cfg = student.config
     assert type(cfg) is getattr(transformers, case.student)
     i = a.expert_weights(teacher, a.moe_layers(teacher)[0]).intermediate
-    assert getattr(cfg, case.width_key) == a.top_k(teacher) * i + case.shared_width  # k·I + shared width
+    assert cfg_get(cfg, case.width_key) == a.top_k(teacher) * i + case.shared_width  # k·I + shared width
     if case.one_expert_student:
-        assert (getattr(cfg, case.experts_key), cfg.num_experts_per_tok) == (1, 1)
+        assert (cfg_get(cfg, case.experts_key), cfg_get(cfg, case.topk_key)) == (1, 1)
     if case.all_dense_student:
         if family == "llama4_text":
             assert cfg.moe_layers == [] and cfg.no_rope_layers == teacher.config.no_rope_layers
@@ -382,15 +407,15 @@ def test_student_config_and_width(fam):
         assert cfg.head_dim == 8 and cfg.rms_norm_eps == teacher.config.rms_norm_eps
 
 
-def test_shared_experts_scale_one_and_padding(fam):
-    family, teacher, a = fam
+def test_shared_experts_scale_one_and_padding(dense_fam):
+    family, teacher, a = dense_fam
     plans = hand_plans(a, teacher, merged=False)
     student = build_student_from_plans(teacher, a, plans, share_weights=False)
-    width = getattr(student.config, CASES[family].width_key)
+    width = cfg_get(student.config, CASES[family].width_key)
     kI = a.top_k(teacher) * a.expert_weights(teacher, a.moe_layers(teacher)[0]).intermediate
-    for layer, dec in enumerate(student.model.layers):
+    for layer in range(len(layers_of(family, student))):
         block = block_of(family, teacher, layer)
-        mlp = getattr(dec, CASES[family].student_block)
+        mlp = student_ffn_of(family, student, layer)
         if CASES[family].shared and layer in a.moe_layers(teacher):
             sh_gate, _, sh_down = shared_weights(shared_of(family, teacher, layer))
             torch.testing.assert_close(mlp.gate_proj.weight[kI:], sh_gate, rtol=0, atol=0)
@@ -402,15 +427,15 @@ def test_shared_experts_scale_one_and_padding(fam):
             assert not mlp.gate_proj.weight[d:].any() and not mlp.down_proj.weight[:, d:].any()
 
 
-def test_build_student_rejects_bad_ffns(fam):
-    family, teacher, a = fam
+def test_build_student_rejects_bad_ffns(dense_fam):
+    family, teacher, a = dense_fam
     plans = hand_plans(a, teacher, merged=False)
     with pytest.raises(ValueError, match="MoE layer"):
         build_student_from_plans(teacher, a, plans[:-1], share_weights=True)
 
 
-def test_save_load_roundtrip(fam, tmp_path):
-    family, teacher, a = fam
+def test_save_load_roundtrip(dense_fam, tmp_path):
+    family, teacher, a = dense_fam
     from transformers import AutoModelForCausalLM
 
     student = build_student_from_plans(teacher, a, hand_plans(a, teacher, merged=True), share_weights=True)
@@ -420,3 +445,17 @@ def test_save_load_roundtrip(fam, tmp_path):
     x = ids(seed=7)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x).logits, student(x).logits, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", NO_DENSE_FAMILIES)
+def test_dense_student_refused_in_one_line(family):
+    """A family whose Case says it writes no dense student refuses it: refused_outputs names "dense", and
+    student_config / build_student raise the same one-line error."""
+    teacher = make_teacher(family)
+    a = get_adapter(teacher)
+    assert "dense" in a.refused_outputs and "\n" not in a.refused_outputs["dense"]
+    for build in (lambda: a.student_config(teacher, 16),
+                  lambda: build_student_from_plans(teacher, a, hand_plans(a, teacher, False), share_weights=True)):
+        with pytest.raises(ValueError) as err:
+            build()
+        assert str(err.value) == f"output='dense': {family} {a.refused_outputs['dense']}"

@@ -1,6 +1,7 @@
 """Micro sweeps through `launch` on families added by issue #17: a tiny random teacher of the family, built
 in-process and saved with a byte-level tokenizer (teacher: {source: hf, model: <dir>}), calibrated on a
-small jsonl corpus, converted to a dense student and to a pruned MoE, and evaluated for perplexity."""
+small jsonl corpus, converted to a dense student and to a pruned MoE (PhiMoE, which writes no dense student: a
+pruned and a merged MoE), and evaluated for perplexity."""
 
 from __future__ import annotations
 
@@ -39,13 +40,17 @@ def teacher_dir(tmp_path, family: str):
     return out
 
 
-def sweep(tmp_path, family: str) -> str:
+DENSE_AND_MOE = [{"scoring": ["SF"], "grouping": ["RR"], "K": [2]}, {"output": ["moe"], "scoring": ["REAP"], "K": [4]}]
+MOE_ONLY = [{"output": ["moe"], "scoring": ["REAP"], "K": [4]}, {"output": ["merged"], "merging": ["HC-SMoE"], "K": [4]}]
+
+
+def sweep(tmp_path, family: str, grid: list[dict] | None = None) -> str:
+    """A micro sweep file of a tiny `family` teacher; grid: its sub-grids (default: a dense and a pruned one)."""
     data = {"source": "jsonl", "path": str(tmp_path / "corpus.jsonl")}
     raw = {"name": f"micro-{family.replace('_', '-')}", "description": f"micro sweep of a tiny {family}",
            "teacher": {"source": "hf", "model": str(teacher_dir(tmp_path, family))},
            "calibration": {"data": data, "n_samples": 8, "seq_len": 32, "batch_size": 4},
-           "grid": [{"scoring": ["SF"], "grouping": ["RR"], "K": [2]},
-                    {"output": ["moe"], "scoring": ["REAP"], "K": [4]}],
+           "grid": DENSE_AND_MOE if grid is None else grid,
            "ppl": {"data": data, "seq_len": 32, "max_windows": 4},
            "execution": {"retries": 0}}
     f = tmp_path / "sweep.yaml"
@@ -53,7 +58,7 @@ def sweep(tmp_path, family: str) -> str:
     return str(f)
 
 
-@pytest.mark.parametrize("family", ["glm4_moe", "minimax_m2", "flex_olmo", "cohere2_moe"])
+@pytest.mark.parametrize("family", ["glm4_moe", "minimax_m2", "flex_olmo", "cohere2_moe", "dbrx"])
 def test_micro_sweep_of_a_new_family(family, tmp_path, monkeypatch):
     monkeypatch.setenv("MOESWEEP_HOME", str(tmp_path / "home"))
     spec, path, text = load_spec(sweep(tmp_path, family))
@@ -64,6 +69,36 @@ def test_micro_sweep_of_a_new_family(family, tmp_path, monkeypatch):
                        "ORDER BY config_id")[1]
     assert [r[0] for r in rows] == ["dense", "moe"]
     assert all(r[2] is not None and r[2] == r[2] and 1 < r[2] < 1e6 for r in rows), rows
+
+
+def test_micro_sweep_of_phimoe_writes_its_smaller_moes(tmp_path, monkeypatch):
+    """PhiMoE writes no dense student (refused below): its micro sweep has only the pruned and merged sub-grids."""
+    monkeypatch.setenv("MOESWEEP_HOME", str(tmp_path / "home"))
+    spec, path, text = load_spec(sweep(tmp_path, "phimoe", MOE_ONLY))
+    store = Store(f"sqlite:///{tmp_path}/r.db")
+    assert launch(spec, text, store, SerialExecutor(), console=Console(quiet=True), show_progress=False,
+                  path=str(path)) == 0
+    rows = store.query("SELECT output, config_key, ppl_pre FROM results WHERE kind = 'moe2dense' "
+                       "ORDER BY config_id")[1]
+    assert [r[0] for r in rows] == ["moe", "merged"]
+    assert all(r[2] is not None and r[2] == r[2] and 1 < r[2] < 1e6 for r in rows), rows
+
+
+def test_phimoe_refuses_a_dense_student_in_the_sweep_and_in_the_conversion(tmp_path):
+    from orchestrator.configs import build_configs, model_shape
+    from workers.families import get_adapter
+    from workers.outputs import write_student
+
+    spec, path, _ = load_spec(sweep(tmp_path, "phimoe"))  # a dense and a pruned sub-grid
+    with pytest.raises(SpecError) as e:
+        build_configs(spec, model_shape(spec, str(path)))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("grid.output: dense: phimoe cannot write a dense student: SparseMixer")
+    assert msg.endswith("allowed for phimoe: moe, merged, edited")
+    teacher = make_teacher("phimoe")
+    with pytest.raises(ValueError, match=r"^output='dense': phimoe cannot write a dense student: SparseMixer") as e:
+        write_student("dense", teacher, get_adapter(teacher), [], share_weights=True)
+    assert "\n" not in str(e.value)
 
 
 def test_an_unsupported_model_is_a_one_line_error_listing_the_families(tmp_path):

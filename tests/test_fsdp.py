@@ -99,6 +99,24 @@ def test_validation_rows_are_padded_to_the_same_count():
     assert counts == [3, 3]
 
 
+def test_a_model_without_base_model_layers_is_one_line():
+    """DBRX keeps its decoder layers at transformer.blocks: FSDP, which shards one per unit, refuses it."""
+    from families_cases import make_teacher
+
+    from workers.fsdp import decoder_layers
+    from workers.types import DenseFFN
+
+    teacher = make_teacher("dbrx")
+    adapter = get_adapter(teacher)
+    first = {i: adapter.expert_weights(teacher, i) for i in adapter.moe_layers(teacher)}  # expert 0 of each layer
+    student = adapter.build_student(teacher, {i: DenseFFN(gate=w.gate[0], up=w.up[0], down=w.down[0])
+                                              for i, w in first.items()}, share_weights=True)
+    for model in (teacher, student):
+        with pytest.raises(ValueError) as e:
+            decoder_layers(model)
+        assert str(e.value) == "DbrxForCausalLM: no base_model.layers; FSDP shards one decoder layer per unit"
+
+
 def test_mixed_precision_policy():
     mp = mixed_precision(torch.bfloat16)
     assert mp.param_dtype == torch.bfloat16 and mp.reduce_dtype == torch.float32

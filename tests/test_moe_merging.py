@@ -10,7 +10,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from families_cases import CASES, FAMILIES, block_of, correction_bias, ids, make_teacher, router_of
+from families_cases import (
+    CASES,
+    FAMILIES,
+    block_of,
+    cfg_get,
+    correction_bias,
+    expert_params,
+    ids,
+    layers_of,
+    make_teacher,
+    router_of,
+)
 
 from workers.families import get_adapter
 from workers.moe_merging import (
@@ -36,7 +47,7 @@ def logits(model, x: torch.Tensor) -> torch.Tensor:
 
 
 def moe_blocks(family: str, model) -> dict[int, torch.nn.Module]:
-    blocks = {i: block_of(family, model, i) for i in range(len(model.model.layers))}
+    blocks = {i: block_of(family, model, i) for i in range(len(layers_of(family, model)))}
     return {i: b for i, b in blocks.items() if hasattr(b, "experts")}
 
 
@@ -285,7 +296,7 @@ def test_merged_tensors_are_the_weighted_average(family, rule):
     perms = {e: torch.randperm(n_units, generator=g) for e in (0, 5, 4)}
     merged = {layer: MergedLayer(groups, weights, rule, dominant, perms) for layer in layers}
     student = adapter.merged_moe_student(model, merged)
-    assert getattr(student.config, CASES[family].experts_key) == len(groups)
+    assert cfg_get(student.config, CASES[family].experts_key) == len(groups)
     for layer in layers:
         t_ex, s_ex = adapter.expert_weights(model, layer), adapter.expert_weights(student, layer)
         t_r = router_tensors(family, moe_blocks(family, model)[layer])
@@ -378,13 +389,13 @@ def test_calibrate_merge_save_reload(family, method, tmp_path):
     student.save_pretrained(tmp_path)
     back = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64, experts_implementation="eager")
     assert type(back) is type(model)
-    assert getattr(back.config, CASES[family].experts_key) == M
-    assert back.config.num_experts_per_tok == k
+    assert cfg_get(back.config, CASES[family].experts_key) == M
+    assert cfg_get(back.config, CASES[family].topk_key) == k
     for layer, blk in moe_blocks(family, back).items():
         assert router_of(family, blk).weight.shape == (M, H)
-        for name, t in moe_blocks(family, model)[layer].experts.named_parameters():
-            assert dict(blk.experts.named_parameters())[name].shape == (M, *t.shape[1:]), name
-    for i in range(len(back.model.layers)):  # dense teacher layers unchanged
+        for name, t in expert_params(family, moe_blocks(family, model)[layer].experts).items():
+            assert expert_params(family, blk.experts)[name].shape == (M, *t.shape[1:]), name
+    for i in range(len(layers_of(family, back))):  # dense teacher layers unchanged
         if i not in moe_blocks(family, back):
             for a, b in zip(block_of(family, model, i).parameters(), block_of(family, back, i).parameters(),
                             strict=True):

@@ -41,3 +41,13 @@ def test_the_conversion_refuses_it_too(no_dense_qwen3):
         write_student("dense", teacher, get_adapter(teacher), [], share_weights=True)
     with pytest.raises(ValueError, match="output='dens'; allowed: dense, moe, merged, edited"):
         write_student("dens", teacher, get_adapter(teacher), [], share_weights=True)
+
+
+def test_families_lists_a_refused_output(no_dense_qwen3):
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+
+    out = CliRunner().invoke(app, ["families"])
+    assert out.exit_code == 0, out.output
+    assert "  refused output dense: cannot write a dense student (test)" in out.output

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from families_cases import CASES, FAMILIES, block_of, ids, make_teacher
+from families_cases import CASES, FAMILIES, block_of, ids, layers_of, make_teacher
 
 from workers.families import get_adapter
 from workers.router_kd import (
@@ -43,12 +43,13 @@ def expected_router_names(family: str, model) -> list[str]:
     """Written out per family: every MoE block's router weight (GPT-OSS: and its bias)."""
     out = []
     blk = CASES[family].block
-    for i in range(len(model.model.layers)):
+    prefix = "transformer.blocks" if family == "dbrx" else "model.layers"
+    for i in range(len(layers_of(family, model))):
         if hasattr(block_of(family, model, i), "experts"):
             attr = "router" if family == "gpt_oss" else CASES[family].router_attr
-            out.append(f"model.layers.{i}.{blk}.{attr}.weight")
+            out.append(f"{prefix}.{i}.{blk}.{attr}.weight")
             if family == "gpt_oss":
-                out.append(f"model.layers.{i}.{blk}.{attr}.bias")
+                out.append(f"{prefix}.{i}.{blk}.{attr}.bias")
     return out
 
 
@@ -280,6 +281,10 @@ def test_bf16_student_keeps_fp32_master_weights():
 # GLM-4-MoE and dots1 have the same router (0.82 and 0.53 at these seeds): every group-limited sigmoid router
 # gets the same bound.
 MAX_RATIO = {f: 0.9 if CASES[f].groups and CASES[f].router == "sigmoid" else 0.5 for f in FAMILIES}
+# PhiMoE (SparseMixer, eval mode): a pick's weight is a softmax over the logits within the relative threshold of
+# its max, so about half the picks of the tiny teacher have a lone survivor, weight exactly 1 and no gradient to
+# the router; it recovers to 0.57 of the start at these seeds.
+MAX_RATIO["phimoe"] = 0.75
 
 
 def recovery(family: str, **overrides) -> tuple[float, float, dict]:

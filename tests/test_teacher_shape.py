@@ -25,6 +25,8 @@ CASES = [(f, {}) for f in FAMILIES] + [
                      "topk_method": "greedy"}),
     ("deepseek_v3", {"norm_topk_prob": False, "n_shared_experts": 2, "first_k_dense_replace": 0}),
     ("gpt_oss", {"num_local_experts": 5, "num_experts_per_tok": 3}),
+    ("dbrx", {"ffn_config": {"moe_num_experts": 5, "moe_top_k": 3, "moe_normalize_expert_weights": None},
+              "n_layers": 3}),
 ]
 
 
@@ -35,17 +37,17 @@ def case_id(case) -> str:
 
 def built_shape(family: str, model, adapter) -> TeacherShape:
     """The shape as the adapter sees it on the built model; renormalization as calibration meets it:
-    the router's applied weights (router_decision, as collect_stats reads them) divided by the
+    the router's applied weights (hook_routing, as collect_stats reads them) divided by the
     routed scaling sum to 1 on every token iff the router renormalizes."""
     layers = adapter.moe_layers(model)
     decisions = []
-    handle = adapter.router_module(model, layers[0]).register_forward_hook(
-        lambda m, i, o: decisions.append(adapter.router_decision(o)))
+    handles = adapter.hook_routing(model, layers[0], lambda x, p, w, idx: decisions.append((p, w, idx)))
     try:
         with torch.no_grad():
             model(ids())
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     p, w, idx = decisions[0]
     k = adapter.top_k(model)
     assert idx.shape[1] == w.shape[1] == k  # the top_k the router really used
@@ -116,3 +118,21 @@ def test_unknown_model_type_and_bad_configs():
         teacher_shape(tiny_config("qwen3_moe", mlp_only_layers=[0, 1, 2]))
     with pytest.raises(ValueError, match="handles"):
         get_adapter(make_teacher("mixtral")).shape_from_config(tiny_config("olmoe"))
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_phimoe_refuses_a_k_sparsemixer_does_not_route(k):
+    """PhiMoE's SparseMixer routes two experts whatever num_experts_per_tok says: the built model really does,
+    and the config (and the adapter on the built model) is a one-line error naming the field."""
+    model = make_teacher("phimoe", num_experts_per_tok=k)
+    seen = []
+    handle = model.model.layers[0].mlp.router.register_forward_hook(lambda m, i, o: seen.append(o[2]))
+    with torch.no_grad():
+        model(ids())
+    handle.remove()
+    assert seen[0].shape[1] == 2
+    for call in (lambda: teacher_shape(tiny_config("phimoe", num_experts_per_tok=k)),
+                 lambda: get_adapter(model).top_k(model)):
+        with pytest.raises(ValueError, match=f"num_experts_per_tok={k}; SparseMixer always routes 2") as err:
+            call()
+        assert "\n" not in str(err.value)

@@ -17,9 +17,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from workers.decoder import decoder_of
 from workers.types import DenseFFN
 
 # ---- random students (§4.2) --------------------------------------------------------------------------
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """`model.base_model.layers`; a one-line ValueError for a model keeping them elsewhere (DBRX: blocks)."""
+    layers = getattr(decoder_of(model), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        found = [n for n, m in decoder_of(model).named_children() if isinstance(m, nn.ModuleList)]
+        raise ValueError(f"model_type={model.config.model_type!r}: decoder layers at base_model."
+                         f"{', base_model.'.join(found) or '(none)'}, not base_model.layers; the baselines need "
+                         "base_model.layers")
+    return layers
 
 
 def _init_std(model: nn.Module) -> float:
@@ -31,6 +43,7 @@ def random_ffn_student(teacher: nn.Module, adapter: Any, seed: int) -> nn.Module
     attention, embeddings and norms copied and every FFN parameter drawn afresh, like the model's own
     init: weights ~ N(0, initializer_range), biases 0 (§4.2 "random FFN + teacher attention").
     Dense teacher layers (e.g. DeepSeek's first) are random too: no FFN weight comes from the teacher."""
+    decoder_layers(teacher)  # refused before any student is built
     k = adapter.top_k(teacher)
     ffns: dict[int, DenseFFN] = {}
     for layer in adapter.moe_layers(teacher):
@@ -50,7 +63,7 @@ def random_ffn_student(teacher: nn.Module, adapter: Any, seed: int) -> nn.Module
     gen = torch.Generator(device=ref.device).manual_seed(seed)
     std = _init_std(student)
     with torch.no_grad():
-        for layer in student.base_model.layers:
+        for layer in decoder_layers(student):
             for p in layer.mlp.parameters():
                 if p.dim() >= 2:
                     p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32) * std)
@@ -230,7 +243,7 @@ class _Importance:
         self.model = model
         d = _dims(model.config)
         self.d = d
-        layers = model.base_model.layers
+        layers = decoder_layers(model)
         dev = next(model.parameters()).device
         f64 = {"dtype": torch.float64, "device": dev}
         self.ffn = [torch.zeros(d["ffn"], **f64) for _ in layers]
@@ -247,7 +260,7 @@ class _Importance:
                 self.hooks.append(norm.register_forward_hook(self._norm_hook))
             self.hooks.append(layer.register_forward_pre_hook(self._block_in(i), with_kwargs=True))
             self.hooks.append(layer.register_forward_hook(self._block_out(i)))
-        self.hooks.append(model.base_model.norm.register_forward_hook(self._norm_hook))
+        self.hooks.append(decoder_of(model).norm.register_forward_hook(self._norm_hook))
 
     @staticmethod
     def _agg(x: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,8 @@ workers.calibrate.collect_stats, batch by batch in the same order, so they equal
 
 Version assumption (transformers 5.x): a decoder (`model.get_decoder()`) whose forward embeds the ids,
 builds masks and position embeddings, then runs `hidden_states = layer(hidden_states, **kwargs)` over
-`decoder.layers` in order, nothing depending on a layer's output except the next layer's input (a layer that
+`decoder.layers` in order (a decoder keeping them elsewhere, DBRX's `transformer.blocks`, is refused in one
+line), nothing depending on a layer's output except the next layer's input (a layer that
 returns more, GLM-5's DSA top-k, is read through adapter.layer_output / recorded_layer_output); the
 checkpoint names a decoder layer's tensors `...layers.<i>....`; unquantized safetensors checkpoints.
 """
@@ -120,6 +121,10 @@ class StreamedTeacher:
         self.decoder = self.model.get_decoder()
         self.prefix = next(name for name, mod in self.model.named_modules() if mod is self.decoder)
         self.prefix = f"{self.prefix}." if self.prefix else ""
+        if not isinstance(getattr(self.decoder, "layers", None), nn.ModuleList):  # DBRX: transformer.blocks
+            found = [f"{self.prefix}{n}" for n, m in self.decoder.named_children() if isinstance(m, nn.ModuleList)]
+            raise ValueError(f"model_type={config.model_type!r}: decoder layers at {', '.join(found) or 'no ModuleList'}"
+                             f", not {self.prefix}layers; streamed calibration needs model.layers")
         head = self.model.get_output_embeddings()
         self.head = next((f"{name}." for name, mod in self.model.named_modules() if mod is head and name), None)
         self.peak: tuple[int, frozenset[str]] = (0, frozenset())

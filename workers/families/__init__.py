@@ -11,6 +11,7 @@ from torch import nn
 from workers.families.afmoe import AfmoeAdapter
 from workers.families.base import FamilyAdapter
 from workers.families.cohere2_moe import Cohere2MoeAdapter
+from workers.families.dbrx import DbrxAdapter
 from workers.families.deepseek_v2 import DeepseekV2Adapter, DeepseekV3Adapter
 from workers.families.ernie4_5_moe import Ernie45MoeAdapter
 from workers.families.flex_olmo import FlexOlmoAdapter
@@ -24,6 +25,7 @@ from workers.families.llama4 import Llama4TextAdapter
 from workers.families.minimax_m2 import MiniMaxM2Adapter
 from workers.families.mixtral import MixtralAdapter
 from workers.families.olmoe import OlmoeAdapter
+from workers.families.phimoe import PhimoeAdapter
 from workers.families.qwen2_moe import Qwen2MoeAdapter
 from workers.families.qwen3_moe import Qwen3MoeAdapter
 from workers.types import TeacherShape
@@ -42,6 +44,10 @@ ADAPTERS += [GlmMoeDsaAdapter()]
 ADAPTERS += [HunYuanMoeV1Adapter()]
 # issue #17: ERNIE-4.5-MoE (softmax router, top-k corrected by a [1, E] bias)
 ADAPTERS += [Ernie45MoeAdapter()]
+# PhiMoE (SparseMixer: always two experts; no dense student)
+ADAPTERS += [PhimoeAdapter()]
+# DBRX: the router returns logits alone, the block normalizes the top-k; layers at transformer.blocks
+ADAPTERS += [DbrxAdapter()]
 # Llama-4's text decoder (sigmoid top-k scores multiplying the expert's input, a shared expert)
 ADAPTERS += [Llama4TextAdapter()]
 # model types left out on purpose, with what to do instead (checked before any adapter is picked)

@@ -53,8 +53,9 @@ class FamilyAdapter(ABC):
 
     @abstractmethod
     def renormalized(self, model: nn.Module) -> bool:
-        """Whether the router's top-k weights sum to 1 before any constant factor (see
-        routed_scaling); decides the default scaling rule."""
+        """Whether the router's top-k weights sum to 1 before any constant factor (see routed_scaling).
+        Read by expanded teacher routing (distill's teacher_renormalize default), reconstruction's
+        routed_subset target and Router KD's record; the dense student's α rule is the sweep's dp_scaling."""
         ...
 
     @abstractmethod

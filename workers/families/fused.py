@@ -183,8 +183,12 @@ class FusedMoeAdapter(FamilyAdapter):
             raise ValueError(f"model has no {'/'.join(self.block_classes)} layer")
         return self.block(model, moe[0])
 
+    def layer_experts(self, block: nn.Module) -> int:
+        """Routed experts of one MoE block (the leading axis of its fused experts)."""
+        return int(block.experts.gate_up_proj.shape[0])
+
     def num_experts(self, model: nn.Module) -> int:
-        return int(self._first(model).experts.gate_up_proj.shape[0])
+        return self.layer_experts(self._first(model))
 
     def top_k(self, model: nn.Module) -> int:
         return int(getattr(self._first(model), self.router_attr).top_k)
@@ -214,7 +218,7 @@ class FusedMoeAdapter(FamilyAdapter):
         for layer in self.moe_layers(model):
             router = self.router_module(model, layer)
             linear = self.router_linear_of(router)
-            e = int(self.block(model, layer).experts.gate_up_proj.shape[0])
+            e = self.layer_experts(self.block(model, layer))
             weight = linear.weight
             if not isinstance(weight, nn.Parameter) or tuple(weight.shape) != (e, hidden):
                 raise ValueError(f"layer {layer}: router weight {tuple(weight.shape)} is not the linear map from "
