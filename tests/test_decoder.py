@@ -17,7 +17,7 @@ def test_the_decoder_gives_the_hidden_states_the_lm_head_reads(family):
     assert dec is not model and isinstance(getattr(dec, "layers", getattr(dec, "blocks", None)), nn.ModuleList)
     x = ids(n=1, t=6)
     last = model(input_ids=x, output_hidden_states=True).hidden_states[-1]
-    assert last.shape == (1, 6, model.config.hidden_size if hasattr(model.config, "hidden_size") else last.shape[-1])
+    assert last.shape[:2] == (1, 6)
     assert (last - dec(input_ids=x).last_hidden_state).abs().max() == 0
 
 
