@@ -64,7 +64,7 @@ def random_ffn_student(teacher: nn.Module, adapter: Any, seed: int) -> nn.Module
     std = _init_std(student)
     with torch.no_grad():
         for layer in decoder_layers(student):
-            for p in layer.mlp.parameters():
+            for p in getattr(layer, adapter.student_ffn_attr).parameters():
                 if p.dim() >= 2:
                     p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32) * std)
                 else:

@@ -131,7 +131,6 @@ class FusedMoeAdapter(FamilyAdapter):
     expert_axis: Mapping[str, int] = {}
     shared_attr: str | None = None  # attribute of the block holding ungated shared experts
     student_act: str = "silu"
-    student_ffn_attr: str = "mlp"  # decoder-layer attribute of the dense student's FFN
     experts_key: str = "num_experts"  # config field with the routed experts per MoE layer
 
     # --- structure from the config alone -------------------------------------------------------
