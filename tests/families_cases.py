@@ -41,6 +41,7 @@ class Case:
     #              "softmax_bias": top-k of softmax p + correction bias, weights p of the k (ERNIE-4.5)
     #              "sparsemixer": PhiMoE's two picks (argmax, then argmax of the rest), each weighted by a softmax
     #              over the logits within a relative threshold of its max (sparsemixer_ref below)
+    #              "topk_sigmoid": top-k of the logits, weights the sigmoid of those logits (Llama-4)
     renorm: bool  # weights renormalized over the chosen k
     student: str  # transformers config class of the dense student
     groups: bool = False  # group-limited routing (n_group / topk_group, contiguous groups)
@@ -58,10 +59,15 @@ class Case:
     bias_attr: str = "e_score_correction_bias"  # name of a sigmoid router's correction bias
     router_dtype: torch.dtype | None = None  # the dtype the modeling code pins the router's linear map to
     #              (HunYuan: float32 in any model dtype; from_pretrained keeps it there, so make_teacher does too)
+    input_scaled: bool = False  # the routing weight multiplies the expert's input, f_e(w·x) (Llama-4)
+    tuple_out: bool = False  # the MoE block returns (hidden states, router output) (GPT-OSS, Llama-4)
+    student_block: str = "mlp"  # decoder-layer attribute of the dense student's FFN
+    experts_call: str = "routed"  # the experts module's forward: "routed" (h, indices, weights);
+    #              "stacked": Llama-4's, every expert on its own [T, H] slice of an [E·T, H] input
     dense_student: bool = True  # the family writes a dense student (False: refused_outputs holds "dense")
     topk_key: str = "num_experts_per_tok"  # config field of k (a dotted key names a field of a sub-config)
     logits_router: bool = False  # the router module returns the logits alone; the block picks and weights (DBRX)
-    width_key: str = "intermediate_size"  # config field of a one-expert student's expert width
+    width_key: str = "intermediate_size"  # config field of the dense student's FFN width (dotted: a sub-config's)
 
 
 CASES: dict[str, Case] = {
@@ -74,7 +80,8 @@ CASES: dict[str, Case] = {
                         scaled=True, shared="shared_experts", shared_width=16, all_dense_student=True),
     "deepseek_v3": Case((1, 2), 8, 2, "n_routed_experts", "sigmoid", True, "DeepseekV3Config", groups=True,
                         scaled=True, shared="shared_experts", shared_width=16, all_dense_student=True),
-    "gpt_oss": Case((0, 1), 6, 2, "num_local_experts", "logits", True, "GptOssConfig", one_expert_student=True),
+    "gpt_oss": Case((0, 1), 6, 2, "num_local_experts", "logits", True, "GptOssConfig", one_expert_student=True,
+                   tuple_out=True),
     "glm4_moe": Case((1, 2), 8, 2, "n_routed_experts", "sigmoid", True, "Glm4MoeConfig", groups=True, scaled=True,
                      shared="shared_experts", shared_width=16, all_dense_student=True),
     "dots1": Case((0, 1), 8, 2, "n_routed_experts", "sigmoid", True, "Dots1Config", groups=True, scaled=True,
@@ -145,6 +152,13 @@ CASES.update({
                           scaled=True),
     "hy_v3": Case((1, 2), 6, 2, "num_experts", "sigmoid", True, "HYV3Config", scaled=True, shared="shared_experts",
                   shared_width=16, bias_on_block=True, scale_key="router_scaling_factor"),
+})
+# Llama-4's text decoder: layer 0 dense (moe_layers), layer 2 NoPE; sigmoid scores scale the experts' input
+CASES.update({
+    "llama4_text": Case((1, 2), 6, 2, "num_local_experts", "topk_sigmoid", False, "Llama4TextConfig",
+                        shared="shared_expert", shared_width=16, all_dense_student=True, block="feed_forward",
+                        router_attr="router", input_scaled=True, tuple_out=True, student_block="feed_forward",
+                        width_key="intermediate_size_mlp", experts_call="stacked"),
 })
 FAMILIES = list(CASES)
 DENSE_FAMILIES = [f for f in FAMILIES if CASES[f].dense_student]  # families whose tests build a dense student
@@ -294,6 +308,11 @@ def tiny_config(family: str, **overrides: Any):
                   num_hidden_layers=3, num_experts=6, num_experts_per_tok=2, num_shared_experts=1,
                   router_scaling_factor=1.5, mlp_layer_types=["dense", "sparse", "sparse"], mlp_bias=True)
         return tf.HYV3Config(**{**COMMON, **kw, **overrides})
+    if family == "llama4_text":  # layer 0 dense (wider than k·I + shared: padded), layers 0-1 chunked RoPE, 2 NoPE
+        kw = dict(num_key_value_heads=2, head_dim=8, intermediate_size=16, intermediate_size_mlp=40,
+                  num_hidden_layers=3, num_local_experts=6, num_experts_per_tok=2, moe_layers=[1, 2],
+                  no_rope_layers=[1, 1, 0], attention_chunk_size=4)
+        return tf.Llama4TextConfig(**{**COMMON, **kw, **overrides})
     raise ValueError(f"no tiny config for family {family!r}")
 
 
@@ -349,8 +368,17 @@ def layers_of(family: str, model: nn.Module) -> nn.ModuleList:
 
 
 def student_ffn_of(family: str, student: nn.Module, layer: int) -> nn.Module:
-    """Layer `layer`'s FFN in the dense student: `mlp` of a dense sibling, the block of a one-expert student."""
-    return block_of(family, student, layer) if CASES[family].one_expert_student else student.model.layers[layer].mlp
+    """Layer `layer`'s FFN in the dense student: the block of a one-expert student, else the decoder layer's
+    `student_block` (`mlp`; Llama-4: `feed_forward`)."""
+    if CASES[family].one_expert_student:
+        return block_of(family, student, layer)
+    return getattr(student.model.layers[layer], CASES[family].student_block)
+
+
+def student_ffn_name(family: str) -> str:
+    """What the dense student's FFN parameter names contain (".mlp.", DBRX's one-expert ".ffn.", ...)."""
+    case = CASES[family]
+    return f".{case.block}." if case.one_expert_student else f".{case.student_block}."
 
 
 def router_of(family: str, block: nn.Module) -> nn.Module:
@@ -449,3 +477,14 @@ def sparsemixer_ref(logits: torch.Tensor, eps: float) -> tuple[torch.Tensor, tor
 def ids(n: int = 2, t: int = 12, seed: int = 1) -> torch.Tensor:
     """[n, t] random token ids (no special tokens)."""
     return torch.randint(3, V, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def experts_forward(family: str, experts: nn.Module, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The experts module's own forward on h [T, H] routed to idx [T, j] with weights w [T, j] (Llama-4's
+    stacked experts see w·h on the chosen slices and 0 elsewhere; f(0) = 0)."""
+    if CASES[family].experts_call != "stacked":
+        return experts(h, idx, w).reshape(h.shape)  # DBRX's experts return [T, 1, H]
+    e = experts.gate_up_proj.shape[0]
+    scores = torch.zeros(h.shape[0], e, dtype=h.dtype, device=h.device).scatter_add(1, idx, w.to(h.dtype))
+    routed_in = h.repeat(e, 1) * scores.transpose(0, 1).reshape(-1, 1)
+    return experts(routed_in).reshape(e, h.shape[0], -1).sum(0)

@@ -68,6 +68,27 @@ def test_random_ffn_keeps_teacher_attention_and_draws_the_ffn(moe):
     assert out.shape == (4, 16, V) and torch.isfinite(out).all()
 
 
+def test_random_ffn_of_llama4_text_draws_its_feed_forward():
+    """Llama-4's dense student keeps its FFN at `feed_forward` (adapter.student_ffn_attr), not `mlp`."""
+    from families_cases import make_teacher
+
+    teacher = make_teacher("llama4_text")
+    adapter = get_adapter(teacher)
+    student = random_ffn_student(teacher, adapter, seed=0)
+    assert adapter.student_ffn_attr == "feed_forward" and student.config.moe_layers == []
+    ffn = {n: p for n, p in student.named_parameters() if ".feed_forward." in n}
+    assert len(ffn) == 3 * teacher.config.num_hidden_layers
+    width = student.config.intermediate_size_mlp
+    assert width == 2 * 16 + 16  # k·I plus the shared expert (the dense layer's 40 padded)
+    assert all(width in p.shape for p in ffn.values())
+    std = torch.cat([p.flatten() for p in ffn.values()]).std().item()
+    assert std == pytest.approx(teacher.config.initializer_range, rel=0.15)
+    source = dict(teacher.named_parameters())
+    for name, p in student.named_parameters():
+        if name not in ffn:
+            assert torch.equal(p, source[name]), name
+
+
 def test_random_init_has_the_student_architecture_and_nothing_from_the_teacher(moe):
     adapter = get_adapter(moe)
     ref = random_ffn_student(moe, adapter, seed=0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from families_cases import CASES, FAMILIES, V, make_teacher
+from families_cases import CASES, FAMILIES, V, experts_forward, make_teacher
 
 from workers.calibrate import (
     STAT_FIELDS,
@@ -77,7 +77,8 @@ def naive_stats(model, adapter, batches) -> dict[int, dict[str, torch.Tensor]]:
                         continue
                     n += 1
                     one = torch.ones(1, 1, dtype=x.dtype)
-                    fs = [experts(x[t:t + 1], torch.tensor([[e]]), one).reshape(-1).double() for e in range(E)]
+                    fs = [experts_forward(adapter.name, experts, x[t:t + 1], torch.tensor([[e]]), one).reshape(-1)
+                          .double() for e in range(E)]
                     stacked = torch.stack(fs)  # [E, H], this token only
                     acc["gram"] += stacked @ stacked.T
                     acc["sum_out"] += stacked
@@ -148,8 +149,8 @@ def test_batched_stats_equal_naive_per_expert_loop(family):
         assert (st.max_norm_sel <= st.sum_norm_sel + 1e-12).all() and bool((st.max_norm_sel[~routed] == 0).all())
         assert (st.sum_norm_sel[routed] / st.count[routed] <= st.max_norm_sel[routed] * (1 + 1e-12)).all()
         # p·‖f‖ and g·‖f‖ agree iff the gate is the plain softmax p (no renormalization, no scale; PhiMoE's
-        # SparseMixer weights are softmaxes over masked sets, not p, though neither renormalized nor scaled)
-        g_is_p = (CASES[family].router != "sparsemixer" and not adapter.renormalized(model)
+        # SparseMixer weights are softmaxes over masked sets, and Llama-4's the chosen logits' sigmoid, not p)
+        g_is_p = (CASES[family].router not in ("sparsemixer", "topk_sigmoid") and not adapter.renormalized(model)
                   and adapter.routed_scaling(model) == 1.0)
         assert torch.allclose(st.sum_pnorm_sel, st.sum_gnorm_sel, rtol=1e-6) == g_is_p
 
@@ -218,7 +219,13 @@ def test_hook_reads_the_real_decision(family):
     f = all_expert_outputs(adapter.expert_weights(model, layer), x)  # [E, T, H]
     tok = torch.arange(x.shape[0])[:, None]
     rebuilt = (w.to(f.dtype)[..., None] * f[idx, tok]).sum(1)
-    torch.testing.assert_close(rebuilt, got["experts"].reshape(rebuilt.shape), rtol=1e-10, atol=1e-12)
+    experts_out = got["experts"]
+    if CASES[adapter.name].input_scaled:  # Llama-4: Σ_j f_j(w_j x); its experts module returns [E·T, H] unsummed
+        ew = adapter.expert_weights(model, layer)
+        rebuilt = torch.stack([sum(all_expert_outputs(ew, w[t, j] * x[t:t + 1])[int(idx[t, j]), 0]
+                                   for j in range(idx.shape[1])) for t in range(x.shape[0])])
+        experts_out = experts_out.reshape(-1, *rebuilt.shape).sum(0)
+    torch.testing.assert_close(rebuilt, experts_out.reshape(rebuilt.shape), rtol=1e-10, atol=1e-12)
     if adapter.shared_ffn(model, layer) is None:
         torch.testing.assert_close(rebuilt, got["block"].reshape(rebuilt.shape), rtol=1e-10, atol=1e-12)
     assert p.shape == (x.shape[0], adapter.num_experts(model))

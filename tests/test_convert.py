@@ -10,12 +10,14 @@ from families_cases import (
     FAMILIES,
     H,
     block_of,
+    experts_forward,
     hand_plans,
     ids,
     layers_of,
     make_teacher,
     routed_scale,
     router_of,
+    student_ffn_name,
 )
 
 from workers.convert import build_student_from_plans, layer_contexts, plan_ffns
@@ -60,8 +62,8 @@ def test_layer_contexts(fam):
     store = {p.untyped_storage().data_ptr() for p in block.experts.parameters()}
     assert c.experts.gate.untyped_storage().data_ptr() in store  # views, not copies
     h = torch.randn(5, H)
-    torch.testing.assert_close(ffn_forward(c.experts, h, expert=3), block.experts(
-        h, torch.full((5, 1), 3), torch.ones(5, 1)).reshape(h.shape), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ffn_forward(c.experts, h, expert=3), experts_forward(
+        family, block.experts, h, torch.full((5, 1), 3), torch.ones(5, 1)), rtol=1e-5, atol=1e-5)
     dense = [i for i in range(len(layers_of(family, teacher))) if i not in moe]
     if dense:
         with pytest.raises(ValueError, match="not MoE layers"):
@@ -99,8 +101,12 @@ def test_routed_scaling_folded_into_alpha(fam):
     for pl in plans:
         ew = a.expert_weights(teacher, pl.layer)
         h = torch.randn(6, H)
-        expect = sum(al * scale * ffn_forward(ew, h, expert=g[0]) for al, g in zip(pl.alpha, pl.groups,
-                                                                                  strict=True))
+        if CASES[family].input_scaled:  # Llama-4: the weight scales the expert's input
+            expect = sum(ffn_forward(ew, al * scale * h, expert=g[0]) for al, g in zip(pl.alpha, pl.groups,
+                                                                                      strict=True))
+        else:
+            expect = sum(al * scale * ffn_forward(ew, h, expert=g[0]) for al, g in zip(pl.alpha, pl.groups,
+                                                                                      strict=True))
         torch.testing.assert_close(ffn_forward(ffns[pl.layer], h), expect, rtol=1e-5, atol=1e-6)
 
 
@@ -119,7 +125,7 @@ def test_many_shared_students_leave_teacher_intact(dense_fam):
         # new: the FFN tensors, and zeros for a bias the teacher lacks (Solar Open's o_proj in its Llama student)
         new = [p for n, p in student.named_parameters() if p.untyped_storage().data_ptr() not in t_store
                and not (n not in t_names and n.endswith(".bias") and not p.any())]
-        ffn = f".{CASES[family].block}." if CASES[family].one_expert_student else ".mlp."
+        ffn = student_ffn_name(family)
         assert sum(p.numel() for p in new) == sum(p.numel() for n, p in student.named_parameters() if ffn in n)
         with torch.no_grad():
             student(x)

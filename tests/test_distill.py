@@ -222,3 +222,26 @@ def test_two_process_gloo_matches_single_process(teacher, adapter, corpus, tmp_p
         # Adam divides by sqrt(v) + eps: embedding rows of rare tokens (gradients near eps) amplify the
         # rounding differences of the two reduction orders, up to a few 1e-5 after 3 steps of lr 3e-3
         assert torch.allclose(p, q, atol=1e-4), n
+
+
+@pytest.mark.parametrize("loss", ["forward_kl", "intermediate"])
+def test_a_llama4_text_dense_student_distills(loss):
+    """Llama4ForCausalLM's base_model is the model itself: the loop reaches the decoder's hidden states through
+    decoder_of. A few steps on the fixture's llama4_text teacher (expanded routing k′ = 3), the first step's loss
+    equal to the one from full logits and hidden states, and the loss falling."""
+    from families_cases import make_teacher
+
+    teacher = make_teacher("llama4_text")
+    adapter = get_adapter(teacher)
+    student = student_of(teacher, adapter)
+    assert type(student) is type(teacher) and student.config.moe_layers == []
+    g = torch.Generator().manual_seed(2)
+    data = torch.randint(0, teacher.config.vocab_size, (16, T), generator=g)
+    expected = _first_step_loss(teacher, adapter, copy.deepcopy(student), data[:4], loss, k=3)
+    res = distill(student, teacher, adapter, micro_batches(data[:12], 4), data[12:],
+                  spec(steps=3, eval_every=3, val_windows=4, teacher_top_k=3, loss=loss, hidden_weight=0.5))
+    assert res["loss_curve"][0] == pytest.approx(expected, rel=1e-4)
+    assert all(math.isfinite(v) for v in res["loss_curve"]) and res["loss_curve"][-1] < res["loss_curve"][0]
+    assert res["teacher_routing"] == {"top_k": 3, "renormalize": False, "native_top_k": 2}
+    st = [r["value"] for r in res["val"] if r["who"] == "student"]
+    assert len(st) == 2 and all(math.isfinite(v) for v in st)

@@ -235,12 +235,12 @@ def logits(model, x):
         return model(input_ids=x, use_cache=False).logits
 
 
-EDITABLE = [f for f in FAMILIES if "edited" not in adapter_named(f).refused_outputs]  # dbrx refuses: see below
+EDITABLE = [f for f in FAMILIES if "edited" not in adapter_named(f).refused_outputs]  # dbrx, llama4_text: below
 
 
 def test_dbrx_refuses_an_edited_moe_in_the_sweep_and_in_the_conversion(tmp_path):
     """DBRX keeps its experts as [E·I, H] w1/v1/w2, not the fused layout the edited experts rebuild: the only
-    family left out of EDITABLE, refused in one line before a sweep runs and by the conversion itself."""
+    family besides Llama-4 left out of EDITABLE, refused in one line before a sweep runs and by the conversion."""
     import yaml
     from families_cases import tiny_config
 
@@ -249,7 +249,7 @@ def test_dbrx_refuses_an_edited_moe_in_the_sweep_and_in_the_conversion(tmp_path)
     from orchestrator.spec import load_spec
     from workers.outputs import write_student
 
-    assert [f for f in FAMILIES if f not in EDITABLE] == ["dbrx"]
+    assert [f for f in FAMILIES if f not in EDITABLE] == ["dbrx", "llama4_text"]
     tiny_config("dbrx").save_pretrained(tmp_path / "dbrx")
     f = tmp_path / "edited.yaml"
     f.write_text(yaml.safe_dump({"name": "dbrx-edited", "teacher": {"source": "hf", "model": str(tmp_path / "dbrx")},
@@ -267,8 +267,17 @@ def test_dbrx_refuses_an_edited_moe_in_the_sweep_and_in_the_conversion(tmp_path)
     assert "\n" not in str(e.value)
 
 
+def test_llama4_text_refuses_the_edited_output_in_one_line():
+    """Llama-4's experts are [E, H, 2I] and scale their input: the factored experts do not rebuild that layout."""
+    from workers.outputs import write_student
+
+    teacher = make_teacher("llama4_text")
+    with pytest.raises(ValueError, match=r"^output='edited': llama4_text cannot write an edited checkpoint: "):
+        write_student("edited", teacher, get_adapter(teacher), [], share_weights=True)
+
+
 @pytest.mark.parametrize("family,method", [(f, "TD-MoE") for f in EDITABLE] + [("qwen3_moe", "MoBE"),
-                                                                              ("gpt_oss", "MoBE")])
+                                                                               ("gpt_oss", "MoBE")])
 def test_edited_model_computes_the_teacher_with_the_reconstructed_experts(family, method, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -20,6 +20,7 @@ from families_cases import (
     block_of,
     cfg_get,
     correction_bias,
+    experts_forward,
     hand_plans,
     ids,
     layers_of,
@@ -30,6 +31,7 @@ from families_cases import (
     shared_of,
     shared_weights,
     sparsemixer_ref,
+    student_ffn_name,
     student_ffn_of,
 )
 from torch import nn
@@ -61,8 +63,8 @@ def ref_logits(family: str, block: nn.Module, h: torch.Tensor) -> torch.Tensor:
 
 
 def ref_probs(family: str, logits: torch.Tensor) -> torch.Tensor:
-    """p over all E: softmax; sigmoid routers (DeepSeek-V3 style): sigmoid normalized over E."""
-    if CASES[family].router == "sigmoid":
+    """p over all E: softmax; sigmoid routers (DeepSeek-V3 style, Llama-4): sigmoid normalized over E."""
+    if CASES[family].router in ("sigmoid", "topk_sigmoid"):
         s = torch.sigmoid(logits)
         return s / s.sum(-1, keepdim=True)
     return torch.softmax(logits, -1)
@@ -83,12 +85,19 @@ def shared_term(family: str, block: nn.Module, h: torch.Tensor, gated: bool) -> 
     return out
 
 
-def forced(experts: nn.Module, h: torch.Tensor, ids: list[int], weights: list[float]) -> torch.Tensor:
-    """The experts module's own forward with every token routed to `ids` with `weights`."""
+def forced(experts: nn.Module, h: torch.Tensor, ids: list[int], weights: list[float],
+           family: str = "qwen3_moe") -> torch.Tensor:
+    """The experts module's own forward with every token routed to `ids` with `weights` (Llama-4: on the
+    experts' inputs)."""
     t = h.shape[0]
     idx = torch.tensor(ids, device=h.device).expand(t, len(ids)).contiguous()
     w = torch.tensor(weights, dtype=h.dtype, device=h.device).expand(t, len(ids)).contiguous()
-    return experts(h, idx, w).reshape(h.shape)  # DBRX's experts return [T, 1, H]
+    return experts_forward(family, experts, h, idx, w)
+
+
+def weighted(family: str, w: torch.Tensor, f, h: torch.Tensor) -> torch.Tensor:
+    """w·f(h), or f(w·h) where the family's routing weight scales the expert's input (w [T, 1])."""
+    return f(w * h) if CASES[family].input_scaled else w * f(h)
 
 
 def merged_experts(family: str, experts: nn.Module, groups: list[list[int]], merge_w: list[list[float]]) -> nn.Module:
@@ -108,7 +117,7 @@ def merged_experts(family: str, experts: nn.Module, groups: list[list[int]], mer
 
 
 def block_out(family: str, y):
-    return y[0] if family == "gpt_oss" else y  # GptOssMLP returns (out, router scores)
+    return y[0] if CASES[family].tuple_out else y  # GptOssMLP / Llama4TextMoe return (out, router output)
 
 
 class RefMLP(nn.Module):
@@ -122,9 +131,9 @@ class RefMLP(nn.Module):
 
     def forward(self, x):
         h = x.reshape(-1, x.shape[-1])
-        y = forced(self.experts, h, list(range(len(self.alpha))), self.alpha)
+        y = forced(self.experts, h, list(range(len(self.alpha))), self.alpha, self.family)
         y = (y + shared_term(self.family, self.block, h, gated=False)).reshape(x.shape)
-        return (y, None) if self.family == "gpt_oss" else y
+        return (y, None) if CASES[self.family].tuple_out else y
 
 
 def reference_model(family: str, teacher: nn.Module, plans: list[LayerPlan]) -> nn.Module:
@@ -135,7 +144,8 @@ def reference_model(family: str, teacher: nn.Module, plans: list[LayerPlan]) -> 
 
 
 def student_mlp(family: str, student: nn.Module, layer: int, h: torch.Tensor) -> torch.Tensor:
-    return block_out(family, student_ffn_of(family, student, layer)(h[None]))[0]
+    y = student_ffn_of(family, student, layer)(h[None])
+    return (y[0] if isinstance(y, tuple) else y)[0]  # a one-expert student's block returns a tuple (GPT-OSS)
 
 
 # ---- structure ------------------------------------------------------------------------------------
@@ -175,7 +185,8 @@ def test_expert_views_match_experts_module(fam):
         storages = {p.untyped_storage().data_ptr() for p in ex.parameters()}
         assert w.gate.untyped_storage().data_ptr() in storages  # views, not copies
         for e in range(w.num_experts):
-            torch.testing.assert_close(ffn_forward(w, h, expert=e), forced(ex, h, [e], [1.0]), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(ffn_forward(w, h, expert=e), forced(ex, h, [e], [1.0], family), rtol=1e-5,
+                                       atol=1e-5)
 
 
 def test_gpt_oss_layout_clamp_and_bias():
@@ -231,6 +242,9 @@ def test_router_decision_is_what_the_block_used(fam):
         assert p.shape == (t, a.num_experts(teacher)) and w.shape == idx.shape == (t, k)
         torch.testing.assert_close(p, ref_probs(family, ref_logits(family, block, h)), rtol=1e-5, atol=1e-6)
         ps = p.gather(1, idx)
+        if CASES[family].router == "topk_sigmoid":  # the chosen logits' sigmoid, not p
+            ps = torch.sigmoid(ref_logits(family, block, h)).gather(1, idx)
+            assert torch.equal(idx.sort(-1).values, torch.topk(ref_logits(family, block, h), k, -1).indices.sort(-1).values)
         expect_w = ps / ps.sum(-1, keepdim=True) if renormalizes(family, teacher) else ps
         if CASES[family].router == "sparsemixer":
             expect_w, expect_idx = sparsemixer_ref(ref_logits(family, block, h),
@@ -243,8 +257,8 @@ def test_router_decision_is_what_the_block_used(fam):
         ew = a.expert_weights(teacher, layer)
         y = shared_term(family, block, h, gated=True)
         for j in range(k):
-            fe = torch.stack([ffn_forward(ew, h[i:i + 1], expert=int(idx[i, j]))[0] for i in range(t)])
-            y = y + w[:, j:j + 1] * fe
+            y = y + torch.stack([weighted(family, w[i, j], lambda x, m=ew, e=int(idx[i, j]): ffn_forward(m, x, expert=e),
+                                          h[i:i + 1])[0] for i in range(t)])
         torch.testing.assert_close(y.reshape(rec["y"].shape), rec["y"], rtol=1e-4, atol=1e-5)
 
 
@@ -263,7 +277,7 @@ def _capture_blocks(family, teacher, a, fn):
 
 
 def _choice(family: str, block: nn.Module, logits: torch.Tensor) -> torch.Tensor:
-    if CASES[family].router == "logits":
+    if CASES[family].router in ("logits", "topk_sigmoid"):
         return logits
     if CASES[family].router == "sigmoid":
         return torch.sigmoid(logits) + correction_bias(family, block)
@@ -286,17 +300,21 @@ def test_routing_top_k_expanded(fam, kprime, renorm):
         logits = ref_logits(family, block, h)
         p = ref_probs(family, logits)
         sel = torch.topk(_choice(family, block, logits), kk, -1).indices
-        if CASES[family].router == "sigmoid":  # the raw sigmoid scores are what V3 multiplies in
+        if CASES[family].router in ("sigmoid", "topk_sigmoid"):  # the raw sigmoid scores are multiplied in
             raw = torch.sigmoid(logits).gather(1, sel)
             w = raw / raw.sum(-1, keepdim=True) if renorm else raw
         else:
             ps = p.gather(1, sel)
             w = ps / ps.sum(-1, keepdim=True) if renorm else ps
         ew = a.expert_weights(teacher, layer)
-        every = torch.stack([ffn_forward(ew, h, expert=i) for i in range(e)], 1)  # [T, E, H]
-        ref = (w[..., None] * scale * every.gather(1, sel[..., None].expand(-1, -1, h.shape[1]))).sum(1)
-        if kprime == "E" and renorm:  # the full mixture Σ_e p_e f_e over all experts
-            torch.testing.assert_close(ref, scale * (p[..., None] * every).sum(1), rtol=1e-4, atol=1e-5)
+        if CASES[family].input_scaled:  # Σ_j f_{e_j}(w_j h), token by token
+            ref = torch.stack([sum(ffn_forward(ew, w[t, j] * h[t:t + 1], expert=int(sel[t, j]))[0]
+                                   for j in range(kk)) for t in range(h.shape[0])])
+        else:
+            every = torch.stack([ffn_forward(ew, h, expert=i) for i in range(e)], 1)  # [T, E, H]
+            ref = (w[..., None] * scale * every.gather(1, sel[..., None].expand(-1, -1, h.shape[1]))).sum(1)
+            if kprime == "E" and renorm:  # the full mixture Σ_e p_e f_e over all experts
+                torch.testing.assert_close(ref, scale * (p[..., None] * every).sum(1), rtol=1e-4, atol=1e-5)
         ref = ref + shared_term(family, block, h, gated=True)
         torch.testing.assert_close(y.reshape(ref.shape), ref, rtol=1e-4, atol=1e-5)
 
@@ -354,7 +372,7 @@ def test_student_logits_equal_reference(dense_fam, share):
         torch.testing.assert_close(student(x).logits, ref(x).logits, rtol=1e-4, atol=1e-4)
     t_params = dict(teacher.named_parameters())
     t_store = {p.untyped_storage().data_ptr() for p in teacher.parameters()}
-    ffn = f".{CASES[family].block}." if CASES[family].one_expert_student else ".mlp."
+    ffn = student_ffn_name(family)
     for name, p in student.named_parameters():
         if ffn in name:
             assert p.untyped_storage().data_ptr() not in t_store, name  # FFN tensors are always new
@@ -375,13 +393,17 @@ def test_student_config_and_width(dense_fam):
     cfg = student.config
     assert type(cfg) is getattr(transformers, case.student)
     i = a.expert_weights(teacher, a.moe_layers(teacher)[0]).intermediate
-    width_key = case.width_key if case.one_expert_student else "intermediate_size"
-    assert cfg_get(cfg, width_key) == a.top_k(teacher) * i + case.shared_width  # k·I + shared width
+    assert cfg_get(cfg, case.width_key) == a.top_k(teacher) * i + case.shared_width  # k·I + shared width
     if case.one_expert_student:
         assert (cfg_get(cfg, case.experts_key), cfg_get(cfg, case.topk_key)) == (1, 1)
     if case.all_dense_student:
-        assert cfg.first_k_dense_replace == cfg.num_hidden_layers
-        assert not any(hasattr(layer.mlp, "experts") for layer in student.model.layers)
+        if family == "llama4_text":
+            assert cfg.moe_layers == [] and cfg.no_rope_layers == teacher.config.no_rope_layers
+            assert cfg.layer_types == teacher.config.layer_types and cfg.use_qk_norm == teacher.config.use_qk_norm
+            assert cfg.attention_chunk_size == teacher.config.attention_chunk_size
+        else:
+            assert cfg.first_k_dense_replace == cfg.num_hidden_layers
+        assert not any(hasattr(getattr(layer, case.student_block), "experts") for layer in student.model.layers)
     if family == "mixtral":
         assert cfg.rope_parameters == teacher.config.rope_parameters and cfg.sliding_window is None
         assert cfg.head_dim == 8 and cfg.rms_norm_eps == teacher.config.rms_norm_eps
@@ -391,8 +413,7 @@ def test_shared_experts_scale_one_and_padding(dense_fam):
     family, teacher, a = dense_fam
     plans = hand_plans(a, teacher, merged=False)
     student = build_student_from_plans(teacher, a, plans, share_weights=False)
-    width_key = CASES[family].width_key if CASES[family].one_expert_student else "intermediate_size"
-    width = cfg_get(student.config, width_key)
+    width = cfg_get(student.config, CASES[family].width_key)
     kI = a.top_k(teacher) * a.expert_weights(teacher, a.moe_layers(teacher)[0]).intermediate
     for layer in range(len(layers_of(family, student))):
         block = block_of(family, teacher, layer)

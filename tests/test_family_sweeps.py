@@ -58,7 +58,7 @@ def sweep(tmp_path, family: str, grid: list[dict] | None = None) -> str:
     return str(f)
 
 
-@pytest.mark.parametrize("family", ["glm4_moe", "minimax_m2", "flex_olmo", "cohere2_moe", "dbrx"])
+@pytest.mark.parametrize("family", ["glm4_moe", "minimax_m2", "flex_olmo", "cohere2_moe", "dbrx", "llama4_text"])
 def test_micro_sweep_of_a_new_family(family, tmp_path, monkeypatch):
     monkeypatch.setenv("MOESWEEP_HOME", str(tmp_path / "home"))
     spec, path, text = load_spec(sweep(tmp_path, family))

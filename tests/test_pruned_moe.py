@@ -92,6 +92,16 @@ def _softmax_bias_router_forward(router, dropped: torch.Tensor):
     return forward
 
 
+def _topk_sigmoid_router_forward(router, dropped: torch.Tensor):
+    """Llama-4's router with the dropped experts' logits at -inf: top-k of the logits, their sigmoid as scores."""
+    def forward(hidden_states):
+        logits = F.linear(hidden_states, router.weight).masked_fill(dropped, float("-inf"))
+        top, idx = torch.topk(logits, router.top_k, dim=1)
+        scores = torch.zeros_like(logits).scatter(1, idx, torch.sigmoid(top.float()).to(logits.dtype))
+        return scores, logits
+    return forward
+
+
 def _sparsemixer_router_forward(router, dropped: torch.Tensor):
     """PhiMoE router (SparseMixer, eval mode) with the dropped experts' logits at -inf, its two picks and
     weights from the independent sparsemixer_ref."""
@@ -133,6 +143,8 @@ def masked_teacher(family: str, model, kept: dict[int, list[int]], groups: bool 
                 router_module_of(family, block).forward = _logits_router_forward(router, dropped)
             elif case.router == "softmax_v2":
                 router.forward = _deepseek_v2_router_forward(router, dropped)
+            elif case.router == "topk_sigmoid":
+                router.forward = _topk_sigmoid_router_forward(router, dropped)
             elif case.router == "sparsemixer":
                 router.forward = _sparsemixer_router_forward(router, dropped)
             else:

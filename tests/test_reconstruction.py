@@ -75,6 +75,16 @@ def test_routed_subset_loss_is_the_pruned_moe_and_zero_for_the_full_set(renormal
     assert loss.evals == 4
 
 
+@pytest.mark.parametrize("name", RL)
+def test_input_scaled_experts_are_refused_in_one_line(name):
+    """Llama-4's experts see w·x (ExpertWeights.input_scaled): the loss's Σ w·f(x) is not that layer."""
+    ctx = synthetic(6)
+    ctx = replace(ctx, experts=replace(ctx.experts, input_scaled=True))
+    with pytest.raises(ValueError, match=r"^experts.input_scaled=True .*not supported$") as e:
+        select(name, ctx, 3)
+    assert "\n" not in str(e.value)
+
+
 def test_exhaustive_finds_the_true_optimum():
     ctx = synthetic(7, seed=3)
     full = naive_pruned(ctx, list(range(7)))

@@ -238,3 +238,16 @@ def test_streamed_convert_stage_writes_the_resident_plans(tmp_path):
             rec = stage_convert(payload, {}, None)
             plans[mode] = (rec["outputs"]["plan_key"], json.loads((work / "plan.json").read_text()))
         assert plans["streamed"] == plans["resident"]
+
+
+@pytest.mark.parametrize("family", STREAMED)
+def test_layer_parameters_of_every_family(family):
+    """The largest decoder layer and the input embeddings counted from the config alone equal the built model's
+    (Llama4ForCausalLM's get_decoder() is the model itself: the layers are reached through decoder_of)."""
+    from families_cases import tiny_config
+
+    model = make_teacher(family)
+    layers = model.model.layers
+    want = (max(sum(p.numel() for p in layer.parameters()) for layer in layers),
+            model.get_input_embeddings().weight.numel())
+    assert layer_parameters(tiny_config(family)) == want

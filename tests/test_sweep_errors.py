@@ -140,3 +140,27 @@ def test_a_sweep_path_that_is_not_a_readable_yaml_file(tmp_path, what):
     res = CliRunner().invoke(app, ["launch", str(target), "--dry-run"])
     assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1, res.output
     assert expect in res.stderr, res.stderr
+
+
+def test_a_multimodal_llama4_teacher_is_one_line_naming_its_text_model(tmp_path, monkeypatch):
+    """model_type llama4 (Llama4ForConditionalGeneration) is left out on purpose: the sweep's teacher check
+    (orchestrator.configs.model_shape) says to convert its text model, llama4_text, in one line."""
+    from transformers import Llama4Config
+
+    monkeypatch.chdir(tmp_path)
+    text = dict(vocab_size=64, hidden_size=16, intermediate_size=8, intermediate_size_mlp=16, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_local_experts=4,
+                num_experts_per_tok=1, interleave_moe_layer_step=1)
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14, projector_input_dim=16, projector_output_dim=16, vision_output_dim=16)
+    Llama4Config(text_config=text, vision_config=vision).save_pretrained(tmp_path / "llama4")
+    raw = _set("teacher", {"source": "hf", "model": str(tmp_path / "llama4")})
+    sweep = tmp_path / "llama4.yaml"
+    sweep.write_text(yaml.safe_dump(raw, sort_keys=False))
+    db = tmp_path / "db" / "r.db"
+    res = CliRunner().invoke(app, ["launch", str(sweep), "--executor", "serial", "--db", f"sqlite:///{db}"])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.strip().splitlines() == [
+        f"error: {sweep}: teacher.model: model_type='llama4' is the multimodal Llama4ForConditionalGeneration: "
+        "convert its text model (model_type llama4_text, Llama4ForCausalLM built from config.text_config) instead"]
+    assert not (tmp_path / "db").exists()

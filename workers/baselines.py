@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from workers.decoder import decoder_of
 from workers.types import DenseFFN
 
 # ---- random students (§4.2) --------------------------------------------------------------------------
@@ -24,9 +25,9 @@ from workers.types import DenseFFN
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """`model.base_model.layers`; a one-line ValueError for a model keeping them elsewhere (DBRX: blocks)."""
-    layers = getattr(model.base_model, "layers", None)
+    layers = getattr(decoder_of(model), "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        found = [n for n, m in model.base_model.named_children() if isinstance(m, nn.ModuleList)]
+        found = [n for n, m in decoder_of(model).named_children() if isinstance(m, nn.ModuleList)]
         raise ValueError(f"model_type={model.config.model_type!r}: decoder layers at base_model."
                          f"{', base_model.'.join(found) or '(none)'}, not base_model.layers; the baselines need "
                          "base_model.layers")
@@ -63,7 +64,7 @@ def random_ffn_student(teacher: nn.Module, adapter: Any, seed: int) -> nn.Module
     std = _init_std(student)
     with torch.no_grad():
         for layer in decoder_layers(student):
-            for p in layer.mlp.parameters():
+            for p in getattr(layer, adapter.student_ffn_attr).parameters():
                 if p.dim() >= 2:
                     p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32) * std)
                 else:
@@ -259,7 +260,7 @@ class _Importance:
                 self.hooks.append(norm.register_forward_hook(self._norm_hook))
             self.hooks.append(layer.register_forward_pre_hook(self._block_in(i), with_kwargs=True))
             self.hooks.append(layer.register_forward_hook(self._block_out(i)))
-        self.hooks.append(model.base_model.norm.register_forward_hook(self._norm_hook))
+        self.hooks.append(decoder_of(model).norm.register_forward_hook(self._norm_hook))
 
     @staticmethod
     def _agg(x: torch.Tensor) -> torch.Tensor:

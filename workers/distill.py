@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from workers.decoder import decoder_of
 from workers.distill_spec import DTYPES, DistillSpec  # noqa: F401  (re-exported)
 from workers.losses import LOSSES, KDLoss, head_cross_entropy, head_divergence, hidden_mse
 from workers.steplog import StepLog
@@ -84,7 +85,7 @@ def lm_head(model: nn.Module) -> nn.Linear | ScaledHead:
 
 def base_forward(model: nn.Module, ids: torch.Tensor, hidden: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(final hidden states [B, T, H], every decoder layer's output (if `hidden`)) without the LM head."""
-    out = model.base_model(input_ids=ids, output_hidden_states=hidden, use_cache=False)
+    out = decoder_of(model)(input_ids=ids, output_hidden_states=hidden, use_cache=False)
     return out.last_hidden_state, (list(out.hidden_states[1:]) if hidden else [])
 
 

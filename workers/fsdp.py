@@ -38,6 +38,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 
 from workers.ddp import DistRanks
+from workers.decoder import decoder_of
 from workers.distill import LOSSES, DistillSpec, KDStudent, amp_dtype, train_loop
 
 
@@ -57,7 +58,7 @@ class FSDPRanks(DistRanks):
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of an HF causal LM (`model.base_model.layers`): one FSDP unit each."""
-    layers = getattr(model.base_model, "layers", None)
+    layers = getattr(decoder_of(model), "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(f"{type(model).__name__}: no base_model.layers; FSDP shards one decoder layer per unit")
     return layers
@@ -88,7 +89,7 @@ def shard_teacher(teacher: nn.Module, mesh: DeviceMesh, device: torch.device, of
         p.requires_grad_(False)
     for layer in decoder_layers(teacher):
         fully_shard(layer, mesh=mesh, reshard_after_forward=True, offload_policy=policy)
-    fully_shard(teacher.base_model, mesh=mesh, reshard_after_forward=True, offload_policy=policy)
+    fully_shard(decoder_of(teacher), mesh=mesh, reshard_after_forward=True, offload_policy=policy)
     teacher.get_output_embeddings().to(device)
 
 

@@ -30,27 +30,38 @@ def merge_group(experts: ExpertWeights, members: list[int], weights: list[float]
                     act_alpha=experts.act_alpha, act_limit=experts.act_limit)
 
 
-def concat_blocks(blocks: list[DenseFFN], alpha: list[float]) -> DenseFFN:
-    """Row-stack gate/up, column-stack α_g·down (Eq. 2); the down bias is Σ_g α_g b_g."""
+def concat_blocks(blocks: list[DenseFFN], alpha: list[float], input_scaled: bool = False) -> DenseFFN:
+    """Row-stack gate/up, column-stack α_g·down (Eq. 2); the down bias is Σ_g α_g b_g.
+
+    input_scaled (the router weight multiplies the expert's input): Σ_g f_g(α_g h) instead, exactly: α_g
+    multiplies block g's gate and up rows (not their biases, which are added after the input), the down
+    projection is stacked unscaled and the down bias is Σ_g b_g."""
     first = blocks[0]
-    down = torch.cat([a * b.down for a, b in zip(alpha, blocks, strict=True)], dim=1)
+    out_scale = [1.0] * len(blocks) if input_scaled else alpha
+    down = torch.cat([a * b.down for a, b in zip(out_scale, blocks, strict=True)], dim=1)
 
     def rows(name: str) -> torch.Tensor | None:
         parts = [getattr(b, name) for b in blocks]
         return None if parts[0] is None else torch.cat(parts, dim=0)
 
+    def in_rows(name: str) -> torch.Tensor:
+        if not input_scaled:
+            return rows(name)
+        return torch.cat([a * getattr(b, name) for a, b in zip(alpha, blocks, strict=True)], dim=0)
+
     down_bias = None
     if first.down_bias is not None:
-        down_bias = sum(a * b.down_bias for a, b in zip(alpha, blocks, strict=True))
-    return DenseFFN(gate=rows("gate"), up=rows("up"), down=down, gate_bias=rows("gate_bias"),
+        down_bias = sum(a * b.down_bias for a, b in zip(out_scale, blocks, strict=True))
+    return DenseFFN(gate=in_rows("gate"), up=in_rows("up"), down=down, gate_bias=rows("gate_bias"),
                     up_bias=rows("up_bias"), down_bias=down_bias, act=first.act,
                     act_alpha=first.act_alpha, act_limit=first.act_limit)
 
 
 def build_dense_ffn(experts: ExpertWeights, plan: LayerPlan) -> DenseFFN:
-    """Algorithm 1 lines 3–11 for one layer: merge each group, scale, concatenate."""
+    """Algorithm 1 lines 3–11 for one layer: merge each group, scale, concatenate (α on the input where the
+    experts are input-scaled)."""
     blocks = [merge_group(experts, g, w) for g, w in zip(plan.groups, plan.merge_weights, strict=True)]
-    return concat_blocks(blocks, plan.alpha)
+    return concat_blocks(blocks, plan.alpha, input_scaled=experts.input_scaled)
 
 
 def ffn_forward(ffn: DenseFFN | ExpertWeights, h: torch.Tensor, expert: int | None = None) -> torch.Tensor:
@@ -69,6 +80,22 @@ def ffn_forward(ffn: DenseFFN | ExpertWeights, h: torch.Tensor, expert: int | No
         u = u + ffn.up_bias
     y = activation(g, u, ffn.act, ffn.act_alpha, ffn.act_limit) @ ffn.down.T
     return y if ffn.down_bias is None else y + ffn.down_bias
+
+
+def routed_forward(experts: ExpertWeights, h: torch.Tensor, weights: torch.Tensor,
+                   indices: torch.Tensor) -> torch.Tensor:
+    """Reference Σ_j w_j f_{e_j}(h) on h [T, H] for weights, indices [T, k] (Σ_j f_{e_j}(w_j h) where the
+    experts are input-scaled), one token at a time."""
+    out = []
+    for t in range(h.shape[0]):
+        y = h.new_zeros(h.shape[-1])
+        for w, e in zip(weights[t].tolist(), indices[t].tolist(), strict=True):
+            if experts.input_scaled:
+                y = y + ffn_forward(experts, w * h[t:t + 1], expert=int(e))[0]
+            else:
+                y = y + w * ffn_forward(experts, h[t:t + 1], expert=int(e))[0]
+        out.append(y)
+    return torch.stack(out)
 
 
 def activation(g: torch.Tensor, u: torch.Tensor, act: str, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:

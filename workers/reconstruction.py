@@ -118,6 +118,9 @@ class LayerLoss:
         if not sample or "x" not in sample or "p" not in sample:
             raise ValueError("layer statistics have no token sample: reconstruction-loss selection needs "
                              "calibration.sample_tokens > 0 (recompute the calibration)")
+        if ctx.experts.input_scaled:
+            raise ValueError("experts.input_scaled=True (the router weight scales the expert's input, f(w·x)): "
+                             "reconstruction-loss selection models the layer as Σ w·f(x); not supported")
         dev = ctx.experts.gate.device
         f = all_expert_outputs(ctx.experts, sample["x"].to(dev))  # [E, T, H] in the weights' dtype
         dtype = torch.float64 if dev.type == "cpu" else torch.float32

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from workers.decoder import decoder_of
 from workers.distill import lm_head
 from workers.losses import head_weighted_divergence, token_forward_kl
 from workers.router_kd_spec import RouterKDSpec
@@ -107,7 +108,7 @@ def _unpack(batch: Batch, i: int, spec: RouterKDSpec | None = None) -> tuple[tor
 
 # ---- the loss --------------------------------------------------------------------------------------
 def _last_hidden(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return model.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    return decoder_of(model)(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
 
 
 def kd_sum(student: nn.Module, teacher: nn.Module, ids: torch.Tensor, mask: torch.Tensor, norm: str,

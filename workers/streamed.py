@@ -17,7 +17,7 @@ non-persistent buffers (rotary inv_freq) are initialised by the model's `_init_w
 `from_pretrained` does. The statistics go through the same router hooks and LayerAccumulator as
 workers.calibrate.collect_stats, batch by batch in the same order, so they equal the resident pass.
 
-Version assumption (transformers 5.x): a decoder (`model.get_decoder()`) whose forward embeds the ids,
+Version assumption (transformers 5.x): a decoder (workers.decoder.decoder_of) whose forward embeds the ids,
 builds masks and position embeddings, then runs `hidden_states = layer(hidden_states, **kwargs)` over
 `decoder.layers` in order (a decoder keeping them elsewhere, DBRX's `transformer.blocks`, is refused in one
 line), nothing depending on a layer's output except the next layer's input (a layer that
@@ -48,6 +48,7 @@ from workers.calibrate import (
     sample_plan,
     stats_to,
 )
+from workers.decoder import decoder_of
 from workers.types import LayerContext, LayerStats
 
 INDEX = "model.safetensors.index.json"
@@ -118,7 +119,7 @@ class StreamedTeacher:
         self.dtype = dtype
         self.files = shard_map(self.directory)
         self.conversions = get_model_conversion_mapping(self.model)
-        self.decoder = self.model.get_decoder()
+        self.decoder = decoder_of(self.model)
         self.prefix = next(name for name, mod in self.model.named_modules() if mod is self.decoder)
         self.prefix = f"{self.prefix}." if self.prefix else ""
         if not isinstance(getattr(self.decoder, "layers", None), nn.ModuleList):  # DBRX: transformer.blocks
@@ -410,7 +411,7 @@ def layer_parameters(config: Any) -> tuple[int, int]:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    layers = model.get_decoder().layers
+    layers = decoder_of(model).layers
     biggest = max(sum(p.numel() for p in layer.parameters()) for layer in layers)
     return biggest, model.get_input_embeddings().weight.numel()
 

@@ -20,6 +20,7 @@ import torch
 class ExpertWeights:
     """The routed experts of one MoE layer in one canonical layout (views, not copies, when possible).
 
+    Routed with weight w: w·f_e(h), or f_e(w·h) where `input_scaled` (no biases then: f_e(0) = 0).
     f_e(h) = down[e] @ act(gate[e] @ h + gate_bias[e], up[e] @ h + up_bias[e]) + down_bias[e]
     act="silu":   act(g, u) = silu(g) * u
     act="gptoss": act(g, u) = (clamp(u, -limit, limit) + 1) * clamp(g, max=limit) * sigmoid(alpha * clamp(g, max=limit))
@@ -34,6 +35,8 @@ class ExpertWeights:
     act: str = "silu"
     act_alpha: float = 1.702  # gptoss only
     act_limit: float = 7.0  # gptoss only
+    # the router's weight multiplies the expert's input, f_e(w·x), not its output (Llama-4)
+    input_scaled: bool = False
 
     @property
     def num_experts(self) -> int:

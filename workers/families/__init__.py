@@ -22,6 +22,7 @@ from workers.families.gpt_oss import GptOssAdapter
 from workers.families.granitemoe import GraniteMoeAdapter, GraniteMoeSharedAdapter, GraniteMoeSWAAdapter
 from workers.families.hunyuan_v1_moe import HunYuanMoeV1Adapter
 from workers.families.hy_v3 import HYV3Adapter
+from workers.families.llama4 import Llama4TextAdapter
 from workers.families.mimo_v2_flash import MiMoV2FlashAdapter
 from workers.families.minimax_m2 import MiniMaxM2Adapter
 from workers.families.mixtral import MixtralAdapter
@@ -53,6 +54,17 @@ ADAPTERS += [DbrxAdapter()]
 # Solar Open (GLM-4.5's block in Llama layers), MiMo-V2-Flash (the V3 router, no shared experts),
 # Hy-V3 (MiniMax-M2's router × router_scaling_factor, shared MLP, dense layers by mlp_layer_types)
 ADAPTERS += [SolarOpenAdapter(), MiMoV2FlashAdapter(), HYV3Adapter()]
+# Llama-4's text decoder (sigmoid top-k scores multiplying the expert's input, a shared expert)
+ADAPTERS += [Llama4TextAdapter()]
+# model types left out on purpose, with what to do instead (checked before any adapter is picked)
+LEFT_OUT = {"llama4": "is the multimodal Llama4ForConditionalGeneration: convert its text model (model_type "
+                      "llama4_text, Llama4ForCausalLM built from config.text_config) instead"}
+
+
+def check_left_out(model_type: Any) -> None:
+    """A one-line ValueError for a model type left out on purpose (LEFT_OUT)."""
+    if model_type in LEFT_OUT:
+        raise ValueError(f"model_type={model_type!r} {LEFT_OUT[model_type]}")
 
 
 def supported() -> list[str]:
@@ -62,6 +74,7 @@ def supported() -> list[str]:
 
 def get_adapter(model: nn.Module) -> FamilyAdapter:
     """The adapter whose MoE block class appears in the model (else the one for its model_type)."""
+    check_left_out(getattr(getattr(model, "config", None), "model_type", None))
     blocks = {type(m).__name__ for m in model.modules()}
     for a in ADAPTERS:
         if blocks & set(a.block_classes):
@@ -85,6 +98,7 @@ def adapter_named(name: str) -> FamilyAdapter:
 def adapter_for_config(config: Any) -> FamilyAdapter:
     """The adapter for `config.model_type` (a transformers config; no model is built)."""
     model_type = getattr(config, "model_type", None)
+    check_left_out(model_type)
     for a in ADAPTERS:
         if model_type in a.model_types:
             return a

@@ -26,6 +26,7 @@ class FamilyAdapter(ABC):
     # Outputs (workers.outputs.OUTPUTS) a family cannot write, each with the one-line reason; a sweep asking for
     # one is refused before anything runs (orchestrator.configs.build_configs) and so is the conversion.
     refused_outputs: Mapping[str, str] = {}
+    student_ffn_attr: str = "mlp"  # decoder-layer attribute of the dense student's FFN (Llama-4: feed_forward)
 
     # --- structure from the config alone (no model built) ---------------------------------------
     @abstractmethod

@@ -87,8 +87,9 @@ def pad_ffn(ffn: DenseFFN, width: int) -> DenseFFN:
 
 
 def linear_ffn(mlp: nn.Module) -> DenseFFN:
-    """A gate_proj/up_proj/down_proj SiLU MLP module as a DenseFFN (views, not copies)."""
-    _check_silu(mlp.act_fn)
+    """A gate_proj/up_proj/down_proj SiLU MLP module (activation at act_fn, or activation_fn as Llama-4's) as a
+    DenseFFN (views, not copies)."""
+    _check_silu(mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn)
 
     def bias(lin: nn.Linear) -> torch.Tensor | None:
         return None if lin.bias is None else lin.bias.detach()
@@ -483,7 +484,7 @@ class FusedMoeAdapter(FamilyAdapter):
     # --- student ---------------------------------------------------------------------------
     def student_ffn_params(self, layer: int, ffn: DenseFFN) -> dict[str, torch.Tensor]:
         """Student parameter name → tensor for one layer's FFN (a plain gate/up/down MLP here)."""
-        pre = f"model.layers.{layer}.mlp."
+        pre = f"model.layers.{layer}.{self.student_ffn_attr}."
         out = {pre + "gate_proj.weight": ffn.gate, pre + "up_proj.weight": ffn.up,
                pre + "down_proj.weight": ffn.down}
         for name, t in (("gate_proj", ffn.gate_bias), ("up_proj", ffn.up_bias), ("down_proj", ffn.down_bias)):
@@ -522,7 +523,7 @@ class FusedMoeAdapter(FamilyAdapter):
         tensors: dict[str, torch.Tensor] = {}
         for layer, f in enumerate(per_layer):
             tensors.update(self.student_ffn_params(layer, f))
-        ffn_prefixes = tuple(f"model.layers.{i}.mlp." for i in range(len(per_layer)))
+        ffn_prefixes = tuple(f"model.layers.{i}.{self.student_ffn_attr}." for i in range(len(per_layer)))
         return assemble(cfg, teacher, tensors, ffn_prefixes, share_weights)
 
 
