@@ -135,6 +135,10 @@ CASES.update({
                  block="ffn", router_attr="router.layer", logits_router=True, topk_key="ffn_config.moe_top_k",
                  width_key="ffn_config.ffn_hidden_size"),
 })
+# Mellum: Qwen3-MoE's block, MoE layers by mlp_layer_types, RoPE theta per attention layer type
+CASES.update({
+    "mellum": Case((1, 2), 6, 2, "num_local_experts", "softmax", True, "MellumConfig"),
+})
 FAMILIES = list(CASES)
 DENSE_FAMILIES = [f for f in FAMILIES if CASES[f].dense_student]  # families whose tests build a dense student
 NO_DENSE_FAMILIES = [f for f in FAMILIES if not CASES[f].dense_student]
@@ -262,6 +266,12 @@ def tiny_config(family: str, **overrides: Any):
         kw = dict(d_model=H, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=V, pad_token_id=0, bos_token_id=1,
                   eos_token_id=2, attn_config=dict(kv_n_heads=2, clip_qkv=2.0, rope_theta=10000.0), ffn_config=ffn)
         return tf.DbrxConfig(**{**kw, **overrides})
+    if family == "mellum":  # layer 0 dense (narrower than k·I); layers 0, 2 sliding (theta 1e4), 1 full (5e5)
+        kw = dict(num_key_value_heads=2, head_dim=8, intermediate_size=24, moe_intermediate_size=16,
+                  num_hidden_layers=3, num_experts=6, num_experts_per_tok=2, norm_topk_prob=True, sliding_window=4,
+                  mlp_layer_types=["dense", "sparse", "sparse"],
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        return tf.MellumConfig(**{**COMMON, **kw, **overrides})
     raise ValueError(f"no tiny config for family {family!r}")
 
 

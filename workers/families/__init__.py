@@ -21,6 +21,7 @@ from workers.families.glm_moe_dsa import GlmMoeDsaAdapter
 from workers.families.gpt_oss import GptOssAdapter
 from workers.families.granitemoe import GraniteMoeAdapter, GraniteMoeSharedAdapter, GraniteMoeSWAAdapter
 from workers.families.hunyuan_v1_moe import HunYuanMoeV1Adapter
+from workers.families.mellum import MellumAdapter
 from workers.families.minimax_m2 import MiniMaxM2Adapter
 from workers.families.mixtral import MixtralAdapter
 from workers.families.olmoe import OlmoeAdapter
@@ -47,6 +48,8 @@ ADAPTERS += [Ernie45MoeAdapter()]
 ADAPTERS += [PhimoeAdapter()]
 # DBRX: the router returns logits alone, the block normalizes the top-k; layers at transformer.blocks
 ADAPTERS += [DbrxAdapter()]
+# Mellum: Qwen3-MoE's block, MoE layers by mlp_layer_types
+ADAPTERS += [MellumAdapter()]
 
 
 def supported() -> list[str]:
