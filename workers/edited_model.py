@@ -73,6 +73,8 @@ FAMILIES.update({"ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM
 FAMILIES.update({"phimoe": ("PhimoeConfig", "PhimoeForCausalLM", "fused")})
 # mellum (Qwen3-MoE block, mlp_layer_types)
 FAMILIES.update({"mellum": ("MellumConfig", "MellumForCausalLM", "fused")})
+# dots3_note_text (dots.3 note's text decoder; the key is the config model_type)
+FAMILIES.update({"dots3_note_text": ("Dots3NoteTextConfig", "Dots3NoteForCausalLM", "fused")})
 
 
 class FactoredProjection(nn.Module):

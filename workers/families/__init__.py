@@ -13,6 +13,7 @@ from workers.families.base import FamilyAdapter
 from workers.families.cohere2_moe import Cohere2MoeAdapter
 from workers.families.dbrx import DbrxAdapter
 from workers.families.deepseek_v2 import DeepseekV2Adapter, DeepseekV3Adapter
+from workers.families.dots3_note import Dots3NoteAdapter
 from workers.families.ernie4_5_moe import Ernie45MoeAdapter
 from workers.families.flex_olmo import FlexOlmoAdapter
 from workers.families.glm4_moe import Dots1Adapter, Glm4MoeAdapter
@@ -50,6 +51,8 @@ ADAPTERS += [PhimoeAdapter()]
 ADAPTERS += [DbrxAdapter()]
 # Mellum: Qwen3-MoE's block, MoE layers by mlp_layer_types
 ADAPTERS += [MellumAdapter()]
+# dots.3 note's text decoder: the glm4_moe_lite block under MLA with a DSA indexer or a sliding window
+ADAPTERS += [Dots3NoteAdapter()]
 
 
 def supported() -> list[str]:
