@@ -160,6 +160,16 @@ CASES.update({
                         router_attr="router", input_scaled=True, tuple_out=True, student_block="feed_forward",
                         width_key="intermediate_size_mlp", experts_call="stacked"),
 })
+# Mellum: Qwen3-MoE's block, MoE layers by mlp_layer_types, RoPE theta per attention layer type
+CASES.update({
+    "mellum": Case((1, 2), 6, 2, "num_local_experts", "softmax", True, "MellumConfig"),
+})
+# dots.3 note's text decoder: the V3 router with MoE layers by mlp_layer_types under MLA attention (DSA indexer
+# or sliding window per layer)
+CASES.update({
+    "dots3_note_text": Case((1, 2), 8, 2, "n_routed_experts", "sigmoid", True, "Dots3NoteTextConfig", groups=True,
+                       scaled=True, shared="shared_experts", shared_width=16),
+})
 FAMILIES = list(CASES)
 DENSE_FAMILIES = [f for f in FAMILIES if CASES[f].dense_student]  # families whose tests build a dense student
 NO_DENSE_FAMILIES = [f for f in FAMILIES if not CASES[f].dense_student]
@@ -313,6 +323,23 @@ def tiny_config(family: str, **overrides: Any):
                   num_hidden_layers=3, num_local_experts=6, num_experts_per_tok=2, moe_layers=[1, 2],
                   no_rope_layers=[1, 1, 0], attention_chunk_size=4)
         return tf.Llama4TextConfig(**{**COMMON, **kw, **overrides})
+    if family == "mellum":  # layer 0 dense (narrower than k·I); layers 0, 2 sliding (theta 1e4), 1 full (5e5)
+        kw = dict(num_key_value_heads=2, head_dim=8, intermediate_size=24, moe_intermediate_size=16,
+                  num_hidden_layers=3, num_experts=6, num_experts_per_tok=2, norm_topk_prob=True, sliding_window=4,
+                  mlp_layer_types=["dense", "sparse", "sparse"],
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        return tf.MellumConfig(**{**COMMON, **kw, **overrides})
+    # dots.3 note: MLA with q_lora_rank, layer 0 dense; layers 0 and 2 run the DSA indexer (6 keys kept of the tests'
+    # 12 tokens), layer 1 a sliding window of 4 with its own (swa_*) head shapes
+    if family == "dots3_note_text":
+        kw = dict(mla, q_lora_rank=16, head_dim=16, shared_experts_intermediate_size=16,
+                  mlp_layer_types=["dense", "sparse", "sparse"], norm_topk_prob=True, routed_scaling_factor=2.5,
+                  index_topk=6, index_head_dim=16, index_n_heads=2, sliding_window=4,
+                  layer_types=["indexed_attention", "sliding_attention", "indexed_attention"],
+                  swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_q_lora_rank=16, swa_kv_lora_rank=16,
+                  swa_head_dim=16, swa_qk_nope_head_dim=8, swa_v_head_dim=8)
+        kw.pop("first_k_dense_replace")
+        return tf.Dots3NoteTextConfig(**{**COMMON, **kw, **overrides})
     raise ValueError(f"no tiny config for family {family!r}")
 
 

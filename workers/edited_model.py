@@ -77,6 +77,10 @@ FAMILIES.update({
     "mimo_v2_flash": ("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", "fused"),
     "hy_v3": ("HYV3Config", "HYV3ForCausalLM", "fused"),
 })
+# mellum (Qwen3-MoE block, mlp_layer_types)
+FAMILIES.update({"mellum": ("MellumConfig", "MellumForCausalLM", "fused")})
+# dots3_note_text (dots.3 note's text decoder; the key is the config model_type)
+FAMILIES.update({"dots3_note_text": ("Dots3NoteTextConfig", "Dots3NoteForCausalLM", "fused")})
 
 
 class FactoredProjection(nn.Module):

@@ -13,6 +13,7 @@ from workers.families.base import FamilyAdapter
 from workers.families.cohere2_moe import Cohere2MoeAdapter
 from workers.families.dbrx import DbrxAdapter
 from workers.families.deepseek_v2 import DeepseekV2Adapter, DeepseekV3Adapter
+from workers.families.dots3_note import Dots3NoteAdapter
 from workers.families.ernie4_5_moe import Ernie45MoeAdapter
 from workers.families.flex_olmo import FlexOlmoAdapter
 from workers.families.glm4_moe import Dots1Adapter, Glm4MoeAdapter
@@ -23,6 +24,7 @@ from workers.families.granitemoe import GraniteMoeAdapter, GraniteMoeSharedAdapt
 from workers.families.hunyuan_v1_moe import HunYuanMoeV1Adapter
 from workers.families.hy_v3 import HYV3Adapter
 from workers.families.llama4 import Llama4TextAdapter
+from workers.families.mellum import MellumAdapter
 from workers.families.mimo_v2_flash import MiMoV2FlashAdapter
 from workers.families.minimax_m2 import MiniMaxM2Adapter
 from workers.families.mixtral import MixtralAdapter
@@ -56,6 +58,10 @@ ADAPTERS += [DbrxAdapter()]
 ADAPTERS += [SolarOpenAdapter(), MiMoV2FlashAdapter(), HYV3Adapter()]
 # Llama-4's text decoder (sigmoid top-k scores multiplying the expert's input, a shared expert)
 ADAPTERS += [Llama4TextAdapter()]
+# Mellum: Qwen3-MoE's block, MoE layers by mlp_layer_types
+ADAPTERS += [MellumAdapter()]
+# dots.3 note's text decoder: the glm4_moe_lite block under MLA with a DSA indexer or a sliding window
+ADAPTERS += [Dots3NoteAdapter()]
 # model types left out on purpose, with what to do instead (checked before any adapter is picked)
 LEFT_OUT = {"llama4": "is the multimodal Llama4ForConditionalGeneration: convert its text model (model_type "
                       "llama4_text, Llama4ForCausalLM built from config.text_config) instead"}
