@@ -57,8 +57,12 @@ class Case:
     shared_on_layer: bool = False  # `shared` is a decoder-layer attribute, added to the block's output there
     scale_key: str = "routed_scaling_factor"  # config field of the constant factor (where scaled)
     bias_attr: str = "e_score_correction_bias"  # name of a sigmoid router's correction bias
+    corrected: bool = True  # a sigmoid router adds a correction bias to its choice (False: Flint, top-k of the
+    #              scores alone; correction_bias is then zeros)
     router_dtype: torch.dtype | None = None  # the dtype the modeling code pins the router's linear map to
     #              (HunYuan: float32 in any model dtype; from_pretrained keeps it there, so make_teacher does too)
+    attn_dtype: torch.dtype | None = None  # the dtype the modeling code's attention scores are computed in
+    #              whatever the model's dtype (Flint: float32): forwards of other shapes differ in its last bits
     input_scaled: bool = False  # the routing weight multiplies the expert's input, f_e(w·x) (Llama-4)
     tuple_out: bool = False  # the MoE block returns (hidden states, router output) (GPT-OSS, Llama-4)
     student_block: str = "mlp"  # decoder-layer attribute of the dense student's FFN
@@ -169,6 +173,12 @@ CASES.update({
 CASES.update({
     "dots3_note_text": Case((1, 2), 8, 2, "n_routed_experts", "sigmoid", True, "Dots3NoteTextConfig", groups=True,
                        scaled=True, shared="shared_experts", shared_width=16),
+})
+# Flint: Qwen3-MoE's layer layout, a sigmoid router without correction bias (its weight in float32), an ungated
+# shared expert
+CASES.update({
+    "flint": Case((1, 2), 6, 2, "num_experts", "sigmoid", True, "FlintConfig", shared="shared_expert",
+                  shared_width=16, router_dtype=torch.float32, corrected=False, attn_dtype=torch.float32),
 })
 FAMILIES = list(CASES)
 DENSE_FAMILIES = [f for f in FAMILIES if CASES[f].dense_student]  # families whose tests build a dense student
@@ -340,6 +350,13 @@ def tiny_config(family: str, **overrides: Any):
                   swa_head_dim=16, swa_qk_nope_head_dim=8, swa_v_head_dim=8)
         kw.pop("first_k_dense_replace")
         return tf.Dots3NoteTextConfig(**{**COMMON, **kw, **overrides})
+    # Flint: layer 0 dense (narrower than k·I + shared); layers 0 and 2 sliding (RoPE), layer 1 full (NoPE); sinks
+    if family == "flint":
+        kw = dict(num_key_value_heads=2, head_dim=8, intermediate_size=24, moe_intermediate_size=16,
+                  shared_expert_intermediate_size=16, num_hidden_layers=3, num_experts=6, num_experts_per_tok=2,
+                  norm_topk_prob=True, mlp_only_layers=[0], sliding_window=4,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        return tf.FlintConfig(**{**COMMON, **kw, **overrides})
     raise ValueError(f"no tiny config for family {family!r}")
 
 
@@ -457,7 +474,11 @@ def routed_scale(family: str, teacher: nn.Module) -> float:
 
 def correction_bias(family: str, block: nn.Module) -> torch.Tensor:
     """The [E] score-correction bias of a sigmoid router (on the router, or on the block for MiniMax-M2); a dotted
-    `bias_attr` names a parameter in a submodule (ERNIE-4.5's [1, E] moe_statics bias: its [E] view)."""
+    `bias_attr` names a parameter in a submodule (ERNIE-4.5's [1, E] moe_statics bias: its [E] view); zeros for a
+    sigmoid router without one (Flint)."""
+    if not CASES[family].corrected:
+        w = router_of(family, block).weight
+        return torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
     owner = block if CASES[family].bias_on_block else router_of(family, block)
     if "." in CASES[family].bias_attr:
         return owner.get_parameter(CASES[family].bias_attr).view(-1)

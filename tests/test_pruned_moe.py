@@ -5,7 +5,8 @@ The reference is built here, independently of the adapters: the teacher (float64
 patched so that the dropped experts' logits are -inf (softmax routers), their score-correction bias is
 -inf (DeepSeek-V3-style sigmoid routers: out of the group scores, the top-k and the normalization over the
 chosen k) or their router bias is -inf (GPT-OSS: out of the top-k of the logits); a softmax router with a
-correction bias (ERNIE-4.5) gets both its dropped logits and biases at -inf.
+correction bias (ERNIE-4.5) gets both its dropped logits and biases at -inf; a sigmoid router without one (Flint)
+its dropped logits at -inf.
 """
 
 from __future__ import annotations
@@ -92,6 +93,16 @@ def _softmax_bias_router_forward(router, dropped: torch.Tensor):
     return forward
 
 
+def _sigmoid_router_forward(router, dropped: torch.Tensor, renorm: bool):
+    """A sigmoid router without correction bias (Flint) with the dropped experts' logits at -inf (score 0, never
+    chosen while k experts are kept): top-k of the scores, renormalized over the k iff `renorm`."""
+    def forward(hidden_states):
+        logits = F.linear(hidden_states.float(), router.weight.float()).masked_fill(dropped, float("-inf"))
+        w, idx = torch.topk(torch.sigmoid(logits), router.top_k, dim=-1)
+        return logits, (w / w.sum(dim=-1, keepdim=True) if renorm else w), idx
+    return forward
+
+
 def _topk_sigmoid_router_forward(router, dropped: torch.Tensor):
     """Llama-4's router with the dropped experts' logits at -inf: top-k of the logits, their sigmoid as scores."""
     def forward(hidden_states):
@@ -135,6 +146,8 @@ def masked_teacher(family: str, model, kept: dict[int, list[int]], groups: bool 
         with torch.no_grad():
             if case.router == "logits":
                 router.bias[dropped] = float("-inf")
+            elif case.router == "sigmoid" and not case.corrected:
+                router.forward = _sigmoid_router_forward(router, dropped, case.renorm)
             elif case.router == "sigmoid":
                 correction_bias(family, block)[dropped] = float("-inf")
             elif case.router == "softmax_bias":

@@ -81,6 +81,8 @@ FAMILIES.update({
 FAMILIES.update({"mellum": ("MellumConfig", "MellumForCausalLM", "fused")})
 # dots3_note_text (dots.3 note's text decoder; the key is the config model_type)
 FAMILIES.update({"dots3_note_text": ("Dots3NoteTextConfig", "Dots3NoteForCausalLM", "fused")})
+# flint (Qwen3-MoE layout, sigmoid router without bias, ungated shared expert)
+FAMILIES.update({"flint": ("FlintConfig", "FlintForCausalLM", "fused")})
 
 
 class FactoredProjection(nn.Module):

@@ -16,6 +16,7 @@ from workers.families.deepseek_v2 import DeepseekV2Adapter, DeepseekV3Adapter
 from workers.families.dots3_note import Dots3NoteAdapter
 from workers.families.ernie4_5_moe import Ernie45MoeAdapter
 from workers.families.flex_olmo import FlexOlmoAdapter
+from workers.families.flint import FlintAdapter
 from workers.families.glm4_moe import Dots1Adapter, Glm4MoeAdapter
 from workers.families.glm4_moe_lite import ExaoneMoeAdapter, Glm4MoeLiteAdapter
 from workers.families.glm_moe_dsa import GlmMoeDsaAdapter
@@ -62,6 +63,8 @@ ADAPTERS += [Llama4TextAdapter()]
 ADAPTERS += [MellumAdapter()]
 # dots.3 note's text decoder: the glm4_moe_lite block under MLA with a DSA indexer or a sliding window
 ADAPTERS += [Dots3NoteAdapter()]
+# Flint: Qwen3-MoE's layer layout, a sigmoid router without correction bias, an ungated shared expert
+ADAPTERS += [FlintAdapter()]
 # model types left out on purpose, with what to do instead (checked before any adapter is picked)
 LEFT_OUT = {"llama4": "is the multimodal Llama4ForConditionalGeneration: convert its text model (model_type "
                       "llama4_text, Llama4ForCausalLM built from config.text_config) instead"}
