@@ -180,6 +180,12 @@ CASES.update({
     "flint": Case((1, 2), 6, 2, "num_experts", "sigmoid", True, "FlintConfig", shared="shared_expert",
                   shared_width=16, router_dtype=torch.float32, corrected=False, attn_dtype=torch.float32),
 })
+# Aria's text decoder: top-k of the logits, softmax over the k; experts stored transposed; a shared MLP at the
+# block's shared_experts; the dense sibling Llama
+CASES.update({
+    "aria_text": Case((0, 1), 6, 2, "moe_num_experts", "softmax", True, "LlamaConfig", shared="shared_experts",
+                      shared_width=16, router_attr="router", topk_key="moe_topk"),
+})
 FAMILIES = list(CASES)
 DENSE_FAMILIES = [f for f in FAMILIES if CASES[f].dense_student]  # families whose tests build a dense student
 NO_DENSE_FAMILIES = [f for f in FAMILIES if not CASES[f].dense_student]
@@ -357,6 +363,10 @@ def tiny_config(family: str, **overrides: Any):
                   norm_topk_prob=True, mlp_only_layers=[0], sliding_window=4,
                   layer_types=["sliding_attention", "full_attention", "sliding_attention"])
         return tf.FlintConfig(**{**COMMON, **kw, **overrides})
+    if family == "aria_text":  # every layer MoE; attention and MLP biases (the routed experts have none)
+        kw = dict(num_key_value_heads=2, head_dim=8, intermediate_size=16, num_hidden_layers=2, moe_num_experts=6,
+                  moe_topk=2, moe_num_shared_experts=1, attention_bias=True, mlp_bias=True)
+        return tf.AriaTextConfig(**{**COMMON, **kw, **overrides})
     raise ValueError(f"no tiny config for family {family!r}")
 
 

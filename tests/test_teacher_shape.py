@@ -30,6 +30,8 @@ CASES = [(f, {}) for f in FAMILIES] + [
     ("solar_open", {"norm_topk_prob": False, "n_shared_experts": 2, "num_experts_per_tok": 3}),
     ("mimo_v2_flash", {"norm_topk_prob": False, "mlp_layer_types": ["sparse", "sparse", "dense"]}),
     ("hy_v3", {"num_shared_experts": 2, "mlp_layer_types": ["sparse", "dense", "sparse"], "num_experts_per_tok": 3}),
+    ("flint", {"norm_topk_prob": False, "mlp_only_layers": [2], "shared_expert_intermediate_size": 0}),
+    ("aria_text", {"moe_num_shared_experts": 2, "moe_num_experts": 5, "moe_topk": 3}),
 ]
 
 
@@ -139,3 +141,15 @@ def test_phimoe_refuses_a_k_sparsemixer_does_not_route(k):
         with pytest.raises(ValueError, match=f"num_experts_per_tok={k}; SparseMixer always routes 2") as err:
             call()
         assert "\n" not in str(err.value)
+
+
+def test_a_multimodal_aria_config_is_one_line_naming_its_text_model():
+    """model_type aria (AriaForConditionalGeneration) is left out on purpose: its text model, aria_text, is the
+    supported teacher."""
+    config = transformers.AriaConfig(text_config=tiny_config("aria_text").to_dict())
+    with pytest.raises(ValueError) as err:
+        teacher_shape(config)
+    assert str(err.value) == ("model_type='aria' is the multimodal AriaForConditionalGeneration: convert its text "
+                              "model (model_type aria_text, AriaTextForCausalLM built from config.text_config) "
+                              "instead")
+    assert teacher_shape(config.text_config).family == "aria_text"

@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from workers.families.afmoe import AfmoeAdapter
+from workers.families.aria import AriaTextAdapter
 from workers.families.base import FamilyAdapter
 from workers.families.cohere2_moe import Cohere2MoeAdapter
 from workers.families.dbrx import DbrxAdapter
@@ -65,8 +66,12 @@ ADAPTERS += [MellumAdapter()]
 ADAPTERS += [Dots3NoteAdapter()]
 # Flint: Qwen3-MoE's layer layout, a sigmoid router without correction bias, an ungated shared expert
 ADAPTERS += [FlintAdapter()]
+# Aria's text decoder: softmax over the top-k logits, transposed experts, a shared MLP
+ADAPTERS += [AriaTextAdapter()]
 # model types left out on purpose, with what to do instead (checked before any adapter is picked)
-LEFT_OUT = {"llama4": "is the multimodal Llama4ForConditionalGeneration: convert its text model (model_type "
+LEFT_OUT = {"aria": "is the multimodal AriaForConditionalGeneration: convert its text model (model_type aria_text, "
+                    "AriaTextForCausalLM built from config.text_config) instead",
+            "llama4": "is the multimodal Llama4ForConditionalGeneration: convert its text model (model_type "
                       "llama4_text, Llama4ForCausalLM built from config.text_config) instead"}
 
 
