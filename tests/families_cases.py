@@ -135,6 +135,11 @@ CASES.update({
                  block="ffn", router_attr="router.layer", logits_router=True, topk_key="ffn_config.moe_top_k",
                  width_key="ffn_config.ffn_hidden_size"),
 })
+# DeepSeek-V3.2-Exp: the V3 block with mlp_layer_types under MLA with a DSA indexer in every layer
+CASES.update({
+    "deepseek_v32": Case((1, 2), 8, 2, "n_routed_experts", "sigmoid", True, "DeepseekV32Config", groups=True,
+                         scaled=True, shared="shared_experts", shared_width=16, all_dense_student=True),
+})
 FAMILIES = list(CASES)
 DENSE_FAMILIES = [f for f in FAMILIES if CASES[f].dense_student]  # families whose tests build a dense student
 NO_DENSE_FAMILIES = [f for f in FAMILIES if not CASES[f].dense_student]
@@ -262,6 +267,12 @@ def tiny_config(family: str, **overrides: Any):
         kw = dict(d_model=H, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=V, pad_token_id=0, bos_token_id=1,
                   eos_token_id=2, attn_config=dict(kv_n_heads=2, clip_qkv=2.0, rope_theta=10000.0), ffn_config=ffn)
         return tf.DbrxConfig(**{**kw, **overrides})
+    # DeepSeek-V3.2: MLA with q_lora_rank (the indexer reads the query latent), layer 0 dense by
+    # first_k_dense_replace (mlp_layer_types derived from it); the indexer keeps 8 of the tests' 12 tokens
+    if family == "deepseek_v32":
+        kw = dict(mla, q_lora_rank=16, norm_topk_prob=True, routed_scaling_factor=2.5, index_topk=8,
+                  index_head_dim=16, index_n_heads=2)
+        return tf.DeepseekV32Config(**{**COMMON, **kw, **overrides})
     raise ValueError(f"no tiny config for family {family!r}")
 
 

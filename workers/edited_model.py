@@ -71,6 +71,8 @@ FAMILIES.update({"hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausal
 FAMILIES.update({"ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", "fused")})
 # phimoe (SparseMixer router, Mixtral-like fused experts)
 FAMILIES.update({"phimoe": ("PhimoeConfig", "PhimoeForCausalLM", "fused")})
+# deepseek_v32 (the V3 block under DSA-indexer attention)
+FAMILIES.update({"deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", "fused")})
 
 
 class FactoredProjection(nn.Module):

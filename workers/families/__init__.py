@@ -13,6 +13,7 @@ from workers.families.base import FamilyAdapter
 from workers.families.cohere2_moe import Cohere2MoeAdapter
 from workers.families.dbrx import DbrxAdapter
 from workers.families.deepseek_v2 import DeepseekV2Adapter, DeepseekV3Adapter
+from workers.families.deepseek_v32 import DeepseekV32Adapter
 from workers.families.ernie4_5_moe import Ernie45MoeAdapter
 from workers.families.flex_olmo import FlexOlmoAdapter
 from workers.families.glm4_moe import Dots1Adapter, Glm4MoeAdapter
@@ -47,6 +48,8 @@ ADAPTERS += [Ernie45MoeAdapter()]
 ADAPTERS += [PhimoeAdapter()]
 # DBRX: the router returns logits alone, the block normalizes the top-k; layers at transformer.blocks
 ADAPTERS += [DbrxAdapter()]
+# DeepSeek-V3.2-Exp: the V3 block with mlp_layer_types under DSA-indexer attention
+ADAPTERS += [DeepseekV32Adapter()]
 
 
 def supported() -> list[str]:
