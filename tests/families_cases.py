@@ -186,6 +186,11 @@ CASES.update({
     "aria_text": Case((0, 1), 6, 2, "moe_num_experts", "softmax", True, "LlamaConfig", shared="shared_experts",
                       shared_width=16, router_attr="router", topk_key="moe_topk"),
 })
+# DeepSeek-V3.2-Exp: the V3 block with mlp_layer_types under MLA with a DSA indexer in every layer
+CASES.update({
+    "deepseek_v32": Case((1, 2), 8, 2, "n_routed_experts", "sigmoid", True, "DeepseekV32Config", groups=True,
+                         scaled=True, shared="shared_experts", shared_width=16, all_dense_student=True),
+})
 FAMILIES = list(CASES)
 DENSE_FAMILIES = [f for f in FAMILIES if CASES[f].dense_student]  # families whose tests build a dense student
 NO_DENSE_FAMILIES = [f for f in FAMILIES if not CASES[f].dense_student]
@@ -367,6 +372,12 @@ def tiny_config(family: str, **overrides: Any):
         kw = dict(num_key_value_heads=2, head_dim=8, intermediate_size=16, num_hidden_layers=2, moe_num_experts=6,
                   moe_topk=2, moe_num_shared_experts=1, attention_bias=True, mlp_bias=True)
         return tf.AriaTextConfig(**{**COMMON, **kw, **overrides})
+    # DeepSeek-V3.2: MLA with q_lora_rank (the indexer reads the query latent), layer 0 dense by
+    # first_k_dense_replace (mlp_layer_types derived from it); the indexer keeps 8 of the tests' 12 tokens
+    if family == "deepseek_v32":
+        kw = dict(mla, q_lora_rank=16, norm_topk_prob=True, routed_scaling_factor=2.5, index_topk=8,
+                  index_head_dim=16, index_n_heads=2)
+        return tf.DeepseekV32Config(**{**COMMON, **kw, **overrides})
     raise ValueError(f"no tiny config for family {family!r}")
 
 

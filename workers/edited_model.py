@@ -83,6 +83,8 @@ FAMILIES.update({"mellum": ("MellumConfig", "MellumForCausalLM", "fused")})
 FAMILIES.update({"dots3_note_text": ("Dots3NoteTextConfig", "Dots3NoteForCausalLM", "fused")})
 # flint (Qwen3-MoE layout, sigmoid router without bias, ungated shared expert)
 FAMILIES.update({"flint": ("FlintConfig", "FlintForCausalLM", "fused")})
+# deepseek_v32 (the V3 block under DSA-indexer attention)
+FAMILIES.update({"deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", "fused")})
 
 
 class FactoredProjection(nn.Module):

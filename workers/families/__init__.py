@@ -14,6 +14,7 @@ from workers.families.base import FamilyAdapter
 from workers.families.cohere2_moe import Cohere2MoeAdapter
 from workers.families.dbrx import DbrxAdapter
 from workers.families.deepseek_v2 import DeepseekV2Adapter, DeepseekV3Adapter
+from workers.families.deepseek_v32 import DeepseekV32Adapter
 from workers.families.dots3_note import Dots3NoteAdapter
 from workers.families.ernie4_5_moe import Ernie45MoeAdapter
 from workers.families.flex_olmo import FlexOlmoAdapter
@@ -68,6 +69,8 @@ ADAPTERS += [Dots3NoteAdapter()]
 ADAPTERS += [FlintAdapter()]
 # Aria's text decoder: softmax over the top-k logits, transposed experts, a shared MLP
 ADAPTERS += [AriaTextAdapter()]
+# DeepSeek-V3.2-Exp: the V3 block with mlp_layer_types under DSA-indexer attention
+ADAPTERS += [DeepseekV32Adapter()]
 # model types left out on purpose, with what to do instead (checked before any adapter is picked)
 LEFT_OUT = {"aria": "is the multimodal AriaForConditionalGeneration: convert its text model (model_type aria_text, "
                     "AriaTextForCausalLM built from config.text_config) instead",

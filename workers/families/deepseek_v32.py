@@ -1,0 +1,32 @@
+"""DeepSeek-V3.2-Exp (`deepseek_v32`, `DeepseekV32MoE`): DeepSeek-V3's MoE block unchanged (sigmoid router
+with e_score_correction_bias, group-limited top-k with groups ranked by their top-2 biased scores, unbiased
+scores renormalized iff norm_topk_prob, × routed_scaling_factor; ungated shared experts
+moe_intermediate_size × n_shared_experts wide), with the MoE layers chosen by `mlp_layer_types` (its config
+derives it from first_k_dense_replace when unset), under MLA attention with DeepSeek's sparse-attention
+indexer in every layer (plain torch: the top-k tokens become an additive mask under eager / SDPA; no CUDA
+kernel, runs on CPU). Unlike GLM-5 (glm_moe_dsa) no layer reuses another's top-k: a decoder layer returns its
+hidden states alone. Reuses the glm4_moe_lite adapter (the V3 router rules, mlp_layer_types).
+
+Student: the same class with every entry of mlp_layer_types "dense" and first_k_dense_replace = n (every layer
+a dense MLP of width `width`; attention, indexer and norms copied from the teacher).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workers.families.glm4_moe_lite import Glm4MoeLiteAdapter
+
+
+class DeepseekV32Adapter(Glm4MoeLiteAdapter):
+    name = "deepseek_v32"
+    routing = ("as deepseek_v3 (sigmoid router + e_score_correction_bias, group-limited, renormalized iff "
+               "norm_topk_prob, × routed_scaling_factor; ungated shared experts); dense layers by mlp_layer_types; "
+               "DSA-indexer attention")
+    student = "same class, every layer dense (mlp_layer_types all 'dense', first_k_dense_replace = n)"
+    model_types = ("deepseek_v32",)
+    block_classes = ("DeepseekV32MoE",)
+    config_class = "DeepseekV32Config"
+
+    def dense_overrides(self, n: int) -> dict[str, Any]:
+        return {"mlp_layer_types": ["dense"] * n, "first_k_dense_replace": n}
