@@ -83,6 +83,8 @@ FAMILIES.update({"mellum": ("MellumConfig", "MellumForCausalLM", "fused")})
 FAMILIES.update({"dots3_note_text": ("Dots3NoteTextConfig", "Dots3NoteForCausalLM", "fused")})
 # flint (Qwen3-MoE layout, sigmoid router without bias, ungated shared expert)
 FAMILIES.update({"flint": ("FlintConfig", "FlintForCausalLM", "fused")})
+# laguna (sigmoid router with a frozen correction-bias parameter, block-level routed factor)
+FAMILIES.update({"laguna": ("LagunaConfig", "LagunaForCausalLM", "fused")})
 
 
 class FactoredProjection(nn.Module):
