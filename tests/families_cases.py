@@ -46,6 +46,8 @@ class Case:
     student: str  # transformers config class of the dense student
     groups: bool = False  # group-limited routing (n_group / topk_group, contiguous groups)
     scaled: bool = False  # routed_scaling_factor multiplies the weights
+    block_scaled: bool = False  # (with scaled) the block multiplies the experts module's summed output by the
+    #              factor, the router's weights lack it (Laguna); the effective per-expert weight is still w × factor
     shared: str | None = None  # block attribute of the shared experts
     shared_gate: str | None = None  # block attribute of a per-token sigmoid gate of the shared expert
     shared_width: int = 0
@@ -61,8 +63,11 @@ class Case:
     #              scores alone; correction_bias is then zeros)
     router_dtype: torch.dtype | None = None  # the dtype the modeling code pins the router's linear map to
     #              (HunYuan: float32 in any model dtype; from_pretrained keeps it there, so make_teacher does too)
+    softcap_attr: str | None = None  # router attribute with c of a tanh cap on its logits, c·tanh(z / c) where
+    #              c > 0 (Laguna: router_logit_softcapping, from the config's moe_router_logit_softcapping)
     attn_dtype: torch.dtype | None = None  # the dtype the modeling code's attention scores are computed in
-    #              whatever the model's dtype (Flint: float32): forwards of other shapes differ in its last bits
+    #              whatever the model's dtype (Flint: float32; Laguna: its softplus output gate and its router):
+    #              forwards of other shapes differ in its last bits
     input_scaled: bool = False  # the routing weight multiplies the expert's input, f_e(w·x) (Llama-4)
     tuple_out: bool = False  # the MoE block returns (hidden states, router output) (GPT-OSS, Llama-4)
     student_block: str = "mlp"  # decoder-layer attribute of the dense student's FFN
@@ -190,6 +195,13 @@ CASES.update({
 CASES.update({
     "deepseek_v32": Case((1, 2), 8, 2, "n_routed_experts", "sigmoid", True, "DeepseekV32Config", groups=True,
                          scaled=True, shared="shared_experts", shared_width=16, all_dense_student=True),
+})
+# Laguna: sigmoid router whose correction bias is a frozen parameter, softcapped logits, the block's routed output ×
+# moe_routed_scaling_factor, an ungated shared MLP, layer 0 dense
+CASES.update({
+    "laguna": Case((1, 2), 6, 2, "num_experts", "sigmoid", True, "LagunaConfig", scaled=True, shared="shared_experts",
+                   shared_width=16, scale_key="moe_routed_scaling_factor", block_scaled=True,
+                   softcap_attr="router_logit_softcapping", attn_dtype=torch.float32),
 })
 FAMILIES = list(CASES)
 DENSE_FAMILIES = [f for f in FAMILIES if CASES[f].dense_student]  # families whose tests build a dense student
@@ -378,6 +390,16 @@ def tiny_config(family: str, **overrides: Any):
         kw = dict(mla, q_lora_rank=16, norm_topk_prob=True, routed_scaling_factor=2.5, index_topk=8,
                   index_head_dim=16, index_n_heads=2)
         return tf.DeepseekV32Config(**{**COMMON, **kw, **overrides})
+    # Laguna: layer 0 dense (narrower than k·I + shared); layer 1 sliding; a router softcap of 1.5 (the tiny logits
+    # reach several units, so the cap bends them); per-layer head counts and the softplus output gate
+    if family == "laguna":
+        kw = dict(num_key_value_heads=2, head_dim=8, intermediate_size=24, moe_intermediate_size=16,
+                  shared_expert_intermediate_size=16, num_hidden_layers=3, num_experts=6, num_experts_per_tok=2,
+                  mlp_layer_types=["dense", "sparse", "sparse"], sliding_window=4,
+                  layer_types=["full_attention", "sliding_attention", "full_attention"],
+                  num_attention_heads_per_layer=[4, 2, 4], moe_routed_scaling_factor=2.5,
+                  moe_router_logit_softcapping=1.5)
+        return tf.LagunaConfig(**{**COMMON, **kw, **overrides})
     raise ValueError(f"no tiny config for family {family!r}")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from families_cases import CASES, FAMILIES, V, experts_forward, make_teacher
+from families_cases import CASES, FAMILIES, V, experts_forward, make_teacher, routed_scale
 
 from workers.calibrate import (
     STAT_FIELDS,
@@ -223,6 +223,8 @@ def test_hook_reads_the_real_decision(family):
     tok = torch.arange(x.shape[0])[:, None]
     rebuilt = (w.to(f.dtype)[..., None] * f[idx, tok]).sum(1)
     experts_out = got["experts"]
+    if CASES[adapter.name].block_scaled:  # the block scales the experts' sum; the decision's weights carry it
+        experts_out = experts_out * routed_scale(adapter.name, model)
     if CASES[adapter.name].input_scaled:  # Llama-4: Σ_j f_j(w_j x); its experts module returns [E·T, H] unsummed
         ew = adapter.expert_weights(model, layer)
         rebuilt = torch.stack([sum(all_expert_outputs(ew, w[t, j] * x[t:t + 1])[int(idx[t, j]), 0]

@@ -59,6 +59,10 @@ def dense_fam(request):
 def ref_logits(family: str, block: nn.Module, h: torch.Tensor) -> torch.Tensor:
     r = router_of(family, block)
     z = h.float() @ r.weight.float().T
+    cap = CASES[family].softcap_attr
+    if cap is not None and float(getattr(r, cap)) > 0:
+        c = float(getattr(r, cap))
+        z = c * torch.tanh(z / c)
     return z + r.bias.float() if CASES[family].router == "logits" else z
 
 

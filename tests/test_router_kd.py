@@ -288,6 +288,7 @@ MAX_RATIO["phimoe"] = 0.75
 # Hy-V3 (MiniMax-M2's ungrouped sigmoid router × router_scaling_factor, a shared MLP): recovers to 0.52 of the start
 # at these seeds (0.56 without the MLP biases, 0.30 with k = 3): halfway, not the softmax routers' margin.
 MAX_RATIO["hy_v3"] = 0.6
+MAX_RATIO["laguna"] = 0.65  # as Hy-V3 (renormalised top-2 sigmoid: only the chosen pair gets gradient): 0.58
 
 
 def recovery(family: str, **overrides) -> tuple[float, float, dict]:

@@ -85,6 +85,8 @@ FAMILIES.update({"dots3_note_text": ("Dots3NoteTextConfig", "Dots3NoteForCausalL
 FAMILIES.update({"flint": ("FlintConfig", "FlintForCausalLM", "fused")})
 # deepseek_v32 (the V3 block under DSA-indexer attention)
 FAMILIES.update({"deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", "fused")})
+# laguna (sigmoid router with a frozen correction-bias parameter, block-level routed factor)
+FAMILIES.update({"laguna": ("LagunaConfig", "LagunaForCausalLM", "fused")})
 
 
 class FactoredProjection(nn.Module):

@@ -26,6 +26,7 @@ from workers.families.gpt_oss import GptOssAdapter
 from workers.families.granitemoe import GraniteMoeAdapter, GraniteMoeSharedAdapter, GraniteMoeSWAAdapter
 from workers.families.hunyuan_v1_moe import HunYuanMoeV1Adapter
 from workers.families.hy_v3 import HYV3Adapter
+from workers.families.laguna import LagunaAdapter
 from workers.families.llama4 import Llama4TextAdapter
 from workers.families.mellum import MellumAdapter
 from workers.families.mimo_v2_flash import MiMoV2FlashAdapter
@@ -71,6 +72,8 @@ ADAPTERS += [FlintAdapter()]
 ADAPTERS += [AriaTextAdapter()]
 # DeepSeek-V3.2-Exp: the V3 block with mlp_layer_types under DSA-indexer attention
 ADAPTERS += [DeepseekV32Adapter()]
+# Laguna: sigmoid router with a frozen correction-bias parameter and softcapping, block-level routed factor
+ADAPTERS += [LagunaAdapter()]
 # model types left out on purpose, with what to do instead (checked before any adapter is picked)
 LEFT_OUT = {"aria": "is the multimodal AriaForConditionalGeneration: convert its text model (model_type aria_text, "
                     "AriaTextForCausalLM built from config.text_config) instead",
