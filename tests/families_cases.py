@@ -66,6 +66,8 @@ class Case:
     softcap_attr: str | None = None  # router attribute with c of a tanh cap on its logits, c·tanh(z / c) where
     #              c > 0 (Laguna: router_logit_softcapping, from the config's moe_router_logit_softcapping)
     attn_dtype: torch.dtype | None = None  # the dtype the modeling code's attention scores are computed in
+    act_dtype: torch.dtype | None = None  # the dtype the experts evaluate act(gate)·up in, whatever the model's
+    #              (Beam: float32), so a float64 teacher's expert outputs carry that dtype's rounding
     #              whatever the model's dtype (Flint: float32; Laguna: its softplus output gate and its router):
     #              forwards of other shapes differ in its last bits
     input_scaled: bool = False  # the routing weight multiplies the expert's input, f_e(w·x) (Llama-4)
@@ -202,6 +204,12 @@ CASES.update({
     "laguna": Case((1, 2), 6, 2, "num_experts", "sigmoid", True, "LagunaConfig", scaled=True, shared="shared_experts",
                    shared_width=16, scale_key="moe_routed_scaling_factor", block_scaled=True,
                    softcap_attr="router_logit_softcapping", attn_dtype=torch.float32),
+})
+# Beam: the V3 router (no shared experts) with dense layers by mlp_layer_types; the block multiplies the routed sum
+# by routed_scaling_factor
+CASES.update({
+    "beam": Case((1, 2), 8, 2, "num_experts", "sigmoid", True, "BeamConfig", groups=True, scaled=True,
+                 block_scaled=True, act_dtype=torch.float32),
 })
 FAMILIES = list(CASES)
 DENSE_FAMILIES = [f for f in FAMILIES if CASES[f].dense_student]  # families whose tests build a dense student
@@ -400,6 +408,14 @@ def tiny_config(family: str, **overrides: Any):
                   num_attention_heads_per_layer=[4, 2, 4], moe_routed_scaling_factor=2.5,
                   moe_router_logit_softcapping=1.5)
         return tf.LagunaConfig(**{**COMMON, **kw, **overrides})
+    # Beam: layer 0 dense (narrower than k·I); layers 0 and 2 sliding, layer 1 full; four norms per layer
+    if family == "beam":
+        kw = dict(num_key_value_heads=2, head_dim=8, intermediate_size=24, moe_intermediate_size=16,
+                  num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                  norm_topk_prob=True, routed_scaling_factor=2.5, mlp_layer_types=["dense", "sparse", "sparse"],
+                  sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                  final_logit_softcapping=None)  # 30 in the real config: KD refuses it (test_beam.py)
+        return tf.BeamConfig(**{**COMMON, **kw, **overrides})
     raise ValueError(f"no tiny config for family {family!r}")
 
 

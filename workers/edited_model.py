@@ -87,6 +87,8 @@ FAMILIES.update({"flint": ("FlintConfig", "FlintForCausalLM", "fused")})
 FAMILIES.update({"deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", "fused")})
 # laguna (sigmoid router with a frozen correction-bias parameter, block-level routed factor)
 FAMILIES.update({"laguna": ("LagunaConfig", "LagunaForCausalLM", "fused")})
+# beam (the V3 router, block-level routed factor)
+FAMILIES.update({"beam": ("BeamConfig", "BeamForCausalLM", "fused")})
 
 
 class FactoredProjection(nn.Module):

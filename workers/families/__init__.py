@@ -11,6 +11,7 @@ from torch import nn
 from workers.families.afmoe import AfmoeAdapter
 from workers.families.aria import AriaTextAdapter
 from workers.families.base import FamilyAdapter
+from workers.families.beam import BeamAdapter
 from workers.families.cohere2_moe import Cohere2MoeAdapter
 from workers.families.dbrx import DbrxAdapter
 from workers.families.deepseek_v2 import DeepseekV2Adapter, DeepseekV3Adapter
@@ -74,6 +75,8 @@ ADAPTERS += [AriaTextAdapter()]
 ADAPTERS += [DeepseekV32Adapter()]
 # Laguna: sigmoid router with a frozen correction-bias parameter and softcapping, block-level routed factor
 ADAPTERS += [LagunaAdapter()]
+# Beam: the V3 router without shared experts, the routed factor applied by the block
+ADAPTERS += [BeamAdapter()]
 # model types left out on purpose, with what to do instead (checked before any adapter is picked)
 LEFT_OUT = {"aria": "is the multimodal AriaForConditionalGeneration: convert its text model (model_type aria_text, "
                     "AriaTextForCausalLM built from config.text_config) instead",

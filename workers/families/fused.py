@@ -527,6 +527,39 @@ class FusedMoeAdapter(FamilyAdapter):
         return assemble(cfg, teacher, tensors, ffn_prefixes, share_weights)
 
 
+
+class BlockScaledRouting:
+    """For a block that multiplies its routed experts' sum by a constant s after the experts (Laguna, Beam), mixed
+    in before a FusedMoeAdapter. Since s·Σ_j w_j f_j = Σ_j (s·w_j) f_j, the weights really applied per expert are
+    s·w: the decision hook_routing reports carries s (as DeepSeek's weights carry routed_scaling_factor), and
+    override_routing divides it out before the weights go back to the router; routed_scaling returns s, so the
+    dense student's routed part carries it. The router's own output lacks s (router_decision alone does not
+    see it), and expanded routing (routing_top_k) leaves it to the block."""
+
+    block_scale_attr: str = "routed_scaling_factor"  # the block's attribute holding s
+
+    def block_scale(self, model: nn.Module, layer: int) -> float:
+        return float(getattr(self.block(model, layer), self.block_scale_attr))
+
+    def routed_scaling(self, model: nn.Module) -> float:
+        return self.block_scale(model, self.moe_layers(model)[0])
+
+    def hook_routing(self, model: nn.Module, layer: int,
+                     fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]) -> list[Any]:
+        f = self.block_scale(model, layer)
+        return super().hook_routing(model, layer, lambda x, p, w, idx: fn(x, p, w * f, idx))
+
+    def override_routing(self, model: nn.Module, layer: int,
+                         decide: Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+                                          tuple[torch.Tensor, torch.Tensor]],
+                         allowed: Sequence[int]) -> list[Any]:
+        f = self.block_scale(model, layer)
+
+        def unscaled(p: torch.Tensor, w0: torch.Tensor, i0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            w, idx = decide(p, w0 * f, i0)
+            return w / f, idx
+        return super().override_routing(model, layer, unscaled, allowed)
+
 def assemble(cfg: Any, teacher: nn.Module, ffn_tensors: dict[str, torch.Tensor],
              ffn_prefixes: tuple[str, ...], share_weights: bool) -> nn.Module:
     """Build the student on the meta device, then fill it: FFN parameters (and FFN buffers) from `ffn_tensors`,

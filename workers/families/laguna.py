@@ -23,16 +23,15 @@ bias and the experts sliced (or combined); k, softcapping and the factor unchang
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from workers.families.fused import FusedMoeAdapter, config_int, copy_config
+from workers.families.fused import BlockScaledRouting, FusedMoeAdapter, config_int, copy_config
 
 
-class LagunaAdapter(FusedMoeAdapter):
+class LagunaAdapter(BlockScaledRouting, FusedMoeAdapter):
     name = "laguna"
     routing = ("sigmoid scores of the (optionally tanh-softcapped) logits, top-k of scores + the router's frozen "
                "e_score_correction_bias, unbiased scores renormalized over the k; the block's routed output × "
@@ -40,6 +39,7 @@ class LagunaAdapter(FusedMoeAdapter):
     student = "same class, every layer dense (mlp_layer_types all 'dense')"
     model_types = ("laguna",)
     block_classes = ("LagunaSparseMoeBlock",)
+    block_scale_attr = "routed_scaling_factor"  # moe_routed_scaling_factor, after the experts (BlockScaledRouting)
     shared_attr = "shared_experts"
     expert_tensors = ("gate.weight", "gate.e_score_correction_bias", "experts.gate_up_proj", "experts.down_proj")
 
@@ -70,30 +70,6 @@ class LagunaAdapter(FusedMoeAdapter):
 
     def choice_scores(self, router: nn.Module, logits: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return gate + router.e_score_correction_bias.float()
-
-    def block_scale(self, model: nn.Module, layer: int) -> float:
-        return float(self.block(model, layer).routed_scaling_factor)
-
-    def routed_scaling(self, model: nn.Module) -> float:
-        return self.block_scale(model, self.moe_layers(model)[0])
-
-    def hook_routing(self, model: nn.Module, layer: int,
-                     fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]) -> list[Any]:
-        """The decision with the block's factor multiplied into the weights (what the routed output really gets)."""
-        f = self.block_scale(model, layer)
-        return super().hook_routing(model, layer, lambda x, p, w, idx: fn(x, p, w * f, idx))
-
-    def override_routing(self, model: nn.Module, layer: int,
-                         decide: Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
-                                          tuple[torch.Tensor, torch.Tensor]],
-                         allowed: Sequence[int]) -> list[Any]:
-        """decide sees and returns weights with the block's factor in them; the router gets them without it."""
-        f = self.block_scale(model, layer)
-
-        def unscaled(p: torch.Tensor, w0: torch.Tensor, i0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            w, idx = decide(p, w0 * f, i0)
-            return w / f, idx
-        return super().override_routing(model, layer, unscaled, allowed)
 
     def router_parameters(self, model: nn.Module) -> list[nn.Parameter]:
         """Each MoE block's router weight [E, H]; the frozen correction bias (a parameter of the router that only
