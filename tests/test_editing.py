@@ -240,7 +240,7 @@ EDITABLE = [f for f in FAMILIES if "edited" not in adapter_named(f).refused_outp
 
 def test_dbrx_refuses_an_edited_moe_in_the_sweep_and_in_the_conversion(tmp_path):
     """DBRX keeps its experts as [E·I, H] w1/v1/w2, not the fused layout the edited experts rebuild: the only
-    family besides Llama-4 left out of EDITABLE, refused in one line before a sweep runs and by the conversion."""
+    family besides Llama-4 and Aria left out of EDITABLE, refused in one line before a sweep runs and by the conversion."""
     import yaml
     from families_cases import tiny_config
 
@@ -249,7 +249,8 @@ def test_dbrx_refuses_an_edited_moe_in_the_sweep_and_in_the_conversion(tmp_path)
     from orchestrator.spec import load_spec
     from workers.outputs import write_student
 
-    assert [f for f in FAMILIES if f not in EDITABLE] == ["dbrx", "llama4_text"]
+    # the families that refuse an edited MoE: DBRX (unfused experts), Llama-4 and Aria (transposed experts)
+    assert [f for f in FAMILIES if f not in EDITABLE] == ["dbrx", "llama4_text", "aria_text"]
     tiny_config("dbrx").save_pretrained(tmp_path / "dbrx")
     f = tmp_path / "edited.yaml"
     f.write_text(yaml.safe_dump({"name": "dbrx-edited", "teacher": {"source": "hf", "model": str(tmp_path / "dbrx")},
