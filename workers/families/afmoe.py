@@ -49,12 +49,7 @@ class AfmoeAdapter(FusedMoeAdapter):
         return config_int(config, "num_shared_experts")
 
     def num_shared_experts(self, model: nn.Module) -> int:
-        """The shared MLP's width in units of one routed expert's width (moe_intermediate_size)."""
-        layer = self.moe_layers(model)[0]
-        width, unit = self.shared_ffn(model, layer).width, self.expert_weights(model, layer).intermediate
-        if width % unit:
-            raise ValueError(f"shared experts of width {width} are not a multiple of the expert width {unit}")
-        return width // unit
+        return self.shared_units(model)
 
     # --- router ---------------------------------------------------------------------------------
     def native_renorm(self, router: nn.Module) -> bool:

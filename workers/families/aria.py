@@ -26,7 +26,12 @@ from typing import Any
 
 from torch import nn
 
-from workers.families.fused import FusedMoeAdapter, _check_silu, config_int, copy_config
+from workers.families.fused import (
+    FusedMoeAdapter,
+    config_int,
+    copy_config,
+    transposed_expert_weights,
+)
 from workers.types import ExpertWeights, TeacherShape
 
 
@@ -71,23 +76,13 @@ class AriaTextAdapter(FusedMoeAdapter):
         return True
 
     def num_shared_experts(self, model: nn.Module) -> int:
-        """The shared MLP's width in units of one routed expert's width (intermediate_size)."""
-        layer = self.moe_layers(model)[0]
-        width, unit = self.shared_ffn(model, layer).width, self.expert_weights(model, layer).intermediate
-        if width % unit:
-            raise ValueError(f"shared experts of width {width} are not a multiple of the expert width {unit}")
-        return width // unit
+        return self.shared_units(model)
 
     def layer_experts(self, block: nn.Module) -> int:
         return int(block.experts.gate_up_proj.shape[0])
 
     def expert_weights(self, model: nn.Module, layer: int) -> ExpertWeights:
-        experts = self.block(model, layer).experts
-        _check_silu(experts.act_fn)
-        gu = experts.gate_up_proj.detach()  # [E, H, 2I]: x @ W, gate columns first, then up
-        i = gu.shape[2] // 2
-        return ExpertWeights(gate=gu[:, :, :i].transpose(1, 2), up=gu[:, :, i:].transpose(1, 2),
-                             down=experts.down_proj.detach().transpose(1, 2))
+        return transposed_expert_weights(self.block(model, layer).experts)
 
     # --- student ----------------------------------------------------------------------------
     def student_config(self, teacher: nn.Module, width: int) -> Any:

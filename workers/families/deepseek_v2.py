@@ -114,12 +114,7 @@ class _DeepseekAdapter(FusedMoeAdapter):
         return self.check_group_size(cfg, next(iter(merged.values())).num_experts)
 
     def num_shared_experts(self, model: nn.Module) -> int:
-        """The shared MLP's width in units of one routed expert's width (moe_intermediate_size)."""
-        layer = self.moe_layers(model)[0]
-        width, unit = self.shared_ffn(model, layer).width, self.expert_weights(model, layer).intermediate
-        if width % unit:
-            raise ValueError(f"shared experts of width {width} are not a multiple of the expert width {unit}")
-        return width // unit
+        return self.shared_units(model)
 
 
 class DeepseekV2Adapter(_DeepseekAdapter):

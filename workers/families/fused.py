@@ -113,6 +113,16 @@ def _check_silu(act_fn: Any) -> None:
         raise ValueError(f"hidden_act={type(act_fn).__name__}: only silu experts are supported")
 
 
+def transposed_expert_weights(experts: nn.Module, input_scaled: bool = False) -> ExpertWeights:
+    """Canonical views of fused experts stored transposed (Llama-4, Aria): `gate_up_proj` [E, H, 2I] applied as
+    x @ W (gate columns first, then up) and `down_proj` [E, I, H]."""
+    _check_silu(experts.act_fn)
+    gu = experts.gate_up_proj.detach()
+    i = gu.shape[2] // 2
+    return ExpertWeights(gate=gu[:, :, :i].transpose(1, 2), up=gu[:, :, i:].transpose(1, 2),
+                         down=experts.down_proj.detach().transpose(1, 2), input_scaled=input_scaled)
+
+
 class FusedMoeAdapter(FamilyAdapter):
     """Adapter for an MoE block `layer.<block_attr>` with `experts` (fused) and a top-k router."""
 
@@ -277,6 +287,15 @@ class FusedMoeAdapter(FamilyAdapter):
         if self.shared_attr is None or layer not in self.moe_layers(model):
             return None
         return linear_ffn(getattr(self.block(model, layer), self.shared_attr))
+
+    def shared_units(self, model: nn.Module) -> int:
+        """The shared MLP's width in units of one routed expert's width (the shared-expert count of families that
+        store their shared experts as one MLP)."""
+        layer = self.moe_layers(model)[0]
+        width, unit = self.shared_ffn(model, layer).width, self.expert_weights(model, layer).intermediate
+        if width % unit:
+            raise ValueError(f"shared experts of width {width} are not a multiple of the expert width {unit}")
+        return width // unit
 
     def dense_ffn(self, model: nn.Module, layer: int) -> DenseFFN:
         mlp = self.block(model, layer)

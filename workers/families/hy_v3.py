@@ -49,12 +49,7 @@ class HYV3Adapter(MiniMaxM2Adapter):
         return float(router.router_scaling_factor)
 
     def num_shared_experts(self, model: nn.Module) -> int:
-        """The shared MLP's width in units of one routed expert's width (moe_intermediate_size)."""
-        layer = self.moe_layers(model)[0]
-        width, unit = self.shared_ffn(model, layer).width, self.expert_weights(model, layer).intermediate
-        if width % unit:
-            raise ValueError(f"shared experts of width {width} are not a multiple of the expert width {unit}")
-        return width // unit
+        return self.shared_units(model)
 
     def student_config(self, teacher: nn.Module, width: int) -> Any:
         from transformers import HYV3Config

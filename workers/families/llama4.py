@@ -27,7 +27,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.families.fused import FusedMoeAdapter, _check_silu, config_int, copy_config, linear_ffn
+from workers.families.fused import (
+    FusedMoeAdapter,
+    config_int,
+    copy_config,
+    linear_ffn,
+    transposed_expert_weights,
+)
 from workers.types import DenseFFN, ExpertWeights
 
 
@@ -118,12 +124,7 @@ class Llama4TextAdapter(FusedMoeAdapter):
 
     # --- experts ----------------------------------------------------------------------------------
     def expert_weights(self, model: nn.Module, layer: int) -> ExpertWeights:
-        experts = self.block(model, layer).experts
-        _check_silu(experts.act_fn)
-        gu = experts.gate_up_proj.detach()  # [E, H, 2I]: x @ W, gate columns first, then up
-        i = gu.shape[2] // 2
-        return ExpertWeights(gate=gu[:, :, :i].transpose(1, 2), up=gu[:, :, i:].transpose(1, 2),
-                             down=experts.down_proj.detach().transpose(1, 2), input_scaled=True)
+        return transposed_expert_weights(self.block(model, layer).experts, input_scaled=True)
 
     def shared_ffn(self, model: nn.Module, layer: int) -> DenseFFN | None:
         if layer not in self.moe_layers(model):
