@@ -235,46 +235,8 @@ def logits(model, x):
         return model(input_ids=x, use_cache=False).logits
 
 
-EDITABLE = [f for f in FAMILIES if "edited" not in adapter_named(f).refused_outputs]  # dbrx, llama4_text: below
-
-
-def test_dbrx_refuses_an_edited_moe_in_the_sweep_and_in_the_conversion(tmp_path):
-    """DBRX keeps its experts as [E·I, H] w1/v1/w2, not the fused layout the edited experts rebuild: the only
-    family besides Llama-4 and Aria left out of EDITABLE, refused in one line before a sweep runs and by the conversion."""
-    import yaml
-    from families_cases import tiny_config
-
-    from orchestrator.configs import build_configs, model_shape
-    from orchestrator.schema import SpecError
-    from orchestrator.spec import load_spec
-    from workers.outputs import write_student
-
-    # the families that refuse an edited MoE: DBRX (unfused experts), Llama-4 and Aria (transposed experts)
-    assert [f for f in FAMILIES if f not in EDITABLE] == ["dbrx", "llama4_text", "aria_text"]
-    tiny_config("dbrx").save_pretrained(tmp_path / "dbrx")
-    f = tmp_path / "edited.yaml"
-    f.write_text(yaml.safe_dump({"name": "dbrx-edited", "teacher": {"source": "hf", "model": str(tmp_path / "dbrx")},
-                                 "calibration": {"n_samples": 4, "seq_len": 8},
-                                 "grid": [{"output": ["edited"], "editing": ["TD-MoE"], "K": [4]}]}))
-    spec, path, _ = load_spec(str(f))
-    with pytest.raises(SpecError) as e:
-        build_configs(spec, model_shape(spec, str(path)))
-    msg = str(e.value)
-    assert "\n" not in msg and msg.startswith("grid.output: edited: dbrx cannot write an edited MoE: its experts keep")
-    assert msg.endswith("allowed for dbrx: dense, moe, merged")
-    teacher = make_teacher("dbrx")
-    with pytest.raises(ValueError, match=r"^output='edited': dbrx cannot write an edited MoE: its experts") as e:
-        write_student("edited", teacher, get_adapter(teacher), [], share_weights=True)
-    assert "\n" not in str(e.value)
-
-
-def test_llama4_text_refuses_the_edited_output_in_one_line():
-    """Llama-4's experts are [E, H, 2I] and scale their input: the factored experts do not rebuild that layout."""
-    from workers.outputs import write_student
-
-    teacher = make_teacher("llama4_text")
-    with pytest.raises(ValueError, match=r"^output='edited': llama4_text cannot write an edited checkpoint: "):
-        write_student("edited", teacher, get_adapter(teacher), [], share_weights=True)
+# dbrx, llama4_text, aria_text refuse the edited output (tests/test_refused_outputs.py)
+EDITABLE = [f for f in FAMILIES if "edited" not in adapter_named(f).refused_outputs]
 
 
 @pytest.mark.parametrize("family,method", [(f, "TD-MoE") for f in EDITABLE] + [("qwen3_moe", "MoBE"),

@@ -84,23 +84,6 @@ def test_micro_sweep_of_phimoe_writes_its_smaller_moes(tmp_path, monkeypatch):
     assert all(r[2] is not None and r[2] == r[2] and 1 < r[2] < 1e6 for r in rows), rows
 
 
-def test_phimoe_refuses_a_dense_student_in_the_sweep_and_in_the_conversion(tmp_path):
-    from orchestrator.configs import build_configs, model_shape
-    from workers.families import get_adapter
-    from workers.outputs import write_student
-
-    spec, path, _ = load_spec(sweep(tmp_path, "phimoe"))  # a dense and a pruned sub-grid
-    with pytest.raises(SpecError) as e:
-        build_configs(spec, model_shape(spec, str(path)))
-    msg = str(e.value)
-    assert "\n" not in msg and msg.startswith("grid.output: dense: phimoe cannot write a dense student: SparseMixer")
-    assert msg.endswith("allowed for phimoe: moe, merged, edited")
-    teacher = make_teacher("phimoe")
-    with pytest.raises(ValueError, match=r"^output='dense': phimoe cannot write a dense student: SparseMixer") as e:
-        write_student("dense", teacher, get_adapter(teacher), [], share_weights=True)
-    assert "\n" not in str(e.value)
-
-
 def test_an_unsupported_model_is_a_one_line_error_listing_the_families(tmp_path):
     from transformers import LlamaConfig
 

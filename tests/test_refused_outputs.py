@@ -4,7 +4,7 @@ anything runs, and the conversion itself."""
 from __future__ import annotations
 
 import pytest
-from families_cases import make_teacher
+from families_cases import FAMILIES, make_teacher
 
 from orchestrator.configs import build_configs, model_shape
 from orchestrator.schema import SpecError
@@ -51,3 +51,34 @@ def test_families_lists_a_refused_output(no_dense_qwen3):
     out = CliRunner().invoke(app, ["families"])
     assert out.exit_code == 0, out.output
     assert "  refused output dense: cannot write a dense student (test)" in out.output
+
+
+GRIDS = {"dense": {"scoring": ["SF"], "grouping": ["RR"]}, "moe": {"output": ["moe"], "scoring": ["REAP"]},
+         "merged": {"output": ["merged"], "merging": ["HC-SMoE"]}, "edited": {"output": ["edited"], "editing": ["TD-MoE"]}}
+REFUSED = [(f, out) for f in FAMILIES for out in adapter_named(f).refused_outputs]
+
+
+def test_the_families_that_refuse_an_output():
+    assert REFUSED == [("phimoe", "dense"), ("dbrx", "edited"), ("llama4_text", "edited"), ("aria_text", "edited")]
+
+
+@pytest.mark.parametrize("family,output", REFUSED)
+def test_every_refused_output_is_refused_in_one_line_by_the_sweep_and_the_conversion(family, output, tmp_path):
+    import yaml
+    from families_cases import CASES, tiny_config
+
+    reason = adapter_named(family).refused_outputs[output]
+    tiny_config(family).save_pretrained(tmp_path / family)
+    f = tmp_path / "sweep.yaml"
+    f.write_text(yaml.safe_dump({"name": "refused", "teacher": {"source": "hf", "model": str(tmp_path / family)},
+                                 "calibration": {"n_samples": 4, "seq_len": 8},
+                                 "grid": [{**GRIDS[output], "K": [CASES[family].experts]}]}))
+    spec, path, _ = load_spec(str(f))
+    with pytest.raises(SpecError) as e:
+        build_configs(spec, model_shape(spec, str(path)))
+    allowed = ", ".join(o for o in GRIDS if o not in adapter_named(family).refused_outputs)
+    assert str(e.value) == f"grid.output: {output}: {family} {reason}; allowed for {family}: {allowed}"
+    teacher = make_teacher(family)
+    with pytest.raises(ValueError) as e:
+        write_student(output, teacher, get_adapter(teacher), [], share_weights=True)
+    assert str(e.value) == f"output={output!r}: {family} {reason}" and "\n" not in reason
