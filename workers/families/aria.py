@@ -27,6 +27,7 @@ from typing import Any
 from torch import nn
 
 from workers.families.fused import (
+    TRANSPOSED_UNIT_LAYOUT,
     FusedMoeAdapter,
     config_int,
     copy_config,
@@ -45,8 +46,7 @@ class AriaTextAdapter(FusedMoeAdapter):
     router_attr = "router"
     shared_attr = "shared_experts"
     experts_key = "moe_num_experts"
-    expert_tensors = ("router.weight", "experts.gate_up_proj", "experts.down_proj")
-    unit_layout = {"experts.gate_up_proj": (2, "halves"), "experts.down_proj": (1, "plain")}
+    unit_layout = TRANSPOSED_UNIT_LAYOUT
     refused_outputs: Mapping[str, str] = {
         "edited": "cannot write an edited checkpoint: its factored experts rebuild the [E, 2I, H] fused layout, "
                   "Aria's experts are stored transposed, [E, H, 2I]"}

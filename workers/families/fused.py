@@ -113,6 +113,10 @@ def _check_silu(act_fn: Any) -> None:
         raise ValueError(f"hidden_act={type(act_fn).__name__}: only silu experts are supported")
 
 
+# unit_layout of experts stored transposed: gate_up_proj [E, H, 2I] (units on axis 2), down_proj [E, I, H] (axis 1)
+TRANSPOSED_UNIT_LAYOUT = {"experts.gate_up_proj": (2, "halves"), "experts.down_proj": (1, "plain")}
+
+
 def transposed_expert_weights(experts: nn.Module, input_scaled: bool = False) -> ExpertWeights:
     """Canonical views of fused experts stored transposed (Llama-4, Aria): `gate_up_proj` [E, H, 2I] applied as
     x @ W (gate columns first, then up) and `down_proj` [E, I, H]."""
@@ -129,8 +133,6 @@ class FusedMoeAdapter(FamilyAdapter):
     block_attr: str = "mlp"  # decoder-layer attribute holding the FFN (the MoE block in MoE layers)
     router_attr: str = "gate"
     router_linear: str = ""  # submodule of the router holding its [E, H] linear map ("": the router itself)
-    # Tensors of the block with a leading expert axis, relative to the block: sliced by the pruned MoE.
-    expert_tensors: tuple[str, ...] = ("gate.weight", "experts.gate_up_proj", "experts.down_proj")
     # Per expert tensor (not the router's): the axis of its intermediate units in the full [E, ...] tensor
     # and their layout ("halves": gate units then up units, "interleaved": gate 0::2 / up 1::2, "plain":
     # one entry per unit); None for a tensor without an intermediate axis. Used to permute units.
@@ -142,6 +144,14 @@ class FusedMoeAdapter(FamilyAdapter):
     shared_attr: str | None = None  # attribute of the block holding ungated shared experts
     student_act: str = "silu"
     experts_key: str = "num_experts"  # config field with the routed experts per MoE layer
+
+    @property
+    def expert_tensors(self) -> tuple[str, ...]:
+        """Tensors of the block with a leading expert axis, relative to the block: sliced by the pruned MoE and
+        combined by the merged one. Here the router's linear map and the fused experts; a family with more (a
+        correction bias, expert biases) lists them as a class attribute."""
+        linear = f"{self.router_attr}.{self.router_linear}" if self.router_linear else self.router_attr
+        return (f"{linear}.weight", "experts.gate_up_proj", "experts.down_proj")
 
     # --- structure from the config alone -------------------------------------------------------
     def config_moe_layers(self, config: Any) -> list[int]:

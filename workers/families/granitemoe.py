@@ -42,7 +42,6 @@ class GraniteMoeAdapter(FusedMoeAdapter):
     block_attr = "block_sparse_moe"
     router_attr = "router"
     experts_key = "num_local_experts"
-    expert_tensors = ("router.weight", "experts.gate_up_proj", "experts.down_proj")
     student_config_class = "GraniteConfig"
 
     # --- structure from the config alone ----------------------------------------------------------

@@ -50,7 +50,6 @@ class HunYuanMoeV1Adapter(FusedMoeAdapter):
     block_classes = ("HunYuanMoEV1Moe",)
     router_attr = "gate"
     shared_attr = "shared_mlp"
-    expert_tensors = ("gate.wg.weight", "experts.gate_up_proj", "experts.down_proj")
     router_linear = "wg"  # Router KD trains this linear map's weight only
 
     # --- structure from the config alone -------------------------------------------------------

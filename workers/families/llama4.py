@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from workers.families.fused import (
+    TRANSPOSED_UNIT_LAYOUT,
     FusedMoeAdapter,
     config_int,
     copy_config,
@@ -49,8 +50,7 @@ class Llama4TextAdapter(FusedMoeAdapter):
     shared_attr = "shared_expert"
     experts_key = "num_local_experts"
     student_ffn_attr = "feed_forward"
-    expert_tensors = ("router.weight", "experts.gate_up_proj", "experts.down_proj")
-    unit_layout = {"experts.gate_up_proj": (2, "halves"), "experts.down_proj": (1, "plain")}
+    unit_layout = TRANSPOSED_UNIT_LAYOUT
     refused_outputs: Mapping[str, str] = {
         "edited": "cannot write an edited checkpoint: its factored experts rebuild the [E, 2I, H] fused layout, "
                   "Llama-4's experts are [E, H, 2I] and scale their input"}

@@ -54,7 +54,6 @@ class PhimoeAdapter(FusedMoeAdapter):
     block_classes = ("PhimoeSparseMoeBlock",)
     router_attr = "router"
     experts_key = "num_local_experts"
-    expert_tensors = ("router.weight", "experts.gate_up_proj", "experts.down_proj")
     refused_outputs: Mapping[str, str] = {"dense": DENSE_REFUSED}
 
     # --- structure from the config alone ----------------------------------------------------------
