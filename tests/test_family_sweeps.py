@@ -58,29 +58,22 @@ def sweep(tmp_path, family: str, grid: list[dict] | None = None) -> str:
     return str(f)
 
 
-@pytest.mark.parametrize("family", ["glm4_moe", "minimax_m2", "flex_olmo", "cohere2_moe", "dbrx", "llama4_text"])
-def test_micro_sweep_of_a_new_family(family, tmp_path, monkeypatch):
+# PhiMoE writes no dense student (tests/test_refused_outputs.py): its micro sweep has the pruned and merged sub-grids
+MICRO = [(f, DENSE_AND_MOE, ["dense", "moe"])
+         for f in ("glm4_moe", "minimax_m2", "flex_olmo", "cohere2_moe", "dbrx", "llama4_text")]
+MICRO += [("phimoe", MOE_ONLY, ["moe", "merged"])]
+
+
+@pytest.mark.parametrize("family,grid,outputs", MICRO, ids=[m[0] for m in MICRO])
+def test_micro_sweep_of_a_new_family(family, grid, outputs, tmp_path, monkeypatch):
     monkeypatch.setenv("MOESWEEP_HOME", str(tmp_path / "home"))
-    spec, path, text = load_spec(sweep(tmp_path, family))
+    spec, path, text = load_spec(sweep(tmp_path, family, grid))
     store = Store(f"sqlite:///{tmp_path}/r.db")
     assert launch(spec, text, store, SerialExecutor(), console=Console(quiet=True), show_progress=False,
                   path=str(path)) == 0
     rows = store.query("SELECT output, config_key, ppl_pre FROM results WHERE kind = 'moe2dense' "
                        "ORDER BY config_id")[1]
-    assert [r[0] for r in rows] == ["dense", "moe"]
-    assert all(r[2] is not None and r[2] == r[2] and 1 < r[2] < 1e6 for r in rows), rows
-
-
-def test_micro_sweep_of_phimoe_writes_its_smaller_moes(tmp_path, monkeypatch):
-    """PhiMoE writes no dense student (refused below): its micro sweep has only the pruned and merged sub-grids."""
-    monkeypatch.setenv("MOESWEEP_HOME", str(tmp_path / "home"))
-    spec, path, text = load_spec(sweep(tmp_path, "phimoe", MOE_ONLY))
-    store = Store(f"sqlite:///{tmp_path}/r.db")
-    assert launch(spec, text, store, SerialExecutor(), console=Console(quiet=True), show_progress=False,
-                  path=str(path)) == 0
-    rows = store.query("SELECT output, config_key, ppl_pre FROM results WHERE kind = 'moe2dense' "
-                       "ORDER BY config_id")[1]
-    assert [r[0] for r in rows] == ["moe", "merged"]
+    assert [r[0] for r in rows] == outputs
     assert all(r[2] is not None and r[2] == r[2] and 1 < r[2] < 1e6 for r in rows), rows
 
 
