@@ -1,17 +1,23 @@
-# Two set-up commands (README): `make demo` and `make test`. Both create .venv on first use.
+# Two set-up commands (README): `make demo` and `make test`. Both create .venv on first use, from the lock:
+# requirements/torch-cpu.txt first (a bare `torch` would pull a multi-GB CUDA build), then requirements/lock.txt,
+# every package pinned with its hashes and installed without resolving (--no-deps), so every machine gets the
+# versions CI tested. On a GPU machine: `make install TORCH_LOCK=requirements/torch-cuda.txt`.
+# `make lock` regenerates the lock from pyproject.toml's ranges (then run `make test` and commit both).
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The CPU build of torch 2.13.0 first: a bare `torch` requirement would pull a multi-GB CUDA build.
-TORCH_SPEC ?= torch==2.13.0
+LOCK := requirements/lock.txt
+TORCH_LOCK ?= requirements/torch-cpu.txt
+PIP := $(BIN)/python -m pip
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test lint lock clean
 
-$(BIN)/moesweep: pyproject.toml
-	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e '.[dev]'
+$(BIN)/moesweep: pyproject.toml $(LOCK) $(TORCH_LOCK)
+	$(PY) -m venv --clear $(VENV)
+	$(PIP) install -q --require-hashes --no-deps -r $(TORCH_LOCK)
+	$(PIP) install -q --require-hashes --no-deps -r $(LOCK)
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	$(PIP) check
 	touch $@
 
 install: $(BIN)/moesweep
@@ -26,6 +32,10 @@ test: install
 
 lint: install
 	$(BIN)/ruff check .
+
+# regenerate requirements/{lock,torch-cpu,torch-cuda}.txt from pyproject.toml and requirements/torch.in
+lock: install
+	$(BIN)/python scripts/lock.py
 
 clean:
 	rm -rf .moesweep report
