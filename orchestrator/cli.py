@@ -25,6 +25,21 @@ DbOpt = Annotated[str | None, typer.Option("--db", help="SQLAlchemy URL (default
                                                         "sqlite:///$MOESWEEP_HOME/moesweep.db)")]
 
 
+def _version(value: bool) -> None:
+    if value:
+        from orchestrator.version import version_text
+
+        print(version_text())
+        raise typer.Exit()
+
+
+@app.callback()
+def main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                               help="the version, git commit and locked library versions")]
+         = False) -> None:
+    """Experiment sweeps and a results database for MoE→dense compression research."""
+
+
 def _store(db: str | None, migrate: bool = True, read_only: bool = False):
     """The database of --db (else $MOESWEEP_DB, else the default file); any problem opening it is one line
     and exit 2. Read-only: an existing database at the current schema, opened so nothing can change it."""
