@@ -107,14 +107,18 @@ CASES.update({
                         shared_width=16),
 })
 # Granite MoE: the block is `block_sparse_moe`, the shared MLP (granitemoeshared, granitemoe_swa) sits on the
-# decoder layer; the router's softmax over the top-k logits is p renormalized over the k
+# decoder layer; the router's softmax over the top-k logits is p renormalized over the k. GraniteMoeSWA has no SDPA
+# path: its eager attention takes the softmax (and the sink's sigmoid) in float32 whatever the model's dtype, and a
+# padded row (masked keys at -inf) and the same row unpadded sum their exp values in an order that depends on the
+# CPU's SIMD width (the same under AVX-512, float32 ulps apart under AVX2): attn_dtype float32
 CASES.update({
     "granitemoe": Case((0, 1), 6, 2, "num_local_experts", "softmax", True, "GraniteConfig", block="block_sparse_moe",
                        router_attr="router"),
     "granitemoeshared": Case((0, 1), 6, 2, "num_local_experts", "softmax", True, "GraniteConfig", shared="shared_mlp",
                              shared_width=16, block="block_sparse_moe", router_attr="router", shared_on_layer=True),
     "granitemoe_swa": Case((0, 1), 6, 2, "num_local_experts", "softmax", True, "GraniteSWAConfig", shared="shared_mlp",
-                           shared_width=16, block="block_sparse_moe", router_attr="router", shared_on_layer=True),
+                           shared_width=16, block="block_sparse_moe", router_attr="router", shared_on_layer=True,
+                           attn_dtype=torch.float32),
 })
 # issue #17: the V3 router with MoE layers by mlp_layer_types; AFMoE: MiniMax-M2's router × route_scale
 CASES.update({

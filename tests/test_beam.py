@@ -32,5 +32,6 @@ def test_reported_weights_carry_the_blocks_factor():
     for h in handles:
         h.remove()
     assert a.routed_scaling(teacher) == 3.0
+    # exact: the hook reports w·s, the very same elementwise product as raw·3.0
     torch.testing.assert_close(seen["w"], seen["raw"] * 3.0, rtol=0, atol=0)
     torch.testing.assert_close(seen["raw"].sum(-1), torch.ones_like(seen["raw"][:, 0]))  # norm_topk_prob

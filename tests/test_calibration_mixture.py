@@ -43,7 +43,7 @@ def assert_same(a: LayerStats, b: LayerStats, exact: bool = True) -> None:
     assert a.n_tokens == b.n_tokens
     for name in STAT_FIELDS:
         x, y = getattr(a, name), getattr(b, name)
-        if exact:
+        if exact:  # exact: one source's mix is its own objects, and a safetensors round trip copies bytes
             assert x.dtype == y.dtype and torch.equal(x, y), name
         else:
             torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12, msg=name)
@@ -309,6 +309,7 @@ def test_a_sweep_with_two_sources_runs_end_to_end(tmp_path, monkeypatch):
     assert sorted(metrics) == [("chat", 128.0), ("web", 256.0)]
     per = load_source_stats(out["stats"])
     assert sorted(per) == ["chat", "web"] and all(sorted(s) == out["layers"] for s in per.values())
+    # exact: a distinctness check: the two sources' own counts differ
     assert not torch.equal(per["web"][out["layers"][0]].count, per["chat"][out["layers"][0]].count)
     mixed, want = load_stats(out["stats"]), mix_stats(per, {"web": 3.0, "chat": 1.0})
     for layer in want:
@@ -332,6 +333,7 @@ def test_a_mixture_samples_tokens_in_the_proportions_of_its_weights():
 
     a, b = sample(30, 5, 1.0), sample(20, 4, 2.0)
     mixed = mix_samples({"a": a, "b": b}, {"a": 1.0, "b": 2.0})
+    # exact: the sampled rows are copies of the constant fills 1.0 and 2.0, no arithmetic
     assert mixed["x"].shape == (30, 3) and int((mixed["x"][:, 0] == 1.0).sum()) == 10
     assert int((mixed["x"][:, 0] == 2.0).sum()) == 20  # b's share is 20 of 30: all it has
     assert mixed["ids"].shape == (9, 8)

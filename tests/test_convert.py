@@ -58,7 +58,7 @@ def test_layer_contexts(fam):
     c = ctx[moe[1]]
     assert c.stats is stats[moe[1]] and c.top_k == a.top_k(teacher) and c.renormalized == a.renormalized(teacher)
     block = block_of(family, teacher, moe[1])
-    assert torch.equal(c.router_weight, router_of(family, block).weight)
+    assert torch.equal(c.router_weight, router_of(family, block).weight)  # exact: the router's own tensor, detached
     store = {p.untyped_storage().data_ptr() for p in block.experts.parameters()}
     assert c.experts.gate.untyped_storage().data_ptr() in store  # views, not copies
     h = torch.randn(5, H)
@@ -130,6 +130,7 @@ def test_many_shared_students_leave_teacher_intact(dense_fam):
         with torch.no_grad():
             student(x)
     for k, v in teacher.state_dict().items():
-        assert torch.equal(v, before[k]), k
+        assert torch.equal(v, before[k]), k  # exact: untouched bytes against their clone
     with torch.no_grad():
+        # exact: the same model on the same input, the same ops in the same order: a change is a modification
         assert torch.equal(teacher(x).logits, base)

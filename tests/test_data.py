@@ -36,6 +36,7 @@ def test_windows_all_in_order(tok):
 def test_windows_seeded_subset(tok):
     allw = token_windows(tok, DOCS, 16, None, seed=0)
     a = token_windows(tok, DOCS, 16, 10, seed=3)
+    # exact: token ids (integers), drawn by the same seed
     assert a.shape == (10, 16) and torch.equal(a, token_windows(tok, DOCS, 16, 10, seed=3))
     assert not torch.equal(a, token_windows(tok, DOCS, 16, 10, seed=4))
     rows = {tuple(r) for r in allw.tolist()}
@@ -130,4 +131,4 @@ def test_stream_windows_equal_token_windows_in_order(tmp_path):
     for add_bos in (False, True):
         ref = token_windows(tok, texts, 16, None, 0, add_bos=add_bos)
         lazy = list(stream_windows(tok, iter(texts), 16, add_bos=add_bos, docs_per_call=7))
-        assert len(lazy) == len(ref) and torch.equal(torch.stack(lazy), ref)
+        assert len(lazy) == len(ref) and torch.equal(torch.stack(lazy), ref)  # exact: token ids (integers)

@@ -18,6 +18,7 @@ def test_the_decoder_gives_the_hidden_states_the_lm_head_reads(family):
     x = ids(n=1, t=6)
     last = model(input_ids=x, output_hidden_states=True).hidden_states[-1]
     assert last.shape[:2] == (1, 6)
+    # exact: the CausalLM's forward runs this very decoder on the same input: the same ops in the same order
     assert (last - dec(input_ids=x).last_hidden_state).abs().max() == 0
 
 

@@ -220,6 +220,7 @@ def test_only_the_affinities_and_routers_train():
     before = {k: v.clone() for k, v in dense.state_dict().items()}
     owners = [f.owner() for f in ffns]
     align(dense, ffns, (_ids(200 + i) for i in range(10)), SPEC)
+    # exact: a tensor training did not touch keeps its bytes (compared against its clone)
     changed = {k for k, v in dense.state_dict().items() if not torch.equal(v, before[k])}
     assert changed == {f"model.layers.{i}.mlp.{n}" for i in range(2) for n in ("affinity", "router")}
     assert [f.owner() for f in ffns] != owners  # the learned assignment moved

@@ -161,6 +161,7 @@ def test_td_moe_whitening_fits_the_calibration_outputs_better_on_anisotropic_inp
     p1, t1 = edit_layer(0, ctx, "TD-MoE", 4)
     p0, t0 = edit_layer(0, ctx, "TD-MoE", 4, {"whiten": False})
     assert not torch.allclose(t1["layer.0.gate.core"], t0["layer.0.gate.core"])
+    # exact: down is factored unwhitened either way: the same tucker2 call on the same tensor
     assert torch.equal(t1["layer.0.down.core"], t0["layer.0.down.core"])
     assert p1.signature() != p0.signature()
 
@@ -168,7 +169,7 @@ def test_td_moe_whitening_fits_the_calibration_outputs_better_on_anisotropic_inp
 def test_td_moe_down_keep_leaves_down_dense_and_needs_the_input_statistic():
     ctx = synthetic_ctx()
     plan, tensors = edit_layer(0, ctx, "TD-MoE", 4, {"down": "keep"})
-    assert torch.equal(tensors["layer.0.down.weight"], ctx.experts.down)
+    assert torch.equal(tensors["layer.0.down.weight"], ctx.experts.down)  # exact: kept dense, a copy
     assert plan.extras["student"]["factored"] == ["gate", "up"]
     ctx.stats.sum_xx = None
     with pytest.raises(ValueError, match="lack sum_xx"):
@@ -254,6 +255,7 @@ def test_edited_model_computes_the_teacher_with_the_reconstructed_experts(family
     assert adapter.top_k(student) == adapter.top_k(model)
     t_routers = get_adapter(model).router_parameters(model)
     s_routers = adapter.router_parameters(student)
+    # exact: the edited student's routers are the teacher's, copied
     assert len(s_routers) == len(t_routers) and all(torch.equal(a, b) for a, b in zip(s_routers, t_routers, strict=True))
     for layer in adapter.moe_layers(student):
         assert torch.equal(router_of(family, block_of(family, student, layer)).weight,

@@ -162,6 +162,7 @@ def test_structure(fam):
     assert a.renormalized(teacher) == renormalizes(family, teacher)
     assert a.routed_scaling(teacher) == routed_scale(family, teacher)
     assert a.num_shared_experts(teacher) == (1 if case.shared else 0)  # one shared expert per MoE layer
+    # exact: router_weight is the router's own tensor, detached
     assert torch.equal(a.router_weight(teacher, layers[0]), router_of(family, block_of(family, teacher, layers[0])).weight)
 
 
@@ -199,6 +200,7 @@ def test_gpt_oss_layout_clamp_and_bias():
     ex = teacher.model.layers[0].mlp.experts
     w = a.expert_weights(teacher, 0)
     assert w.act == "gptoss" and (w.act_alpha, w.act_limit) == (ex.alpha, ex.limit)
+    # exact: the expert views are strided views of the fused tensors (the same bytes)
     assert torch.equal(w.gate[3, 5], ex.gate_up_proj[3, :, 10]) and torch.equal(w.up[3, 5], ex.gate_up_proj[3, :, 11])
     assert torch.equal(w.up_bias[2], ex.gate_up_proj_bias[2, 1::2]) and torch.equal(w.down[1], ex.down_proj[1].T)
     h = torch.randn(64, 32) * 3
@@ -248,12 +250,13 @@ def test_router_decision_is_what_the_block_used(fam):
         ps = p.gather(1, idx)
         if CASES[family].router == "topk_sigmoid":  # the chosen logits' sigmoid, not p
             ps = torch.sigmoid(ref_logits(family, block, h)).gather(1, idx)
+            # exact: expert indices (integers); random logits have no near-ties for rounding to flip
             assert torch.equal(idx.sort(-1).values, torch.topk(ref_logits(family, block, h), k, -1).indices.sort(-1).values)
         expect_w = ps / ps.sum(-1, keepdim=True) if renormalizes(family, teacher) else ps
         if CASES[family].router == "sparsemixer":
             expect_w, expect_idx = sparsemixer_ref(ref_logits(family, block, h),
                                                    teacher.config.router_jitter_noise)
-            assert torch.equal(idx, expect_idx)
+            assert torch.equal(idx, expect_idx)  # exact: expert indices (integers)
             expect_w = expect_w.float()
             assert (expect_w < 1 - 1e-6).any() and (expect_w.sum(-1) != 1).any()  # the masks hold several experts
         torch.testing.assert_close(w.float(), expect_w * scale, rtol=1e-5, atol=1e-6)
@@ -331,6 +334,7 @@ def test_routing_top_k_native_and_restore(fam):
         with a.routing_top_k(teacher, a.top_k(teacher)):
             same = teacher(x).logits
         after = teacher(x).logits
+    # exact: the native k with the native rule returns the router's own output: the same ops in the same order
     assert torch.equal(base, same) and torch.equal(base, after)
     # the other rule changes the MoE blocks' outputs (compared there: FlexOlmo's post-FFN RMSNorm all but
     # cancels a per-token rescaling of the block output, so its logits barely move)
@@ -424,12 +428,13 @@ def test_shared_experts_scale_one_and_padding(dense_fam):
         mlp = student_ffn_of(family, student, layer)
         if CASES[family].shared and layer in a.moe_layers(teacher):
             sh_gate, _, sh_down = shared_weights(shared_of(family, teacher, layer))
+            # exact: the shared expert's weights are copied into the student's tail rows / columns
             torch.testing.assert_close(mlp.gate_proj.weight[kI:], sh_gate, rtol=0, atol=0)
             torch.testing.assert_close(mlp.down_proj.weight[:, kI:], sh_down, rtol=0, atol=0)
         if layer not in a.moe_layers(teacher):  # dense teacher layer zero-padded to the student's width
             d = block.gate_proj.weight.shape[0]
             assert d < width
-            assert torch.equal(mlp.gate_proj.weight[:d], block.gate_proj.weight)
+            assert torch.equal(mlp.gate_proj.weight[:d], block.gate_proj.weight)  # exact: copied bytes
             assert not mlp.gate_proj.weight[d:].any() and not mlp.down_proj.weight[:, d:].any()
 
 

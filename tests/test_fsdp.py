@@ -95,7 +95,7 @@ def test_validation_rows_are_padded_to_the_same_count():
     for ranks.rank in (0, 1):
         rows, real = ranks.val_rows(x)
         counts.append(rows.shape[0])
-        assert torch.equal(rows[real], x[:3] if ranks.rank == 0 else x[3:])
+        assert torch.equal(rows[real], x[:3] if ranks.rank == 0 else x[3:])  # exact: integer rows, sliced
     assert counts == [3, 3]
 
 

@@ -27,6 +27,7 @@ def test_student_carries_the_multipliers_and_the_attention_layout(family):
     assert all(getattr(tc, m) != 1.0 for m in CARRIED[:4])  # the tiny teacher moves every multiplier
     assert not sc.mlp_bias and not any(hasattr(layer, "shared_mlp") for layer in student.model.layers)
     if family == "granitemoe_swa":  # the sinks are the teacher's
+        # exact: the student's attention (sinks included) is the teacher's tensor
         assert torch.equal(student.model.layers[1].self_attn.sinks, teacher.model.layers[1].self_attn.sinks)
 
 
@@ -78,8 +79,14 @@ def test_a_checkpoint_in_the_released_layout_loads_fused(tmp_path):
     assert any("input_linear" in k for k in legacy) and not any("gate_up_proj" in k for k in legacy)
     save_file(legacy, f, metadata={"format": "pt"})
     back = AutoModelForCausalLM.from_pretrained(tmp_path)
+    loaded, saved = back.state_dict(), teacher.state_dict()
+    assert sorted(loaded) == sorted(saved)
+    for name, t in saved.items():
+        assert torch.equal(loaded[name], t), name  # exact: the renamed tensors' bytes, loaded unchanged
+    a = get_adapter(back)
+    assert torch.equal(a.expert_weights(back, 1).gate, a.expert_weights(teacher, 1).gate)  # exact: copied bytes
     x = ids(seed=3)
     with torch.no_grad():
-        torch.testing.assert_close(back(x).logits, teacher(x).logits, rtol=0, atol=0)
-    a = get_adapter(back)
-    assert torch.equal(a.expert_weights(back, 1).gate, a.expert_weights(teacher, 1).gate)
+        # float32 forwards of the in-memory and the reloaded model: equal tensors, but the kernels may take other
+        # paths (memory layout), so float32 rounding, not bitwise
+        torch.testing.assert_close(back(x).logits, teacher(x).logits, rtol=1e-5, atol=1e-5)

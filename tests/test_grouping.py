@@ -143,12 +143,12 @@ def test_oc_distance_is_one_minus_normalized_gram():
     d = cosine_distance_from_gram(g)
     v = torch.diagonal(g)
     torch.testing.assert_close(d[1, 3], 1 - g[1, 3] / (v[1] * v[3]).sqrt())
-    assert float(d[2, 2]) == 0.0
+    assert float(d[2, 2]) == 0.0  # exact: the diagonal is set to 0
     # Zero-output expert: ρ = 0, d = 1 (Eq. 153).
     g0 = g.clone()
     g0[0, :] = 0
     g0[:, 0] = 0
-    assert float(cosine_distance_from_gram(g0)[0, 4]) == 1.0
+    assert float(cosine_distance_from_gram(g0)[0, 4]) == 1.0  # exact: ρ is set to 0, and 1 − 0 = 1
 
 
 def test_weight_gram_is_the_flattened_concatenation_gram_in_chunks(monkeypatch):

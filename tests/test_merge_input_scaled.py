@@ -84,5 +84,6 @@ def test_concat_blocks_input_scaled_rows():
     a = DenseFFN(gate=ex.gate[0], up=ex.up[0], down=ex.down[0])
     b = DenseFFN(gate=ex.gate[1], up=ex.up[1], down=ex.down[1])
     out = concat_blocks([a, b], [2.0, 0.5], input_scaled=True)
+    # exact: one elementwise product by a power of two (exact in binary), and stacking (copied bytes)
     assert torch.equal(out.gate[:W], 2.0 * a.gate) and torch.equal(out.up[W:], 0.5 * b.up)
     assert torch.equal(out.down, torch.cat([a.down, b.down], dim=1))

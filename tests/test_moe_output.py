@@ -140,6 +140,7 @@ def test_a_real_sweep_writes_smaller_moes_that_reload_with_fewer_experts(tmp_pat
     for plain_key in ("moe|REAP|K=4|recovery=none", "merged|HC-SMoE|K=4|recovery=none",
                       "edited|TD-MoE|K=4|recovery=none"):
         plain, kd = students[plain_key], students[plain_key.replace("none", "router_kd")]
+        # exact: both are one recipe's student (the same ops on the same teacher bytes); router KD writes the routers only
         changed = {n for (n, a), (_, b) in zip(plain.state_dict().items(), kd.state_dict().items(), strict=True)
                    if not torch.equal(a, b)}
         assert changed and all(n.endswith("mlp.gate.weight") for n in changed), (plain_key, changed)
@@ -150,6 +151,7 @@ def test_a_real_sweep_writes_smaller_moes_that_reload_with_fewer_experts(tmp_pat
         assert f"{what}: step " in text and " loss " in text and "tokens/s" in text, (stage, text[-500:])
     # full KD trains the experts too (its own settings: single linkage)
     full = students["merged|HC-SMoE|K=4|recovery=full_kd"]
+    # exact: a distinctness check: training moved some expert tensor
     assert any("experts" in n and not torch.equal(a, b) for (n, a), (_, b) in zip(
         full.state_dict().items(), students["merged|HC-SMoE|K=4|recovery=none"].state_dict().items(), strict=True))
 

@@ -67,7 +67,7 @@ def naive_pruned(ctx: LayerContext, kept: list[int]) -> torch.Tensor:
 def test_routed_subset_loss_is_the_pruned_moe_and_zero_for_the_full_set(renormalized):
     ctx = synthetic(6, renormalized=renormalized)
     loss = LayerLoss(ctx, "routed_subset")
-    assert loss(list(range(6))) == 0.0
+    assert loss(list(range(6))) == 0.0  # exact: the reference is routed(all E): the same ops on the same tensors
     full = naive_pruned(ctx, list(range(6)))
     for kept in ([0, 2, 5], [1], [3, 4]):
         d = float(torch.linalg.vector_norm(full - naive_pruned(ctx, kept)))
@@ -223,7 +223,7 @@ def test_samples_are_real_tokens_and_seeded():
     assert len(shared["pos"]) == int(mask.sum())  # all real tokens, capped at what there is
     assert bool((shared["mask"][shared["window"], shared["pos"]] == 1).all())
     a, b = sample_plan(batches, 10, seed=4)[1], sample_plan(batches, 10, seed=4)[1]
-    assert torch.equal(a["pos"], b["pos"]) and torch.equal(a["ids"], b["ids"])
+    assert torch.equal(a["pos"], b["pos"]) and torch.equal(a["ids"], b["ids"])  # exact: integers, the same seed
     assert "sample_tokens" not in Calibration().model_dump()
     assert Calibration(sample_tokens=512).model_dump()["sample_tokens"] == 512
 

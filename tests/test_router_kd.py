@@ -101,7 +101,7 @@ def test_calibration_batches_cap_truncate_drop_and_trim():
     x, mask = padded(7, 10, [10, 1, 3, 8, 2, 10, 10], seed=5)  # row 1 has a single token: no target
     out = calibration_batches(x, spec, mask)
     assert [tuple(b[0].shape) for b in out] == [(2, 6), (2, 6)]  # rows 0, 2 | 3, 4 (row 1 dropped, cap 4)
-    assert torch.equal(out[0][0], x[[0, 2], :6]) and torch.equal(out[1][1], mask[[3, 4], :6])
+    assert torch.equal(out[0][0], x[[0, 2], :6]) and torch.equal(out[1][1], mask[[3, 4], :6])  # exact: integers
     short = calibration_batches(x[[2, 4]], RouterKDSpec(batch_size=2), mask[[2, 4]])
     assert tuple(short[0][0].shape) == (2, 3)  # columns that are padding in every row are dropped
 
@@ -138,7 +138,8 @@ def trained(fam):
     teacher_before = state(teacher)
     calls = []
     rec = router_kd(student, teacher, adapter, batches, spec, progress=lambda i, n: calls.append((i, n)))
-    assert all(torch.equal(v, state(teacher)[k]) for k, v in teacher_before.items())  # the teacher is untouched
+    # exact: the teacher is untouched: its bytes against their clone
+    assert all(torch.equal(v, state(teacher)[k]) for k, v in teacher_before.items())
     return family, teacher, adapter, parent, student, rec, calls, mask
 
 
@@ -149,14 +150,14 @@ def test_only_router_parameters_change(trained):
     before, after = state(parent), state(student)
     assert set(before) == set(after)
     for n in before:
-        if n in names:
+        if n in names:  # exact: a trained tensor moved
             assert not torch.equal(before[n], after[n]), f"router tensor {n} did not move"
-        else:
+        else:  # exact: an untrained one keeps its bytes
             assert torch.equal(before[n], after[n]), f"{n} is not a router but changed"
     params = dict(student.named_parameters())
     assert rec["trainable_params"] == sum(params[n].numel() for n in names)
     assert set(rec["router_delta"]) == set(names)
-    assert all(torch.equal(rec["router_delta"][n], after[n]) for n in names)
+    assert all(torch.equal(rec["router_delta"][n], after[n]) for n in names)  # exact: the delta copies the routers
     assert rec["steps"] == 3 == len(rec["loss_curve"]) and calls == [(1, 3), (2, 3), (3, 3)]
     assert (rec["micro_batches"], rec["sequences"]) == (5, 10)
     assert rec["tokens"] == int(mask.sum()) and rec["kd_targets"] == int(mask[:, 1:].sum())
@@ -176,7 +177,7 @@ def test_saved_delta_on_a_fresh_parent_copy_reproduces_the_student_exactly(train
     assert meta["parent_hash"] == "parent-sha" and meta["steps"] == "3" and set(delta) == set(rec["router_delta"])
     fresh = copy.deepcopy(parent)
     x = ids(3, 12, seed=9)
-    with torch.no_grad():
+    with torch.no_grad():  # exact: the delta's bytes on a copy of the parent: the student's weights, the same ops
         assert not torch.equal(fresh(x).logits, student(x).logits)
         assert apply_router_delta(fresh, delta) == rec["router_params"]
         assert torch.equal(fresh(x).logits, student(x).logits)
@@ -266,7 +267,7 @@ def test_bf16_student_keeps_fp32_master_weights():
             assert after[n].dtype == rec["router_delta"][n].dtype == torch.bfloat16
             moved_large += int(((after[n] != t) & (t.float().abs() >= 0.125)).sum())
         else:
-            assert torch.equal(after[n], t), n
+            assert torch.equal(after[n], t), n  # exact: untrained, its bytes unchanged
     assert moved_large > 0
 
 
@@ -341,6 +342,7 @@ def test_pruned_student_with_fewer_experts_trains_its_narrower_routers(family, k
     assert rec["trainable_params"] == len(adapter.moe_layers(student)) * len(keep) * 32
     assert heldout_kd(student, teacher, train, spec) < 0.97 * start
     after = state(student)
+    # exact: an untrained tensor keeps its bytes; a trained one moved
     assert all(torch.equal(after[n], t) != (n in rec["router_delta"]) for n, t in before.items())
 
 

@@ -111,7 +111,7 @@ def test_never_selected_experts_score_zero_not_nan():
     ctx = hand_ctx()
     for name in SCORINGS:
         s = SCORINGS[name].score(ctx)
-        assert torch.isfinite(s).all() and float(s[3]) == 0.0, name
+        assert torch.isfinite(s).all() and float(s[3]) == 0.0, name  # exact: its sums are 0; a 0 set, or 0 times a finite
 
 
 def test_top_k_breaks_ties_by_lower_id():
@@ -155,7 +155,7 @@ def test_reap_ties_go_to_the_lower_expert_id():
     gnorm = torch.tensor([1.0, 2.0, 0.25, 0.75], dtype=torch.float64)  # REAP = 0.5, 0.5, 0.25, 0.25
     tied = dataclasses.replace(s, count=count, sum_gnorm_sel=gnorm)
     ctx = dataclasses.replace(ctx, stats=tied)
-    assert reap(ctx).tolist() == [0.5, 0.5, 0.25, 0.25]
+    assert reap(ctx).tolist() == [0.5, 0.5, 0.25, 0.25]  # exact: one division each, the quotients representable
     for K, want in ((1, [0]), (2, [0, 1]), (3, [0, 1, 2])):
         assert SCORINGS["REAP"].select(ctx, reap(ctx), K).selected == want
 

@@ -253,7 +253,7 @@ def test_effective_rank_and_jaccard_known_values():
     assert math.isclose(effective_rank(torch.outer(v, v)), 1.0, rel_tol=1e-9)
     # diag(2,1,1): p = (1/2, 1/4, 1/4), H = 1.5 ln 2, erank = 2^{1.5}.
     assert math.isclose(effective_rank(torch.diag(torch.tensor([2.0, 1.0, 1.0]))), 2 ** 1.5, rel_tol=1e-9)
-    assert effective_rank(torch.zeros(3, 3)) == 0.0
+    assert effective_rank(torch.zeros(3, 3)) == 0.0  # exact: the all-zero matrix returns 0.0 by definition
     assert jaccard([1, 2, 3], [2, 3, 4]) == 0.5 and jaccard([], []) == 1.0 and jaccard([1], [2]) == 0.0
 
 

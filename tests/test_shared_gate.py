@@ -68,6 +68,7 @@ def test_save_load_and_mix_keep_the_statistic(tmp_path):
     b = collect_stats(model, adapter, batches(2), chunk_tokens=8)
     save_stats(a, tmp_path / "a.safetensors")
     back = load_stats(tmp_path / "a.safetensors")
+    # exact: a safetensors round trip copies bytes
     assert all(torch.equal(back[layer].sum_shared_gate, st.sum_shared_gate) for layer, st in a.items())
     mixed = mix_stats({"a": a, "b": b}, {"a": 1.0, "b": 1.0})
     for layer in a:  # equal weights: the mean gate of the mixture is the mean of the sources' means

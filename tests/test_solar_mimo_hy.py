@@ -24,9 +24,11 @@ def test_solar_open_student_is_llama_with_a_zero_o_proj_bias():
     student = build_student_from_plans(teacher, a, hand_plans(a, teacher, False), share_weights=False)
     assert type(student).__name__ == "LlamaForCausalLM"
     for layer in student.model.layers:
+        # exact: the bias the teacher lacks is filled with zeros
         assert torch.equal(layer.self_attn.o_proj.bias, torch.zeros_like(layer.self_attn.o_proj.bias))
     t_attn = teacher.model.layers[0].self_attn
     assert t_attn.o_proj.bias is None and t_attn.q_proj.bias is not None
+    # exact: the teacher's q_proj bias, copied
     torch.testing.assert_close(student.model.layers[0].self_attn.q_proj.bias, t_attn.q_proj.bias, rtol=0, atol=0)
     with torch.no_grad():
         assert torch.isfinite(student(ids()).logits).all()

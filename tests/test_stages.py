@@ -46,4 +46,4 @@ def test_streamed_training_data_is_batched_in_stream_order(tmp_path):
     payload = {"params": {"data": {"source": "jsonl", "path": str(path), "streaming": True}}, "inputs": {}}
     batches = list(_train_batches(payload, {}, tok, spec, n_train=6))
     assert [b.shape for b in batches] == [(2, 16)] * 3
-    assert torch.equal(torch.cat(batches), token_windows(tok, texts, 16, None, 0)[:6])
+    assert torch.equal(torch.cat(batches), token_windows(tok, texts, 16, None, 0)[:6])  # exact: token ids

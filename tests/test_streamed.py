@@ -28,7 +28,8 @@ def saved_teacher(tmp_path, family: str, dtype: torch.dtype, **kw):
 
 
 def assert_same_stats(got, want, rtol: float) -> None:
-    """Every statistic within rtol of its largest entry (float64), the token samples identical."""
+    """Every statistic within rtol of its largest entry (float64), the token samples' tokens identical and their
+    activations (x, p) within rtol too: the streamed pass computes them on its own path, not bit for bit."""
     assert sorted(got) == sorted(want)
     for layer, w in want.items():
         g = got[layer]
@@ -39,7 +40,11 @@ def assert_same_stats(got, want, rtol: float) -> None:
             torch.testing.assert_close(a, b.cpu(), rtol=rtol, atol=rtol * float(b.abs().max()), msg=name)
         assert (g.sample is None) == (w.sample is None)
         for key in (w.sample or {}):
-            assert torch.equal(g.sample[key], w.sample[key].cpu()), key
+            a, b = g.sample[key], w.sample[key].cpu()
+            if a.is_floating_point():  # activations of two forward passes: rounding, as the statistics
+                torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * float(b.abs().max()), msg=key)
+            else:
+                assert torch.equal(a, b), key  # exact: token ids, masks, windows and positions (integers)
 
 
 # DBRX keeps its decoder layers at transformer.blocks: the streamed pass refuses it (test below)
@@ -210,8 +215,9 @@ def test_streamed_contexts_equal_the_resident_ones(family, tmp_path):
         g = got[layer]
         assert not teacher.materialised()  # the layer is freed; the context holds the experts alone
         assert (g.top_k, g.renormalized, g.stats) == (w.top_k, w.renormalized, w.stats)
+        # exact: both read the same checkpoint bytes (views of them, or copies)
         assert torch.equal(g.router_weight, w.router_weight)
-        for name, value in vars(w.experts).items():
+        for name, value in vars(w.experts).items():  # exact: the experts, read from the same bytes
             other = getattr(g.experts, name)
             assert torch.equal(other, value) if isinstance(value, torch.Tensor) else other == value, name
     assert len(teacher.peak[1]) == len({n for n in teacher.peak[1] if n.startswith("model.layers.")})
