@@ -5,6 +5,12 @@ recursively, every function, class and module-level constant of the project it n
 module globals, `from x import y` at any level, and `module.attr` chains). Docstrings, comments,
 formatting and the place of a definition in its file do not count; anything else does.
 
+A definition is identified by its name and its normalised source, never by the module it lives in: the
+digest lists (name, hash) pairs, and the hashed syntax of a definition drops the module paths of the
+project's own imports inside it (`from workers.scoring import sf` hashes as `from import sf`) and reads every
+reference to a project definition by that definition's name (`workers.scoring.sf`, `sc.sf`, an alias: `sf`). So moving code between modules keeps
+every key, while an edit of any definition a job reaches, wherever it lives, changes it.
+
 Method registries of the sweep's axes (SCORINGS, GROUPINGS, SCALINGS) are not followed from the
 stage: each job adds one component per axis value it names (`scoring:SF` = the closure of the
 registry entry `"SF": Scoring(sf)`). So editing one scoring changes the key of exactly the
@@ -127,9 +133,54 @@ class Fingerprints:
 
     def unit_hash(self, unit: Unit) -> str:
         if unit not in self._hash:
-            text = ast.dump(_strip_docstrings(self.node(unit)))
+            text = ast.dump(self._without_module_paths(unit[0], _strip_docstrings(self.node(unit))))
             self._hash[unit] = hashlib.sha256(text.encode()).hexdigest()[:16]
         return self._hash[unit]
+
+    def _without_module_paths(self, module: str, node: ast.AST) -> ast.AST:
+        """`node` (a copy) with the project's module paths taken out of its imports and dotted chains."""
+        local = _imports(module, [n for n in ast.walk(node) if isinstance(n, ast.Import | ast.ImportFrom)])
+        fp = self
+
+        def target(e: ast.AST):
+            """What a name or dotted chain refers to in the project: ("unit", module, name), ("module", m), None."""
+            if isinstance(e, ast.Name):
+                return fp._resolve(module, e.id, local)
+            if isinstance(e, ast.Attribute):
+                outer = target(e.value)
+                if outer is not None and outer[0] == "module":
+                    return fp._in_module(outer[1], e.attr)
+            return None
+
+        def by_name(t, ctx: ast.expr_context) -> ast.Name:
+            return ast.Name(id=t[2] if t[0] == "unit" else t[1].rsplit(".", 1)[-1], ctx=ctx)
+
+        class Strip(ast.NodeTransformer):
+            def visit_ImportFrom(self, n: ast.ImportFrom) -> ast.AST:
+                if n.level or _is_project(_resolve_relative(module, n.level, n.module), fp.extra):
+                    n.module, n.level = None, 0
+                return n
+
+            def visit_Import(self, n: ast.Import) -> ast.AST:
+                for a in n.names:
+                    if _is_project(a.name, fp.extra):
+                        a.name = a.name.rsplit(".", 1)[-1]
+                return n
+
+            def visit_Attribute(self, n: ast.Attribute) -> ast.AST:
+                t = target(n)
+                return by_name(t, n.ctx) if t is not None else self.generic_visit(n)
+
+            def visit_Name(self, n: ast.Name) -> ast.AST:
+                t = target(n) if isinstance(n.ctx, ast.Load) else None
+                return by_name(t, n.ctx) if t is not None and t[0] == "unit" else n
+
+        return Strip().visit(node)
+
+    @staticmethod
+    def unit_name(unit: Unit) -> str:
+        """A unit as the digest names it: without its module (`sf`, `SCORINGS/SF`)."""
+        return "/".join(unit[1:])
 
     def deps(self, unit: Unit) -> frozenset[Unit]:
         if unit not in self._deps:
@@ -151,7 +202,7 @@ class Fingerprints:
     def digest(self, roots: Iterable[Unit]) -> str:
         roots = tuple(roots)
         if roots not in self._digest:
-            items = sorted(("/".join(u), h) for u, h in self.closure(roots).items())
+            items = sorted((self.unit_name(u), h) for u, h in self.closure(roots).items())
             self._digest[roots] = hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
         return self._digest[roots]
 

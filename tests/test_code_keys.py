@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shutil
@@ -255,3 +256,91 @@ def test_the_code_that_builds_a_student_is_part_of_every_job_that_builds_it():
     fp = Fingerprints(stop=method_registries())
     dense = fp.closure([("workers.outputs", "OUTPUTS", "dense")])
     assert ("workers.convert", "build_student_from_plans") in dense and ("workers.merge", "build_dense_ffn") in dense
+
+
+def test_moving_a_definition_to_another_module_keeps_its_key_and_an_edit_still_changes_it(toy_pkg):
+    """A definition is its name and its source, not the module it lives in: moving `scaled` (reached by a
+    from-import, a module alias and a dotted chain) keeps the stage's digest; editing it where it now lives
+    does not."""
+    helper = '''
+        SCALE = 2.0
+
+        def scaled(x):
+            return x * SCALE
+    '''
+    _write(toy_pkg, "helpers", helper)
+    _write(toy_pkg, "stage", '''
+        import cvtoy.helpers
+        import cvtoy.helpers as h
+
+        def run(x):
+            from cvtoy.helpers import scaled
+            return scaled(x) + h.scaled(x) + cvtoy.helpers.scaled(x)
+    ''')
+    base = _digest(("cvtoy.stage", "run"))
+    (toy_pkg / "helpers.py").unlink()
+    (toy_pkg / "deep").mkdir()
+    (toy_pkg / "deep" / "__init__.py").write_text("")
+    _write(toy_pkg / "deep", "numerics", helper)
+    _write(toy_pkg, "stage", '''
+        import cvtoy.deep.numerics
+        import cvtoy.deep.numerics as h
+
+        def run(x):
+            from cvtoy.deep.numerics import scaled
+            return scaled(x) + h.scaled(x) + cvtoy.deep.numerics.scaled(x)
+    ''')
+    assert _digest(("cvtoy.stage", "run")) == base
+    _write(toy_pkg / "deep", "numerics", helper.replace("x * SCALE", "x * SCALE + 1"))
+    assert _digest(("cvtoy.stage", "run")) != base
+
+
+COMPONENTS = """
+import json
+from orchestrator.stage import code_components, stages
+from workers.registry import registry_names
+out = {f"{st.name}:{s}": code_components(st.name, {"scoring": s})
+       for st in stages() for s in registry_names("workers.scoring", "SCORINGS")}
+print(json.dumps(out, sort_keys=True))
+"""
+
+
+def _components(src: Path) -> dict[str, dict[str, str]]:
+    import json
+
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    got = subprocess.run([sys.executable, "-c", COMPONENTS], cwd=src, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert got.returncode == 0, got.stderr[-3000:]
+    return json.loads(got.stdout)
+
+
+def test_moving_a_scoring_to_another_module_keeps_every_key(tmp_path):
+    """In a copy of the project: PP's formula and its helpers move out of workers/scoring.py into a module of
+    their own; every stage's and every scoring's code component stays; then an edit of PP's body in its new
+    home changes `scoring:PP` and nothing else."""
+    src = tmp_path / "src"
+    for pkg in ("workers", "orchestrator", "db", "analysis", "sweeps"):
+        shutil.copytree(ROOT / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    before = _components(src)
+    scoring = src / "workers" / "scoring.py"
+    text = scoring.read_text()
+    tree = ast.parse(text)
+    moved = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in ("_f64", "_n", "pp")]
+    assert len(moved) == 3
+    lines = text.splitlines(keepends=True)
+    bodies = ["".join(lines[n.lineno - 1 - len(n.decorator_list):n.end_lineno]) for n in moved]
+    for body in bodies:
+        text = text.replace(body, "")
+    header = "".join(lines[:min(n.lineno for n in tree.body if isinstance(n, ast.FunctionDef)) - 1])
+    (src / "workers" / "moved_scoring.py").write_text(header + "\n\n" + "\n\n".join(bodies))
+    scoring.write_text(text.replace("\ndef ", "\nfrom workers.moved_scoring import _f64, _n, pp  # noqa\n\n\ndef ",
+                                    1))
+    assert _components(src) == before
+    new = (src / "workers" / "moved_scoring.py").read_text()
+    old = "    return _f64(ctx.stats.sum_p) / _n(ctx.stats)\n"
+    assert new.count(old) == 1
+    (src / "workers" / "moved_scoring.py").write_text(new.replace(old, "    return 2 * _f64(ctx.stats.sum_p) / _n(ctx.stats)\n"))
+    after = _components(src)
+    changed = {(job, comp) for job in before for comp in before[job] if before[job][comp] != after[job][comp]}
+    assert changed and {comp for _, comp in changed} == {"scoring:PP"}
