@@ -7,8 +7,8 @@ formatting and the place of a definition in its file do not count; anything else
 
 A definition is identified by its name and its normalised source, never by the module it lives in: the
 digest lists (name, hash) pairs, and the hashed syntax of a definition drops the module paths of the
-project's own imports inside it (`from workers.scoring import sf` hashes as `from import sf`) and reads every
-reference to a project definition by that definition's name (`workers.scoring.sf`, `sc.sf`, an alias: `sf`). So moving code between modules keeps
+project's own imports inside it (`from workers.methods.scoring import sf` hashes as `from import sf`) and reads every
+reference to a project definition by that definition's name (`workers.methods.scoring.sf`, `sc.sf`, an alias: `sf`). So moving code between modules keeps
 every key, while an edit of any definition a job reaches, wherever it lives, changes it.
 
 Method registries of the sweep's axes (SCORINGS, GROUPINGS, SCALINGS) are not followed from the
@@ -26,6 +26,7 @@ import ast
 import copy
 import hashlib
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cache
@@ -52,6 +53,21 @@ def _strip_docstrings(node: ast.AST) -> ast.AST:
                 and isinstance(body[0].value.value, str)):
             n.body = body[1:] or [ast.Pass()]
     return node
+
+
+def _sorted_import_runs(stmts: list[ast.stmt]) -> list[ast.stmt]:
+    """`stmts` with every run of consecutive import statements sorted (their order does not change the code)."""
+    out: list[ast.stmt] = []
+    run: list[ast.stmt] = []
+    for st in [*stmts, None]:
+        if isinstance(st, ast.Import | ast.ImportFrom):
+            run.append(st)
+            continue
+        out.extend(sorted(run, key=ast.dump))
+        run = []
+        if st is not None:
+            out.append(st)
+    return out
 
 
 def _resolve_relative(module: str, level: int, target: str | None) -> str:
@@ -141,6 +157,8 @@ class Fingerprints:
         """`node` (a copy) with the project's module paths taken out of its imports and dotted chains."""
         local = _imports(module, [n for n in ast.walk(node) if isinstance(n, ast.Import | ast.ImportFrom)])
         fp = self
+        tops = "|".join(sorted(PROJECT | self.extra))
+        dotted = re.compile(rf"\b(?:{tops})(?:\.[A-Za-z_]\w*)+")
 
         def target(e: ast.AST):
             """What a name or dotted chain refers to in the project: ("unit", module, name), ("module", m), None."""
@@ -155,7 +173,28 @@ class Fingerprints:
         def by_name(t, ctx: ast.expr_context) -> ast.Name:
             return ast.Name(id=t[2] if t[0] == "unit" else t[1].rsplit(".", 1)[-1], ctx=ctx)
 
+        def module_prefix(m: re.Match) -> str:
+            """A dotted project name in a string, its module part read by the module's last name."""
+            parts = m.group(0).split(".")
+            for cut in range(len(parts), 1, -1):
+                if _is_project(".".join(parts[:cut]), fp.extra):
+                    return ".".join([parts[cut - 1], *parts[cut:]])
+            return m.group(0)
+
         class Strip(ast.NodeTransformer):
+            def generic_visit(self, n: ast.AST) -> ast.AST:
+                super().generic_visit(n)
+                for name in ("body", "orelse", "finalbody"):  # a run of imports is read in sorted order
+                    stmts = getattr(n, name, None)
+                    if isinstance(stmts, list) and stmts and isinstance(stmts[0], ast.stmt):
+                        setattr(n, name, _sorted_import_runs(stmts))
+                return n
+
+            def visit_Constant(self, n: ast.Constant) -> ast.AST:
+                if isinstance(n.value, str) and dotted.search(n.value):
+                    n.value = dotted.sub(module_prefix, n.value)
+                return n
+
             def visit_ImportFrom(self, n: ast.ImportFrom) -> ast.AST:
                 if n.level or _is_project(_resolve_relative(module, n.level, n.module), fp.extra):
                     n.module, n.level = None, 0

@@ -295,6 +295,33 @@ def test_moving_a_definition_to_another_module_keeps_its_key_and_an_edit_still_c
     assert _digest(("cvtoy.stage", "run")) != base
 
 
+def test_a_module_named_in_a_string_and_the_order_of_imports_do_not_count(toy_pkg):
+    """A module path in a string (a `-m` argument, a message) is read by the module's last name, and a run of
+    imports in sorted order: moving `cvtoy.helpers` into a subpackage, and re-sorting the imports the new path
+    reorders, keep the digest; another module named in the string changes it."""
+    helper = "def scaled(x):\n    return 2 * x\n"
+    _write(toy_pkg, "helpers", helper)
+    _write(toy_pkg, "other", helper)
+    stage = '''
+        def run(x):
+            import os
+            from cvtoy.{a} import scaled
+            return [scaled(x), "-m", "cvtoy.{a}", "see cvtoy.{a}.scaled", os.sep]
+    '''
+    _write(toy_pkg, "stage", stage.format(a="helpers"))
+    base = _digest(("cvtoy.stage", "run"))
+    (toy_pkg / "helpers.py").unlink()
+    (toy_pkg / "zz").mkdir()
+    (toy_pkg / "zz" / "__init__.py").write_text("")
+    _write(toy_pkg / "zz", "helpers", helper)
+    _write(toy_pkg, "stage", stage.format(a="zz.helpers").replace(
+        "    import os\n            from cvtoy.zz.helpers import scaled\n",
+        "    from cvtoy.zz.helpers import scaled\n            import os\n"))
+    assert _digest(("cvtoy.stage", "run")) == base
+    _write(toy_pkg, "stage", stage.format(a="other"))
+    assert _digest(("cvtoy.stage", "run")) != base
+
+
 COMPONENTS = """
 import json
 from orchestrator.stage import code_components, stages
