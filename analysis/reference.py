@@ -2,7 +2,7 @@
 C2F/DCDM papers, and DOT-MoE's dense → MoE models (at the end of this file).
 
 Each paper table becomes configurations with the same axes and metric names as our own runs
-(workers/stages.py), so one query over the `results` view covers both. Accuracies are stored as
+(workers/run/evaluate.py), so one query over the `results` view covers both. Accuracies are stored as
 fractions (the CSVs give percentages); the paper's own "avg" column is kept as `avg_published`
 and Table 12's stated pre-distill PPL as `ppl_published`, next to the numbers the views compute.
 

@@ -1,4 +1,4 @@
-"""Benchmark of the calibration statistics pass (workers/calibrate.py).
+"""Benchmark of the calibration statistics pass (workers/calibration/calibrate.py).
 
 Measured side by side in one run, on the same tokens of a random-weight Qwen3-MoE model:
   - plain teacher forward (no hooks);
@@ -27,8 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from machine import describe  # noqa: E402  (benchmarks/machine.py, beside this script)
 
-from workers.calibrate import LayerAccumulator, collect_stats  # noqa: E402
-from workers.merge import ffn_forward  # noqa: E402
+from workers.calibration.calibrate import LayerAccumulator, collect_stats  # noqa: E402
+from workers.methods.merge import ffn_forward  # noqa: E402
 
 PRESETS = {
     "tiny": dict(hidden=64, inter=32, experts=16, top_k=4, layers=2, heads=4, kv_heads=2, head_dim=16,

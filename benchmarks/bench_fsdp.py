@@ -1,10 +1,10 @@
-"""Benchmark of sharded distillation (workers/fsdp.py): peak memory per rank, tokens/s and MFU, next to
-what workers/memory_model.py predicts for the same shapes, ranks and settings.
+"""Benchmark of sharded distillation (workers/training/fsdp.py): peak memory per rank, tokens/s and MFU, next to
+what workers/training/memory_model.py predicts for the same shapes, ranks and settings.
 
 Random weights and random tokens (no download): a Qwen3-30B-A3B-shaped teacher and the 3.3B dense
 student (k·I = 6144), optionally cut to fewer layers (--layers) so it fits the GPUs at hand. The models
 are built on the CPU and handed to fsdp_worker, which shards them onto the GPUs layer by layer, as a
-real job does (workers.ddp.run_job). Each rank's peak is torch.cuda.max_memory_allocated over the
+real job does (workers.training.ddp.run_job). Each rank's peak is torch.cuda.max_memory_allocated over the
 whole run; tokens/s is the global batch over the median step time (steps 2..n−1: the first compiles
 and allocates, the last includes the final validation). MFU counts model FLOPs only (no recomputation):
 student 6·N + attention 6·L·T·d_q per token, teacher forward 2·N_active + attention 2·L·T·d_q, over
@@ -35,7 +35,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from machine import describe  # noqa: E402  (benchmarks/machine.py, beside this script)
 
-from workers.memory_model import QWEN3_30B_A3B, STUDENT_3B, Shapes, per_rank_bytes  # noqa: E402
+from workers.training.memory_model import QWEN3_30B_A3B, STUDENT_3B, Shapes, per_rank_bytes  # noqa: E402
 
 SMOKE_TEACHER = Shapes(layers=2, hidden=32, vocab=128, heads=4, kv_heads=2, head_dim=8, ffn=16, experts=8, top_k=2)
 SMOKE_STUDENT = dataclasses.replace(SMOKE_TEACHER, ffn=32, experts=0, top_k=0)
@@ -98,9 +98,9 @@ def main(argv: list[str] | None = None) -> None:
         store = Path(tempfile.mkdtemp()) / "pg"
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=0, world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    from workers.distill import DistillSpec
     from workers.families import get_adapter
-    from workers.fsdp import fsdp_worker
+    from workers.training.distill import DistillSpec
+    from workers.training.fsdp import fsdp_worker
 
     teacher = build(teacher_s, torch.bfloat16 if cuda else torch.float32, 0).eval()
     student = build(student_s, torch.float32, 1)

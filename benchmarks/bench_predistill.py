@@ -2,16 +2,16 @@
 
 Measured side by side in one run, on the same plans, text and machine (each configuration does both
 paths back to back, after one untimed warm-up round):
-  in-memory  the pipeline's way (workers/stages.py ppl_pre): the teacher and its tokenizer stay
+  in-memory  the pipeline's way (workers/run/ppl_pre.py): the teacher and its tokenizer stay
              resident; each student is gathered from the teacher with
              build_student_from_plans(..., share_weights=True) (only the FFN tensors are new, nothing is
-             written) and workers.ppl.perplexity runs on the held-out text, whose token ids are computed
-             once (workers.ppl.text_ids, as stages.ppl_record caches them per worker);
+             written) and workers.evaluation.ppl.perplexity runs on the held-out text, whose token ids are computed
+             once (workers.evaluation.ppl.text_ids, as stages.ppl_record caches them per worker);
   naive      what a user would script: build a standalone student (share_weights=False),
              save_pretrained + tokenizer.save_pretrained into a temporary directory,
              AutoModelForCausalLM.from_pretrained + AutoTokenizer.from_pretrained, evaluate the same text.
 The perplexities of both paths must agree to float tolerance (the script exits 1 otherwise). Planning
-(score → select → group → α, workers.planning.plan_layer) is the same work in both paths: it is timed
+(score → select → group → α, workers.methods.planning.plan_layer) is the same work in both paths: it is timed
 and printed, but not part of the ratio. Target (issue): naive / in-memory ≥ 10× at the tiny scale.
 No assert on timings: it only prints.
 
@@ -150,18 +150,18 @@ def real_teacher(a: argparse.Namespace):
 
 
 def split_texts(corpus: Path, split: str) -> list[str]:
-    """The non-empty texts of one split of the embedded corpus (as workers.data.load_texts reads them)."""
-    from workers.tiny.corpus import read_split
+    """The non-empty texts of one split of the embedded corpus (as workers.core.data.load_texts reads them)."""
+    from workers.core.tiny_corpus import read_split
 
     return [r["text"] for r in read_split(corpus, split) if r["text"].strip()]
 
 
 def make_plans(model, adapter, tok, corpus: Path, a: argparse.Namespace):
     """Calibrate once, then N distinct (scoring, grouping, scaling, K) plans over every MoE layer."""
-    from workers.calibrate import collect_stats
-    from workers.convert import layer_contexts
-    from workers.data import token_windows
-    from workers.planning import plan_layer, plan_signature
+    from workers.calibration.calibrate import collect_stats
+    from workers.core.data import token_windows
+    from workers.methods.planning import plan_layer, plan_signature
+    from workers.models.convert import layer_contexts
 
     train = split_texts(corpus, "train")
     ids = token_windows(tok, train, a.seq_len, a.calib_samples, seed=1234).to(a.device)
@@ -191,8 +191,8 @@ def make_plans(model, adapter, tok, corpus: Path, a: argparse.Namespace):
 
 # ---- the two paths ---------------------------------------------------------------------------------
 def in_memory(model, adapter, tok, texts, plans, a, ids=None):
-    from workers.convert import build_student_from_plans
-    from workers.ppl import perplexity
+    from workers.evaluation.ppl import perplexity
+    from workers.models.convert import build_student_from_plans
 
     t0 = clock(a.device)
     student = build_student_from_plans(model, adapter, plans, share_weights=True).to(a.device)
@@ -208,8 +208,8 @@ def in_memory(model, adapter, tok, texts, plans, a, ids=None):
 def naive(model, adapter, tok, texts, plans, a):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from workers.convert import build_student_from_plans
-    from workers.ppl import perplexity
+    from workers.evaluation.ppl import perplexity
+    from workers.models.convert import build_student_from_plans
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_predistill_"))
     try:
@@ -247,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     from transformers.utils import logging as hf_logging
 
+    from workers.evaluation.ppl import text_ids
     from workers.families import get_adapter
-    from workers.ppl import text_ids
 
     hf_logging.disable_progress_bar()  # save/load bars would interleave with the table
     hf_logging.set_verbosity_error()

@@ -107,20 +107,21 @@ def cli(argv: list[str]) -> None:
     raises; FI_NAN_KEY: that ppl_pre job returns a NaN perplexity; FI_NO_WATCHDOG: no local-Ray watchdog).
     Stage functions are looked up by name when a job runs, so the patched ones run (serial executor)."""
     sys.path.insert(0, str(REPO))
-    import workers.stages as st
+    import workers.run.convert as run_convert
+    import workers.run.ppl_pre as run_ppl_pre
 
     raise_key, nan_key = os.environ.get("FI_RAISE_KEY"), os.environ.get("FI_NAN_KEY")
     if raise_key:
-        convert = st.stage_convert
+        convert = run_convert.stage_convert
 
         def failing_convert(payload, cache, progress):
             if payload["key"] == raise_key:
                 raise RuntimeError("injected fault: this job raises")
             return convert(payload, cache, progress)
 
-        st.stage_convert = failing_convert
+        run_convert.stage_convert = failing_convert
     if nan_key:
-        ppl_pre = st.stage_ppl_pre
+        ppl_pre = run_ppl_pre.stage_ppl_pre
 
         def diverged(payload, cache, progress):
             rec = ppl_pre(payload, cache, progress)
@@ -130,7 +131,7 @@ def cli(argv: list[str]) -> None:
                 rec["outputs"].update(ppl=float("nan"), value_kind="nan")
             return rec
 
-        st.stage_ppl_pre = diverged
+        run_ppl_pre.stage_ppl_pre = diverged
     if os.environ.get("FI_NO_WATCHDOG"):
         import orchestrator.execute as ex
 

@@ -243,7 +243,7 @@ def verify(
     """Rehash every recorded artifact (of a sweep, or all) and compare it with its record: one line per
     problem and a summary. The job that produced a changed or missing artifact is marked stale (the next
     launch recomputes it, and what read other content). Exit 1 if anything was wrong, else 0."""
-    from workers.artifacts import check
+    from workers.core.artifacts import check
 
     store = _store(db)
     sid = None

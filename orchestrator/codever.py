@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cache
 
-from workers.registry import module_ast, module_path, registry_dict
+from workers.core.registry import module_ast, module_path, registry_dict
 
 PROJECT = frozenset({"workers", "orchestrator", "db", "analysis"})
 
@@ -302,7 +302,7 @@ class Fingerprints:
 
 def clear_caches() -> None:
     """Forget parsed sources (for a process that edits them, e.g. a test)."""
-    from workers.registry import module_ast, module_path
+    from workers.core.registry import module_ast, module_path
 
     module_ast.cache_clear()
     module_path.cache_clear()

@@ -82,7 +82,7 @@ def check_k(spec: SweepSpec, shape: TeacherShape) -> None:
 
 def build_configs(spec: SweepSpec, shape: TeacherShape) -> list[dict[str, Any]]:
     """Every configuration of the sweep: the grid, the teacher and the baselines (d2d: one per candidate)."""
-    from workers.registry import registry_names
+    from workers.core.registry import registry_names
 
     check_k(spec, shape)
     model = teacher_label(spec)
@@ -109,7 +109,7 @@ def build_configs(spec: SweepSpec, shape: TeacherShape) -> list[dict[str, Any]]:
                         "baseline": None if b == "teacher" else b, "teacher_variant": spec.teacher.variant,
                         "top_k": shape.top_k})
     if "d2d" in spec.baselines:
-        for name in registry_names("workers.baselines", "_CANDIDATES"):
+        for name in registry_names("workers.baselines.baselines", "_CANDIDATES"):
             configs.append({"config_key": f"baseline:d2d:{name}", "model": model, "kind": "baseline",
                             "baseline": f"d2d:{name}"})
     return configs
@@ -131,7 +131,7 @@ def select_best(rows: list[dict[str, Any]], per: list[str], over: list[str]) -> 
 
 def distill_tokens(settings: dict[str, Any]) -> str:
     """A distillation's token budget as shown in tables (e.g. "98k", "0.3B")."""
-    from workers.distill_spec import DistillSpec
+    from workers.training.distill_spec import DistillSpec
 
     return human_tokens(DistillSpec(**settings).tokens)
 

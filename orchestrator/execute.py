@@ -99,7 +99,7 @@ def run_payload(payload: dict[str, Any], cache: dict, progress: Progress | None,
     try:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             try:
-                from workers.jobs import run_job
+                from workers.run.jobs import run_job
 
                 t0 = time.perf_counter()
                 result = run_job(payload, cache, cb)
@@ -281,7 +281,7 @@ class RayExecutor:
     def _next_job(self, actor: Any, queue: list[dict[str, Any]]) -> dict[str, Any]:
         """The first queued job that wants the model this actor already holds, else the first one.
 
-        An actor keeps one resident model (workers.runtime.resident_teacher); switching it reloads the
+        An actor keeps one resident model (workers.run.runtime.resident_teacher); switching it reloads the
         model and drops the tensors cached for it, so an actor stays with its model while jobs want it."""
         held = self.holds.get(actor)
         i = next((i for i, p in enumerate(queue) if held is not None and p.get("resident") == held), 0)

@@ -37,8 +37,8 @@ from orchestrator.axes import AXES
 from orchestrator.schema import artifact_root
 from orchestrator.spec import SpecError, SweepSpec, check_local_paths, spec_hash
 from orchestrator.stage import JobSpec, Stage, SweepContext, TeacherShape, stages, unique
-from workers.artifacts import check as artifact_check
-from workers.artifacts import is_url
+from workers.core.artifacts import check as artifact_check
+from workers.core.artifacts import is_url
 
 
 @dataclass

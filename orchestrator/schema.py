@@ -54,7 +54,7 @@ class Data(Strict):
 
     @model_validator(mode="after")
     def _chat_fields(self) -> Data:
-        from workers.data import chat_field_error
+        from workers.core.data import chat_field_error
 
         error = chat_field_error(self.source, self.format, self.messages_field, self.prompt_field,
                                  self.response_field, self.chat_template)

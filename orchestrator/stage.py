@@ -74,9 +74,8 @@ def unregister(name: str) -> None:
 
 
 def stages() -> tuple[Stage, ...]:
-    """Every registered stage, each after the stages it reads (declaration order otherwise)."""
-    import orchestrator.stages  # noqa: F401  (declares the built-in stages)
-
+    """Every registered stage, each after the stages it reads (declaration order otherwise). The built-in
+    stages are declared when the orchestrator package is imported (orchestrator/__init__.py)."""
     return _ordered()
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.types import LayerPlan
+from workers.core.types import LayerPlan
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import fsspec
 import pytest
 from typer.testing import CliRunner
 
-import workers.artifacts
+import workers.core.artifacts
 from db.store import Store
 from orchestrator.cli import app
 from orchestrator.schema import artifact_root
@@ -44,13 +44,13 @@ def root(request, tmp_path, monkeypatch):
 def downloads(monkeypatch):
     """Every artifact URL a worker downloaded, in order."""
     seen: list[str] = []
-    real = workers.artifacts.download
+    real = workers.core.artifacts.download
 
     def counting(url: str, local: Path) -> None:
         seen.append(url)
         real(url, local)
 
-    monkeypatch.setattr(workers.artifacts, "download", counting)
+    monkeypatch.setattr(workers.core.artifacts, "download", counting)
     return seen
 
 
@@ -156,8 +156,8 @@ def test_upload_and_fetch_keep_a_jobs_layout_and_refuse_what_they_cannot_vouch_f
     """A job's folder of artifacts arrives as it was written (the factors beside the plan); an output
     naming a workdir file that is not an artifact, or an artifact outside the workdir, is an error; a copy
     whose content is not the recorded one is never used."""
-    from workers.artifacts import fetch, record
-    from workers.jobs import uploaded, with_local_inputs
+    from workers.core.artifacts import fetch, record
+    from workers.run.jobs import uploaded, with_local_inputs
 
     url = f"memory://moesweep-test-{uuid.uuid4().hex}/convert/k1"
     work = tmp_path / "scratch" / "convert" / "k1"

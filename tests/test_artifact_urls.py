@@ -7,7 +7,7 @@ import uuid
 
 import fsspec
 
-from workers.artifacts import check, content_hash, record, stat
+from workers.core.artifacts import check, content_hash, record, stat
 
 
 def test_an_artifact_at_a_url_is_fingerprinted_and_checked_where_it_lives(tmp_path):

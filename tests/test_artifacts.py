@@ -7,6 +7,7 @@ undisturbed run; `moesweep verify` finds what size and mtime cannot."""
 from __future__ import annotations
 
 import hashlib
+import importlib
 import io
 import json
 import os
@@ -19,14 +20,13 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-import workers.stages as stages
 from db.store import Store
 from orchestrator.cli import app
 from orchestrator.execute import SerialExecutor
 from orchestrator.launch import launch
 from orchestrator.spec import load_spec
 from tests.test_orchestrator import fake, fake_sweep  # noqa: F401  (the fake stage functions fixture)
-from workers.artifacts import record
+from workers.core.artifacts import record
 
 TINY = ("teacher: {source: tiny, tiny: {experts: 8, top_k: 2, hidden: 16, layers: 1, heads: 2, kv_heads: 1, "
         "moe_intermediate: 8, vocab: 512}}")
@@ -57,7 +57,7 @@ def arts(fake, monkeypatch):  # noqa: F811  (the fixture imported above)
     """`fake` with artifacts: each stage reads its inputs' files and writes its own."""
     calls, state = fake
     state.update(salt=False, sabotage=False)
-    orig = {n: getattr(stages, f"stage_{n}") for n in ("calibrate", "convert", "ppl_pre", "distill", "evaluate")}
+    orig = {n: getattr(importlib.import_module(f"workers.run.{n}"), f"stage_{n}") for n in ("calibrate", "convert", "ppl_pre", "distill", "evaluate")}
 
     def salt() -> str:
         return str(time.time_ns()) if state["salt"] else "0"
@@ -119,7 +119,7 @@ def arts(fake, monkeypatch):  # noqa: F811  (the fixture imported above)
 
     for name, fn in dict(teacher=teacher, calibrate=calibrate, convert=convert, ppl_pre=ppl_pre, distill=distill,
                          evaluate=evaluate).items():
-        monkeypatch.setattr(stages, f"stage_{name}", fn)
+        monkeypatch.setattr(f"workers.run.{name}.stage_{name}", fn)
     state["fail"] = False
     return calls, state
 
@@ -291,7 +291,7 @@ def test_fingerprints_of_files_and_folders(tmp_path):
     bytes (before that) still matches."""
     import struct
 
-    from workers.artifacts import check, content_hash, stat
+    from workers.core.artifacts import check, content_hash, stat
 
     d = tmp_path / "model"
     _write(d / "a.bin", "a" * 100, "0")

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from workers.baselines import (
+from workers.baselines.baselines import (
     d2d_candidate_names,
     d2d_candidates,
     prune_dense,

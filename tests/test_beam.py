@@ -8,8 +8,8 @@ import pytest
 import torch
 from families_cases import ids, make_teacher
 
-from workers.distill import lm_head
 from workers.families import get_adapter
+from workers.training.distill import lm_head
 
 
 def test_the_real_final_logit_softcap_is_refused_by_the_kd_head_in_one_line():

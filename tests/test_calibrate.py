@@ -1,4 +1,4 @@
-"""Calibration statistics (workers/calibrate.py): the batched all-experts pass against a naive per-token,
+"""Calibration statistics (workers/calibration/calibrate.py): the batched all-experts pass against a naive per-token,
 per-expert loop over the teacher's own expert modules, on tiny random models of every family."""
 
 from __future__ import annotations
@@ -7,15 +7,15 @@ import pytest
 import torch
 from families_cases import CASES, FAMILIES, V, experts_forward, make_teacher, routed_scale
 
-from workers.calibrate import (
+from workers.calibration.calibrate import (
     STAT_FIELDS,
-    all_expert_outputs,
     collect_stats,
     load_stats,
     save_stats,
     stats_metadata,
 )
 from workers.families import get_adapter
+from workers.methods.experts import all_expert_outputs
 
 
 def tiny_model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0):

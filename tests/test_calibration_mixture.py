@@ -1,5 +1,5 @@
-"""Calibration data as researchers use it: named sources mixed by weight (workers.calibrate.mix_stats,
-the per-source statistics file) and instruction records rendered by a chat template (workers.data)."""
+"""Calibration data as researchers use it: named sources mixed by weight (workers.calibration.calibrate.mix_stats,
+the per-source statistics file) and instruction records rendered by a chat template (workers.core.data)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from families_cases import V, make_teacher
 
-from workers.calibrate import (
+from workers.calibration.calibrate import (
     STAT_FIELDS,
     collect_stats,
     load_source_stats,
@@ -22,9 +22,9 @@ from workers.calibrate import (
     source_weights,
     stats_metadata,
 )
-from workers.data import DataSpec, load_texts, token_windows
+from workers.core.data import DataSpec, load_texts, token_windows
+from workers.core.types import LayerStats
 from workers.families import get_adapter
-from workers.types import LayerStats
 
 E, H = 4, 3
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -323,7 +323,7 @@ def test_a_mixture_samples_tokens_in_the_proportions_of_its_weights():
     token's window and position still point at the token it came from."""
     import torch
 
-    from workers.calibrate import mix_samples
+    from workers.calibration.calibrate import mix_samples
 
     def sample(n_tokens: int, n_windows: int, fill: float) -> dict[str, torch.Tensor]:
         ids = torch.arange(n_windows * 8).reshape(n_windows, 8) + int(fill * 1000)

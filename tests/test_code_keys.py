@@ -17,7 +17,7 @@ import pytest
 from orchestrator.axes import method_registries
 from orchestrator.codever import Fingerprints, clear_caches
 from orchestrator.stage import code_components
-from workers.registry import registry_names
+from workers.core.registry import registry_names
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -126,26 +126,26 @@ def test_a_registry_entry_is_its_own_component_and_not_followed_from_a_stage(toy
 
 
 def test_every_registry_reads_the_same_names_from_source_as_at_run_time():
-    import workers.baselines
-    import workers.editing
-    import workers.grouping
-    import workers.losses
-    import workers.moe_merging
-    import workers.outputs
-    import workers.scaling
-    import workers.scoring
+    import workers.baselines.baselines
+    import workers.methods.editing
+    import workers.methods.grouping
+    import workers.methods.moe_merging
+    import workers.methods.scaling
+    import workers.methods.scoring
+    import workers.models.outputs
+    import workers.training.losses
 
-    for (module, name), obj in {("workers.scoring", "SCORINGS"): workers.scoring.SCORINGS,
-                                ("workers.outputs", "OUTPUTS"): workers.outputs.OUTPUTS,
-                                ("workers.moe_merging", "MERGINGS"): workers.moe_merging.MERGINGS,
-                                ("workers.editing", "EDITINGS"): workers.editing.EDITINGS,
-                                ("workers.grouping", "GROUPINGS"): workers.grouping.GROUPINGS,
-                                ("workers.scaling", "SCALINGS"): workers.scaling.SCALINGS,
-                                ("workers.losses", "LOSSES"): workers.losses.LOSSES,
-                                ("workers.baselines", "_CANDIDATES"): workers.baselines._CANDIDATES}.items():
+    for (module, name), obj in {("workers.methods.scoring", "SCORINGS"): workers.methods.scoring.SCORINGS,
+                                ("workers.models.outputs", "OUTPUTS"): workers.models.outputs.OUTPUTS,
+                                ("workers.methods.moe_merging", "MERGINGS"): workers.methods.moe_merging.MERGINGS,
+                                ("workers.methods.editing", "EDITINGS"): workers.methods.editing.EDITINGS,
+                                ("workers.methods.grouping", "GROUPINGS"): workers.methods.grouping.GROUPINGS,
+                                ("workers.methods.scaling", "SCALINGS"): workers.methods.scaling.SCALINGS,
+                                ("workers.training.losses", "LOSSES"): workers.training.losses.LOSSES,
+                                ("workers.baselines.baselines", "_CANDIDATES"): workers.baselines.baselines._CANDIDATES}.items():
         assert registry_names(module, name) == list(obj), name
-    assert {m for m, _ in method_registries()} == {"workers.outputs", "workers.scoring", "workers.grouping",
-                                                   "workers.scaling", "workers.moe_merging", "workers.editing"}
+    assert {m for m, _ in method_registries()} == {"workers.models.outputs", "workers.methods.scoring", "workers.methods.grouping",
+                                                   "workers.methods.scaling", "workers.methods.moe_merging", "workers.methods.editing"}
 
 
 def test_a_conversion_depends_on_its_own_methods_only():
@@ -154,11 +154,11 @@ def test_a_conversion_depends_on_its_own_methods_only():
     assert set(sf) == {"stage:convert", "scoring:SF", "grouping:RR", "dp_scaling:uniform"}
     assert sf["stage:convert"] == pp["stage:convert"] and sf["scoring:SF"] != pp["scoring:PP"]
     fp = Fingerprints(stop=method_registries())
-    stage = fp.closure([("workers.stages", "stage_convert")])
-    assert ("workers.scoring", "pp") not in stage and ("workers.scoring", "sf") not in stage
-    assert ("workers.scoring", "pp") in fp.closure([("workers.scoring", "SCORINGS", "PP")])
+    stage = fp.closure([("workers.run.convert", "stage_convert")])
+    assert ("workers.methods.scoring", "pp") not in stage and ("workers.methods.scoring", "sf") not in stage
+    assert ("workers.methods.scoring", "pp") in fp.closure([("workers.methods.scoring", "SCORINGS", "PP")])
     # frequency is SF under another name: the same code, the same component hash
-    assert fp.digest([("workers.scoring", "SCORINGS", "SF")]) != fp.digest([("workers.scoring", "SCORINGS", "PP")])
+    assert fp.digest([("workers.methods.scoring", "SCORINGS", "SF")]) != fp.digest([("workers.methods.scoring", "SCORINGS", "PP")])
 
 
 SWEEP = """\
@@ -215,7 +215,7 @@ def test_editing_one_scoring_reruns_exactly_its_configurations(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     before = _jobs(db)
 
-    scoring = src / "workers" / "scoring.py"
+    scoring = src / "workers" / "methods" / "scoring.py"
     text = scoring.read_text()
     old = "    return _f64(ctx.stats.sum_p) / _n(ctx.stats)\n"
     assert text.count(old) == 1
@@ -246,7 +246,7 @@ def test_editing_one_scoring_reruns_exactly_its_configurations(tmp_path):
 
 def test_the_code_that_builds_a_student_is_part_of_every_job_that_builds_it():
     """A student recipe names its output: the evaluation, distillation and Router KD jobs that build the
-    student from its plan hash the builder's code (workers/outputs.py), not only the stage's own."""
+    student from its plan hash the builder's code (workers/models/outputs.py), not only the stage's own."""
     for output in ("dense", "moe"):
         recipe = {"type": "plan", "plan_key": "abc", "output": output}
         for stage, params in (("ppl_pre", {"student": recipe}), ("distill", {"student": recipe}),
@@ -254,8 +254,8 @@ def test_the_code_that_builds_a_student_is_part_of_every_job_that_builds_it():
                               ("evaluate", {"student": {"type": "router_kd", "base": recipe}})):
             assert f"output:{output}" in code_components(stage, params), (stage, output)
     fp = Fingerprints(stop=method_registries())
-    dense = fp.closure([("workers.outputs", "OUTPUTS", "dense")])
-    assert ("workers.convert", "build_student_from_plans") in dense and ("workers.merge", "build_dense_ffn") in dense
+    dense = fp.closure([("workers.models.outputs", "OUTPUTS", "dense")])
+    assert ("workers.models.convert", "build_student_from_plans") in dense and ("workers.methods.merge", "build_dense_ffn") in dense
 
 
 def test_moving_a_definition_to_another_module_keeps_its_key_and_an_edit_still_changes_it(toy_pkg):
@@ -325,9 +325,9 @@ def test_a_module_named_in_a_string_and_the_order_of_imports_do_not_count(toy_pk
 COMPONENTS = """
 import json
 from orchestrator.stage import code_components, stages
-from workers.registry import registry_names
+from workers.core.registry import registry_names
 out = {f"{st.name}:{s}": code_components(st.name, {"scoring": s})
-       for st in stages() for s in registry_names("workers.scoring", "SCORINGS")}
+       for st in stages() for s in registry_names("workers.methods.scoring", "SCORINGS")}
 print(json.dumps(out, sort_keys=True))
 """
 
@@ -343,14 +343,14 @@ def _components(src: Path) -> dict[str, dict[str, str]]:
 
 
 def test_moving_a_scoring_to_another_module_keeps_every_key(tmp_path):
-    """In a copy of the project: PP's formula and its helpers move out of workers/scoring.py into a module of
+    """In a copy of the project: PP's formula and its helpers move out of workers/methods/scoring.py into a module of
     their own; every stage's and every scoring's code component stays; then an edit of PP's body in its new
     home changes `scoring:PP` and nothing else."""
     src = tmp_path / "src"
     for pkg in ("workers", "orchestrator", "db", "analysis", "sweeps"):
         shutil.copytree(ROOT / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     before = _components(src)
-    scoring = src / "workers" / "scoring.py"
+    scoring = src / "workers" / "methods" / "scoring.py"
     text = scoring.read_text()
     tree = ast.parse(text)
     moved = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in ("_f64", "_n", "pp")]
@@ -360,14 +360,14 @@ def test_moving_a_scoring_to_another_module_keeps_every_key(tmp_path):
     for body in bodies:
         text = text.replace(body, "")
     header = "".join(lines[:min(n.lineno for n in tree.body if isinstance(n, ast.FunctionDef)) - 1])
-    (src / "workers" / "moved_scoring.py").write_text(header + "\n\n" + "\n\n".join(bodies))
-    scoring.write_text(text.replace("\ndef ", "\nfrom workers.moved_scoring import _f64, _n, pp  # noqa\n\n\ndef ",
+    (src / "workers" / "core" / "moved_scoring.py").write_text(header + "\n\n" + "\n\n".join(bodies))
+    scoring.write_text(text.replace("\ndef ", "\nfrom workers.core.moved_scoring import _f64, _n, pp  # noqa\n\n\ndef ",
                                     1))
     assert _components(src) == before
-    new = (src / "workers" / "moved_scoring.py").read_text()
+    new = (src / "workers" / "core" / "moved_scoring.py").read_text()
     old = "    return _f64(ctx.stats.sum_p) / _n(ctx.stats)\n"
     assert new.count(old) == 1
-    (src / "workers" / "moved_scoring.py").write_text(new.replace(old, "    return 2 * _f64(ctx.stats.sum_p) / _n(ctx.stats)\n"))
+    (src / "workers" / "core" / "moved_scoring.py").write_text(new.replace(old, "    return 2 * _f64(ctx.stats.sum_p) / _n(ctx.stats)\n"))
     after = _components(src)
     changed = {(job, comp) for job in before for comp in before[job] if before[job][comp] != after[job][comp]}
     assert changed and {comp for _, comp in changed} == {"scoring:PP"}

@@ -10,9 +10,9 @@ import pytest
 import torch
 from families_cases import hand_plans, ids, make_teacher, tiny_config
 
-from workers.convert import build_student_from_plans
-from workers.distill import lm_head
 from workers.families import get_adapter, teacher_shape
+from workers.models.convert import build_student_from_plans
+from workers.training.distill import lm_head
 
 
 def reference_logits(teacher, plans) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""workers/convert.py: layer contexts from statistics, students from plans (paper Algorithm 1)."""
+"""workers/models/convert.py: layer contexts from statistics, students from plans (paper Algorithm 1)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from families_cases import (
     student_ffn_name,
 )
 
-from workers.convert import build_student_from_plans, layer_contexts, plan_ffns
+from workers.core.types import LayerPlan, LayerStats
 from workers.families import get_adapter
-from workers.merge import ffn_forward
-from workers.types import LayerPlan, LayerStats
+from workers.methods.merge import ffn_forward
+from workers.models.convert import build_student_from_plans, layer_contexts, plan_ffns
 
 
 def fake_stats(e: int, seed: int) -> LayerStats:

@@ -1,4 +1,4 @@
-"""Text sources and token windows (workers/data.py)."""
+"""Text sources and token windows (workers/core/data.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from workers.data import DataSpec, load_texts, token_windows
+from workers.core.data import DataSpec, load_texts, token_windows
 from workers.tiny.tokenizer import train_tokenizer
 
 DOCS = [f"Document {i}: the quick brown fox jumps over the lazy dog {i} times.\n" * (1 + i % 3) for i in range(40)]
@@ -124,7 +124,7 @@ def test_load_hf_wikitext_protocol(tmp_path):
 
 def test_stream_windows_equal_token_windows_in_order(tmp_path):
     """The lazy windows a streamed distillation uses are exactly token_windows(..., n=None), in order."""
-    from workers.data import stream_windows
+    from workers.core.data import stream_windows
 
     texts = [f"document {i}: " + " ".join(f"word{j * i % 17}" for j in range(5 + i % 13)) for i in range(60)]
     tok = train_tokenizer(texts, 320, tmp_path / "tok")

@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from orchestrator.spec import SpecError, load_spec
-from workers.dcdm import DCDMSpec, sample_counts, softmax_weights, stop_reason
+from workers.calibration.dcdm import DCDMSpec, sample_counts, softmax_weights, stop_reason
 
 HERE = Path(__file__).parent
 SWEEP = HERE / "sweeps" / "dcdm.yaml"
@@ -62,7 +62,7 @@ def test_the_loop_stops_on_a_two_cycle(monkeypatch, tmp_path):
     """Discrepancies that flip with the round (the domain given more data is then served better) make the
     weights oscillate between two mixes: the loop stops when an earlier round's counts come back, with the
     last round's weights (those its compression used), every round logged."""
-    import workers.dcdm as D
+    import workers.calibration.dcdm as D
 
     state = {"round": 0}
 
@@ -75,7 +75,7 @@ def test_the_loop_stops_on_a_two_cycle(monkeypatch, tmp_path):
 
     monkeypatch.setattr(D, "compress", fake_compress)
     monkeypatch.setattr(D, "domain_discrepancy", fake_discrepancy)
-    monkeypatch.setattr("workers.calibrate.source_tokens", lambda stats: 10)
+    monkeypatch.setattr("workers.calibration.calibrate.source_tokens", lambda stats: 10)
     res = D.run_dcdm(None, None, {"code": {0: None}, "prose": {0: None}}, {"code": "code", "prose": "prose"},
                      DCDMSpec(max_iters=10), 32, {}, tmp_path, "cpu",
                      progress=lambda i, n: state.update(round=i))
@@ -91,14 +91,14 @@ def test_the_loop_stops_on_a_two_cycle(monkeypatch, tmp_path):
 
 
 def test_the_loop_runs_to_max_iters_when_the_weights_keep_moving(monkeypatch, tmp_path):
-    import workers.dcdm as D
+    import workers.calibration.dcdm as D
 
     state = {"round": 0}
     monkeypatch.setattr(D, "compress", lambda m, a, p, w, params, wd: ([w], torch.nn.Identity(), wd / "p.json"))
     monkeypatch.setattr(D, "domain_discrepancy", lambda t, s, domain, bs, dev: {
         "kl": 0.0, "nll_teacher": 1.0, "nll_student": 1.0 + (0.3 * (state["round"] + 1) if domain == "code" else 0.0),
         "tokens": 1})
-    monkeypatch.setattr("workers.calibrate.source_tokens", lambda stats: 10)
+    monkeypatch.setattr("workers.calibration.calibrate.source_tokens", lambda stats: 10)
     res = D.run_dcdm(None, None, {"code": {0: None}, "prose": {0: None}}, {"code": "code", "prose": "prose"},
                      DCDMSpec(max_iters=3, metric="log_ppl"), 1000, {}, tmp_path, "cpu",
                      progress=lambda i, n: state.update(round=i))
@@ -110,7 +110,7 @@ def test_the_loop_runs_to_max_iters_when_the_weights_keep_moving(monkeypatch, tm
 def test_mixing_with_dcdm_weights_is_the_hand_reweighting(tmp_path):
     from test_calibration_mixture import synthetic
 
-    from workers.calibrate import STAT_FIELDS, load_stats, save_source_stats
+    from workers.calibration.calibrate import STAT_FIELDS, load_stats, save_source_stats
 
     a, b = synthetic(10, 1), synthetic(30, 2)
     path = tmp_path / "stats.safetensors"
@@ -199,7 +199,7 @@ def test_the_logged_discrepancy_is_the_kl_of_the_round_one_student(run):
     windows, KL(teacher ‖ student) per token in float64."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from workers.data import DataSpec, load_texts, token_windows
+    from workers.core.data import DataSpec, load_texts, token_windows
     from workers.families import get_adapter
 
     store = run["store"]
@@ -246,7 +246,7 @@ def test_the_final_mixture_is_a_configuration_of_its_own(run):
 def test_the_dcdm_weights_mix_the_calibration_file(run):
     from test_calibration_mixture import assert_same
 
-    from workers.calibrate import load_source_stats, load_stats, mix_stats
+    from workers.calibration.calibrate import load_source_stats, load_stats, mix_stats
 
     store = run["store"]
     w = _dcdm_outputs(store)["weights"]

@@ -1,4 +1,4 @@
-"""workers.decoder.decoder_of: the decoder of every family's CausalLM, including Llama-4's (whose base_model
+"""workers.models.decoder.decoder_of: the decoder of every family's CausalLM, including Llama-4's (whose base_model
 is the CausalLM itself)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from families_cases import FAMILIES, ids, make_teacher
 from torch import nn
 
-from workers.decoder import decoder_of
+from workers.models.decoder import decoder_of
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from workers.baselines import random_ffn_student
-from workers.distill import DistillSpec, distill, lr_at
+from workers.baselines.baselines import random_ffn_student
 from workers.families import get_adapter
-from workers.losses import forward_kl, hidden_mse, reverse_kl
+from workers.training.distill import DistillSpec, distill, lr_at
+from workers.training.losses import forward_kl, hidden_mse, reverse_kl
 
 V, T = 64, 16
 
@@ -198,7 +198,7 @@ def test_bad_batches_and_bf16(teacher, adapter, corpus):
 
 
 def test_two_process_gloo_matches_single_process(teacher, adapter, corpus, tmp_path):
-    from workers.ddp import launch
+    from workers.training.ddp import launch
 
     student = student_of(teacher, adapter)
     teacher.save_pretrained(tmp_path / "teacher")

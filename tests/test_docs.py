@@ -35,3 +35,40 @@ def test_nothing_points_outside_the_repository():
     hits = [f"{f.relative_to(ROOT)}:{n}" for f in _files() if f.name != "test_docs.py"
             for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1) if OUTSIDE.search(line)]
     assert not hits, hits
+
+
+def layout_block(readme: str) -> str:
+    section = readme[readme.index("## Layout"):]
+    start = section.index("```") + 3
+    return section[start:section.index("```", start)]
+
+
+def must_name() -> list[str]:
+    """What the README's Layout must name: every top-level folder, every package of the product (as `name/`),
+    and every module of the orchestrator, db, analysis, dashboard and each wing of workers (families' adapters
+    are one per MoE family and named by the family table instead)."""
+    names = ["sweeps/", "orchestrator/", "workers/", "db/", "analysis/", "dashboard/", "tests/", "benchmarks/",
+             "requirements/", "scripts/", "docs/"]
+    for pkg in ("orchestrator", "workers", "db", "analysis", "dashboard"):
+        for init in sorted((ROOT / pkg).rglob("__init__.py")):
+            d = init.parent
+            if d != ROOT / pkg and "migrations" not in d.relative_to(ROOT).parts[1:-1]:
+                names.append(d.name + "/")
+            if d.name == "families" or "migrations" in d.parts:
+                continue
+            names += [f.stem for f in sorted(d.glob("*.py")) if f.name != "__init__.py"]
+    return names
+
+
+def test_the_layout_names_every_package_and_module():
+    block = layout_block((ROOT / "README.md").read_text())
+    words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*/?", block))
+    missing = [n for n in must_name() if n not in words]
+    assert not missing, f"README ## Layout does not name: {missing}"
+
+
+def test_the_layout_check_sees_a_missing_module():
+    names = must_name()
+    assert "scoring" in names and "core/" in names and "plans" in names and "qwen3_moe" not in names
+    block = layout_block("## Layout\n```\nworkers/  core/ scoring\n```\n")
+    assert "plans" not in set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*/?", block))

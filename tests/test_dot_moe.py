@@ -15,9 +15,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-from workers.dot_moe import DotMoeFFN, align, dense_mode, extract, install, objective
-from workers.dot_moe_hf import DotQwen3MoeForCausalLM, set_top_k
-from workers.dot_moe_spec import DotMoeSpec
+from workers.baselines.dot_moe import DotMoeFFN, align, dense_mode, extract, install, objective
+from workers.baselines.dot_moe_spec import DotMoeSpec
+from workers.models.dot_moe_hf import DotQwen3MoeForCausalLM, set_top_k
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = DotMoeSpec(steps=30, batch_size=4, seq_len=16, lr=5e-2, sinkhorn_iters=20, warmup_ratio=0.2)
@@ -170,7 +170,7 @@ def test_checkpoint_reloads_in_a_fresh_interpreter(tmp_path):
     torch.save(_logits(moe, ids), tmp_path / "want.pt")
     code = ("import sys, torch\n"
             "from transformers import AutoModelForCausalLM\n"
-            "import workers.dot_moe_hf  # noqa\n"
+            "import workers.models.dot_moe_hf  # noqa\n"
             "d = sys.argv[1]\n"
             "m = AutoModelForCausalLM.from_pretrained(d + '/moe').eval()\n"
             "assert type(m).__name__ == 'DotQwen3MoeForCausalLM', type(m)\n"
@@ -239,7 +239,7 @@ def test_spec_defaults_are_the_papers_and_tau_anneals_over_the_warm_up():
 # ---- the stage -----------------------------------------------------------------------------------------
 def test_stage_methods_are_the_workers():
     from orchestrator.stages import dot_moe
-    from workers.dot_moe_spec import METHODS
+    from workers.baselines.dot_moe_spec import METHODS
 
     assert dot_moe.METHODS == METHODS
 
@@ -310,7 +310,7 @@ def test_the_stage_runs_in_a_tiny_sweep_and_evaluates_several_top_k(tmp_path, mo
     paths = [p for (p,) in store.query("SELECT a.path FROM artifacts a JOIN jobs j ON j.id = a.job_id "
                                        "WHERE j.stage = 'dot_moe' AND a.kind = 'moe'")[1]]
     assert len(paths) == 6
-    from workers.runtime import load_model
+    from workers.run.runtime import load_model
 
     moe, _ = load_model(paths[0])
     assert isinstance(moe, DotQwen3MoeForCausalLM) and moe.config.num_experts == 4
@@ -322,7 +322,7 @@ def test_micro_batches_accumulate_the_whole_batch_gradient():
     (the balance loss is a product of batch means, so it is left out here)."""
     from dataclasses import replace
 
-    from workers.dot_moe import _accumulate
+    from workers.baselines.dot_moe import _accumulate
 
     grads = []
     for micro in (None, 2):

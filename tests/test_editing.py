@@ -1,4 +1,4 @@
-"""Expert editing (workers.editing: MoBE, TD-MoE) and the edited checkpoint (workers.edited_model).
+"""Expert editing (workers.methods.editing: MoBE, TD-MoE) and the edited checkpoint (workers.models.edited_model).
 
 The edited model's reference is the teacher itself with every MoE layer's expert weights replaced by the
 reconstructed ones (written into the family's fused layout here, not by the module under test): the
@@ -18,7 +18,10 @@ import pytest
 import torch
 from families_cases import FAMILIES, block_of, ids, make_teacher, router_of
 
-from workers.editing import (
+from workers.core.registry import registry_names
+from workers.core.types import ExpertWeights, LayerContext, LayerStats
+from workers.families import adapter_named, get_adapter
+from workers.methods.editing import (
     EDITINGS,
     edit_layer,
     fit_mobe,
@@ -30,9 +33,6 @@ from workers.editing import (
     tucker2,
     whitening,
 )
-from workers.families import adapter_named, get_adapter
-from workers.registry import registry_names
-from workers.types import ExpertWeights, LayerContext, LayerStats
 
 ROOT = Path(__file__).resolve().parents[1]
 MOBE = {"kind": "mobe", "activation": "silu", "coef": "softmax"}
@@ -100,7 +100,7 @@ def test_k_out_of_range_and_unknown_method():
             edit_layer(0, ctx, "TD-MoE", K)
     with pytest.raises(ValueError, match="unknown editing"):
         edit_layer(0, ctx, "SVD", 4)
-    assert list(EDITINGS) == registry_names("workers.editing", "EDITINGS") == ["MoBE", "TD-MoE"]
+    assert list(EDITINGS) == registry_names("workers.methods.editing", "EDITINGS") == ["MoBE", "TD-MoE"]
 
 
 # ---- MoBE ------------------------------------------------------------------------------------------------
@@ -194,9 +194,9 @@ def test_edit_layer_plan_keeps_every_expert():
 # ---- the edited model -------------------------------------------------------------------------------------
 def edited(family: str, method: str, seed: int = 0):
     """(teacher, edited model, plans, factors): every MoE layer edited at K = E/2 + 1 from real statistics."""
-    from workers.calibrate import collect_stats
-    from workers.convert import layer_contexts
-    from workers.edited_model import edited_moe_student
+    from workers.calibration.calibrate import collect_stats
+    from workers.models.convert import layer_contexts
+    from workers.models.edited_model import edited_moe_student
 
     model = make_teacher(family, seed=seed, dtype=torch.float64, experts_implementation="eager")
     adapter = get_adapter(model)
@@ -276,7 +276,7 @@ def test_edited_model_computes_the_teacher_with_the_reconstructed_experts(family
 
 
 def test_edited_model_needs_a_plan_for_every_moe_layer():
-    from workers.edited_model import edited_moe_student
+    from workers.models.edited_model import edited_moe_student
 
     model, _, plans, factors = edited("olmoe", "TD-MoE")
     with pytest.raises(ValueError, match="plans cover layers"):
@@ -284,7 +284,7 @@ def test_edited_model_needs_a_plan_for_every_moe_layer():
 
 
 def test_edited_checkpoint_reloads_in_a_fresh_interpreter(tmp_path):
-    """Save, then load with AutoModelForCausalLM after nothing but `import workers.edited_model`."""
+    """Save, then load with AutoModelForCausalLM after nothing but `import workers.models.edited_model`."""
     cases = [("qwen3_moe", "MoBE"), ("gpt_oss", "TD-MoE"), ("deepseek_v2", "TD-MoE")]
     x = ids(2, 9, seed=11)
     want = {}
@@ -295,7 +295,7 @@ def test_edited_checkpoint_reloads_in_a_fresh_interpreter(tmp_path):
     torch.save(x, tmp_path / "x.pt")
     script = (
         "import sys, torch\n"
-        "import workers.edited_model  # noqa: F401\n"
+        "import workers.models.edited_model  # noqa: F401\n"
         "from transformers import AutoModelForCausalLM\n"
         "x = torch.load(sys.argv[1] + '/x.pt')\n"
         "for fam in sys.argv[2:]:\n"

@@ -1,4 +1,4 @@
-"""workers.suites and workers.evaluate: suites built offline, run through lm-eval's simple_evaluate on tiny models."""
+"""workers.evaluation.suites and workers.evaluation.evaluate: suites built offline, run through lm-eval's simple_evaluate on tiny models."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch
 import yaml
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from workers.evaluate import run_suite
-from workers.ppl import perplexity
-from workers.suites import PAPER, build_suite, validate_suite
+from workers.evaluation.evaluate import run_suite
+from workers.evaluation.ppl import perplexity
+from workers.evaluation.suites import PAPER, build_suite, validate_suite
 from workers.tiny.tokenizer import train_tokenizer
 
 MODULES = ("json", "textwrap", "string", "shlex", "fnmatch", "glob", "heapq", "bisect", "difflib", "base64")
@@ -322,7 +322,7 @@ def greedy_first_word(model, tok, context: str, max_new: int) -> str:
     "\\n\\n" and at EOS), then the tiny_gen filter: the first whitespace-separated word, or "[invalid]"."""
     import re
 
-    from workers.suites import FIRST_WORD
+    from workers.evaluation.suites import FIRST_WORD
 
     ids = tok(context, add_special_tokens=False)["input_ids"]
     new: list[int] = []
@@ -347,8 +347,8 @@ def counting_dir(tmp_path_factory) -> Path:
 
 def test_generative_declarations_validate():
     from orchestrator.stages.evaluate import Evaluate
-    from workers.evaluate import validate_runs
-    from workers.suites import GENERATIVE, validate_generative
+    from workers.evaluation.evaluate import validate_runs
+    from workers.evaluation.suites import GENERATIVE, validate_generative
 
     assert {"gsm8k", "gsm8k_platinum", "math", "humaneval", "mbpp", "tiny_gen"} <= set(GENERATIVE)
     assert all(g.requires["gpu"] for g in GENERATIVE.values())
@@ -377,8 +377,8 @@ def test_generative_declarations_validate():
 
 
 def test_unmet_generative_tasks_are_recorded_as_not_run(model, tok, tiny_dir, tmp_path, monkeypatch):
-    import workers.evaluate as we
-    from workers.stages import eval_metrics
+    import workers.evaluation.evaluate as we
+    from workers.run.evaluate import eval_metrics
 
     monkeypatch.setattr(we, "gpu_available", lambda: False)
     monkeypatch.setattr(we, "hf_cached", lambda repo, kind: False)
@@ -408,7 +408,7 @@ def test_unmet_generative_tasks_are_recorded_as_not_run(model, tok, tiny_dir, tm
 
 
 def test_tiny_gen_runs_through_lm_eval_and_matches_a_hand_count(tok, counting_dir, tmp_path):
-    from workers.suites import TINY_GEN_TOKS, build_generative
+    from workers.evaluation.suites import TINY_GEN_TOKS, build_generative
 
     docs = counting_corpus()
     model = trained_counter(tok, docs)
@@ -432,7 +432,7 @@ def test_tiny_gen_runs_through_lm_eval_and_matches_a_hand_count(tok, counting_di
 
 
 def test_two_runs_of_one_checkpoint_give_two_rows_with_their_n(model, tok, tiny_dir, tmp_path):
-    from workers.stages import eval_metrics
+    from workers.run.evaluate import eval_metrics
 
     runs = [{"limit": 3}, {"limit": 5, "seed": 1}]
     res = run_suite(model, tok, "tiny", model_key="m2", cache_dir=str(tmp_path), tiny_dir=str(tiny_dir), batch_size=4,

@@ -15,7 +15,8 @@ from pathlib import Path
 from rich.console import Console
 from typer.testing import CliRunner
 
-import workers.stages as stages
+import workers.run.calibrate
+import workers.run.convert
 from db.store import Store
 from orchestrator import execute
 from orchestrator.cli import app
@@ -112,14 +113,14 @@ def _wait_running(store: Store, stage: str, owner: str, timeout: float = 60) -> 
 
 def test_a_launch_waiting_on_a_job_that_fails_elsewhere_lists_it_and_exits_non_zero(fake, monkeypatch, tmp_path):  # noqa: F811
     calls, state = fake
-    slow_fail = stages.stage_convert
+    slow_fail = workers.run.convert.stage_convert
 
     def convert(p, cache, progress):
         if p["params"]["scoring"] == "CP" and p["params"]["K"] == 4:
             time.sleep(2.0)  # long enough for the other launch to be waiting on it
         return slow_fail(p, cache, progress)
 
-    monkeypatch.setattr(stages, "stage_convert", convert)
+    monkeypatch.setattr("workers.run.convert.stage_convert", convert)
     sweep = fake_sweep(tmp_path, (HERE / "sweeps" / "fake.yaml").read_text().replace(
         "execution: {retries: 1}", "execution: {retries: 0}"))
     store = Store(state["db"])
@@ -144,14 +145,14 @@ def test_a_launch_waiting_on_a_job_that_fails_elsewhere_lists_it_and_exits_non_z
 
 def test_a_long_job_is_heartbeated_so_a_second_launch_waits_instead_of_running_it_again(fake, monkeypatch):  # noqa: F811
     calls, state = fake
-    quick = stages.stage_calibrate
+    quick = workers.run.calibrate.stage_calibrate
 
     def calibrate(p, cache, progress):
         time.sleep(3.0)  # the serial executor's thread is busy here: only the heartbeat thread beats
         state["calibrated_at"] = time.monotonic()
         return quick(p, cache, progress)
 
-    monkeypatch.setattr(stages, "stage_calibrate", calibrate)
+    monkeypatch.setattr("workers.run.calibrate.stage_calibrate", calibrate)
     state["fail"] = False
 
     def two_launches(db: str, heartbeat_s: float) -> dict:

@@ -36,10 +36,10 @@ from families_cases import (
 )
 from torch import nn
 
-from workers.convert import build_student_from_plans
+from workers.core.types import LayerPlan
 from workers.families import get_adapter, supported
-from workers.merge import ffn_forward
-from workers.types import LayerPlan
+from workers.methods.merge import ffn_forward
+from workers.models.convert import build_student_from_plans
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

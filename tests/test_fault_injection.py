@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-import workers.stages as stages
+import workers.run.ppl_pre
 from db.store import Store
 from orchestrator.execute import SerialExecutor
 from orchestrator.launch import launch
@@ -26,7 +26,7 @@ def test_a_failure_that_moved_the_selection_leaves_nothing_behind_once_resumed(f
     the best one is distilled and the other one shows no distilled numbers any more, as in a run without
     the failure (its distillation job stays in the database, unlinked)."""
     calls, state = fake
-    ppl_pre = stages.stage_ppl_pre
+    ppl_pre = workers.run.ppl_pre.stage_ppl_pre
 
     def best_at_k4(p, cache, progress):  # CP at K = 4 (the conversions that fail) wins its pairs when it runs
         rec = ppl_pre(p, cache, progress)
@@ -35,7 +35,7 @@ def test_a_failure_that_moved_the_selection_leaves_nothing_behind_once_resumed(f
             rec["outputs"]["ppl"] = rec["metrics"][0]["value"] = 1.0
         return rec
 
-    monkeypatch.setattr(stages, "stage_ppl_pre", best_at_k4)
+    monkeypatch.setattr("workers.run.ppl_pre.stage_ppl_pre", best_at_k4)
     spec, path, text = load_spec(str(state["sweep"]))
 
     def run(store: Store, **kw) -> int:

@@ -1,12 +1,12 @@
-"""Sharded distillation (workers/fsdp.py): 2 gloo ranks on CPU against the single-process loop."""
+"""Sharded distillation (workers/training/fsdp.py): 2 gloo ranks on CPU against the single-process loop."""
 
 import pytest
 import torch
 
-from workers.baselines import random_ffn_student
-from workers.distill import DistillSpec, distill
+from workers.baselines.baselines import random_ffn_student
 from workers.families import get_adapter
-from workers.fsdp import FSDPRanks, mixed_precision
+from workers.training.distill import DistillSpec, distill
+from workers.training.fsdp import FSDPRanks, mixed_precision
 
 V, T = 64, 16
 SETTINGS = dict(steps=3, batch_size=4, grad_accum=2, seq_len=T, lr=3e-3, min_lr=3e-4, warmup=1, eval_every=2,
@@ -44,7 +44,7 @@ def tiny(tmp_path_factory):
 
 
 def _launch(tiny, name: str, **extra):
-    from workers.ddp import launch
+    from workers.training.ddp import launch
 
     d = tiny["dir"]
     job = {"student": str(d / "student"), "teacher": str(d / "teacher"), "moe_teacher": True,
@@ -103,8 +103,8 @@ def test_a_model_without_base_model_layers_is_one_line():
     """DBRX keeps its decoder layers at transformer.blocks: FSDP, which shards one per unit, refuses it."""
     from families_cases import make_teacher
 
-    from workers.fsdp import decoder_layers
-    from workers.types import DenseFFN
+    from workers.core.types import DenseFFN
+    from workers.training.fsdp import decoder_layers
 
     teacher = make_teacher("dbrx")
     adapter = get_adapter(teacher)
@@ -138,7 +138,7 @@ def _job_params(monkeypatch, **distill):
 
 
 def test_sharding_setting_enters_the_job_only_when_set(monkeypatch):
-    from workers.stages import _sharding
+    from workers.run.distill import _sharding
 
     before = {"teacher", "student", "teacher_of_student", "settings", "data", "val_data", "processes"}
     assert set(_job_params(monkeypatch)) == before == set(_job_params(monkeypatch, processes=4))
@@ -179,7 +179,7 @@ def _one_rank_run(tiny, **settings):
     (inside the layer: HF checkpoints a layer's forward, under its FSDP hooks)."""
     from transformers import AutoModelForCausalLM
 
-    from workers.fsdp import fsdp_worker
+    from workers.training.fsdp import fsdp_worker
 
     d = tiny["dir"]
     teacher = AutoModelForCausalLM.from_pretrained(d / "teacher")
@@ -224,7 +224,7 @@ def test_stage_distill_with_fsdp_matches_one_process(tmp_path):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from workers.stages import stage_distill
+    from workers.run.distill import stage_distill
     from workers.tiny.tokenizer import train_tokenizer
 
     texts = [f"doc {i}: " + "alpha beta gamma delta epsilon " * (2 + i % 4) for i in range(60)]

@@ -8,9 +8,9 @@ import pytest
 import torch
 from families_cases import hand_plans, ids, make_teacher, tiny_config
 
-from workers.convert import build_student_from_plans
-from workers.distill import lm_head
 from workers.families import get_adapter, teacher_shape
+from workers.models.convert import build_student_from_plans
+from workers.training.distill import lm_head
 
 CARRIED = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling", "rope_parameters",
            "tie_word_embeddings", "rms_norm_eps", "num_key_value_heads")

@@ -7,16 +7,16 @@ import itertools
 import pytest
 import torch
 
-import workers.grouping as grouping
-from workers.diagnostics import stats_from_tokens
-from workers.grouping import (
+import workers.methods.grouping as grouping
+from workers.core.types import ExpertWeights, LayerContext
+from workers.methods.diagnostics import stats_from_tokens
+from workers.methods.grouping import (
     GROUPINGS,
     average_linkage_cut,
     cosine_distance_from_gram,
     get_grouping,
     weight_gram,
 )
-from workers.types import ExpertWeights, LayerContext
 
 
 def make_ctx(E: int = 10, k: int = 2, H: int = 6, inter: int = 5, N: int = 64, d: int = 6, seed: int = 0,

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.losses import (
+from workers.training.losses import (
     LOSSES,
     forward_kl,
     head_cross_entropy,

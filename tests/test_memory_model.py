@@ -1,9 +1,9 @@
-"""The memory model of sharded distillation (workers/memory_model.py) against HF's models and torch."""
+"""The memory model of sharded distillation (workers/training/memory_model.py) against HF's models and torch."""
 
 import pytest
 import torch
 
-from workers.memory_model import (
+from workers.training.memory_model import (
     GB,
     QWEN3_30B_A3B,
     STUDENT_3B,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.merge import build_dense_ffn, concat_blocks, ffn_forward, routed_forward
-from workers.types import DenseFFN, ExpertWeights, LayerPlan
+from workers.core.types import DenseFFN, ExpertWeights, LayerPlan
+from workers.methods.merge import build_dense_ffn, concat_blocks, ffn_forward, routed_forward
 
 E, W, H = 5, 4, 6
 

@@ -23,8 +23,10 @@ from families_cases import (
     router_of,
 )
 
+from workers.core.registry import registry_names
+from workers.core.types import ExpertWeights, LayerContext, LayerPlan, LayerStats, MergedLayer
 from workers.families import get_adapter
-from workers.moe_merging import (
+from workers.methods.moe_merging import (
     MERGINGS,
     agglomerate,
     cosine_distance,
@@ -33,8 +35,6 @@ from workers.moe_merging import (
     merged_layers,
     router_gate_distance,
 )
-from workers.registry import registry_names
-from workers.types import ExpertWeights, LayerContext, LayerPlan, LayerStats, MergedLayer
 
 
 def teacher(family: str, seed: int = 0) -> torch.nn.Module:
@@ -170,7 +170,7 @@ def test_m_smoe_plan():
 
 
 def test_registry_and_bad_inputs_give_one_line_errors():
-    assert registry_names("workers.moe_merging", "MERGINGS") == list(MERGINGS) == ["HC-SMoE", "M-SMoE"]
+    assert registry_names("workers.methods.moe_merging", "MERGINGS") == list(MERGINGS) == ["HC-SMoE", "M-SMoE"]
     P = torch.eye(4, dtype=torch.float64)
     ctx = hand_ctx([1, 2, 3, 4], sum_out=torch.randn(4, 3, dtype=torch.float64), gram_p=P)
     cases = [(("HC-SMoE", 1, None), "K=1"), (("M-SMoE", 5, None), "K=5"),
@@ -373,8 +373,8 @@ def test_calibrate_merge_save_reload(family, method, tmp_path):
     the routed experts copied."""
     from transformers import AutoModelForCausalLM
 
-    from workers.calibrate import collect_stats
-    from workers.convert import layer_contexts
+    from workers.calibration.calibrate import collect_stats
+    from workers.models.convert import layer_contexts
 
     model = teacher(family, seed=3)
     adapter = get_adapter(model)

@@ -89,7 +89,7 @@ def test_a_real_sweep_writes_smaller_moes_that_reload_with_fewer_experts(tmp_pat
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    import workers.edited_model  # noqa: F401  (edited checkpoints load through the Auto classes)
+    import workers.models.edited_model  # noqa: F401  (edited checkpoints load through the Auto classes)
     from orchestrator.execute import SerialExecutor
     from orchestrator.launch import launch
 

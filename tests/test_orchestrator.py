@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-import workers.stages as stages
 from db.store import Store
 from orchestrator import dryrun
 from orchestrator.execute import SerialExecutor
@@ -73,7 +72,7 @@ def fake(monkeypatch, tmp_path):
         def wrapped(p, cache, progress, fn=fn, name=name):
             calls.append((name, p["key"]))
             return fn(p, cache, progress)
-        monkeypatch.setattr(stages, f"stage_{name}", wrapped)  # what the registry's run references resolve to
+        monkeypatch.setattr(f"workers.run.{name}.stage_{name}", wrapped)  # what the registry's run references resolve to
     monkeypatch.setenv("MOESWEEP_HOME", str(tmp_path / "home"))
     state["sweep"] = fake_sweep(tmp_path)
     return calls, state

@@ -9,14 +9,14 @@ import re
 import pytest
 import torch
 
-import workers.scoring as scoring
-from workers.diagnostics import stats_from_tokens
-from workers.grouping import GROUPINGS
-from workers.merge import build_dense_ffn, ffn_forward
-from workers.planning import plan_layer, plan_signature
-from workers.scaling import SCALINGS, merge_weights
-from workers.scoring import SCORINGS, Scoring, cp
-from workers.types import ExpertWeights, LayerContext
+import workers.methods.scoring as scoring
+from workers.core.types import ExpertWeights, LayerContext
+from workers.methods.diagnostics import stats_from_tokens
+from workers.methods.grouping import GROUPINGS
+from workers.methods.merge import build_dense_ffn, ffn_forward
+from workers.methods.planning import plan_layer, plan_signature
+from workers.methods.scaling import SCALINGS, merge_weights
+from workers.methods.scoring import SCORINGS, Scoring, cp
 
 
 def make_ctx(E: int = 10, k: int = 2, H: int = 6, inter: int = 4, N: int = 96, seed: int = 0,
@@ -191,8 +191,8 @@ def test_bf16_experts_are_merged_in_fp32():
     """Eq. 1 on bf16 weights: the average is formed in fp32 and rounded once, not per product."""
     import torch
 
-    from workers.merge import merge_group
-    from workers.types import ExpertWeights
+    from workers.core.types import ExpertWeights
+    from workers.methods.merge import merge_group
 
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(5, 8, 16, generator=g) for _ in range(2)] + [torch.randn(5, 16, 8, generator=g)]

@@ -1,4 +1,4 @@
-"""workers.ppl: the perplexity protocol, checked against a hand computation and lm-eval's rolling loglikelihood."""
+"""workers.evaluation.ppl: the perplexity protocol, checked against a hand computation and lm-eval's rolling loglikelihood."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from workers.ppl import make_windows, perplexity
+from workers.evaluation.ppl import make_windows, perplexity
 from workers.tiny.tokenizer import train_tokenizer
 
 

@@ -350,9 +350,9 @@ def test_bad_kept_gives_one_line_errors(family):
 def test_calibrate_select_prune_end_to_end(family):
     """Calibration statistics → select_pruned (REAP, super experts protected) → pruned checkpoint whose
     router rows are the selected experts' rows, with finite logits."""
-    from workers.calibrate import collect_stats
-    from workers.convert import layer_contexts
-    from workers.pruning import select_pruned
+    from workers.calibration.calibrate import collect_stats
+    from workers.methods.pruning import select_pruned
+    from workers.models.convert import layer_contexts
 
     model = teacher(family, seed=2)
     adapter = get_adapter(model)

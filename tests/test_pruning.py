@@ -1,5 +1,5 @@
 """Choosing the experts of a pruned MoE: super-expert detection and the selection that protects them,
-on constructed statistics (workers/pruning.py), plus the `forced` start of both selectors."""
+on constructed statistics (workers/methods/pruning.py), plus the `forced` start of both selectors."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from workers.pruning import select_pruned, super_experts
-from workers.scoring import SCORINGS, reap
-from workers.selection import d_optimal_greedy, importance_kernel, log_det_objective, top_k
-from workers.types import ExpertWeights, LayerContext, LayerStats
+from workers.core.types import ExpertWeights, LayerContext, LayerStats
+from workers.methods.pruning import select_pruned, super_experts
+from workers.methods.scoring import SCORINGS, reap
+from workers.methods.selection import d_optimal_greedy, importance_kernel, log_det_objective, top_k
 
 F64 = dict(dtype=torch.float64)
 

@@ -1,4 +1,4 @@
-"""Reconstruction-loss expert selection (workers/reconstruction.py): RL-exhaustive, RL-greedy and CFES
+"""Reconstruction-loss expert selection (workers/methods/reconstruction.py): RL-exhaustive, RL-greedy and CFES
 ("Compressing Large MoE Models via Efficient Pruning and Data-Aware Calibration", §4.1, Algorithm 1) on
 synthetic layers and tiny teachers, the calibration token sample they read, and a sweep through launch."""
 
@@ -12,15 +12,15 @@ import pytest
 import torch
 from families_cases import V, make_teacher
 
-from workers.calibrate import collect_stats, load_stats, save_stats
-from workers.convert import layer_contexts
+from workers.calibration.calibrate import collect_stats, load_stats, save_stats
+from workers.core.types import ExpertWeights, LayerContext, LayerStats
 from workers.families import get_adapter
-from workers.merge import build_dense_ffn, ffn_forward
-from workers.planning import plan_layer
-from workers.reconstruction import LayerLoss, ReconSettings, default_group_size, sequential_sample
-from workers.scoring import SCORINGS
-from workers.stages import convert_plans
-from workers.types import ExpertWeights, LayerContext, LayerStats
+from workers.methods.merge import build_dense_ffn, ffn_forward
+from workers.methods.planning import plan_layer
+from workers.methods.reconstruction import LayerLoss, ReconSettings, default_group_size, sequential_sample
+from workers.methods.scoring import SCORINGS
+from workers.models.convert import layer_contexts
+from workers.models.plans import convert_plans
 
 RL = ("RL-exhaustive", "RL-greedy", "CFES")
 
@@ -212,7 +212,7 @@ def test_token_samples_round_trip_and_files_without_them_still_load(tmp_path):
 def test_samples_are_real_tokens_and_seeded():
     """Padding is never sampled; the same seed samples the same tokens; no sample leaves calibration as it was."""
     from orchestrator.stages.calibrate import Calibration
-    from workers.calibrate import sample_plan
+    from workers.calibration.calibrate import sample_plan
 
     ids = torch.randint(3, V, (2, 3, 9), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)

@@ -10,7 +10,7 @@ from orchestrator.configs import build_configs, model_shape
 from orchestrator.schema import SpecError
 from orchestrator.spec import load_spec
 from workers.families import adapter_named, get_adapter
-from workers.outputs import write_student
+from workers.models.outputs import write_student
 
 
 @pytest.fixture

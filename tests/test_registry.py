@@ -139,12 +139,12 @@ def test_every_axis_is_a_typed_column_of_configurations_and_results(tmp_path):
         assert name in cols and name in view, name
         assert cols[name].python_type is axis.kind, name
     # a registry axis allows exactly the registry's names, read from source without importing it
-    import workers.grouping
-    import workers.scaling
-    import workers.scoring
+    import workers.methods.grouping
+    import workers.methods.scaling
+    import workers.methods.scoring
 
-    runtime = {"scoring": workers.scoring.SCORINGS, "grouping": workers.grouping.GROUPINGS,
-               "dp_scaling": workers.scaling.SCALINGS}
+    runtime = {"scoring": workers.methods.scoring.SCORINGS, "grouping": workers.methods.grouping.GROUPINGS,
+               "dp_scaling": workers.methods.scaling.SCALINGS}
     for name, registry in runtime.items():
         assert AXES[name].allowed() == list(registry), name
 

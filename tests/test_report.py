@@ -29,7 +29,7 @@ OWN = "tiny-synth"
 OWNER = "test:1"
 
 
-# ---- a small own sweep, written the way orchestrator/launch.py and workers/stages.py write it ----------
+# ---- a small own sweep, written the way orchestrator/launch.py and workers/run/ write it ----------
 SCORINGS = ("SF", "CP", "ACP", "DO-ACP")
 GROUPINGS = ("RR", "WC", "AB")
 SCALINGS = ("uniform", "proportional")

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from families_cases import CASES, FAMILIES, block_of, ids, layers_of, make_teacher
 
 from workers.families import get_adapter
-from workers.router_kd import (
+from workers.training.router_kd import (
     apply_router_delta,
     calibration_batches,
     heldout_kd,
@@ -24,7 +24,7 @@ from workers.router_kd import (
     router_kd_loss,
     save_router_delta,
 )
-from workers.router_kd_spec import RouterKDSpec
+from workers.training.router_kd_spec import RouterKDSpec
 
 NOISE = 0.25  # the tiny teachers' weights are N(0, 0.25): the noise is as large as the router itself
 
@@ -91,7 +91,7 @@ def test_spec_defaults_are_the_papers_and_bad_values_name_their_field():
 
 
 def test_the_spec_module_does_not_import_torch():
-    code = "import sys, workers.router_kd_spec as m; m.RouterKDSpec(); print('torch' in sys.modules)"
+    code = "import sys, workers.training.router_kd_spec as m; m.RouterKDSpec(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

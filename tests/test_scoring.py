@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from workers.diagnostics import stats_from_tokens
-from workers.scoring import (
+from workers.core.types import ExpertWeights, LayerContext, LayerStats
+from workers.methods.diagnostics import stats_from_tokens
+from workers.methods.scoring import (
     SCORINGS,
     Scoring,
     acp,
@@ -23,8 +24,7 @@ from workers.scoring import (
     select_d_optimal,
     sf,
 )
-from workers.selection import d_optimal_greedy, importance_kernel, top_k
-from workers.types import ExpertWeights, LayerContext, LayerStats
+from workers.methods.selection import d_optimal_greedy, importance_kernel, top_k
 
 
 def ctx_from_stats(stats: LayerStats, k: int, H: int = 4, inter: int = 3, seed: int = 0) -> LayerContext:

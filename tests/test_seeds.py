@@ -8,7 +8,8 @@ import json
 import pandas as pd
 import pytest
 
-import workers.stages as stages
+import workers.run.calibrate
+import workers.run.convert
 from db.store import Store
 from orchestrator import dryrun
 from orchestrator.spec import load_spec
@@ -20,7 +21,7 @@ SEEDS = (HERE / "sweeps" / "fake.yaml").read_text() + "seeds: [1, 2, 3]\n"
 @pytest.fixture
 def seeded(fake, monkeypatch):  # noqa: F811  (the imported fixture)
     """The fake stages, with a calibration that depends on its seed and plans that depend on the calibration."""
-    calibrate, convert = stages.stage_calibrate, stages.stage_convert
+    calibrate, convert = workers.run.calibrate.stage_calibrate, workers.run.convert.stage_convert
 
     def cal(p, cache, progress):
         out = calibrate(p, cache, progress)
@@ -31,8 +32,8 @@ def seeded(fake, monkeypatch):  # noqa: F811  (the imported fixture)
         out["outputs"]["plan_key"] += "|" + p["inputs"]["calibrate"]["stats"]
         return out
 
-    monkeypatch.setattr(stages, "stage_calibrate", cal)
-    monkeypatch.setattr(stages, "stage_convert", conv)
+    monkeypatch.setattr("workers.run.calibrate.stage_calibrate", cal)
+    monkeypatch.setattr("workers.run.convert.stage_convert", conv)
     fake[1]["fail"] = False
     return fake
 

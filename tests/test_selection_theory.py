@@ -8,10 +8,11 @@ import math
 import pytest
 import torch
 
-from workers.diagnostics import effective_rank, jaccard, stats_from_tokens
-from workers.planning import plan_layer
-from workers.scoring import SCORINGS, acp
-from workers.selection import (
+from workers.core.types import ExpertWeights, LayerContext
+from workers.methods.diagnostics import effective_rank, jaccard, stats_from_tokens
+from workers.methods.planning import plan_layer
+from workers.methods.scoring import SCORINGS, acp
+from workers.methods.selection import (
     TIE_RTOL,
     d_optimal_greedy,
     default_lambda,
@@ -19,7 +20,6 @@ from workers.selection import (
     log_det_objective,
     top_k,
 )
-from workers.types import ExpertWeights, LayerContext
 
 
 def random_psd(E: int, seed: int, rank: int | None = None) -> torch.Tensor:

@@ -25,7 +25,6 @@ from test_readonly import snapshot
 from test_report import OWN, build_own_sweep
 from typer.testing import CliRunner
 
-import workers.stages as stages
 from analysis.reference import reference_sweeps
 from dashboard.server import Background
 from db.store import Store
@@ -78,7 +77,7 @@ def _fake_stages(mp: pytest.MonkeyPatch, gate: Gate) -> None:
 
     for name, fn in dict(calibrate=calibrate, convert=convert, ppl_pre=ppl_pre, distill=distill,
                          evaluate=evaluate).items():
-        mp.setattr(stages, f"stage_{name}", fn)
+        mp.setattr(f"workers.run.{name}.stage_{name}", fn)
 
 
 def _fake_sweep(folder: Path) -> Path:

@@ -7,11 +7,11 @@ import pytest
 import torch
 from families_cases import V, hand_plans, make_teacher
 
-from workers.calibrate import collect_stats, load_stats, mix_stats, save_stats
-from workers.convert import plan_ffns
+from workers.calibration.calibrate import collect_stats, load_stats, mix_stats, save_stats
 from workers.families import get_adapter
 from workers.families.base import SHARED_GATE_DEFAULT, shared_gate_scales
-from workers.merge import ffn_forward
+from workers.methods.merge import ffn_forward
+from workers.models.convert import plan_ffns
 
 
 def batches(seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -105,9 +105,9 @@ def test_bad_rule_is_a_one_line_error():
 def test_the_shared_gate_setting_reaches_the_dense_student():
     """`settings: {dense: {shared_gate: mean}}`: convert puts each layer's gate mean in its plan, the dense
     student scales its shared expert by it; the default (`one`) leaves plans and students as before."""
-    from workers.convert import layer_contexts
-    from workers.outputs import dense_student
-    from workers.stages import convert_plans
+    from workers.models.convert import layer_contexts
+    from workers.models.outputs import dense_student
+    from workers.models.plans import convert_plans
 
     model = make_teacher("qwen2_moe", dtype=torch.float64, experts_implementation="eager")
     adapter = get_adapter(model)

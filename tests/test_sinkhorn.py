@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.test_grouping import make_ctx
-from workers.grouping import get_grouping, rank_order
-from workers.sinkhorn import balanced_capacity, greedy_round, sinkhorn
+from workers.methods.grouping import get_grouping, rank_order
+from workers.methods.sinkhorn import balanced_capacity, greedy_round, sinkhorn
 
 
 def test_sinkhorn_marginals_and_temperature():

@@ -7,8 +7,8 @@ import pytest
 import torch
 from families_cases import hand_plans, ids, make_teacher, tiny_config
 
-from workers.convert import build_student_from_plans
 from workers.families import get_adapter, teacher_shape
+from workers.models.convert import build_student_from_plans
 
 
 def test_solar_open_refuses_partial_rope():

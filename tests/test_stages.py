@@ -3,7 +3,8 @@
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from workers.families import get_adapter
-from workers.stages import _processes, moe_student_params
+from workers.run.distill import _processes
+from workers.run.students import moe_student_params
 
 
 def test_d2d_target_of_a_real_moe_comes_from_its_config_alone(tmp_path):
@@ -33,10 +34,10 @@ def test_streamed_training_data_is_batched_in_stream_order(tmp_path):
 
     import torch
 
-    from workers.data import token_windows
-    from workers.distill import DistillSpec
-    from workers.stages import _train_batches
+    from workers.core.data import token_windows
+    from workers.run.common import _train_batches
     from workers.tiny.tokenizer import train_tokenizer
+    from workers.training.distill import DistillSpec
 
     texts = [f"row {i} " + "alpha beta gamma delta " * (1 + i % 5) for i in range(80)]
     path = tmp_path / "train.jsonl"

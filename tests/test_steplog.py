@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workers.steplog import StepLog
+from workers.core.steplog import StepLog
 
 
 def test_a_line_per_interval_and_at_the_last_step(capsys):

@@ -1,4 +1,4 @@
-"""Layer-streamed calibration (workers/streamed.py): the statistics of a teacher read from its safetensors
+"""Layer-streamed calibration (workers/calibration/streamed.py): the statistics of a teacher read from its safetensors
 shards one decoder layer at a time equal the resident whole-model pass, on every family; never more than
 one decoder layer is materialised at once; the memory it needs, by hand."""
 
@@ -11,9 +11,9 @@ import torch
 from families_cases import FAMILIES, make_teacher
 from test_calibrate import padded_batches
 
-from workers.calibrate import STAT_FIELDS, collect_stats, load_stats
+from workers.calibration.calibrate import STAT_FIELDS, collect_stats, load_stats
+from workers.calibration.streamed import StreamedTeacher, layer_parameters, memory_needed, streamed_stats
 from workers.families import get_adapter
-from workers.streamed import StreamedTeacher, layer_parameters, memory_needed, streamed_stats
 
 
 def saved_teacher(tmp_path, family: str, dtype: torch.dtype, **kw):
@@ -120,7 +120,7 @@ def test_a_layer_missing_from_the_checkpoint_is_one_line(tmp_path):
 def test_streamed_calibrate_stage_writes_the_resident_statistics(tmp_path):
     """stage_calibrate with `streamed: true` (and offload_hidden) writes the statistics the resident
     teacher's pass writes."""
-    from workers.stages import stage_calibrate
+    from workers.run.calibrate import stage_calibrate
     from workers.tiny.tokenizer import train_tokenizer
 
     texts = [f"row {i} " + "alpha beta gamma delta epsilon " * (2 + i % 5) for i in range(60)]
@@ -201,8 +201,8 @@ def test_memory_needed_for_qwen3_30b_and_235b_by_hand():
 def test_streamed_contexts_equal_the_resident_ones(family, tmp_path):
     """Conversion's LayerContext per MoE layer read from the shards: the same experts (biases, activation),
     router weight, k and renormalization as the resident teacher's; one layer materialised at a time."""
-    from workers.convert import layer_contexts
-    from workers.streamed import StreamedContexts
+    from workers.calibration.streamed import StreamedContexts
+    from workers.models.convert import layer_contexts
 
     full = saved_teacher(tmp_path, family, torch.float64, experts_implementation="eager")
     adapter = get_adapter(full)
@@ -226,8 +226,8 @@ def test_streamed_contexts_equal_the_resident_ones(family, tmp_path):
 def test_streamed_convert_stage_writes_the_resident_plans(tmp_path):
     """stage_convert of a streamed calibration (its outputs say `streamed`) plans from contexts read from
     the shards: the same pruned-MoE and dense plans as from the resident teacher."""
-    from workers.calibrate import save_stats
-    from workers.stages import stage_convert
+    from workers.calibration.calibrate import save_stats
+    from workers.run.convert import stage_convert
 
     full = saved_teacher(tmp_path, "qwen3_moe", torch.float32)
     save_stats(collect_stats(full, get_adapter(full), padded_batches(), chunk_tokens=8), tmp_path / "s.safetensors")

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from workers.tiny.corpus import DOMAINS, SPLITS, build_corpus, file_documents, pack, read_split
+from workers.core.tiny_corpus import DOMAINS, SPLITS, build_corpus, file_documents, pack, read_split
 from workers.tiny.teacher import (
     TinyTeacherSpec,
     lr_at,

@@ -27,9 +27,9 @@ from analysis.uncertainty import (
 from db.items import pack_ids, pack_values, unpack_ids, unpack_values
 from db.store import Store
 from tests.test_migrations import alembic_config
-from workers.evaluate import item_scores
-from workers.ppl import window_stats
-from workers.stages import eval_items, item_stderr
+from workers.evaluation.evaluate import item_scores
+from workers.evaluation.ppl import window_stats
+from workers.run.evaluate import eval_items, item_stderr
 
 
 def _pair(n: int, delta: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:

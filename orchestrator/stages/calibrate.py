@@ -4,7 +4,7 @@ layer (selection counts, router probability sums, activation norms, the experts'
 One job per (teacher, data, seq_len, n_samples, seed): every configuration and every sweep that names
 the same calibration reuses it (and one more per further seed of a sweep's `seeds`). Calibration data is either one `data` source or several named
 `sources` with weights: the job computes each source's statistics apart (a pass over its own windows)
-and stores them in one file; loading mixes them (workers.calibrate.mix_stats: each source contributes
+and stores them in one file; loading mixes them (workers.calibration.calibrate.mix_stats: each source contributes
 its weight's share of a token average).
 """
 
@@ -41,7 +41,7 @@ class Calibration(Strict):
     # real tokens kept per MoE layer beside the sums (block inputs, router probabilities and their windows):
     # what reconstruction-loss selection (RL-exhaustive, RL-greedy, CFES) evaluates a layer on; 0 = none
     sample_tokens: Annotated[StrictInt, Field(ge=0)] = 0
-    # read the teacher from its safetensors shards one decoder layer at a time (workers.streamed): a teacher
+    # read the teacher from its safetensors shards one decoder layer at a time (workers.calibration.streamed): a teacher
     # larger than one device; the statistics are those of the resident pass
     streamed: StrictBool = False
     offload_hidden: StrictBool = False  # streamed: the calibration set's hidden states wait on the CPU
@@ -104,7 +104,7 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
 
 
 STAGE = Stage(
-    name="calibrate", run="workers.stages:stage_calibrate", jobs=jobs, section="calibration", params=Calibration,
+    name="calibrate", run="workers.run.calibrate:stage_calibrate", jobs=jobs, section="calibration", params=Calibration,
     section_default="default", upstream=("teacher",), shared=True,
     records=frozenset({"outputs", "metrics", "artifacts"}),
     summary="one pass per calibration source, shared by every configuration")

@@ -136,7 +136,7 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
 
 
 STAGE = Stage(
-    name="convert", run="workers.stages:stage_convert", jobs=jobs, section="grid", params=GridSection,
+    name="convert", run="workers.run.convert:stage_convert", jobs=jobs, section="grid", params=GridSection,
     section_default="required", upstream=("calibrate", "dcdm"),
     records=frozenset({"outputs", "plan_rows", "layer_diag", "artifacts"}),
     summary="a conversion plan per configuration; equal plans are one student")

@@ -4,7 +4,7 @@ Data-Aware Calibration", §4.2, Algorithm 2) for the configurations it applies t
 One job per configuration (its output, method, K and settings; configurations that differ only in
 `recovery` share it): from the calibration's per-source statistics, repeatedly compress the teacher with
 the configuration's own method on the current mix, measure each domain's discrepancy on held-out data
-and move the mix toward the domains served worst (workers/dcdm.py). Every round's weights and
+and move the mix toward the domains served worst (workers/calibration/dcdm.py). Every round's weights and
 discrepancies are metric rows of the configuration (`dcdm_weight`, `dcdm_discrepancy`, `dcdm_ppl`,
 `dcdm_samples`; `task` = the source, `step` = the round).
 
@@ -70,7 +70,7 @@ class DCDM(Strict):
     @field_validator("held_out")
     @classmethod
     def _tiny_domains(cls, v: dict[str, Data] | None) -> dict[str, Data] | None:
-        from workers.data import tiny_split_error
+        from workers.core.data import tiny_split_error
 
         for name, data in (v or {}).items():
             error = tiny_split_error(data.source, data.split)
@@ -175,6 +175,6 @@ def after(ctx: SweepContext) -> None:
 
 
 STAGE = Stage(
-    name="dcdm", run="workers.stages:stage_dcdm", jobs=jobs, section="dcdm", params=DCDMSection,
+    name="dcdm", run="workers.run.dcdm:stage_dcdm", jobs=jobs, section="dcdm", params=DCDMSection,
     upstream=("calibrate",), records=frozenset({"outputs", "metrics", "artifacts"}), after=after,
     summary="dynamic calibration mixing per configuration; each adds a configuration <key>|calibration=dcdm")

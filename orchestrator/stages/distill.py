@@ -21,14 +21,14 @@ from orchestrator.stages.teacher import teacher_ref
 
 
 class Distill(Strict):
-    settings: dict[str, Any] = Field(default_factory=dict)  # workers.distill_spec.DistillSpec fields
+    settings: dict[str, Any] = Field(default_factory=dict)  # workers.training.distill_spec.DistillSpec fields
     data: Data = Field(default_factory=Data)
     val_data: Data = Field(default_factory=lambda: Data(split="valid"))
     variants: list[dict[str, Any]] = Field(default_factory=list)  # extra runs: overrides of settings
     variants_on: dict[str, Any] = Field(default_factory=dict)  # which selected configs get them
     # data-parallel processes per distillation job: 1, N, or "gpus" (one per GPU the job holds; torchrun)
     processes: int | Literal["gpus"] = 1
-    # none: one process; ddp: replicas (workers/ddp.py); fsdp: student and teacher sharded (workers/fsdp.py).
+    # none: one process; ddp: replicas (workers/training/ddp.py); fsdp: student and teacher sharded (workers/training/fsdp.py).
     # Unset: none for one process, ddp above (and then it is not part of the job, so keys stay as they were)
     sharding: Literal["none", "ddp", "fsdp"] | None = None
     teacher_offload: bool = False  # fsdp only: the teacher's shards stay in host memory between layers
@@ -36,13 +36,13 @@ class Distill(Strict):
     @field_validator("settings")
     @classmethod
     def _settings(cls, v: dict[str, Any]) -> dict[str, Any]:
-        from workers.distill_spec import DistillSpec
+        from workers.training.distill_spec import DistillSpec
 
         return worker_settings(DistillSpec, v)
 
     @model_validator(mode="after")
     def _variants(self) -> Distill:
-        from workers.distill_spec import DistillSpec
+        from workers.training.distill_spec import DistillSpec
 
         for i, v in enumerate(self.variants):  # a variant is the settings with its overrides
             worker_settings(DistillSpec, {**self.settings, **v}, f"variants.{i}")
@@ -153,6 +153,6 @@ def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, An
 
 
 STAGE = Stage(
-    name="distill", run="workers.stages:stage_distill", jobs=jobs, section="distill", params=Distill,
+    name="distill", run="workers.run.distill:stage_distill", jobs=jobs, section="distill", params=Distill,
     upstream=("ppl_pre", "seed_ppl"), records=frozenset({"outputs", "metrics", "artifacts"}), estimate=estimate,
     summary="distill the selected students (and baselines) from their teacher")

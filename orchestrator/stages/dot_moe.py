@@ -22,7 +22,7 @@ from orchestrator.stage import JobSpec, Stage, SweepContext
 from orchestrator.stages.teacher import teacher_ref
 
 SOURCES = ("dense_teacher", "distilled")
-METHODS = ("dot", "random", "cluster")  # = workers.dot_moe_spec.METHODS (checked by a test)
+METHODS = ("dot", "random", "cluster")  # = workers.baselines.dot_moe_spec.METHODS (checked by a test)
 
 
 class DotMoe(Strict):
@@ -30,7 +30,7 @@ class DotMoe(Strict):
     top_k: list[PosInt] = Field(default_factory=lambda: [2])  # experts a token uses in training
     methods: list[str] = Field(default_factory=lambda: ["dot"])  # dot | random | cluster
     dense_models: list[str] = Field(default_factory=lambda: ["dense_teacher"])  # dense_teacher | distilled
-    settings: dict[str, Any] = Field(default_factory=dict)  # workers.dot_moe_spec.DotMoeSpec fields
+    settings: dict[str, Any] = Field(default_factory=dict)  # workers.baselines.dot_moe_spec.DotMoeSpec fields
     data: Data = Field(default_factory=Data)  # alignment text (the paper: Dolmino-mix)
     eval_top_k: list[PosInt] = Field(default_factory=list)  # perplexity also at these k (k > E skipped)
 
@@ -47,7 +47,7 @@ class DotMoe(Strict):
     @field_validator("settings")
     @classmethod
     def _settings(cls, v: dict[str, Any]) -> dict[str, Any]:
-        from workers.dot_moe_spec import DotMoeSpec
+        from workers.baselines.dot_moe_spec import DotMoeSpec
 
         return worker_settings(DotMoeSpec, v)
 
@@ -124,7 +124,7 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
 def _config(ck: str, src: dict[str, Any], method: str, e: int, k: int, ks: list[int],
             settings: dict[str, Any]) -> dict[str, Any]:
     """A dense2moe configuration: K = E experts, top_k = the trained k; the rest in `settings`."""
-    from workers.dot_moe_spec import DotMoeSpec
+    from workers.baselines.dot_moe_spec import DotMoeSpec
 
     combine = DotMoeSpec(**settings).combine
     meta = {"method": method, "source": src["name"].split(":")[0], "source_config": src["of"], "experts": e,
@@ -150,7 +150,7 @@ def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, An
 
 
 STAGE = Stage(
-    name="dot_moe", run="workers.stages:stage_dot_moe", jobs=jobs, section="dot_moe", params=DotMoe,
+    name="dot_moe", run="workers.run.dot_moe:stage_dot_moe", jobs=jobs, section="dot_moe", params=DotMoe,
     upstream=("distill", "dense_teacher"), records=frozenset({"outputs", "metrics", "artifacts"}),
     estimate=estimate, summary="dense → MoE by DOT-MoE (learned balanced neuron → expert assignment), "
                                "perplexity at several top-k")

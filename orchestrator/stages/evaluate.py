@@ -20,7 +20,7 @@ class Evaluate(Strict):
     limit: PosInt | None = None  # samples per task (for quick looks); None = all
     ppl: bool = True  # also the post-distill perplexity
     save: bool = False  # also write each student built from its plan (a smaller MoE…) as a checkpoint
-    # declared generative tasks (workers/suites.py GENERATIVE): names or {task, num_fewshot, limit, data_dir |
+    # declared generative tasks (workers/evaluation/suites.py GENERATIVE): names or {task, num_fewshot, limit, data_dir |
     # data_files, split}; one whose needs are unmet here is stored as not run, with its reason
     generative: list[str | dict[str, Any]] = []
     allow_cpu: bool = False  # run generative tasks that declare requires.gpu on the CPU (small models)
@@ -32,7 +32,7 @@ class Evaluate(Strict):
     @field_validator("suite")
     @classmethod
     def _suite(cls, v: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
-        from workers.suites import validate_suite
+        from workers.evaluation.suites import validate_suite
 
         validate_suite(v)
         return v
@@ -40,7 +40,7 @@ class Evaluate(Strict):
     @field_validator("generative")
     @classmethod
     def _generative(cls, v: list[str | dict[str, Any]]) -> list[str | dict[str, Any]]:
-        from workers.suites import validate_generative
+        from workers.evaluation.suites import validate_generative
 
         validate_generative(v)
         return v
@@ -48,7 +48,7 @@ class Evaluate(Strict):
     @field_validator("runs")
     @classmethod
     def _runs(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        from workers.evaluate import validate_runs
+        from workers.evaluation.evaluate import validate_runs
 
         validate_runs(v)
         return v
@@ -134,6 +134,6 @@ def after(ctx: SweepContext) -> None:
 
 
 STAGE = Stage(
-    name="evaluate", run="workers.stages:stage_evaluate", jobs=jobs, section="evaluate", params=Evaluate,
+    name="evaluate", run="workers.run.evaluate:stage_evaluate", jobs=jobs, section="evaluate", params=Evaluate,
     upstream=("distill", "router_kd"), records=frozenset({"outputs", "metrics", "artifacts", "item_scores"}),
     estimate=estimate, summary="lm-eval suite, generative tasks and post-distillation perplexity", after=after)

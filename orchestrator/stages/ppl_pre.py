@@ -88,6 +88,6 @@ def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, An
 
 
 STAGE = Stage(
-    name="ppl_pre", run="workers.stages:stage_ppl_pre", jobs=jobs, section="ppl", params=Perplexity,
+    name="ppl_pre", run="workers.run.ppl_pre:stage_ppl_pre", jobs=jobs, section="ppl", params=Perplexity,
     section_default="default", upstream=("convert", "dense_teacher"), identity=True, after=after,
     records=frozenset({"outputs", "metrics", "item_scores"}), estimate=estimate, summary="perplexity of each distinct student before distillation")

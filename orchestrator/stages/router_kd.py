@@ -16,13 +16,13 @@ from orchestrator.stages.teacher import teacher_ref
 
 
 class RouterKD(Strict):
-    settings: dict[str, Any] = Field(default_factory=dict)  # workers.router_kd_spec.RouterKDSpec fields
+    settings: dict[str, Any] = Field(default_factory=dict)  # workers.training.router_kd_spec.RouterKDSpec fields
     data: Data = Field(default_factory=Data)  # its calibration text (the paper: C4)
 
     @field_validator("settings")
     @classmethod
     def _settings(cls, v: dict[str, Any]) -> dict[str, Any]:
-        from workers.router_kd_spec import RouterKDSpec
+        from workers.training.router_kd_spec import RouterKDSpec
 
         return worker_settings(RouterKDSpec, v)
 
@@ -50,6 +50,6 @@ def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, An
 
 
 STAGE = Stage(
-    name="router_kd", run="workers.stages:stage_router_kd", jobs=jobs, section="router_kd", params=RouterKD,
+    name="router_kd", run="workers.run.router_kd:stage_router_kd", jobs=jobs, section="router_kd", params=RouterKD,
     section_default="default", upstream=("ppl_pre",), records=frozenset({"outputs", "metrics", "artifacts"}),
     estimate=estimate, summary="retrain only the routers of a smaller MoE against the teacher (Router KD)")

@@ -109,13 +109,13 @@ def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, An
 
 
 CONVERT = Stage(
-    name="seed_convert", run="workers.stages:stage_convert", jobs=convert_jobs, section="seeds", params=Seeds,
+    name="seed_convert", run="workers.run.convert:stage_convert", jobs=convert_jobs, section="seeds", params=Seeds,
     upstream=("ppl_pre",), records=frozenset({"outputs", "plan_rows", "layer_diag", "artifacts"}),
     estimate=estimate, summary="the selected students' conversions on each further seed's calibration")
 
 PPL = Stage(
     # not an identity stage: two seeds of a pick whose plan the calibration seed did not change share this job,
     # yet are distilled with different seeds, so neither is the other's duplicate
-    name="seed_ppl", run="workers.stages:stage_ppl_pre", jobs=ppl_jobs, upstream=("seed_convert",),
+    name="seed_ppl", run="workers.run.ppl_pre:stage_ppl_pre", jobs=ppl_jobs, upstream=("seed_convert",),
     records=frozenset({"outputs", "metrics", "item_scores"}), after=after_ppl,
     estimate=lambda ctx, rows: [], summary="perplexity of each seed repeat before distillation")

@@ -47,12 +47,12 @@ def _jobs(which: str):
 
 
 STAGE = Stage(
-    name="teacher", run="workers.stages:stage_teacher", jobs=_jobs("teacher"), section="teacher", params=Teacher,
+    name="teacher", run="workers.run.teacher:stage_teacher", jobs=_jobs("teacher"), section="teacher", params=Teacher,
     section_default="required", resources=Resources(cpus=1), shared=True,
     records=frozenset({"outputs", "metrics", "artifacts"}),
     summary="train the embedded tiny MoE teacher (an HF teacher is loaded where it is used)")
 
 DENSE = Stage(
-    name="dense_teacher", run="workers.stages:stage_teacher", jobs=_jobs("dense_teacher"), section="dense_teacher",
+    name="dense_teacher", run="workers.run.teacher:stage_teacher", jobs=_jobs("dense_teacher"), section="dense_teacher",
     params=Teacher, shared=True, records=frozenset({"outputs", "metrics", "artifacts"}),
     summary="train the dense teacher of the dense-to-dense baseline")

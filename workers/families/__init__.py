@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import nn
 
+from workers.core.types import TeacherShape
 from workers.families.afmoe import AfmoeAdapter
 from workers.families.aria import AriaTextAdapter
 from workers.families.base import FamilyAdapter
@@ -38,7 +39,6 @@ from workers.families.phimoe import PhimoeAdapter
 from workers.families.qwen2_moe import Qwen2MoeAdapter
 from workers.families.qwen3_moe import Qwen3MoeAdapter
 from workers.families.solar_open import SolarOpenAdapter
-from workers.types import TeacherShape
 
 ADAPTERS: list[FamilyAdapter] = [Qwen3MoeAdapter(), Qwen2MoeAdapter(), MixtralAdapter(), OlmoeAdapter(),
                                  DeepseekV2Adapter(), DeepseekV3Adapter(), GptOssAdapter(), Glm4MoeAdapter(),

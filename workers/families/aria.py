@@ -26,6 +26,7 @@ from typing import Any
 
 from torch import nn
 
+from workers.core.types import ExpertWeights, TeacherShape
 from workers.families.fused import (
     TRANSPOSED_UNIT_LAYOUT,
     FusedMoeAdapter,
@@ -33,7 +34,6 @@ from workers.families.fused import (
     copy_config,
     transposed_expert_weights,
 )
-from workers.types import ExpertWeights, TeacherShape
 
 
 class AriaTextAdapter(FusedMoeAdapter):

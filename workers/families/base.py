@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.types import DenseFFN, ExpertWeights, LayerStats, MergedLayer, TeacherShape
+from workers.core.types import DenseFFN, ExpertWeights, LayerStats, MergedLayer, TeacherShape
 
 
 class FamilyAdapter(ABC):
@@ -23,7 +23,7 @@ class FamilyAdapter(ABC):
     block_classes: tuple[str, ...] = ()  # MoE block class names (transformers 5.x) this adapter handles
     routing: str = ""  # the router's semantics, shared experts and dense layers in one line (`moesweep families`)
     student: str = ""  # what the dense student is (a dense sibling class, or the same class with one expert)
-    # Outputs (workers.outputs.OUTPUTS) a family cannot write, each with the one-line reason; a sweep asking for
+    # Outputs (workers.models.outputs.OUTPUTS) a family cannot write, each with the one-line reason; a sweep asking for
     # one is refused before anything runs (orchestrator.configs.build_configs) and so is the conversion.
     refused_outputs: Mapping[str, str] = {}
     student_ffn_attr: str = "mlp"  # decoder-layer attribute of the dense student's FFN (Llama-4: feed_forward)

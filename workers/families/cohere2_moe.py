@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from workers.core.types import DenseFFN
 from workers.families.fused import FusedMoeAdapter, assemble, config_int, copy_config, scale_ffn
-from workers.types import DenseFFN
 
 
 def check_softmax(fn: str) -> None:

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from workers.core.types import DenseFFN, ExpertWeights, MergedLayer, TeacherShape
 from workers.families.fused import FusedMoeAdapter, _check_silu, assemble, config_int, rebuild
-from workers.types import DenseFFN, ExpertWeights, MergedLayer, TeacherShape
 
 EXPERT_TENSORS = ("experts.mlp.w1", "experts.mlp.v1", "experts.mlp.w2")  # [E·I, H] each
 NORMS = (None, 1)  # supported moe_normalize_expert_weights: raw p, L1 (renormalized over the k)

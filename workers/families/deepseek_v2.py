@@ -46,8 +46,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from workers.core.types import MergedLayer
 from workers.families.fused import FusedMoeAdapter, config_int, copy_config
-from workers.types import MergedLayer
 
 
 class _DeepseekAdapter(FusedMoeAdapter):

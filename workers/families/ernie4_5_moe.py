@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from workers.core.types import DenseFFN
 from workers.families.fused import FusedMoeAdapter, config_int, copy_config, linear_ffn
-from workers.types import DenseFFN
 
 _BIAS = "gate.moe_statics.e_score_correction_bias"
 

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from workers.core.types import DenseFFN, ExpertWeights, MergedLayer, TeacherShape
 from workers.families.base import FamilyAdapter
-from workers.merge import concat_blocks
-from workers.types import DenseFFN, ExpertWeights, MergedLayer, TeacherShape
+from workers.methods.merge import concat_blocks
 
 _NOT_SET = object()
 # Config fields never carried from the teacher's config into the student's.

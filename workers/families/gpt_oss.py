@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from workers.core.types import DenseFFN, ExpertWeights
 from workers.families.fused import FusedMoeAdapter, copy_config
-from workers.types import DenseFFN, ExpertWeights
 
 
 class GptOssAdapter(FusedMoeAdapter):

@@ -28,8 +28,8 @@ from typing import Any
 
 from torch import nn
 
+from workers.core.types import DenseFFN
 from workers.families.fused import FusedMoeAdapter, _check_silu, copy_config
-from workers.types import DenseFFN
 
 
 class GraniteMoeAdapter(FusedMoeAdapter):

@@ -23,8 +23,8 @@ from typing import Any
 
 from torch import nn
 
+from workers.core.types import TeacherShape
 from workers.families.fused import FusedMoeAdapter, config_int, copy_config
-from workers.types import TeacherShape
 
 
 def single_top_k(config: Any) -> int | None:

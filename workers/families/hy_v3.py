@@ -19,9 +19,9 @@ from typing import Any
 
 from torch import nn
 
+from workers.core.types import DenseFFN
 from workers.families.fused import FusedMoeAdapter, config_int, copy_config
 from workers.families.minimax_m2 import MiniMaxM2Adapter
-from workers.types import DenseFFN
 
 
 class HYV3Adapter(MiniMaxM2Adapter):

@@ -6,7 +6,7 @@ Router (`feed_forward.router`, an [E, H] linear map without bias): the top-k of 
 constant factor. p (router_decision) is sigmoid(z) normalized over all E; the weights are the scores at
 their k nonzero entries. The block multiplies each expert's INPUT by its score, f_e(w_e·x) (f_e(0) = 0: no
 biases), so the expert views are `input_scaled` and the dense student puts α on the gate and up rows
-(workers.merge). An ungated shared expert (`shared_expert`, intermediate_size wide) is added to every token.
+(workers.methods.merge). An ungated shared expert (`shared_expert`, intermediate_size wide) is added to every token.
 Layers outside config.moe_layers (interleave_moe_layer_step) are dense `Llama4TextMLP`s of
 intermediate_size_mlp.
 
@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from workers.core.types import DenseFFN, ExpertWeights
 from workers.families.fused import (
     TRANSPOSED_UNIT_LAYOUT,
     FusedMoeAdapter,
@@ -35,7 +36,6 @@ from workers.families.fused import (
     linear_ffn,
     transposed_expert_weights,
 )
-from workers.types import DenseFFN, ExpertWeights
 
 
 class Llama4TextAdapter(FusedMoeAdapter):

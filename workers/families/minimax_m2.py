@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from workers.core.types import DenseFFN
 from workers.families.fused import FusedMoeAdapter, copy_config
-from workers.types import DenseFFN
 
 
 class MiniMaxM2Adapter(FusedMoeAdapter):

@@ -24,7 +24,7 @@ logits routes as the teacher's with the dropped experts' logits at -inf (a -inf 
 its softmax weight is 0).
 
 renormalized = False drives no default scaling here (dp_scaling applies to the dense student only); it is the
-rule reconstruction-loss selection (workers.reconstruction, target routed_subset) applies to a pruned layer,
+rule reconstruction-loss selection (workers.methods.reconstruction, target routed_subset) applies to a pruned layer,
 the top-2 of p restricted to the kept experts, not renormalized: an approximation of SparseMixer's masked
 softmaxes, as the top-k of p is of DeepSeek-V3's corrected choice.
 """
@@ -36,8 +36,8 @@ from typing import Any
 
 from torch import nn
 
+from workers.core.types import DenseFFN, TeacherShape
 from workers.families.fused import FusedMoeAdapter, config_int
-from workers.types import DenseFFN, TeacherShape
 
 SPARSEMIXER_K = 2  # SparseMixer's picks per token, fixed by the modeling code
 DENSE_REFUSED = ("cannot write a dense student: SparseMixer always routes two experts (one expert gives NaN, "

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from workers.steplog import StepLog
+from workers.core.steplog import StepLog
 from workers.tiny.spec import TinyTeacherSpec  # noqa: F401  (re-exported)
 
 TRAIN_VERSION = 1  # bump when training or evaluation changes: it is part of the model cache key
@@ -133,7 +133,7 @@ def prepare_data(spec: TinyTeacherSpec, cache_dir: Path | str | None = None) -> 
     import tokenizers
     import transformers
 
-    from workers.tiny.corpus import CORPUS_VERSION, build_corpus, corpus_hash, read_split, stdlib_dir
+    from workers.core.tiny_corpus import CORPUS_VERSION, build_corpus, corpus_hash, read_split, stdlib_dir
     from workers.tiny.tokenizer import tokenizer_hash, train_tokenizer
 
     root = cache_root(cache_dir)
@@ -221,7 +221,7 @@ def _train_cached(kind: str, spec: TinyTeacherSpec, out: Path, progress, cache_d
 
 def _eval_windows(tok, rows: list[dict], spec: TinyTeacherSpec) -> dict[str, torch.Tensor]:
     """Held-out windows per domain (eval_windows / 2 each, seeded by corpus_seed: the same for every teacher)."""
-    from workers.data import token_windows
+    from workers.core.data import token_windows
 
     out = {}
     for domain in ("prose", "code"):
@@ -254,8 +254,8 @@ def _ppl(model, evals: dict[str, torch.Tensor]) -> dict[str, float]:
 def _train(kind: str, spec: TinyTeacherSpec, out: Path, data: dict[str, Any], key: str, progress) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from workers.data import token_windows
-    from workers.tiny.corpus import SPLITS, read_split
+    from workers.core.data import token_windows
+    from workers.core.tiny_corpus import SPLITS, read_split
 
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(data["tokenizer_dir"])

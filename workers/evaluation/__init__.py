@@ -1,0 +1,1 @@
+"""Evaluation: perplexity, lm-eval suites and runs."""

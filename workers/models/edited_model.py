@@ -1,0 +1,309 @@
+"""Edited MoE checkpoints (workers.methods.editing): the teacher's architecture with every MoE block's routed experts
+stored as factors, a real transformers model that saves and reloads offline.
+
+Layout. For a family `<model_type>` (every key of FAMILIES below, one per family adapter) the edited
+checkpoint has config model_type `<model_type>_edited` (a subclass of the family's config with one extra field, `moesweep_editing`) and architecture `<Family>EditedForCausalLM` (a subclass
+of the family's CausalLM). `moesweep_editing = {"method", "layers": {"<layer>": {"<proj>": {"kind",
+"shapes", ...}}}}` lists, per MoE layer and projection (gate, up, down), the factor kind (mobe, tucker,
+dense) and the shape of each factor. The experts module `model.layers.<l>.mlp.experts` (Granite:
+`block_sparse_moe.experts`) is a subclass of the family's experts class holding, instead of the fused
+`gate_up_proj` / `down_proj` parameters, one submodule per projection with the factors (`experts.gate.A`, `experts.gate.bases`, `experts.gate.coef`,
+`experts.up.U`, `experts.up.core`, `experts.up.V`, `experts.down.weight`, GPT-OSS: `experts.<proj>.bias`),
+so the safetensors hold the factors and their size is the edited model's size. `gate_up_proj`,
+`down_proj` (and GPT-OSS's biases) are read-only properties that rebuild the family's fused layout from the
+factors; the forward rebuilds them once per call and runs the family's own experts forward (whatever its
+experts implementation), so it computes exactly what the teacher's experts module computes with those
+weights. Router, shared experts, attention, norms and dense layers are the teacher's, unchanged, and the
+family adapter (`workers.families.get_adapter`) works on the model as it is.
+
+Loading: `import workers.models.edited_model` registers the config and model classes with transformers'
+AutoConfig / AutoModelForCausalLM; then `AutoModelForCausalLM.from_pretrained(dir)` loads an edited
+checkpoint (offline; `workers.run.runtime.load_model` imports this module first).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from workers.core.types import LayerPlan
+from workers.families.fused import fill_from_teacher
+from workers.methods.editing import PROJECTIONS, reconstruct
+
+SUFFIX = "_edited"
+# adapter name -> (transformers config class, CausalLM class, experts layout)
+FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "fused"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "fused"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", "fused"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", "fused"),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", "fused"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", "fused"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", "gptoss"),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", "fused"),
+    "dots1": ("Dots1Config", "Dots1ForCausalLM", "fused"),
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", "fused"),
+    "flex_olmo": ("FlexOlmoConfig", "FlexOlmoForCausalLM", "fused"),
+    # issue #17, second batch
+    "cohere2_moe": ("Cohere2MoeConfig", "Cohere2MoeForCausalLM", "fused"),
+    # Granite MoE (the block at block_sparse_moe: _block_attr)
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", "fused"),
+    "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", "fused"),
+    "granitemoe_swa": ("GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", "fused"),
+}
+# issue #17 (glm4_moe_lite, exaone_moe, afmoe)
+FAMILIES.update({
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", "fused"),
+    "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM", "fused"),
+    "afmoe": ("AfmoeConfig", "AfmoeForCausalLM", "fused"),
+})
+# issue #17 (glm_moe_dsa)
+FAMILIES.update({"glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", "fused")})
+# issue #17 (hunyuan_v1_moe)
+FAMILIES.update({"hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", "fused")})
+# issue #17 (ernie4_5_moe)
+FAMILIES.update({"ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", "fused")})
+# phimoe (SparseMixer router, Mixtral-like fused experts)
+FAMILIES.update({"phimoe": ("PhimoeConfig", "PhimoeForCausalLM", "fused")})
+# solar_open, mimo_v2_flash, hy_v3
+FAMILIES.update({
+    "solar_open": ("SolarOpenConfig", "SolarOpenForCausalLM", "fused"),
+    "mimo_v2_flash": ("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", "fused"),
+    "hy_v3": ("HYV3Config", "HYV3ForCausalLM", "fused"),
+})
+# mellum (Qwen3-MoE block, mlp_layer_types)
+FAMILIES.update({"mellum": ("MellumConfig", "MellumForCausalLM", "fused")})
+# dots3_note_text (dots.3 note's text decoder; the key is the config model_type)
+FAMILIES.update({"dots3_note_text": ("Dots3NoteTextConfig", "Dots3NoteForCausalLM", "fused")})
+# flint (Qwen3-MoE layout, sigmoid router without bias, ungated shared expert)
+FAMILIES.update({"flint": ("FlintConfig", "FlintForCausalLM", "fused")})
+# deepseek_v32 (the V3 block under DSA-indexer attention)
+FAMILIES.update({"deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", "fused")})
+# laguna (sigmoid router with a frozen correction-bias parameter, block-level routed factor)
+FAMILIES.update({"laguna": ("LagunaConfig", "LagunaForCausalLM", "fused")})
+# beam (the V3 router, block-level routed factor)
+FAMILIES.update({"beam": ("BeamConfig", "BeamForCausalLM", "fused")})
+
+
+class FactoredProjection(nn.Module):
+    """One projection's experts as factors (parameters named as workers.methods.editing stores them)."""
+
+    def __init__(self, spec: dict[str, Any]):
+        super().__init__()
+        self.spec = {k: v for k, v in spec.items() if k != "shapes"}
+        for name, shape in spec["shapes"].items():
+            setattr(self, name, nn.Parameter(torch.empty(*shape)))
+
+    def weights(self) -> torch.Tensor:
+        """[E, out, in] rebuilt from the factors."""
+        return reconstruct(self.spec, {n: p for n, p in self.named_parameters(recurse=False) if n != "bias"})
+
+
+class FactoredExpertsMixin:
+    """Put before the family's experts class: factors instead of fused weights, the family's forward."""
+
+    layout: str = "fused"
+
+    def _setup(self, template: nn.Module, layer_spec: dict[str, Any]) -> None:
+        """Copy the template's non-tensor attributes (config, sizes, activation module, implementation flags)
+        and add one FactoredProjection per projection."""
+        nn.Module.__init__(self)
+        module_internals = set(vars(self))
+        for key, value in vars(template).items():
+            if key not in module_internals:
+                object.__setattr__(self, key, value)
+        for name, mod in template.named_children():
+            if any(True for _ in mod.parameters()):
+                raise ValueError(f"experts submodule {name} has parameters: not supported by editing")
+            self.add_module(name, mod)
+        for p in PROJECTIONS:
+            self.add_module(p, FactoredProjection(layer_spec[p]))
+        object.__setattr__(self, "_rebuilt", None)
+
+    def _canonical(self) -> dict[str, torch.Tensor]:
+        if self._rebuilt is not None:
+            return self._rebuilt
+        return {p: getattr(self, p).weights() for p in PROJECTIONS}
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        object.__setattr__(self, "_rebuilt", {p: getattr(self, p).weights() for p in PROJECTIONS})
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            object.__setattr__(self, "_rebuilt", None)
+
+    @property
+    def gate_up_proj(self) -> torch.Tensor:
+        w = self._canonical()
+        if self.layout == "gptoss":  # [E, H, 2I], gate = columns 0::2, up = 1::2
+            e, i, h = w["gate"].shape
+            return torch.stack([w["gate"].transpose(1, 2), w["up"].transpose(1, 2)], dim=-1).reshape(e, h, 2 * i)
+        return torch.cat([w["gate"], w["up"]], dim=1)  # [E, 2I, H], gate rows first
+
+    @property
+    def down_proj(self) -> torch.Tensor:
+        w = self._canonical()["down"]
+        return w.transpose(1, 2) if self.layout == "gptoss" else w
+
+    @property
+    def gate_up_proj_bias(self) -> torch.Tensor:
+        g, u = self.gate.bias, self.up.bias
+        return torch.stack([g, u], dim=-1).reshape(g.shape[0], 2 * g.shape[1])
+
+    @property
+    def down_proj_bias(self) -> torch.Tensor:
+        return self.down.bias
+
+
+def _transformers_class(name: str) -> type:
+    import transformers
+
+    return getattr(transformers, name)
+
+
+def _family_of(model_type: str) -> str:
+    family = model_type.removesuffix(SUFFIX)
+    if family not in FAMILIES:
+        raise ValueError(f"editing supports model types {', '.join(FAMILIES)}; got {model_type!r}")
+    return family
+
+
+def _block_attr(family: str) -> str:
+    """The decoder-layer attribute of the family's MoE block, as its adapter states it (`mlp`; Granite:
+    `block_sparse_moe`)."""
+    from workers.families import ADAPTERS
+
+    return next(getattr(a, "block_attr", "mlp") for a in ADAPTERS if a.name == family)
+
+
+def _experts_class(base: type, layout: str) -> type:
+    """The factored subclass of a family's experts class (a module attribute, so it pickles)."""
+    name = f"Factored{base.__name__}"
+    if name not in globals():
+        globals()[name] = type(name, (FactoredExpertsMixin, base), {"layout": layout, "__module__": __name__})
+    return globals()[name]
+
+
+def _swap_experts(model: nn.Module) -> None:
+    """Replace the experts module of every edited layer by its factored twin (factor shapes from the config)."""
+    family = _family_of(model.config.model_type)
+    layout, block_attr = FAMILIES[family][2], _block_attr(family)
+    for key, spec in model.config.moesweep_editing["layers"].items():
+        mlp = getattr(model.model.layers[int(key)], block_attr)
+        template = getattr(mlp, "experts", None)
+        if template is None:
+            raise ValueError(f"edited layer {key} has no experts module in {type(model).__name__}")
+        if isinstance(template, FactoredExpertsMixin):
+            continue
+        cls = _experts_class(type(template), layout)
+        factored = cls.__new__(cls)
+        factored._setup(template, spec)
+        mlp.experts = factored
+
+
+_CLASSES: dict[str, tuple[type, type]] = {}
+
+
+def _family_classes(family: str) -> tuple[type, type]:
+    """(edited config class, edited CausalLM class) of a family, made once. The CausalLM swaps the experts
+    modules for factored ones just before the family's post_init (which gathers tied keys and plans)."""
+    if family not in _CLASSES:
+        cfg_name, lm_name, _ = FAMILIES[family]
+        base_cfg, base_lm = _transformers_class(cfg_name), _transformers_class(lm_name)
+        stem = lm_name.removesuffix("ForCausalLM")
+        cfg_cls = type(f"{stem}EditedConfig", (base_cfg,),
+                       {"model_type": base_cfg.model_type + SUFFIX, "__module__": __name__})
+
+        def post_init(self: nn.Module, _base: type = base_lm) -> None:
+            _swap_experts(self)
+            _base.post_init(self)
+
+        # transformers decides whether a class may switch experts implementations (eager, batched_mm,
+        # grouped_mm) by looking for the experts decorator in the class's module source: the factored
+        # experts subclass the family's decorated class, so they may.
+        lm_cls = type(f"{stem}EditedForCausalLM", (base_lm,),
+                      {"config_class": cfg_cls, "post_init": post_init, "__module__": __name__,
+                       "_can_set_experts_implementation_cached_value": True})
+        # made now, not when first needed, so that a pickled edited model unpickles in a fresh process
+        _experts_class(getattr(sys.modules[base_lm.__module__], f"{stem}Experts"), FAMILIES[family][2])
+        globals()[cfg_cls.__name__], globals()[lm_cls.__name__] = cfg_cls, lm_cls
+        _CLASSES[family] = (cfg_cls, lm_cls)
+    return _CLASSES[family]
+
+
+def register() -> None:
+    """Register every family's edited config and CausalLM with AutoConfig / AutoModelForCausalLM."""
+    for family in FAMILIES:
+        cfg_cls, lm_cls = _family_classes(family)
+        try:
+            AutoConfig.register(cfg_cls.model_type, cfg_cls)
+            AutoModelForCausalLM.register(cfg_cls, lm_cls)
+        except ValueError:  # already registered (module reloaded)
+            pass
+
+
+register()
+
+
+# ---- builder ------------------------------------------------------------------------------------------
+def _layer_spec(plan: LayerPlan, factors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The config entry of one layer: per projection its kind, settings and factor shapes."""
+    student = plan.extras.get("student")
+    if not student or "projections" not in student:
+        raise ValueError(f"layer {plan.layer}: the plan has no extras['student'] from workers.methods.editing.edit_layer")
+    out: dict[str, Any] = {}
+    for p in PROJECTIONS:
+        pre = f"layer.{plan.layer}.{p}."
+        shapes = {k[len(pre):]: list(t.shape) for k, t in factors.items() if k.startswith(pre)}
+        if not shapes:
+            raise ValueError(f"factors lack layer.{plan.layer}.{p}.* tensors")
+        out[p] = {**student["projections"][p], "shapes": shapes}
+    return out
+
+
+def edited_config(model: nn.Module, family: str, plans: Sequence[LayerPlan],
+                  factors: dict[str, torch.Tensor]) -> Any:
+    """The teacher's config as the family's edited config, with `moesweep_editing` describing the factors."""
+    cfg_cls = _family_classes(family)[0]
+    methods = sorted({p.extras["student"]["method"] for p in plans})
+    editing = {"method": methods[0] if len(methods) == 1 else methods,
+               "layers": {str(p.layer): _layer_spec(p, factors) for p in plans}}
+    src = {k: v for k, v in model.config.to_dict().items()
+           if k not in ("model_type", "architectures", "transformers_version", "moesweep_editing")}
+    cfg = cfg_cls(**src, moesweep_editing=editing)
+    cfg._attn_implementation = model.config._attn_implementation
+    cfg._experts_implementation = getattr(model.config, "_experts_implementation", None)
+    return cfg
+
+
+def edited_moe_student(model: nn.Module, adapter: Any, plans: Sequence[LayerPlan],
+                       factors: dict[str, torch.Tensor]) -> nn.Module:
+    """The edited model: the teacher's class's edited twin, every MoE layer's experts from `factors`
+    (workers.methods.editing.edit_layer's tensors, cast to the teacher's dtype and device), everything else a copy
+    of the teacher's tensors (tied tensors stay tied). Every MoE layer must have exactly one plan."""
+    family = adapter.name
+    if family not in FAMILIES:
+        raise ValueError(f"editing supports {', '.join(FAMILIES)}; the model is {family}")
+    layers = adapter.moe_layers(model)
+    if sorted(p.layer for p in plans) != layers:
+        raise ValueError(f"plans cover layers {sorted(p.layer for p in plans)}; the MoE layers are {layers}")
+    cfg = edited_config(model, family, plans, factors)
+    with torch.device("meta"):
+        student = AutoModelForCausalLM.from_config(cfg)
+    ref = next(model.parameters())
+    replaced, block_attr = {}, _block_attr(family)
+    for key, t in factors.items():
+        _, layer, proj, name = key.split(".", 3)
+        replaced[f"model.layers.{layer}.{block_attr}.experts.{proj}.{name}"] = t.detach().to(ref.device, ref.dtype).clone()
+    fill_from_teacher(student, model, replaced, "edited model")
+    if getattr(model, "generation_config", None) is not None:
+        student.generation_config = copy.deepcopy(model.generation_config)
+    return student.eval()
+
+

@@ -1,0 +1,76 @@
+"""What a conversion writes: the `output` axis of a sweep's grid.
+
+`dense`: the core paper's dense student (the kept experts grouped, merged and concatenated into one
+FFN, Algorithm 1). The other three are smaller MoEs that keep a router (top-k and renormalisation rule
+unchanged), each built from the same calibration statistics:
+- `moe`: pruned — the teacher's own class keeping the selected experts of every layer and their router
+  rows (the REAP paper's pruning; with K = k it is the dense student's exact counterpart with
+  input-dependent gates instead of the static α);
+- `merged`: the E experts merged into K clusters, each stored once (HC-SMoE, M-SMoE:
+  workers/methods/moe_merging.py), the teacher's class with K experts;
+- `edited`: every expert kept but factorised to the parameter budget of K experts (MoBE, TD-MoE:
+  workers/methods/editing.py), a registered model class that stores the factors (workers/models/edited_model.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from workers.core.types import LayerPlan
+from workers.families.base import FamilyAdapter, check_output
+
+
+def dense_student(model: nn.Module, adapter: FamilyAdapter, plans: list[LayerPlan], share_weights: bool,
+                  plan_path: str | None = None) -> nn.Module:
+    from workers.models.convert import build_student_from_plans
+
+    scales = {p.layer: p.extras["student"]["shared_scale"] for p in plans
+              if "shared_scale" in p.extras.get("student", {})}  # setting shared_gate: mean (else 1.0)
+    return build_student_from_plans(model, adapter, plans, share_weights=share_weights, shared_scale=scales or None)
+
+
+def moe_student(model: nn.Module, adapter: FamilyAdapter, plans: list[LayerPlan], share_weights: bool,
+                plan_path: str | None = None) -> nn.Module:
+    """The teacher with only each layer's selected experts (real, smaller tensors; router rows sliced)."""
+    return adapter.pruned_moe_student(model, {p.layer: sorted(p.selected) for p in plans})
+
+
+def merged_student(model: nn.Module, adapter: FamilyAdapter, plans: list[LayerPlan], share_weights: bool,
+                   plan_path: str | None = None) -> nn.Module:
+    """The teacher's class with each layer's clusters merged into one expert each (stored once)."""
+    from workers.methods.moe_merging import merged_layers
+
+    experts = {p.layer: adapter.expert_weights(model, p.layer) for p in plans}
+    return adapter.merged_moe_student(model, merged_layers(plans, experts))
+
+
+def edited_student(model: nn.Module, adapter: FamilyAdapter, plans: list[LayerPlan], share_weights: bool,
+                   plan_path: str | None = None) -> nn.Module:
+    """Every expert factorised as its conversion fitted it (the factors file beside the plan)."""
+    from safetensors.torch import load_file
+
+    from workers.models.edited_model import edited_moe_student
+
+    if plan_path is None:
+        raise ValueError("an edited MoE is built from the factors saved beside its plan: plan_path is required")
+    factors = load_file(str(Path(plan_path).with_name("factors.safetensors")))
+    return edited_moe_student(model, adapter, plans, factors)
+
+
+OUTPUTS = {
+    "dense": dense_student,
+    "moe": moe_student,
+    "merged": merged_student,
+    "edited": edited_student,
+}
+
+
+def write_student(output: str, model: nn.Module, adapter: FamilyAdapter, plans: list[LayerPlan], share_weights: bool,
+                  plan_path: str | None = None) -> nn.Module:
+    """The `output` student of `plans` (one-line ValueError where the family cannot write that output)."""
+    if output not in OUTPUTS:
+        raise ValueError(f"output={output!r}; allowed: {', '.join(OUTPUTS)}")
+    check_output(adapter, output)
+    return OUTPUTS[output](model, adapter, plans, share_weights=share_weights, plan_path=plan_path)

@@ -1,0 +1,1 @@
+"""Training: distillation, its losses, DDP and FSDP, the memory model, Router KD."""
