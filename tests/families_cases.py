@@ -101,7 +101,7 @@ CASES: dict[str, Case] = {
                        bias_on_block=True, one_expert_student=True),
     "flex_olmo": Case((0, 1), 6, 2, "num_experts", "softmax", True, "Olmo2Config"),
 }
-# issue #17, second batch: Cohere2-MoE and the Granite MoE families
+# Cohere2-MoE and the Granite MoE families
 CASES.update({
     "cohere2_moe": Case((1, 2), 6, 2, "num_experts", "softmax", True, "Cohere2MoeConfig", shared="shared_experts",
                         shared_width=16),
@@ -120,7 +120,7 @@ CASES.update({
                            shared_width=16, block="block_sparse_moe", router_attr="router", shared_on_layer=True,
                            attn_dtype=torch.float32),
 })
-# issue #17: the V3 router with MoE layers by mlp_layer_types; AFMoE: MiniMax-M2's router × route_scale
+# the V3 router with MoE layers by mlp_layer_types; AFMoE: MiniMax-M2's router × route_scale
 CASES.update({
     "glm4_moe_lite": Case((1, 2), 8, 2, "n_routed_experts", "sigmoid", True, "Glm4MoeLiteConfig", groups=True,
                           scaled=True, shared="shared_experts", shared_width=16),
@@ -130,17 +130,17 @@ CASES.update({
                   shared_width=16, bias_on_block=True, scale_key="route_scale", bias_attr="expert_bias",
                   router_attr="router.gate"),
 })
-# issue #17: GLM-5, the glm4_moe_lite block under DSA-indexer attention
+# GLM-5, the glm4_moe_lite block under DSA-indexer attention
 CASES.update({
     "glm_moe_dsa": Case((1, 2), 8, 2, "n_routed_experts", "sigmoid", True, "GlmMoeDsaConfig", groups=True,
                         scaled=True, shared="shared_experts", shared_width=16, all_dense_student=True),
 })
-# issue #17: HunYuan-MoE-V1, the softmax router's linear map at gate.wg, an ungated shared MLP, no dense layer
+# HunYuan-MoE-V1, the softmax router's linear map at gate.wg, an ungated shared MLP, no dense layer
 CASES.update({
     "hunyuan_v1_moe": Case((0, 1), 6, 2, "num_experts", "softmax", True, "HunYuanDenseV1Config", shared="shared_mlp",
                            shared_width=16, router_attr="gate.wg", router_dtype=torch.float32),
 })
-# issue #17: ERNIE-4.5-MoE, softmax p whose top-k is corrected by a [1, E] bias on the router (gate.moe_statics)
+# ERNIE-4.5-MoE, softmax p whose top-k is corrected by a [1, E] bias on the router (gate.moe_statics)
 CASES.update({
     "ernie4_5_moe": Case((1, 2), 6, 2, "moe_num_experts", "softmax_bias", True, "Ernie4_5Config",
                          shared="shared_experts", shared_width=16, bias_attr="moe_statics.e_score_correction_bias"),
@@ -277,7 +277,6 @@ def tiny_config(family: str, **overrides: Any):
         kw = dict(num_key_value_heads=2, intermediate_size=16, num_hidden_layers=2, num_experts=6,
                   num_experts_per_tok=2, norm_topk_prob=True)
         return tf.FlexOlmoConfig(**{**COMMON, **kw, **overrides})
-    # issue #17, second batch
     if family == "cohere2_moe":  # layer 0 dense (full attention, forced RoPE), 1-2 sliding; shared summed; logits × 2
         kw = dict(num_key_value_heads=2, head_dim=8, intermediate_size=16, prefix_dense_intermediate_size=24,
                   num_hidden_layers=3, first_k_dense_replace=1, num_experts=6, num_experts_per_tok=2,
@@ -299,7 +298,6 @@ def tiny_config(family: str, **overrides: Any):
         kw = dict(granite, shared_intermediate_size=16, sliding_window=10,
                   layer_types=["sliding_attention", "full_attention"], layer_rope_theta=[10000.0, 0.0])
         return tf.GraniteMoeSWAConfig(**{**COMMON, **kw, **overrides})
-    # issue #17
     if family == "glm4_moe_lite":  # MLA attention, layer 0 dense (GLM-4.7-Flash's layout)
         kw = dict(mla, mlp_layer_types=["dense", "sparse", "sparse"], norm_topk_prob=True, routed_scaling_factor=1.8)
         kw.pop("first_k_dense_replace")

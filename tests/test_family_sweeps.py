@@ -1,4 +1,4 @@
-"""Micro sweeps through `launch` on families added by issue #17: a tiny random teacher of the family, built
+"""Micro sweeps through `launch` on more families (GLM-4-MoE, PhiMoE, Llama-4 text, ...): a tiny random teacher of the family, built
 in-process and saved with a byte-level tokenizer (teacher: {source: hf, model: <dir>}), calibrated on a
 small jsonl corpus, converted to a dense student and to a pruned MoE (PhiMoE, which writes no dense student: a
 pruned and a merged MoE), and evaluated for perplexity."""

@@ -43,16 +43,16 @@ from workers.families.solar_open import SolarOpenAdapter
 ADAPTERS: list[FamilyAdapter] = [Qwen3MoeAdapter(), Qwen2MoeAdapter(), MixtralAdapter(), OlmoeAdapter(),
                                  DeepseekV2Adapter(), DeepseekV3Adapter(), GptOssAdapter(), Glm4MoeAdapter(),
                                  Dots1Adapter(), MiniMaxM2Adapter(), FlexOlmoAdapter()]
-# issue #17, second batch: Cohere2-MoE and the Granite MoE families
+# Cohere2-MoE and the Granite MoE families
 ADAPTERS += [Cohere2MoeAdapter()]
 ADAPTERS += [GraniteMoeAdapter(), GraniteMoeSharedAdapter(), GraniteMoeSWAAdapter()]
-# issue #17, V3-style routers with mlp_layer_types, block-held biases, softmax with a corrected choice
+# V3-style routers with mlp_layer_types, block-held biases, softmax with a corrected choice
 ADAPTERS += [Glm4MoeLiteAdapter(), ExaoneMoeAdapter(), AfmoeAdapter()]
-# issue #17: GLM-5 (the glm4_moe_lite block under DSA-indexer attention)
+# GLM-5 (the glm4_moe_lite block under DSA-indexer attention)
 ADAPTERS += [GlmMoeDsaAdapter()]
-# issue #17: HunYuan-MoE-V1 (softmax router at gate.wg, ungated shared MLP)
+# HunYuan-MoE-V1 (softmax router at gate.wg, ungated shared MLP)
 ADAPTERS += [HunYuanMoeV1Adapter()]
-# issue #17: ERNIE-4.5-MoE (softmax router, top-k corrected by a [1, E] bias)
+# ERNIE-4.5-MoE (softmax router, top-k corrected by a [1, E] bias)
 ADAPTERS += [Ernie45MoeAdapter()]
 # PhiMoE (SparseMixer: always two experts; no dense student)
 ADAPTERS += [PhimoeAdapter()]

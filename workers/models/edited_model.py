@@ -50,24 +50,23 @@ FAMILIES = {
     "dots1": ("Dots1Config", "Dots1ForCausalLM", "fused"),
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", "fused"),
     "flex_olmo": ("FlexOlmoConfig", "FlexOlmoForCausalLM", "fused"),
-    # issue #17, second batch
     "cohere2_moe": ("Cohere2MoeConfig", "Cohere2MoeForCausalLM", "fused"),
     # Granite MoE (the block at block_sparse_moe: _block_attr)
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", "fused"),
     "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", "fused"),
     "granitemoe_swa": ("GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", "fused"),
 }
-# issue #17 (glm4_moe_lite, exaone_moe, afmoe)
+# glm4_moe_lite, exaone_moe, afmoe
 FAMILIES.update({
     "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", "fused"),
     "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM", "fused"),
     "afmoe": ("AfmoeConfig", "AfmoeForCausalLM", "fused"),
 })
-# issue #17 (glm_moe_dsa)
+# glm_moe_dsa
 FAMILIES.update({"glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", "fused")})
-# issue #17 (hunyuan_v1_moe)
+# hunyuan_v1_moe
 FAMILIES.update({"hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", "fused")})
-# issue #17 (ernie4_5_moe)
+# ernie4_5_moe
 FAMILIES.update({"ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", "fused")})
 # phimoe (SparseMixer router, Mixtral-like fused experts)
 FAMILIES.update({"phimoe": ("PhimoeConfig", "PhimoeForCausalLM", "fused")})
