@@ -10,7 +10,7 @@ LOCK := requirements/lock.txt
 TORCH_LOCK ?= requirements/torch-cpu.txt
 PIP := $(BIN)/python -m pip
 
-.PHONY: install demo test lint lock clean
+.PHONY: install demo test lint format lock clean
 
 $(BIN)/moesweep: pyproject.toml $(LOCK) $(TORCH_LOCK)
 	$(PY) -m venv --clear $(VENV)
@@ -30,8 +30,14 @@ demo: install
 test: install
 	$(BIN)/python -m pytest
 
+# the suite checks both too (tests/test_style.py)
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 # regenerate requirements/{lock,torch-cpu,torch-cuda}.txt from pyproject.toml and requirements/torch.in
 lock: install

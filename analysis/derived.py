@@ -107,7 +107,9 @@ def is_variant(df: pd.DataFrame) -> pd.Series:
 
 def is_seed_repeat(df: pd.DataFrame) -> pd.Series:
     """Seed repeats of a selected student (variant `seed=<s>`): the same configuration under another seed."""
-    return df["variant"].map(seed_label).notna() if "variant" in df.columns else pd.Series(False, index=df.index)
+    return (
+        df["variant"].map(seed_label).notna() if "variant" in df.columns else pd.Series(False, index=df.index)
+    )
 
 
 def grid_rows(results: pd.DataFrame) -> pd.DataFrame:
@@ -487,7 +489,9 @@ def model_facts(results: pd.DataFrame, model: str, unc: Uncertainty | None = Non
                 for it in a.get(name, []):
                     ok = ref is not None and it["delta"] is not None and it is not ref
                     ok = ok and it["config_id"] is not None and ref["config_id"] is not None
-                    it["interval"] = unc.acc_diff([it["config_id"]], [ref["config_id"]], it["delta"]) if ok else None
+                    it["interval"] = (
+                        unc.acc_diff([it["config_id"]], [ref["config_id"]], it["delta"]) if ok else None
+                    )
         f["ablations"] = abl
     return f
 
@@ -515,14 +519,23 @@ def selection_margins(grid: pd.DataFrame, sel: dict[str, Any], unc: Uncertainty)
         cell = fin
         for a in per:
             cell = cell[cell[a] == p[a]] if p[a] is not None else cell[cell[a].isna()]
-        cell = cell[(cell["config_id"] != p["config_id"]) & (cell["duplicate_of"].fillna(-1) != p["config_id"])]
+        cell = cell[
+            (cell["config_id"] != p["config_id"]) & (cell["duplicate_of"].fillna(-1) != p["config_id"])
+        ]
         cell = cell[cell["ppl_pre"].astype(float) != float(p["ppl_pre"])]  # not the same student again
         if cell.empty:
             continue
         r = records(cell.sort_values(["ppl_pre", "config_id"]))[0]
         diff = r4(r["ppl_pre"] - p["ppl_pre"])
-        out.append({**{a: p[a] for a in per}, "pick": _cell(p, over), "runner_up": _cell(r, over), "ppl_diff": diff,
-                    "interval": unc.ppl_diff([r["config_id"]], [p["config_id"]], diff)})
+        out.append(
+            {
+                **{a: p[a] for a in per},
+                "pick": _cell(p, over),
+                "runner_up": _cell(r, over),
+                "ppl_diff": diff,
+                "interval": unc.ppl_diff([r["config_id"]], [p["config_id"]], diff),
+            }
+        )
     return out
 
 
@@ -535,13 +548,17 @@ def _merge_prune_pairs(dist: pd.DataFrame, k: int) -> dict[str, tuple[float, int
         prune = g[g["K"] == k]
         merge = g[g["K"] > k].sort_values("K")
         if len(prune) and len(merge):
-            out[s] = (r4(merge["avg"].iloc[0] - prune["avg"].iloc[0]), int(merge["config_id"].iloc[0]),
-                      int(prune["config_id"].iloc[0]))
+            out[s] = (
+                r4(merge["avg"].iloc[0] - prune["avg"].iloc[0]),
+                int(merge["config_id"].iloc[0]),
+                int(prune["config_id"].iloc[0]),
+            )
     return out
 
 
-def facts(results: pd.DataFrame, tasks: pd.DataFrame | None = None,
-          items: pd.DataFrame | None = None) -> dict[str, dict[str, Any]]:
+def facts(
+    results: pd.DataFrame, tasks: pd.DataFrame | None = None, items: pd.DataFrame | None = None
+) -> dict[str, dict[str, Any]]:
     """Derived facts per sweep and teacher model (JSON-ready, deterministic). Sweeps are kept apart:
     one sweep's distilled set is what its selection rule is checked against. With `tasks` (task_scores)
     and `items` (config_items) every stated difference gets an interval: a paired bootstrap over items,
@@ -553,7 +570,11 @@ def facts(results: pd.DataFrame, tasks: pd.DataFrame | None = None,
         for m in moe_models(rows):
             mine = rows[rows["model"] == m]
             t = tasks[tasks["config_id"].isin(mine["config_id"])] if tasks is not None else None
-            i = items[items["config_id"].isin(mine["config_id"])] if items is not None and len(items) else None
+            i = (
+                items[items["config_id"].isin(mine["config_id"])]
+                if items is not None and len(items)
+                else None
+            )
             models[m] = model_facts(rows, m, Uncertainty.of(mine, t, i))
         if models:
             out[sweep] = models

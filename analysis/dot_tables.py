@@ -17,8 +17,15 @@ import pandas as pd
 from analysis.latex import Table, esc, fmt_pct, fmt_ppl
 
 DOT_TASKS = ("boolq", "sciq", "piqa", "winogrande", "arc_easy", "arc_challenge", "hellaswag")
-TASK_LABEL = {"boolq": "BoolQ", "sciq": "SciQ", "piqa": "PIQA", "winogrande": "Wino", "arc_easy": "ARC-E",
-              "arc_challenge": "ARC-C", "hellaswag": "HellaS"}
+TASK_LABEL = {
+    "boolq": "BoolQ",
+    "sciq": "SciQ",
+    "piqa": "PIQA",
+    "winogrande": "Wino",
+    "arc_easy": "ARC-E",
+    "arc_challenge": "ARC-C",
+    "hellaswag": "HellaS",
+}
 
 
 def dense2moe_rows(results: pd.DataFrame) -> pd.DataFrame:
@@ -41,7 +48,9 @@ def dot_table(rows: pd.DataFrame, metrics: pd.DataFrame, label: str, stem: str) 
     ks = sorted({int(k) for k in ppl[ppl["who"] == "student"]["step"].dropna()})
     head = [["Method", "Source", "E", "k", "Dense", *[f"k={k}" for k in ks]]]
     body: list[list[str] | str] = []
-    for r in sorted(ours, key=lambda r: (_settings(r).get("source") or "", _settings(r)["method"], r["config_key"])):
+    for r in sorted(
+        ours, key=lambda r: (_settings(r).get("source") or "", _settings(r)["method"], r["config_key"])
+    ):
         s = _settings(r)
         mine = ppl[ppl["config_id"] == r["config_id"]]
         dense = mine[mine["who"] == "dense"]["value"]
@@ -49,13 +58,26 @@ def dot_table(rows: pd.DataFrame, metrics: pd.DataFrame, label: str, stem: str) 
         source = s.get("source") or ""
         if s.get("source_config"):
             source += f" ({s['source_config']})"
-        body.append([esc(s["method"]), esc(source), str(s.get("experts", "")), str(s.get("top_k", "")),
-                     fmt_ppl(dense.iloc[0] if len(dense) else None), *[fmt_ppl(by_k.get(k)) for k in ks]])
-    return Table(stem, f"Dense to MoE ({label}): per method and dense source, E experts, the top-k k it was "
-                 "aligned at, the dense model's held-out perplexity and the extracted MoE's at every evaluated "
-                 "top-k (inference sparsity, no retraining). Blank: not evaluated.",
-                 "ll" + "r" * (3 + len(ks)), head, body,
-                 index_caption=f"Dense to MoE: perplexity by method and top-k, {label}")
+        body.append(
+            [
+                esc(s["method"]),
+                esc(source),
+                str(s.get("experts", "")),
+                str(s.get("top_k", "")),
+                fmt_ppl(dense.iloc[0] if len(dense) else None),
+                *[fmt_ppl(by_k.get(k)) for k in ks],
+            ]
+        )
+    return Table(
+        stem,
+        f"Dense to MoE ({label}): per method and dense source, E experts, the top-k k it was "
+        "aligned at, the dense model's held-out perplexity and the extracted MoE's at every evaluated "
+        "top-k (inference sparsity, no retraining). Blank: not evaluated.",
+        "ll" + "r" * (3 + len(ks)),
+        head,
+        body,
+        index_caption=f"Dense to MoE: perplexity by method and top-k, {label}",
+    )
 
 
 def dot_paper_table(rows: pd.DataFrame, tasks: pd.DataFrame, label: str, stem: str) -> Table | None:
@@ -70,10 +92,20 @@ def dot_paper_table(rows: pd.DataFrame, tasks: pd.DataFrame, label: str, stem: s
         t = tasks[tasks["config_id"] == r["config_id"]]
         acc = {x["task"]: x["value"] for x in t.to_dict("records")}
         what = r["config_key"].split("|", 3)[-1].replace("|", ", ")
-        body.append([esc(r["model"]), esc(f"{r.get('baseline') or ''} ({what})"),
-                     *[fmt_pct(100 * acc[x] if x in acc else None) for x in present],
-                     fmt_pct(100 * r["avg"] if pd.notna(r.get("avg")) else None)])
-    return Table(stem, f"Published dense-to-MoE results ({label}; other models and tasks than ours: context, "
-                 "matched on nothing): accuracy in % per task and the paper's average.",
-                 "ll" + "r" * (len(present) + 1), head, body,
-                 index_caption=f"Published dense-to-MoE results, {label}")
+        body.append(
+            [
+                esc(r["model"]),
+                esc(f"{r.get('baseline') or ''} ({what})"),
+                *[fmt_pct(100 * acc[x] if x in acc else None) for x in present],
+                fmt_pct(100 * r["avg"] if pd.notna(r.get("avg")) else None),
+            ]
+        )
+    return Table(
+        stem,
+        f"Published dense-to-MoE results ({label}; other models and tasks than ours: context, "
+        "matched on nothing): accuracy in % per task and the paper's average.",
+        "ll" + "r" * (len(present) + 1),
+        head,
+        body,
+        index_caption=f"Published dense-to-MoE results, {label}",
+    )

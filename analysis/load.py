@@ -136,8 +136,18 @@ def load_frames(engine: Engine, sweeps: list[str]) -> Frames:
         "ORDER BY m.config_id, m.metric_id",
         names,
     )
-    return Frames(tuple(names), results, tasks, selections, diagnostics, curves, info, code,
-                  load_items(engine, names), dense2moe)
+    return Frames(
+        tuple(names),
+        results,
+        tasks,
+        selections,
+        diagnostics,
+        curves,
+        info,
+        code,
+        load_items(engine, names),
+        dense2moe,
+    )
 
 
 def load_items(engine: Engine, sweeps: list[str]) -> pd.DataFrame:

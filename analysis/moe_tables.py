@@ -73,8 +73,14 @@ def _key(r: dict[str, Any]) -> tuple[str, str, int, str, str]:
 
 def _sort_key(key: tuple[str, str, int, str, str]) -> tuple:
     out, s, K, rec, variant = key
-    return (SMALLER.index(out), order_key(METHOD_AXIS[out], s), -K, list(RECOVERY_LABEL).index(rec)
-            if rec in RECOVERY_LABEL else len(RECOVERY_LABEL), rec, variant)
+    return (
+        SMALLER.index(out),
+        order_key(METHOD_AXIS[out], s),
+        -K,
+        list(RECOVERY_LABEL).index(rec) if rec in RECOVERY_LABEL else len(RECOVERY_LABEL),
+        rec,
+        variant,
+    )
 
 
 def _cells(view: View, r: dict[str, Any] | None, tasks: list[str], shared: bool = False) -> list[str]:
@@ -125,8 +131,13 @@ def moe_table(view: View, ref: View | None, stem: str) -> Table | None:
         rows += [line, r"\midrule"]
     for key in sorted(set(mine) | set(theirs), key=_sort_key):
         out, s, K, rec, variant = key
-        line = [PARADIGM[out], esc(f"{s} ({variant})" if variant else s), str(K), esc(RECOVERY_LABEL.get(rec, rec)),
-                *_cells(view, mine.get(key), view.tasks)]
+        line = [
+            PARADIGM[out],
+            esc(f"{s} ({variant})" if variant else s),
+            str(K),
+            esc(RECOVERY_LABEL.get(rec, rec)),
+            *_cells(view, mine.get(key), view.tasks),
+        ]
         if ref is not None:
             line += _cells(ref, theirs.get(key), common, shared)
         rows.append(line)

@@ -580,7 +580,11 @@ ROUTER_KD_METHODS = {
     "M-SMoE": ("merging", 80),
 }
 # paradigm → (our output, the axis that names the method)
-PARADIGM_OUTPUT = {"pruning": ("moe", "scoring"), "merging": ("merged", "merging"), "editing": ("edited", "editing")}
+PARADIGM_OUTPUT = {
+    "pruning": ("moe", "scoring"),
+    "merging": ("merged", "merging"),
+    "editing": ("edited", "editing"),
+}
 # the Multi-Choice rows are the headline tasks (`results.avg_acc` is their mean, the other 16 rows are
 # generative and stored as `score`); the paper does not say acc or acc_norm: named as lm-eval's usual
 # headline metric, as our sweeps evaluate these tasks
@@ -635,8 +639,14 @@ def moe_key(method: str, K: int, recovery: str, output: str = "moe") -> str:
 def moe_fields(method: str, paradigm: str, K: int, recovery: str) -> dict[str, Any]:
     """A published smaller MoE's key and axis columns."""
     output, axis = PARADIGM_OUTPUT[paradigm]
-    return {"config_key": moe_key(method, K, recovery, output), "kind": "moe2dense", "output": output,
-            axis: method, "K": K, "recovery": recovery}
+    return {
+        "config_key": moe_key(method, K, recovery, output),
+        "kind": "moe2dense",
+        "output": output,
+        axis: method,
+        "K": K,
+        "recovery": recovery,
+    }
 
 
 def _router_kd_metrics(rows: list[dict[str, str]], column: str, table: str) -> list[dict[str, Any]]:
@@ -807,8 +817,13 @@ C2F_TABLE = "c2f_table2_3_qwen3_thinking"
 C2F_TASKS = {"mmlu": ("acc", 1), "math500": ("score", 0), "aime25": ("score", 0), "lcb": ("score", 0)}
 C2F_TASK_NAME = {"mmlu": "mmlu", "math500": "math500", "aime25": "aime25", "lcb": "livecodebench"}
 # the paper's method → (our name, paradigm); "Weights" (CD-MoE's routing-weight ratio) is not ours
-C2F_METHODS = {"Ours": ("CFES", "pruning"), "DCDM": ("CFES", "pruning"), "Fixed": ("CFES", "pruning"),
-               "Weights": ("Weights", "pruning"), "HC-SMoE": ("HC-SMoE", "merging")}
+C2F_METHODS = {
+    "Ours": ("CFES", "pruning"),
+    "DCDM": ("CFES", "pruning"),
+    "Fixed": ("CFES", "pruning"),
+    "Weights": ("Weights", "pruning"),
+    "HC-SMoE": ("HC-SMoE", "merging"),
+}
 
 
 def c2f() -> dict[str, Any]:
@@ -820,23 +835,46 @@ def c2f() -> dict[str, Any]:
     main = moe_key("CFES", 64, "none")
     seen: set[str] = set()
     for r in read_table(C2F_TABLE):
-        metrics = [{"name": name, "stage": "post", "task": C2F_TASK_NAME[col], "value": float(r[col]) / 100.0,
-                    "headline": head, "extra": {"table": r["table"], "published": r[col]}}
-                   for col, (name, head) in C2F_TASKS.items()]
-        metrics.append({"name": "avg_published", "stage": "post", "value": float(r["average"]) / 100.0,
-                        "extra": {"table": r["table"], "published": r["average"], "over": "all four columns"}})
-        common = {"model": C2F_MODEL, "teacher_variant": "thinking", "top_k": 8, "table": f"c2f_{r['table']}",
-                  "metrics": metrics}
+        metrics = [
+            {
+                "name": name,
+                "stage": "post",
+                "task": C2F_TASK_NAME[col],
+                "value": float(r[col]) / 100.0,
+                "headline": head,
+                "extra": {"table": r["table"], "published": r[col]},
+            }
+            for col, (name, head) in C2F_TASKS.items()
+        ]
+        metrics.append(
+            {
+                "name": "avg_published",
+                "stage": "post",
+                "value": float(r["average"]) / 100.0,
+                "extra": {"table": r["table"], "published": r["average"], "over": "all four columns"},
+            }
+        )
+        common = {
+            "model": C2F_MODEL,
+            "teacher_variant": "thinking",
+            "top_k": 8,
+            "table": f"c2f_{r['table']}",
+            "metrics": metrics,
+        }
         if r["method"] == "Original":
             out.append({"config_key": "teacher", "kind": "teacher", "note": "the original model", **common})
             continue
         if r["method"] not in C2F_METHODS:
-            raise ValueError(f"{C2F_TABLE}: method {r['method']!r}; allowed: Original, {', '.join(C2F_METHODS)}")
+            raise ValueError(
+                f"{C2F_TABLE}: method {r['method']!r}; allowed: Original, {', '.join(C2F_METHODS)}"
+            )
         method, paradigm = C2F_METHODS[r["method"]]
         fields = moe_fields(method, paradigm, 64, "none")
         if r["calibration"] != "fixed":
             fields["config_key"] += f"|calibration={r['calibration']}"
-            if fields["config_key"].startswith(main + "|"):  # a variant of the mixed run (the others have none)
+            if fields["config_key"].startswith(
+                main + "|"
+            ):  # a variant of the mixed run (the others have none)
                 fields["variant"] = f"calibration={r['calibration']}"
                 fields["variant_of_key"] = main
         if fields["config_key"] in seen:  # DCDM is printed in Tables 2 and 3 with the same numbers
@@ -846,22 +884,46 @@ def c2f() -> dict[str, Any]:
             first["table"] += f"+c2f_{r['table']}"
             continue
         seen.add(fields["config_key"])
-        cal = {"fixed": "the fixed 1:1:1 mix of C4, OpenR1-Math and rStar-Coder",
-               "dcdm": "the mix DCDM found (2:1:1, code up-weighted)"}.get(r["calibration"], f"{r['calibration']} only")
-        out.append({**fields, **common, "note": f"{r['method']}, 50% of the routed experts pruned, calibrated on {cal}"})
-    return {"name": C2F_SWEEP, "source": C2F_SOURCE, "select": None, "configs": out,
-            "description": f"{C2F_TITLE}: Tables 2 and 3, {C2F_MODEL} with 64 of 128 experts per layer — "
-            "Weights, HC-SMoE and coarse-to-fine selection per calibration domain, fixed and DCDM mixes."}
+        cal = {
+            "fixed": "the fixed 1:1:1 mix of C4, OpenR1-Math and rStar-Coder",
+            "dcdm": "the mix DCDM found (2:1:1, code up-weighted)",
+        }.get(r["calibration"], f"{r['calibration']} only")
+        out.append(
+            {
+                **fields,
+                **common,
+                "note": f"{r['method']}, 50% of the routed experts pruned, calibrated on {cal}",
+            }
+        )
+    return {
+        "name": C2F_SWEEP,
+        "source": C2F_SOURCE,
+        "select": None,
+        "configs": out,
+        "description": f"{C2F_TITLE}: Tables 2 and 3, {C2F_MODEL} with 64 of 128 experts per layer — "
+        "Weights, HC-SMoE and coarse-to-fine selection per calibration domain, fixed and DCDM mixes.",
+    }
 
 
 DOT_TITLE = "Bamba et al., DOT-MoE: Differentiable Optimal Transport for MoEfication"
 DOT_SOURCE = "paper:Bamba et al. (DOT-MoE)"
 DOT_SWEEP = "paper:dot-moe"
 # Table 3: (task, metric, shots) per column
-DOT_T3 = {"boolq": ("acc", 32), "sciq": ("acc", 0), "piqa": ("acc", 0), "winogrande": ("acc", 5),
-          "arc_challenge": ("acc_norm", 25), "hellaswag": ("acc_norm", 10)}
-DOT_T8 = {"arc_easy": "acc_norm", "arc_challenge": "acc_norm", "piqa": "acc_norm", "winogrande": "acc",
-          "hellaswag": "acc_norm"}
+DOT_T3 = {
+    "boolq": ("acc", 32),
+    "sciq": ("acc", 0),
+    "piqa": ("acc", 0),
+    "winogrande": ("acc", 5),
+    "arc_challenge": ("acc_norm", 25),
+    "hellaswag": ("acc_norm", 10),
+}
+DOT_T8 = {
+    "arc_easy": "acc_norm",
+    "arc_challenge": "acc_norm",
+    "piqa": "acc_norm",
+    "winogrande": "acc",
+    "hellaswag": "acc_norm",
+}
 
 
 def _slug(text: str) -> str:
@@ -875,28 +937,79 @@ def dot_moe() -> dict[str, Any]:
     four inference sparsities). Configurations of kind dense2moe, keyed by model, method and size."""
     out: list[dict[str, Any]] = []
     for r in read_table("dot_moe_table3_zero_shot"):
-        metrics = [{"name": m, "stage": "post", "task": t, "value": float(r[t]) / 100.0, "headline": 1,
-                    "num_fewshot": n, "extra": {"table": "dot_table3", "published": r[t]}}
-                   for t, (m, n) in DOT_T3.items()]
-        metrics.append({"name": "avg_published", "stage": "post", "value": float(r["avg"]) / 100.0,
-                        "extra": {"table": "dot_table3", "published": r["avg"]}})
-        out.append({"config_key": f"dense2moe|{_slug(r['method'])}|{_slug(r['model'])}|active={r['active_params_b']}B",
-                    "model": r["model"], "kind": "dense2moe", "baseline": r["method"], "table": "dot_table3",
-                    "note": f"{r['method']} on {r['model']}, {r['active_params_b']}B active parameters, zero-shot "
-                            "after alignment only (dense weights never trained)", "metrics": metrics})
+        metrics = [
+            {
+                "name": m,
+                "stage": "post",
+                "task": t,
+                "value": float(r[t]) / 100.0,
+                "headline": 1,
+                "num_fewshot": n,
+                "extra": {"table": "dot_table3", "published": r[t]},
+            }
+            for t, (m, n) in DOT_T3.items()
+        ]
+        metrics.append(
+            {
+                "name": "avg_published",
+                "stage": "post",
+                "value": float(r["avg"]) / 100.0,
+                "extra": {"table": "dot_table3", "published": r["avg"]},
+            }
+        )
+        out.append(
+            {
+                "config_key": f"dense2moe|{_slug(r['method'])}|{_slug(r['model'])}|active={r['active_params_b']}B",
+                "model": r["model"],
+                "kind": "dense2moe",
+                "baseline": r["method"],
+                "table": "dot_table3",
+                "note": f"{r['method']} on {r['model']}, {r['active_params_b']}B active parameters, zero-shot "
+                "after alignment only (dense weights never trained)",
+                "metrics": metrics,
+            }
+        )
     for r in read_table("dot_moe_table8_sparsity"):
-        metrics = [{"name": m, "stage": "post", "task": t, "value": float(r[t]) / 100.0, "headline": 1,
-                    "extra": {"table": "dot_table8", "published": r[t]}} for t, m in DOT_T8.items()]
-        metrics.append({"name": "avg_published", "stage": "post", "value": float(r["avg"]) / 100.0,
-                        "extra": {"table": "dot_table8", "published": r["avg"]}})
-        out.append({"config_key": f"dense2moe|dot-moe|qwen2-5-7b|trained={r['trained_sparsity']}%"
-                                  f"|inference={r['inference_sparsity']}%",
-                    "model": "Qwen2.5 7B", "kind": "dense2moe", "baseline": "DOT-MoE", "table": "dot_table8",
-                    "note": f"DOT-MoE trained at {r['trained_sparsity']}% FFN sparsity, evaluated at "
-                            f"{r['inference_sparsity']}% (inference top-k changed, no retraining)", "metrics": metrics})
-    return {"name": DOT_SWEEP, "source": DOT_SOURCE, "select": None, "configs": out,
-            "description": f"{DOT_TITLE}: Table 3 (zero-shot after alignment, LLaMA-2 7B, LLaMA-3 8B, Qwen2.5 7B) "
-            "and Table 8 (training × inference sparsity, Qwen2.5-7B)."}
+        metrics = [
+            {
+                "name": m,
+                "stage": "post",
+                "task": t,
+                "value": float(r[t]) / 100.0,
+                "headline": 1,
+                "extra": {"table": "dot_table8", "published": r[t]},
+            }
+            for t, m in DOT_T8.items()
+        ]
+        metrics.append(
+            {
+                "name": "avg_published",
+                "stage": "post",
+                "value": float(r["avg"]) / 100.0,
+                "extra": {"table": "dot_table8", "published": r["avg"]},
+            }
+        )
+        out.append(
+            {
+                "config_key": f"dense2moe|dot-moe|qwen2-5-7b|trained={r['trained_sparsity']}%"
+                f"|inference={r['inference_sparsity']}%",
+                "model": "Qwen2.5 7B",
+                "kind": "dense2moe",
+                "baseline": "DOT-MoE",
+                "table": "dot_table8",
+                "note": f"DOT-MoE trained at {r['trained_sparsity']}% FFN sparsity, evaluated at "
+                f"{r['inference_sparsity']}% (inference top-k changed, no retraining)",
+                "metrics": metrics,
+            }
+        )
+    return {
+        "name": DOT_SWEEP,
+        "source": DOT_SOURCE,
+        "select": None,
+        "configs": out,
+        "description": f"{DOT_TITLE}: Table 3 (zero-shot after alignment, LLaMA-2 7B, LLaMA-3 8B, Qwen2.5 7B) "
+        "and Table 8 (training × inference sparsity, Qwen2.5-7B).",
+    }
 
 
 def reference_sweeps() -> list[dict[str, Any]]:

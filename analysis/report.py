@@ -148,8 +148,14 @@ def write_report(frames: Frames, name: str, out_dir: Path, compare: Frames | Non
             if compare is not None:
                 ref = dt.dense2moe_rows(compare.results[compare.results["sweep_kind"] == "reference"])
                 for rs in sorted(set(ref["sweep"])):
-                    w.table(dt.dot_paper_table(ref[ref["sweep"] == rs], compare.tasks[compare.tasks["sweep"] == rs],
-                                               rs, f"dense2moe_{tb.slug(rs, True).strip('_')}"))
+                    w.table(
+                        dt.dot_paper_table(
+                            ref[ref["sweep"] == rs],
+                            compare.tasks[compare.tasks["sweep"] == rs],
+                            rs,
+                            f"dense2moe_{tb.slug(rs, True).strip('_')}",
+                        )
+                    )
         small = mt.moe_models(everything)
         for model in small:  # smaller MoEs (output = moe), beside a paper's of the same model
             ref = None
@@ -284,8 +290,9 @@ def _fact_lines(f: dict[str, Any], who: str) -> list[str]:
                 f"(K={m['K']}, {m['dp_scaling']}) is not the grid's {m['ppl_pre_grid']}."
             )
         if sel["nonfinite_cells"]:
-            cells = "; ".join(f"{c['scoring']}×{c['grouping']} {c['dp_scaling']} K={c['K']}"
-                              for c in sel["nonfinite_cells"])
+            cells = "; ".join(
+                f"{c['scoring']}×{c['grouping']} {c['dp_scaling']} K={c['K']}" for c in sel["nonfinite_cells"]
+            )
             out.append(f"- Non-finite grid cells ({len(sel['nonfinite_cells'])}, shown as –): {cells}.")
         if sel["missing_cells"]:
             out.append(f"- Grid cells without a perplexity: {len(sel['missing_cells'])}.")
@@ -303,7 +310,9 @@ def _fact_lines(f: dict[str, Any], who: str) -> list[str]:
                 f"({d['dp_scaling']}) differs across groupings: {vals}."
             )
     for axis, sp in (f.get("spread") or {}).items():
-        means = ", ".join(f"{k} {v['mean']:.2f}{_pm(v.get('se'))}" for k, v in f["marginal_means"][axis].items())
+        means = ", ".join(
+            f"{k} {v['mean']:.2f}{_pm(v.get('se'))}" for k, v in f["marginal_means"][axis].items()
+        )
         out.append(
             f"- Mean accuracy per {axis} ({who}): {means}; best {sp['best']}, worst {sp['worst']}, "
             f"spread {sp['pp']:.2f} pp{phrase(sp.get('interval'))}."
@@ -330,7 +339,9 @@ def _fact_lines(f: dict[str, Any], who: str) -> list[str]:
     iv = f.get("intervals", {})
     for b in ("random_init", "random_ffn"):
         if f"gain_over_{b}" in f:
-            out.append(f"- Best student minus {b}: {f[f'gain_over_{b}']:+.2f} pp{phrase(iv.get(f'gain_over_{b}'))}.")
+            out.append(
+                f"- Best student minus {b}: {f[f'gain_over_{b}']:+.2f} pp{phrase(iv.get(f'gain_over_{b}'))}."
+            )
     if f.get("merge_minus_prune"):
         mpi = iv.get("merge_minus_prune", {})
         mp = ", ".join(f"{s} {v:+.2f}{_mark(mpi.get(s))}" for s, v in f["merge_minus_prune"].items())
@@ -353,12 +364,17 @@ def _seed_lines(sd: dict[str, Any] | None, who: str) -> list[str]:
     """Per repeated student: its numbers under each seed, their mean and between-seed sd."""
     if not sd:
         return []
-    out = [f"- Seed repeats ({who}): each selected student under every seed (first: the main configuration), "
-           f"mean ± between-seed sd; a stated difference is {sd['rule']}."]
+    out = [
+        f"- Seed repeats ({who}): each selected student under every seed (first: the main configuration), "
+        f"mean ± between-seed sd; a stated difference is {sd['rule']}."
+    ]
     for st in sd["students"]:
         parts = []
-        for col, name, fmt in (("avg", "accuracy", ".2f"), ("ppl_pre", "pre-distill PPL", ".1f"),
-                               ("ppl_post", "post-distill PPL", ".1f")):
+        for col, name, fmt in (
+            ("avg", "accuracy", ".2f"),
+            ("ppl_pre", "pre-distill PPL", ".1f"),
+            ("ppl_post", "post-distill PPL", ".1f"),
+        ):
             p = st.get(col)
             if p:
                 vals = ", ".join(f"{v:{fmt}}" for v in p["values"])
@@ -437,5 +453,9 @@ def _index(
 
 def _fig7_panel(label: str, rows):
     """One model's Figure 7 panel: best accuracy per scoring and K, the router's k, the random-FFN line."""
-    return fg.panel(label, best_by_scoring_k(distilled_rows(rows)), top_k_of(rows[rows["kind"] == "moe2dense"]),
-                    baseline_avg(rows, "random_ffn"))
+    return fg.panel(
+        label,
+        best_by_scoring_k(distilled_rows(rows)),
+        top_k_of(rows[rows["kind"] == "moe2dense"]),
+        baseline_avg(rows, "random_ffn"),
+    )

@@ -301,9 +301,11 @@ def seed_caption(pools: dict[int, dict[str, Any]]) -> str:
     if not pools:
         return ""
     n = max(len(p["values"]) for p in pools.values())
-    return (f" ± SE: the item-level standard error of Avg (first seed); Seeds, SD: Avg's mean and "
-            f"between-seed standard deviation over {n} seeds (calibration sample, distillation data order, "
-            f"lm-eval seeds). A difference is {SEED_RULE}.")
+    return (
+        f" ± SE: the item-level standard error of Avg (first seed); Seeds, SD: Avg's mean and "
+        f"between-seed standard deviation over {n} seeds (calibration sample, distillation data order, "
+        f"lm-eval seeds). A difference is {SEED_RULE}."
+    )
 
 
 # ---- Table 12: the distilled students ------------------------------------------------------------
@@ -423,7 +425,13 @@ def cross_model_table(view: View, ref: View | None, stem: str) -> Table | None:
         for r in _side_rows(ref):
             ref_side.setdefault(_role(r), r)
     pools = seed_pools(view)
-    cols = ["K", *(["Pre"] if with_pre else []), *task_header(view.tasks), "Avg", *(SEED_HEAD if pools else [])]
+    cols = [
+        "K",
+        *(["Pre"] if with_pre else []),
+        *task_header(view.tasks),
+        "Avg",
+        *(SEED_HEAD if pools else []),
+    ]
     head: list[list[str] | str] = []
     if ref is not None:
         head += _group_header(1, [(f"Ours ({view.label})", len(cols)), (f"Paper ({ref.label})", 2)])

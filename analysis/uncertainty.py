@@ -44,8 +44,10 @@ NOT_DISTINGUISHABLE = "not distinguishable at this n"
 NOT_ACROSS_SEEDS = "not distinguishable across seeds"
 SEED_LABEL = re.compile(r"^seed=(\d+)$")  # the variant label of a seed repeat (orchestrator/stages/seeds.py)
 MAIN = "main"  # the main configuration: the first listed seed
-SEED_RULE = ("distinguishable only if both 95% intervals exclude 0: the item-level one (paired bootstrap, first "
-             "seed) and the between-seed one (the difference under each seed: mean ± t(S-1)·sd/sqrt(S))")
+SEED_RULE = (
+    "distinguishable only if both 95% intervals exclude 0: the item-level one (paired bootstrap, first "
+    "seed) and the between-seed one (the difference under each seed: mean ± t(S-1)·sd/sqrt(S))"
+)
 
 
 @dataclass(frozen=True)
@@ -87,8 +89,9 @@ def _item_keys(subtask: str, ids: np.ndarray, subtasks: list[str]) -> np.ndarray
     return np.int64(subtasks.index(subtask)) * (1 << 40) + ids.astype(np.int64)
 
 
-def acc_replicates(items: pd.DataFrame, tasks: pd.DataFrame, config_ids: Iterable[int],
-                   b: int = B, seed: int = SEED) -> Replicates | None:
+def acc_replicates(
+    items: pd.DataFrame, tasks: pd.DataFrame, config_ids: Iterable[int], b: int = B, seed: int = SEED
+) -> Replicates | None:
     """Paired bootstrap replicates of each configuration's average headline accuracy (a fraction).
 
     Uses the tasks every configuration with per-item scores has (its first run), their common items,
@@ -119,7 +122,9 @@ def acc_replicates(items: pd.DataFrame, tasks: pd.DataFrame, config_ids: Iterabl
         subtasks = sorted(set(rows["subtask"]))
         cols: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         for c in cfgs:
-            mine = rows[(rows["config_id"] == c) & (rows["step"] == step[c]) & (rows["name"] == metric[(c, task)])]
+            mine = rows[
+                (rows["config_id"] == c) & (rows["step"] == step[c]) & (rows["name"] == metric[(c, task)])
+            ]
             mine = mine.drop_duplicates(["subtask"])
             keys = np.concatenate([_item_keys(r.subtask, r.ids, subtasks) for r in mine.itertuples()])
             vals = np.concatenate([r.vals for r in mine.itertuples()])
@@ -134,17 +139,24 @@ def acc_replicates(items: pd.DataFrame, tasks: pd.DataFrame, config_ids: Iterabl
         reps += w @ mat / len(mat)
         n_items += len(mat)
     t = len(common_tasks)
-    return Replicates(dict(zip(cfgs, (point / t).tolist(), strict=True)),
-                      {c: reps[:, i] / t for i, c in enumerate(cfgs)}, n_items,
-                      f"paired bootstrap over {n_items} items ({t} task{'s' * (t != 1)}, B={b})")
+    return Replicates(
+        dict(zip(cfgs, (point / t).tolist(), strict=True)),
+        {c: reps[:, i] / t for i, c in enumerate(cfgs)},
+        n_items,
+        f"paired bootstrap over {n_items} items ({t} task{'s' * (t != 1)}, B={b})",
+    )
 
 
-def ppl_replicates(items: pd.DataFrame, config_ids: Iterable[int], stage: str = "pre",
-                   b: int = B, seed: int = SEED) -> Replicates | None:
+def ppl_replicates(
+    items: pd.DataFrame, config_ids: Iterable[int], stage: str = "pre", b: int = B, seed: int = SEED
+) -> Replicates | None:
     """Paired bootstrap replicates of each configuration's perplexity over its windows (Σ NLL / tokens)."""
     ids = [int(c) for c in dict.fromkeys(config_ids)]
-    rows = items[(items["stage"] == stage) & (items["task"] == "") & items["config_id"].isin(ids)] \
-        if len(items) else items
+    rows = (
+        items[(items["stage"] == stage) & (items["task"] == "") & items["config_id"].isin(ids)]
+        if len(items)
+        else items
+    )
     if rows.empty:
         return None
     nll: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -160,8 +172,12 @@ def ppl_replicates(items: pd.DataFrame, config_ids: Iterable[int], stage: str = 
     with np.errstate(over="ignore"):
         point = np.exp(mn.sum(axis=0) / mt.sum(axis=0))
         reps = np.exp((w @ mn) / (w @ mt))
-    return Replicates(dict(zip(cfgs, point.tolist(), strict=True)), {c: reps[:, i] for i, c in enumerate(cfgs)},
-                      len(mn), f"paired bootstrap over {len(mn)} windows (B={b})")
+    return Replicates(
+        dict(zip(cfgs, point.tolist(), strict=True)),
+        {c: reps[:, i] for i, c in enumerate(cfgs)},
+        len(mn),
+        f"paired bootstrap over {len(mn)} windows (B={b})",
+    )
 
 
 # ---- binomial standard errors from published benchmark sizes --------------------------------------
@@ -182,7 +198,9 @@ def binomial_se(tasks: pd.DataFrame, config_ids: Iterable[int]) -> dict[int, tup
         mine = head[head["config_id"] == c].drop_duplicates("task")
         if mine.empty or not all(t in sizes for t in mine["task"]):
             continue
-        var = sum(p * (1 - p) / sizes[t] for t, p in zip(mine["task"], mine["value"].astype(float), strict=True))
+        var = sum(
+            p * (1 - p) / sizes[t] for t, p in zip(mine["task"], mine["value"].astype(float), strict=True)
+        )
         out[c] = (float(np.sqrt(var)) / len(mine), sum(sizes[t] for t in mine["task"]))
     return out
 
@@ -226,16 +244,22 @@ class SeedValues:
         labels = sorted(set.intersection(*(set(self.values[c]) for c in a + b)), key=seed_order)
         if len(labels) < 2:
             return None
-        d = [scale * (np.mean([self.values[c][s] for c in a]) - np.mean([self.values[c][s] for c in b]))
-             for s in labels]
+        d = [
+            scale * (np.mean([self.values[c][s] for c in a]) - np.mean([self.values[c][s] for c in b]))
+            for s in labels
+        ]
         return seed_test(d, labels)
 
 
 def pooled(values: dict[str, float], scale: float = 1.0) -> dict[str, Any]:
     """One student's number over its seeds: each seed's, their mean and the between-seed sd (ddof 1)."""
     v = np.array(list(values.values()), dtype=float) * scale
-    return {"seeds": list(values), "values": [_r(x) for x in v], "mean": _r(v.mean()),
-            "sd": _r(v.std(ddof=1)) if len(v) > 1 else None}
+    return {
+        "seeds": list(values),
+        "values": [_r(x) for x in v],
+        "mean": _r(v.mean()),
+        "sd": _r(v.std(ddof=1)) if len(v) > 1 else None,
+    }
 
 
 def seed_test(diffs: list[float], labels: list[str]) -> dict[str, Any]:
@@ -246,8 +270,15 @@ def seed_test(diffs: list[float], labels: list[str]) -> dict[str, Any]:
     sd = float(d.std(ddof=1))
     half = float(t.ppf((1 + LEVEL) / 2, len(d) - 1)) * sd / np.sqrt(len(d))
     lo, hi = d.mean() - half, d.mean() + half
-    return {"seeds": labels, "diffs": [_r(x) for x in d], "mean": _r(d.mean()), "sd": _r(sd),
-            "ci": [_r(lo), _r(hi)], "n": len(d), "survives": bool(lo > 0 or hi < 0)}
+    return {
+        "seeds": labels,
+        "diffs": [_r(x) for x in d],
+        "mean": _r(d.mean()),
+        "sd": _r(sd),
+        "ci": [_r(lo), _r(hi)],
+        "n": len(d),
+        "survives": bool(lo > 0 or hi < 0),
+    }
 
 
 def with_seeds(iv: dict[str, Any] | None, seeds: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -255,8 +286,12 @@ def with_seeds(iv: dict[str, Any] | None, seeds: dict[str, Any] | None) -> dict[
     item-level verdict stays in `item_distinguishable`."""
     if iv is None or seeds is None:
         return iv
-    return {**iv, "item_distinguishable": iv["distinguishable"], "seeds": seeds,
-            "distinguishable": iv["distinguishable"] and seeds["survives"]}
+    return {
+        **iv,
+        "item_distinguishable": iv["distinguishable"],
+        "seeds": seeds,
+        "distinguishable": iv["distinguishable"] and seeds["survives"],
+    }
 
 
 # ---- comparisons ---------------------------------------------------------------------------------
@@ -268,9 +303,14 @@ class Uncertainty:
     """Intervals for one model's comparisons: paired bootstrap where per-item scores exist, else the
     binomial bound from published sizes, else none. Accuracies in pp, perplexities as they are."""
 
-    def __init__(self, acc: Replicates | None, ppl: Replicates | None,
-                 binom: dict[int, tuple[float, int]] | None = None, seed_acc: SeedValues | None = None,
-                 seed_ppl: SeedValues | None = None) -> None:
+    def __init__(
+        self,
+        acc: Replicates | None,
+        ppl: Replicates | None,
+        binom: dict[int, tuple[float, int]] | None = None,
+        seed_acc: SeedValues | None = None,
+        seed_ppl: SeedValues | None = None,
+    ) -> None:
         self.acc, self.ppl, self.binom = acc, ppl, binom or {}
         self.seed_acc, self.seed_ppl = seed_acc or SeedValues({}), seed_ppl or SeedValues({})
 
@@ -298,10 +338,17 @@ class Uncertainty:
         if self.acc and all(c in self.acc.reps for c in a + b):
             return with_seeds(_boot(self.acc, a, b, 100.0, stated), self.seed_acc.diff(a, b, 100.0))
         if self.binom and all(c in self.binom for c in a + b):
-            se = 100 * float(np.hypot(np.mean([self.binom[c][0] for c in a]),
-                                      np.mean([self.binom[c][0] for c in b])))
-            return interval(stated, stated - Z * se, stated + Z * se, se, min(self.binom[c][1] for c in a + b),
-                            "binomial SE from published benchmark sizes, unpaired (conservative)")
+            se = 100 * float(
+                np.hypot(np.mean([self.binom[c][0] for c in a]), np.mean([self.binom[c][0] for c in b]))
+            )
+            return interval(
+                stated,
+                stated - Z * se,
+                stated + Z * se,
+                se,
+                min(self.binom[c][1] for c in a + b),
+                "binomial SE from published benchmark sizes, unpaired (conservative)",
+            )
         return None
 
     def ppl_diff(self, a: list[int], b: list[int], stated: float) -> dict[str, Any] | None:
@@ -323,20 +370,32 @@ def paired_diff(x: np.ndarray, y: np.ndarray, b: int = B, seed: int = SEED) -> d
     w = resample_weights(len(x), b, _rng(seed, "paired"))
     d = (w @ (x - y)) / len(x)
     lo, hi = np.quantile(d, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
-    return interval(float(np.mean(x - y)), lo, hi, float(np.std(d, ddof=1)), len(x), f"paired bootstrap (B={b})")
+    return interval(
+        float(np.mean(x - y)), lo, hi, float(np.std(d, ddof=1)), len(x), f"paired bootstrap (B={b})"
+    )
 
 
 def interval(point: float, lo: float, hi: float, se: float, n: int, method: str) -> dict[str, Any]:
     """A stated difference with its 95% interval; `distinguishable` false when the interval holds 0."""
-    return {"diff": _r(point), "ci": [_r(lo), _r(hi)], "se": _r(se), "n": int(n), "method": method,
-            "distinguishable": bool(lo > 0 or hi < 0)}
+    return {
+        "diff": _r(point),
+        "ci": [_r(lo), _r(hi)],
+        "se": _r(se),
+        "n": int(n),
+        "method": method,
+        "distinguishable": bool(lo > 0 or hi < 0),
+    }
 
 
 def verdict(d: dict[str, Any]) -> str | None:
     """Why a difference is not distinguishable (at this n, or across seeds), None when it is."""
     if d["distinguishable"]:
         return None
-    return NOT_DISTINGUISHABLE if d.get("item_distinguishable", d["distinguishable"]) is False else NOT_ACROSS_SEEDS
+    return (
+        NOT_DISTINGUISHABLE
+        if d.get("item_distinguishable", d["distinguishable"]) is False
+        else NOT_ACROSS_SEEDS
+    )
 
 
 def seed_words(d: dict[str, Any], unit: str = "pp") -> str:
@@ -344,8 +403,10 @@ def seed_words(d: dict[str, Any], unit: str = "pp") -> str:
     s = d.get("seeds")
     if not s:
         return ""
-    return (f"; over {s['n']} seeds {s['mean']:+.2f} ± {s['sd']:.2f} sd, 95% CI [{s['ci'][0]:+.2f}, "
-            f"{s['ci'][1]:+.2f}]{' ' + unit if unit else ''}")
+    return (
+        f"; over {s['n']} seeds {s['mean']:+.2f} ± {s['sd']:.2f} sd, 95% CI [{s['ci'][0]:+.2f}, "
+        f"{s['ci'][1]:+.2f}]{' ' + unit if unit else ''}"
+    )
 
 
 def phrase(d: dict[str, Any] | None, unit: str = "pp") -> str:

@@ -37,7 +37,9 @@ from machine import describe  # noqa: E402  (benchmarks/machine.py, beside this 
 
 from workers.training.memory_model import QWEN3_30B_A3B, STUDENT_3B, Shapes, per_rank_bytes  # noqa: E402
 
-SMOKE_TEACHER = Shapes(layers=2, hidden=32, vocab=128, heads=4, kv_heads=2, head_dim=8, ffn=16, experts=8, top_k=2)
+SMOKE_TEACHER = Shapes(
+    layers=2, hidden=32, vocab=128, heads=4, kv_heads=2, head_dim=8, ffn=16, experts=8, top_k=2
+)
 SMOKE_STUDENT = dataclasses.replace(SMOKE_TEACHER, ffn=32, experts=0, top_k=0)
 
 
@@ -45,19 +47,34 @@ def build(s: Shapes, dtype: torch.dtype, seed: int) -> torch.nn.Module:
     """A random-weight Qwen3 (MoE when s.experts) of these shapes, on the CPU."""
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    common = dict(hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
-                  num_key_value_heads=s.kv_heads, head_dim=s.head_dim, vocab_size=s.vocab,
-                  tie_word_embeddings=s.tied, max_position_embeddings=40960)
+    common = dict(
+        hidden_size=s.hidden,
+        num_hidden_layers=s.layers,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        head_dim=s.head_dim,
+        vocab_size=s.vocab,
+        tie_word_embeddings=s.tied,
+        max_position_embeddings=40960,
+    )
     torch.manual_seed(seed)
     if s.experts:
-        cfg = Qwen3MoeConfig(**common, num_experts=s.experts, num_experts_per_tok=s.top_k, moe_intermediate_size=s.ffn,
-                             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        cfg = Qwen3MoeConfig(
+            **common,
+            num_experts=s.experts,
+            num_experts_per_tok=s.top_k,
+            moe_intermediate_size=s.ffn,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
         return Qwen3MoeForCausalLM(cfg).to(dtype)
     return Qwen3ForCausalLM(Qwen3Config(**common, intermediate_size=s.ffn)).to(dtype)
 
 
 def flops_per_token(teacher: Shapes, student: Shapes, seq_len: int) -> float:
     """Model FLOPs per trained token: student forward + backward, teacher forward (active experts only)."""
+
     def attention(s: Shapes) -> float:  # QK^T and AV over a causal context of seq_len/2 on average
         return 2 * 2 * s.layers * (seq_len / 2) * s.heads * s.head_dim
 
@@ -84,7 +101,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.smoke:
         args.preset, args.seq_len, args.steps, args.logit_chunk = "smoke", 16, 4, 8
-    teacher_s, student_s = (QWEN3_30B_A3B, STUDENT_3B) if args.preset == "real" else (SMOKE_TEACHER, SMOKE_STUDENT)
+    teacher_s, student_s = (
+        (QWEN3_30B_A3B, STUDENT_3B) if args.preset == "real" else (SMOKE_TEACHER, SMOKE_STUDENT)
+    )
     if args.layers:
         teacher_s = dataclasses.replace(teacher_s, layers=args.layers)
         student_s = dataclasses.replace(student_s, layers=args.layers)
@@ -96,7 +115,9 @@ def main(argv: list[str] | None = None) -> None:
         dist.init_process_group("nccl" if cuda else "gloo")
     else:  # one process without torchrun
         store = Path(tempfile.mkdtemp()) / "pg"
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=0, world_size=1)
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", init_method=f"file://{store}", rank=0, world_size=1
+        )
     rank, world = dist.get_rank(), dist.get_world_size()
     from workers.families import get_adapter
     from workers.training.distill import DistillSpec
@@ -105,18 +126,33 @@ def main(argv: list[str] | None = None) -> None:
     teacher = build(teacher_s, torch.bfloat16 if cuda else torch.float32, 0).eval()
     student = build(student_s, torch.float32, 1)
     batch = args.sequences * world
-    spec = DistillSpec(steps=args.steps, batch_size=batch, seq_len=args.seq_len, warmup=1, eval_every=args.steps,
-                       val_windows=world, grad_checkpoint=args.checkpointing, logit_chunk=args.logit_chunk,
-                       dtype="auto")
+    spec = DistillSpec(
+        steps=args.steps,
+        batch_size=batch,
+        seq_len=args.seq_len,
+        warmup=1,
+        eval_every=args.steps,
+        val_windows=world,
+        grad_checkpoint=args.checkpointing,
+        logit_chunk=args.logit_chunk,
+        dtype="auto",
+    )
     g = torch.Generator().manual_seed(2)
     train = torch.randint(0, student_s.vocab, (args.steps * batch, args.seq_len), generator=g)
     val = torch.randint(0, student_s.vocab, (world, args.seq_len), generator=g)
     stamps: list[float] = []
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    res = fsdp_worker(student, teacher, get_adapter(teacher), (train[i:i + batch] for i in range(0, len(train), batch)),
-                      val, spec, teacher_offload=args.teacher_offload,
-                      progress=lambda i, n: stamps.append(time.perf_counter()))
+    res = fsdp_worker(
+        student,
+        teacher,
+        get_adapter(teacher),
+        (train[i : i + batch] for i in range(0, len(train), batch)),
+        val,
+        spec,
+        teacher_offload=args.teacher_offload,
+        progress=lambda i, n: stamps.append(time.perf_counter()),
+    )
     peak = torch.cuda.max_memory_allocated() if cuda else 0
     peaks = [None] * world
     dist.all_gather_object(peaks, peak)
@@ -125,16 +161,35 @@ def main(argv: list[str] | None = None) -> None:
         step_s = statistics.median(steps)
         tok_s = batch * args.seq_len / step_s
         flops = flops_per_token(teacher_s, student_s, args.seq_len)
-        model = per_rank_bytes(teacher_s, student_s, world, "fsdp", args.teacher_offload, args.checkpointing,
-                               args.sequences * args.seq_len, args.logit_chunk)
-        line = {"device": describe("cuda" if cuda else "cpu"), "ranks": world, "layers": student_s.layers,
-                "seq_len": args.seq_len, "sequences_per_rank": args.sequences, "checkpointing": args.checkpointing,
-                "teacher_offload": args.teacher_offload, "step_s": round(step_s, 4), "tokens_per_s": round(tok_s, 1),
-                "mfu": round(flops * tok_s / (args.peak_tflops * 1e12 * world), 4) if cuda else None,
-                "peak_gb_per_rank": [round(p / 1e9, 2) for p in peaks] if cuda else None,
-                "model_gb_per_rank": round(model["total"] / 1e9, 2), "loss_curve": res["loss_curve"]}
+        model = per_rank_bytes(
+            teacher_s,
+            student_s,
+            world,
+            "fsdp",
+            args.teacher_offload,
+            args.checkpointing,
+            args.sequences * args.seq_len,
+            args.logit_chunk,
+        )
+        line = {
+            "device": describe("cuda" if cuda else "cpu"),
+            "ranks": world,
+            "layers": student_s.layers,
+            "seq_len": args.seq_len,
+            "sequences_per_rank": args.sequences,
+            "checkpointing": args.checkpointing,
+            "teacher_offload": args.teacher_offload,
+            "step_s": round(step_s, 4),
+            "tokens_per_s": round(tok_s, 1),
+            "mfu": round(flops * tok_s / (args.peak_tflops * 1e12 * world), 4) if cuda else None,
+            "peak_gb_per_rank": [round(p / 1e9, 2) for p in peaks] if cuda else None,
+            "model_gb_per_rank": round(model["total"] / 1e9, 2),
+            "loss_curve": res["loss_curve"],
+        }
         print(json.dumps(line))
-        print(f"tokens/s: {tok_s:.1f}, median step {step_s:.3f} s, model {model['total'] / 1e9:.2f} GB per rank")
+        print(
+            f"tokens/s: {tok_s:.1f}, median step {step_s:.3f} s, model {model['total'] / 1e9:.2f} GB per rank"
+        )
         if args.out:
             with args.out.open("a") as f:
                 f.write(json.dumps(line) + "\n")

@@ -49,20 +49,31 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sweep", default=str(MICRO), help="sweep name or YAML path (default: tests/sweeps/micro.yaml)")
-    ap.add_argument("--smoke", action="store_true",
-                    help="a seconds-long run through the same code paths (checks the script runs; its timings mean "
-                         "nothing): the serial executor on tests/sweeps/micro.yaml")
+    ap.add_argument(
+        "--sweep", default=str(MICRO), help="sweep name or YAML path (default: tests/sweeps/micro.yaml)"
+    )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a seconds-long run through the same code paths (checks the script runs; its timings mean "
+        "nothing): the serial executor on tests/sweeps/micro.yaml",
+    )
     ap.add_argument("--executors", default="ray,serial", help="comma-separated: ray, serial")
     ap.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray (RayExecutor(num_cpus=...))")
     ap.add_argument("--home", default=None, help="parent of the fresh MOESWEEP_HOMEs (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the homes (DB, logs, artifacts) afterwards")
-    ap.add_argument("--quick", action="store_true",
-                    help="shorten the sweep's compute, keep its grid and resources: dense teacher 100 steps, "
-                         "5 distillation steps, evaluate.limit 16 (less compute, same fixed costs)")
-    ap.add_argument("--seed-cache", default=None,
-                    help="a cache/tiny directory copied into each fresh home first (teachers trained before are "
-                         "then cache hits, as in a home that ran a sweep before)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="shorten the sweep's compute, keep its grid and resources: dense teacher 100 steps, "
+        "5 distillation steps, evaluate.limit 16 (less compute, same fixed costs)",
+    )
+    ap.add_argument(
+        "--seed-cache",
+        default=None,
+        help="a cache/tiny directory copied into each fresh home first (teachers trained before are "
+        "then cache hits, as in a home that ran a sweep before)",
+    )
     a = ap.parse_args(argv)
     if a.smoke:
         if a.quick or a.seed_cache:
@@ -85,7 +96,9 @@ class TimedExecutor:
         self.run_s: dict[str, float] = defaultdict(float)
         self.on_done_s: dict[str, float] = defaultdict(float)
 
-    def run(self, payloads: list[dict[str, Any]], on_done: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    def run(
+        self, payloads: list[dict[str, Any]], on_done: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> None:
         stage = payloads[0]["stage"] if payloads else "?"
 
         def timed_done(*a: Any, **kw: Any) -> Any:
@@ -135,8 +148,12 @@ def quick_sweep(name: str, root: Path) -> str:
     if dense and dense.get("source", "tiny") == "tiny":
         dense["tiny"] = {**(dense.get("tiny") or {}), "steps": 100}
     if raw.get("distill"):
-        raw["distill"]["settings"] = {**raw["distill"].get("settings", {}), "steps": 5, "eval_every": 5,
-                                      "warmup": min(5, raw["distill"].get("settings", {}).get("warmup", 5))}
+        raw["distill"]["settings"] = {
+            **raw["distill"].get("settings", {}),
+            "steps": 5,
+            "eval_every": 5,
+            "warmup": min(5, raw["distill"].get("settings", {}).get("warmup", 5)),
+        }
     if raw.get("evaluate"):
         raw["evaluate"]["limit"] = 16
     path = root / f"{raw['name']}.yaml"
@@ -193,9 +210,18 @@ def run_one(kind: str, a: argparse.Namespace, root: Path) -> dict[str, Any]:
         if st not in by_stage:
             continue
         rs = by_stage[st]
-        stages.append({"stage": st, "jobs": len(rs), "compute": sum(r["compute_s"] for r in rs),
-                       "max": max(r["compute_s"] for r in rs), "ideal": None, "run": None, "db": None,
-                       "gap": sum(r["duration_s"] - r["compute_s"] for r in rs)})
+        stages.append(
+            {
+                "stage": st,
+                "jobs": len(rs),
+                "compute": sum(r["compute_s"] for r in rs),
+                "max": max(r["compute_s"] for r in rs),
+                "ideal": None,
+                "run": None,
+                "db": None,
+                "gap": sum(r["duration_s"] - r["compute_s"] for r in rs),
+            }
+        )
     # teacher and dense_teacher run in one executor call (one stage of the launch loop)
     merged: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
@@ -205,14 +231,28 @@ def run_one(kind: str, a: argparse.Namespace, root: Path) -> dict[str, Any]:
         key = "teacher" if s["stage"] == "dense_teacher" else s["stage"]
         if s["stage"] != "dense_teacher":
             s["ideal"] = ideal_stage(merged[key], cap)
-            s["run"] = ex.run_s.get(key, 0.0) + (ex.run_s.get("dense_teacher", 0.0) if key == "teacher" else 0.0)
-            s["db"] = ex.on_done_s.get(key, 0.0) + (ex.on_done_s.get("dense_teacher", 0.0)
-                                                    if key == "teacher" else 0.0)
+            s["run"] = ex.run_s.get(key, 0.0) + (
+                ex.run_s.get("dense_teacher", 0.0) if key == "teacher" else 0.0
+            )
+            s["db"] = ex.on_done_s.get(key, 0.0) + (
+                ex.on_done_s.get("dense_teacher", 0.0) if key == "teacher" else 0.0
+            )
     gaps = sorted(r["duration_s"] - r["compute_s"] for r in rows)
-    return {"kind": kind, "code": code, "wall": wall, "init": init_s, "actor": actor_s, "jobs": len(rows),
-            "compute": sum(r["compute_s"] for r in rows), "ideal": ideal, "stages": stages,
-            "inside_run": sum(ex.run_s.values()), "db_results": sum(ex.on_done_s.values()), "gaps": gaps,
-            "home": home}
+    return {
+        "kind": kind,
+        "code": code,
+        "wall": wall,
+        "init": init_s,
+        "actor": actor_s,
+        "jobs": len(rows),
+        "compute": sum(r["compute_s"] for r in rows),
+        "ideal": ideal,
+        "stages": stages,
+        "inside_run": sum(ex.run_s.values()),
+        "db_results": sum(ex.on_done_s.values()),
+        "gaps": gaps,
+        "home": home,
+    }
 
 
 def actor_start(inner: Any) -> float:
@@ -237,28 +277,43 @@ def pct(x: float, base: float) -> str:
 
 
 def report(r: dict[str, Any], cpus: int) -> None:
-    head = (f"executor {r['kind']}" + (f" (RayExecutor(num_cpus={cpus}))" if r["kind"] == "ray" else "")
-            + f": exit code {r['code']}, {r['jobs']} jobs")
+    head = (
+        f"executor {r['kind']}"
+        + (f" (RayExecutor(num_cpus={cpus}))" if r["kind"] == "ray" else "")
+        + f": exit code {r['code']}, {r['jobs']} jobs"
+    )
     print(head)
-    print(f"  {'stage':14s} {'jobs':>5s} {'Σcompute':>9s} {'max job':>8s} {'ideal':>8s} {'in run':>8s} "
-          f"{'DB write':>8s} {'Σ(dur−comp)':>11s}")
+    print(
+        f"  {'stage':14s} {'jobs':>5s} {'Σcompute':>9s} {'max job':>8s} {'ideal':>8s} {'in run':>8s} "
+        f"{'DB write':>8s} {'Σ(dur−comp)':>11s}"
+    )
     for s in r["stages"]:
-        f = (lambda v: f"{v:8.2f}" if v is not None else f"{'':8s}")  # noqa: E731
-        print(f"  {s['stage']:14s} {s['jobs']:5d} {s['compute']:9.2f} {s['max']:8.2f} {f(s['ideal'])} "
-              f"{f(s['run'])} {f(s['db'])} {s['gap']:11.2f}")
+        f = lambda v: f"{v:8.2f}" if v is not None else f"{'':8s}"  # noqa: E731
+        print(
+            f"  {s['stage']:14s} {s['jobs']:5d} {s['compute']:9.2f} {s['max']:8.2f} {f(s['ideal'])} "
+            f"{f(s['run'])} {f(s['db'])} {s['gap']:11.2f}"
+        )
     g = r["gaps"]
     q = statistics.quantiles(g, n=10) if len(g) >= 2 else g * 9
     outside = r["wall"] - r["inside_run"]
-    print(f"  wall {r['wall']:.2f}s   Σ compute {r['compute']:.2f}s   ideal {r['ideal']:.2f}s   "
-          f"overhead (wall − ideal)/ideal = {pct(r['wall'] - r['ideal'], r['ideal']).strip()}")
+    print(
+        f"  wall {r['wall']:.2f}s   Σ compute {r['compute']:.2f}s   ideal {r['ideal']:.2f}s   "
+        f"overhead (wall − ideal)/ideal = {pct(r['wall'] - r['ideal'], r['ideal']).strip()}"
+    )
     print(f"  wall / Σ compute = {r['wall'] / r['compute']:.3f}")
-    print(f"  where: outside executor.run (plan, register/claim/link/select in the DB) {outside:.2f}s; "
-          f"inside it {r['inside_run']:.2f}s, of which result writes to the DB {r['db_results']:.2f}s")
-    print(f"  per job duration_s − compute_s: median {statistics.median(g) * 1e3:.1f} ms, "
-          f"p90 {q[-1] * 1e3:.1f} ms, max {max(g) * 1e3:.1f} ms, Σ {sum(g):.2f}s")
+    print(
+        f"  where: outside executor.run (plan, register/claim/link/select in the DB) {outside:.2f}s; "
+        f"inside it {r['inside_run']:.2f}s, of which result writes to the DB {r['db_results']:.2f}s"
+    )
+    print(
+        f"  per job duration_s − compute_s: median {statistics.median(g) * 1e3:.1f} ms, "
+        f"p90 {q[-1] * 1e3:.1f} ms, max {max(g) * 1e3:.1f} ms, Σ {sum(g):.2f}s"
+    )
     if r["kind"] == "ray":
-        print(f"  Ray start-up (not in wall): ray.init {r['init']:.2f}s; one fresh job actor ready in "
-              f"{r['actor']:.2f}s")
+        print(
+            f"  Ray start-up (not in wall): ray.init {r['init']:.2f}s; one fresh job actor ready in "
+            f"{r['actor']:.2f}s"
+        )
     print()
 
 
@@ -270,9 +325,13 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.quick:
         a.sweep = quick_sweep(a.sweep, root)
-    print(f"machine : {machine()} (torch {torch.__version__}, {torch.get_num_threads()} threads in this process)")
-    print(f"sweep   : {a.sweep}; fresh MOESWEEP_HOME per executor under {root}"
-          + (f"; tiny cache seeded from {a.seed_cache}" if a.seed_cache else ""))
+    print(
+        f"machine : {machine()} (torch {torch.__version__}, {torch.get_num_threads()} threads in this process)"
+    )
+    print(
+        f"sweep   : {a.sweep}; fresh MOESWEEP_HOME per executor under {root}"
+        + (f"; tiny cache seeded from {a.seed_cache}" if a.seed_cache else "")
+    )
     print()
     results = []
     try:

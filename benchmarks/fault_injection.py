@@ -60,39 +60,83 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CRASH = REPO / "tests" / "sweeps" / "crash.yaml"
-ALL = ["kill-serial", "kill-ray", "kill-ray-pid", "ray-worker", "raise", "nan", "db-lock", "disk-full", "corrupt"]
+ALL = [
+    "kill-serial",
+    "kill-ray",
+    "kill-ray-pid",
+    "ray-worker",
+    "raise",
+    "nan",
+    "db-lock",
+    "disk-full",
+    "corrupt",
+]
 SMOKE = ["kill-serial", "raise", "corrupt"]
-RESULT_COLS = ("config_key", "kind", "baseline", "scoring", "grouping", "dp_scaling", "K", "ppl_pre",
-               "ppl_pre_kind", "ppl_post", "avg_acc", "selected_for_distill", "duplicate_of IS NOT NULL")
-LOCKER = ("import sqlite3, sys, time\n"
-          "c = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=60)\n"
-          "c.execute('BEGIN EXCLUSIVE')\n"
-          "print('locked', flush=True)\n"
-          "time.sleep(float(sys.argv[2]))\n"
-          "c.execute('COMMIT')\n")
+RESULT_COLS = (
+    "config_key",
+    "kind",
+    "baseline",
+    "scoring",
+    "grouping",
+    "dp_scaling",
+    "K",
+    "ppl_pre",
+    "ppl_pre_kind",
+    "ppl_post",
+    "avg_acc",
+    "selected_for_distill",
+    "duplicate_of IS NOT NULL",
+)
+LOCKER = (
+    "import sqlite3, sys, time\n"
+    "c = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=60)\n"
+    "c.execute('BEGIN EXCLUSIVE')\n"
+    "print('locked', flush=True)\n"
+    "time.sleep(float(sys.argv[2]))\n"
+    "c.execute('COMMIT')\n"
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true",
-                    help=f"seconds to a minute: {', '.join(SMOKE)} on a smaller variant of crash.yaml, 2 kills")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help=f"seconds to a minute: {', '.join(SMOKE)} on a smaller variant of crash.yaml, 2 kills",
+    )
     ap.add_argument("--faults", default=",".join(ALL), help=f"comma-separated, of: {', '.join(ALL)}")
-    ap.add_argument("--kills", type=int, default=20, help="SIGKILLs of the process group per executor (default 20)")
-    ap.add_argument("--pid-kills", type=int, default=5, help="SIGKILLs of the launch's process alone (kill-ray-pid)")
+    ap.add_argument(
+        "--kills", type=int, default=20, help="SIGKILLs of the process group per executor (default 20)"
+    )
+    ap.add_argument(
+        "--pid-kills", type=int, default=5, help="SIGKILLs of the launch's process alone (kill-ray-pid)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray")
-    ap.add_argument("--locks", default="10,40,75",
-                    help="seconds the database is locked, one launch each (the busy timeout is 30 s)")
-    ap.add_argument("--settle-s", type=float, default=5.0,
-                    help="processes of a launch still alive this long after it ended are left behind")
+    ap.add_argument(
+        "--locks",
+        default="10,40,75",
+        help="seconds the database is locked, one launch each (the busy timeout is 30 s)",
+    )
+    ap.add_argument(
+        "--settle-s",
+        type=float,
+        default=5.0,
+        help="processes of a launch still alive this long after it ended are left behind",
+    )
     ap.add_argument("--drain-s", type=float, default=120.0, help="how long to wait for the last of them")
-    ap.add_argument("--no-watchdog", action="store_true",
-                    help="launch a local Ray as before the watchdog (orchestrator.execute): to measure the "
-                         "processes a killed launch leaves without it")
+    ap.add_argument(
+        "--no-watchdog",
+        action="store_true",
+        help="launch a local Ray as before the watchdog (orchestrator.execute): to measure the "
+        "processes a killed launch leaves without it",
+    )
     ap.add_argument("--work", default=None, help="work folder (default: a temp dir, removed afterwards)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
     a = ap.parse_args(argv)
-    a.faults = SMOKE if a.smoke and a.faults == ",".join(ALL) else [f.strip() for f in a.faults.split(",") if f]
+    a.faults = (
+        SMOKE if a.smoke and a.faults == ",".join(ALL) else [f.strip() for f in a.faults.split(",") if f]
+    )
     for f in a.faults:
         if f not in ALL:
             ap.error(f"--faults: {f!r}; allowed: {', '.join(ALL)}")
@@ -235,16 +279,33 @@ class Bench:
 
     def env(self, home: Path, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MOESWEEP_", "FI_", "RAY_ADDRESS"))}
-        env.update(MOESWEEP_HOME=str(home), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-                   HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-                   RAY_DEDUP_LOGS="0", **extra)
+        env.update(
+            MOESWEEP_HOME=str(home),
+            PYTHONPATH=str(REPO),
+            OMP_NUM_THREADS="1",
+            HF_HUB_OFFLINE="1",
+            HF_DATASETS_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            TOKENIZERS_PARALLELISM="false",
+            RAY_DEDUP_LOGS="0",
+            **extra,
+        )
         if self.a.no_watchdog:
             env["FI_NO_WATCHDOG"] = "1"
         return env
 
     def start(self, home: Path, executor: str, retry: bool = False, **extra: str) -> subprocess.Popen:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "_cli", "launch", str(self.sweep), "--executor",
-               executor, "--db", f"sqlite:///{home}/moesweep.db"]
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "_cli",
+            "launch",
+            str(self.sweep),
+            "--executor",
+            executor,
+            "--db",
+            f"sqlite:///{home}/moesweep.db",
+        ]
         if executor == "ray":
             cmd += ["--num-cpus", str(self.a.num_cpus)]
         if retry:
@@ -252,8 +313,9 @@ class Bench:
         log = open(home.parent / f"{home.name}.launches.log", "a")  # noqa: SIM115  (closed by the child's end)
         log.write(f"\n==== {' '.join(cmd[2:])} {extra}\n")
         log.flush()
-        p = subprocess.Popen(cmd, cwd=self.work, env=self.env(home, **extra), stdout=log, stderr=log,
-                             start_new_session=True)
+        p = subprocess.Popen(
+            cmd, cwd=self.work, env=self.env(home, **extra), stdout=log, stderr=log, start_new_session=True
+        )
         log.close()
         return p
 
@@ -329,8 +391,11 @@ class Bench:
             if rc != 0:
                 raise SystemExit(f"the reference run ({executor}) exited {rc}; see {home}.launches.log")
             self.refs[executor] = home
-            print(f"reference ({executor}): {self.ref_wall[executor]:.1f} s, "
-                  f"{len(snapshot(home)[0])} result rows", flush=True)
+            print(
+                f"reference ({executor}): {self.ref_wall[executor]:.1f} s, "
+                f"{len(snapshot(home)[0])} result rows",
+                flush=True,
+            )
         return self.refs[executor]
 
     # ---- comparison ----------------------------------------------------------------------------
@@ -346,10 +411,16 @@ class Bench:
         kind.duplicated += sum(1 for k, n in metrics.items() if k in ref_metrics and n > ref_metrics[k])
         extra = [k for k in metrics if k not in ref_metrics]
         if extra:  # e.g. what a selection moved by a failure distilled: kept, linked to no configuration
-            linked = one(home, "SELECT COUNT(*) FROM config_jobs cj JOIN jobs j ON j.id = cj.job_id WHERE j.key IN "
-                               f"({', '.join('?' * len(extra))})", *extra)
-            kind.notes.append(f"{len(extra)} job(s) that the reference does not have, {linked} of them linked to "
-                              "a configuration")
+            linked = one(
+                home,
+                "SELECT COUNT(*) FROM config_jobs cj JOIN jobs j ON j.id = cj.job_id WHERE j.key IN "
+                f"({', '.join('?' * len(extra))})",
+                *extra,
+            )
+            kind.notes.append(
+                f"{len(extra)} job(s) that the reference does not have, {linked} of them linked to "
+                "a configuration"
+            )
         for k, rs in by_key.items():
             if allowed and k in allowed:
                 if not allowed[k](rs[0]):
@@ -403,32 +474,44 @@ class Bench:
                 time.sleep(0.05)
             self.ended(kind, home, seen)
             failed = count(home, "status = 'failed'")
-            kind.notes.append(f"worker killed in {stage}: launch exited {p.returncode}, {failed} job(s) failed"
-                              if killed else f"no worker was seen running a {stage} job")
+            kind.notes.append(
+                f"worker killed in {stage}: launch exited {p.returncode}, {failed} job(s) failed"
+                if killed
+                else f"no worker was seen running a {stage} job"
+            )
             if self.complete(kind, home, "ray"):
                 self.compare(kind, home, "ray")
 
     def raising(self, kind: Kind) -> None:
         ref = self.reference("serial")
-        key = one(ref, "SELECT j.key FROM results r JOIN config_jobs cj ON cj.config_id = r.config_id "
-                       "AND cj.stage = 'convert' JOIN jobs j ON j.id = cj.job_id WHERE r.kind = 'moe2dense' "
-                       "AND r.selected_for_distill = 1 ORDER BY j.key LIMIT 1")  # the failure moves the selection
+        key = one(
+            ref,
+            "SELECT j.key FROM results r JOIN config_jobs cj ON cj.config_id = r.config_id "
+            "AND cj.stage = 'convert' JOIN jobs j ON j.id = cj.job_id WHERE r.kind = 'moe2dense' "
+            "AND r.selected_for_distill = 1 ORDER BY j.key LIMIT 1",
+        )  # the failure moves the selection
         home = self.home(kind.name)
         rc = self.run_to_end(kind, home, "serial", FI_RAISE_KEY=key)
         kind.injected += 1
         err = one(home, "SELECT error FROM jobs WHERE key = ?", key) or ""
-        kind.notes.append(f"the raising launch exited {rc}; the job is "
-                          f"{one(home, 'SELECT status FROM jobs WHERE key = ?', key)}"
-                          + (" with the injected error" if "injected fault" in err else ""))
+        kind.notes.append(
+            f"the raising launch exited {rc}; the job is "
+            f"{one(home, 'SELECT status FROM jobs WHERE key = ?', key)}"
+            + (" with the injected error" if "injected fault" in err else "")
+        )
         if self.complete(kind, home, "serial"):
             self.compare(kind, home, "serial")
 
     def nan(self, kind: Kind) -> None:
         ref = self.reference("serial")
-        cfg, key = one(ref, "SELECT c.config_key, j.key FROM results r JOIN configurations c ON c.id = r.config_id "
-                            "JOIN config_jobs cj ON cj.config_id = c.id AND cj.stage = 'ppl_pre' "
-                            "JOIN jobs j ON j.id = cj.job_id WHERE r.kind = 'moe2dense' AND r.K = 4 "
-                            "AND r.selected_for_distill = 0 ORDER BY c.config_key LIMIT 1", row=True)
+        cfg, key = one(
+            ref,
+            "SELECT c.config_key, j.key FROM results r JOIN configurations c ON c.id = r.config_id "
+            "JOIN config_jobs cj ON cj.config_id = c.id AND cj.stage = 'ppl_pre' "
+            "JOIN jobs j ON j.id = cj.job_id WHERE r.kind = 'moe2dense' AND r.K = 4 "
+            "AND r.selected_for_distill = 0 ORDER BY c.config_key LIMIT 1",
+            row=True,
+        )
         home = self.home(kind.name)
         rc = self.run_to_end(kind, home, "serial", FI_NAN_KEY=key)
         kind.injected += 1
@@ -442,8 +525,12 @@ class Bench:
             kind.notes.append(f"the relaunch after the NaN exited {rc2} or ran it again")
         i = RESULT_COLS.index("ppl_pre_kind")
         self.compare(kind, home, "serial", {cfg: lambda r: r[i] == "nan" and r[i - 1] is None})
-        got = one(home, "SELECT r.ppl_pre_kind FROM results r JOIN configurations c ON c.id = r.config_id "
-                        "WHERE c.config_key = ?", cfg)
+        got = one(
+            home,
+            "SELECT r.ppl_pre_kind FROM results r JOIN configurations c ON c.id = r.config_id "
+            "WHERE c.config_key = ?",
+            cfg,
+        )
         kind.notes.append(f"{cfg}: ppl_pre_kind = {got}")
 
     def db_lock(self, kind: Kind) -> None:
@@ -453,8 +540,11 @@ class Bench:
             p = self.start(home, "serial")
             rc, seen = self.wait(p, home, self.rng.uniform(3.0, max(3.5, 0.7 * self.ref_wall["serial"])))
             if rc is None:
-                locker = subprocess.Popen([sys.executable, "-c", LOCKER, str(home / "moesweep.db"), str(hold)],
-                                          stdout=subprocess.PIPE, text=True)
+                locker = subprocess.Popen(
+                    [sys.executable, "-c", LOCKER, str(home / "moesweep.db"), str(hold)],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
                 locker.stdout.readline()
                 kind.injected += 1
                 rc, more = self.wait(p, home, None)
@@ -476,8 +566,11 @@ class Bench:
         arts = home / "artifacts"
         arts.mkdir()
         size = 1200 if not self.a.smoke else 1000
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}k", "tmpfs", str(arts)],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}k", "tmpfs", str(arts)],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode != 0:
             kind.notes.append(f"skipped: cannot mount a tmpfs ({r.stderr.strip() or r.returncode})")
             return
@@ -485,8 +578,9 @@ class Bench:
             rc = self.run_to_end(kind, home, "serial")
             full = count(home, "status = 'failed' AND error LIKE '%No space left%'")
             kind.injected += 1
-            kind.notes.append(f"{size} KiB of artifacts: the launch exited {rc}, {full} job(s) failed for "
-                              "no space left")
+            kind.notes.append(
+                f"{size} KiB of artifacts: the launch exited {rc}, {full} job(s) failed for no space left"
+            )
             subprocess.run(["mount", "-o", "remount,size=64m", str(arts)], check=True)
             if self.complete(kind, home, "serial"):
                 self.compare(kind, home, "serial")
@@ -505,8 +599,13 @@ class Bench:
                 path = Path(one(home, "SELECT path FROM artifacts WHERE kind = 'calibration_stats'"))
                 path.write_bytes(random.Random(self.a.seed).randbytes(path.stat().st_size))
             else:
-                folder = Path(one(home, "SELECT a.path FROM artifacts a JOIN jobs j ON j.id = a.job_id "
-                                        "WHERE j.stage = 'distill' ORDER BY j.key LIMIT 1"))
+                folder = Path(
+                    one(
+                        home,
+                        "SELECT a.path FROM artifacts a JOIN jobs j ON j.id = a.job_id "
+                        "WHERE j.stage = 'distill' ORDER BY j.key LIMIT 1",
+                    )
+                )
                 path = max((f for f in folder.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
                 with open(path, "r+b") as f:
                     f.truncate(path.stat().st_size // 2)
@@ -521,7 +620,9 @@ class Bench:
             time.sleep(0.2)
         kind.gone_s = time.monotonic() - t0 if alive(kind.procs) else max(0.0, time.monotonic() - t0)
         if alive(kind.procs):
-            kind.notes.append(f"{len(alive(kind.procs))} process(es) still alive after {self.a.drain_s:.0f} s")
+            kind.notes.append(
+                f"{len(alive(kind.procs))} process(es) still alive after {self.a.drain_s:.0f} s"
+            )
 
 
 # ---- the database ----------------------------------------------------------------------------------
@@ -551,10 +652,13 @@ def running(home: Path, stage: str) -> bool:
 def snapshot(home: Path) -> tuple[list[tuple], dict[str, int]]:
     """The result rows (by configuration, in order) and the number of metric rows of each job."""
     cols = ", ".join(("c." if c == "config_key" else "r.") + c for c in RESULT_COLS)
-    rows = _q(home, f"SELECT {cols} FROM results r JOIN configurations c ON c.id = r.config_id "
-                    "ORDER BY c.config_key")
-    metrics = dict(_q(home, "SELECT j.key, COUNT(m.id) FROM jobs j LEFT JOIN metrics m ON m.job_id = j.id "
-                            "GROUP BY j.id"))
+    rows = _q(
+        home,
+        f"SELECT {cols} FROM results r JOIN configurations c ON c.id = r.config_id ORDER BY c.config_key",
+    )
+    metrics = dict(
+        _q(home, "SELECT j.key, COUNT(m.id) FROM jobs j LEFT JOIN metrics m ON m.job_id = j.id GROUP BY j.id")
+    )
     return rows, metrics
 
 
@@ -579,8 +683,11 @@ def main(argv: list[str] | None = None) -> int:
     b = Bench(a, work)
     text = CRASH.read_text()
     b.sweep.write_text(smoke_sweep(text) if a.smoke else text)
-    print(f"fault injection: {', '.join(a.faults)}; seed {a.seed}; {os.cpu_count()} CPUs ({cpu_name()}); "
-          f"work folder {work}" + ("; local Ray without the watchdog" if a.no_watchdog else ""), flush=True)
+    print(
+        f"fault injection: {', '.join(a.faults)}; seed {a.seed}; {os.cpu_count()} CPUs ({cpu_name()}); "
+        f"work folder {work}" + ("; local Ray without the watchdog" if a.no_watchdog else ""),
+        flush=True,
+    )
     kinds: list[Kind] = []
     t_all = time.monotonic()
     try:
@@ -589,24 +696,37 @@ def main(argv: list[str] | None = None) -> int:
             kind = Kind(f)
             kinds.append(kind)
             t0 = time.monotonic()
-            {"kill-serial": lambda k: b.kills(k, "serial"), "kill-ray": lambda k: b.kills(k, "ray"),
-             "kill-ray-pid": lambda k: b.kills(k, "ray", group=False), "ray-worker": b.ray_worker,
-             "raise": b.raising, "nan": b.nan, "db-lock": b.db_lock, "disk-full": b.disk_full,
-             "corrupt": b.corrupt}[f](kind)
+            {
+                "kill-serial": lambda k: b.kills(k, "serial"),
+                "kill-ray": lambda k: b.kills(k, "ray"),
+                "kill-ray-pid": lambda k: b.kills(k, "ray", group=False),
+                "ray-worker": b.ray_worker,
+                "raise": b.raising,
+                "nan": b.nan,
+                "db-lock": b.db_lock,
+                "disk-full": b.disk_full,
+                "corrupt": b.corrupt,
+            }[f](kind)
             b.drain(kind)
-            print(f"{f}: {kind.injected} fault(s), {kind.launches} launches, {time.monotonic() - t0:.0f} s",
-                  flush=True)
+            print(
+                f"{f}: {kind.injected} fault(s), {kind.launches} launches, {time.monotonic() - t0:.0f} s",
+                flush=True,
+            )
     finally:
         if not (a.keep or a.work):
             shutil.rmtree(work, ignore_errors=True)
     print()
-    print(f"| fault | injected | sweeps completed | rows lost | rows duplicated | rows differing | "
-          f"processes left ({a.settle_s:.0f} s after a launch ended) | all gone after |")
+    print(
+        f"| fault | injected | sweeps completed | rows lost | rows duplicated | rows differing | "
+        f"processes left ({a.settle_s:.0f} s after a launch ended) | all gone after |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for k in kinds:
         names = ", ".join(f"{n} ×{c}" for n, c in sorted(k.left_names.items()))
-        print(f"| {k.name} | {k.injected} | {k.completed} | {k.lost} | {k.duplicated} | {k.differing} | "
-              f"{k.left}{f' ({names})' if names else ''} | {k.gone_s:.1f} s |")
+        print(
+            f"| {k.name} | {k.injected} | {k.completed} | {k.lost} | {k.duplicated} | {k.differing} | "
+            f"{k.left}{f' ({names})' if names else ''} | {k.gone_s:.1f} s |"
+        )
     print()
     for k in kinds:
         for n in dict.fromkeys(k.notes):

@@ -8,8 +8,11 @@ from pathlib import Path
 
 def cpu_name() -> str:
     try:
-        return next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                    if ln.startswith("model name"))
+        return next(
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        )
     except (OSError, StopIteration):
         return platform.processor() or platform.machine()
 

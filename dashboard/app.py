@@ -77,23 +77,31 @@ def svg_curve(curves: dict[str, list[tuple[int, float]]], width: int = 560, heig
         return f"{pad + (s - x0) / (x1 - x0) * (width - 2 * pad):.1f},{height - pad - (v - y0) / (y1 - y0) * (height - 2 * pad):.1f}"
 
     colours = {"student": "#1f6feb", "teacher": "#d1242f"}
-    out = [f'<svg class="curve" viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img" '
-           f'aria-label="validation cross-entropy by step">',
-           f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" class="axis"/>',
-           f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" class="axis"/>',
-           f'<text x="{pad}" y="{height - pad + 16}" class="tick">{x0}</text>',
-           f'<text x="{width - pad}" y="{height - pad + 16}" class="tick" text-anchor="end">{x1}</text>',
-           f'<text x="{pad - 4}" y="{height - pad}" class="tick" text-anchor="end">{y0:.3g}</text>',
-           f'<text x="{pad - 4}" y="{pad + 4}" class="tick" text-anchor="end">{y1:.3g}</text>',
-           f'<text x="{width / 2}" y="{height - 8}" class="tick" text-anchor="middle">step</text>']
+    out = [
+        f'<svg class="curve" viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img" '
+        f'aria-label="validation cross-entropy by step">',
+        f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" class="axis"/>',
+        f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" class="axis"/>',
+        f'<text x="{pad}" y="{height - pad + 16}" class="tick">{x0}</text>',
+        f'<text x="{width - pad}" y="{height - pad + 16}" class="tick" text-anchor="end">{x1}</text>',
+        f'<text x="{pad - 4}" y="{height - pad}" class="tick" text-anchor="end">{y0:.3g}</text>',
+        f'<text x="{pad - 4}" y="{pad + 4}" class="tick" text-anchor="end">{y1:.3g}</text>',
+        f'<text x="{width / 2}" y="{height - 8}" class="tick" text-anchor="middle">step</text>',
+    ]
     for i, (who, line) in enumerate(sorted(curves.items())):
         c = colours.get(who, "#6e7781")
-        out.append(f'<polyline fill="none" stroke="{c}" stroke-width="2" points="{" ".join(xy(s, v) for s, v in line)}"/>')
+        out.append(
+            f'<polyline fill="none" stroke="{c}" stroke-width="2" points="{" ".join(xy(s, v) for s, v in line)}"/>'
+        )
         for s, v in line:
-            out.append(f'<circle r="3" fill="{c}" cx="{xy(s, v).split(",")[0]}" cy="{xy(s, v).split(",")[1]}">'
-                       f'<title>{Markup.escape(who)} step {s}: {v:.4g}</title></circle>')
-        out.append(f'<text x="{width - pad}" y="{pad + 14 * i}" text-anchor="end" fill="{c}" class="tick">'
-                   f'{Markup.escape(who)}</text>')
+            out.append(
+                f'<circle r="3" fill="{c}" cx="{xy(s, v).split(",")[0]}" cy="{xy(s, v).split(",")[1]}">'
+                f"<title>{Markup.escape(who)} step {s}: {v:.4g}</title></circle>"
+            )
+        out.append(
+            f'<text x="{width - pad}" y="{pad + 14 * i}" text-anchor="end" fill="{c}" class="tick">'
+            f"{Markup.escape(who)}</text>"
+        )
     out.append("</svg>")
     return Markup("".join(out))
 
@@ -141,21 +149,57 @@ def sweep_page(request: Request) -> Response:
     filters = {a: q[a] for a in D.FILTER_AXES if q.get(a)}
     unknown = sorted(set(q) - set(D.FILTER_AXES) - {"sort", "order", "selected", "q"})
     if unknown:
-        raise D.BadRequest(f"unknown query parameter {unknown[0]!r}; allowed: sort, order, selected, q, "
-                           + ", ".join(D.FILTER_AXES))
+        raise D.BadRequest(
+            f"unknown query parameter {unknown[0]!r}; allowed: sort, order, selected, q, "
+            + ", ".join(D.FILTER_AXES)
+        )
     if q.get("order") not in (None, "", "asc", "desc"):
         raise D.BadRequest(f"order: {q['order']!r}; allowed: asc, desc")
     if q.get("selected") not in (None, "", "0", "1"):
         raise D.BadRequest(f"selected: {q['selected']!r}; allowed: 0, 1")
     sort = q.get("sort") or None
-    found = D.results(store, name, filters, sort=sort, desc=q.get("order") == "desc",
-                      selected_only=q.get("selected") == "1", search=q.get("q") or None)
-    shown = [c for c in ("kind", "baseline", "scoring", "grouping", "dp_scaling", "K", "output", "recovery",
-                         "merging", "editing", "variant", "distill_loss", "teacher_top_k")
-             if any(r[c] is not None for r in found)]
-    return _page(request, "sweep.html", sweep=sw, rows=found, options=options, filters=filters, axes=shown,
-                 sort=sort, desc=q.get("order") == "desc", selected_only=q.get("selected") == "1",
-                 search=q.get("q") or "", url=lambda **kw: _query_url(request, **kw))
+    found = D.results(
+        store,
+        name,
+        filters,
+        sort=sort,
+        desc=q.get("order") == "desc",
+        selected_only=q.get("selected") == "1",
+        search=q.get("q") or None,
+    )
+    shown = [
+        c
+        for c in (
+            "kind",
+            "baseline",
+            "scoring",
+            "grouping",
+            "dp_scaling",
+            "K",
+            "output",
+            "recovery",
+            "merging",
+            "editing",
+            "variant",
+            "distill_loss",
+            "teacher_top_k",
+        )
+        if any(r[c] is not None for r in found)
+    ]
+    return _page(
+        request,
+        "sweep.html",
+        sweep=sw,
+        rows=found,
+        options=options,
+        filters=filters,
+        axes=shown,
+        sort=sort,
+        desc=q.get("order") == "desc",
+        selected_only=q.get("selected") == "1",
+        search=q.get("q") or "",
+        url=lambda **kw: _query_url(request, **kw),
+    )
 
 
 def jobs_page(request: Request) -> Response:
@@ -165,8 +209,15 @@ def jobs_page(request: Request) -> Response:
     if q.get("status") and q["status"] not in D.STATUSES:
         raise D.BadRequest(f"status: {q['status']!r}; allowed: {', '.join(D.STATUSES)}")
     found = D.sweep_jobs(store, name, stage=q.get("stage") or None, status=q.get("status") or None)
-    return _page(request, "jobs.html", sweep=sw, jobs=found, stage=q.get("stage") or "",
-                 status=q.get("status") or "", live=not (q.get("stage") or q.get("status")))
+    return _page(
+        request,
+        "jobs.html",
+        sweep=sw,
+        jobs=found,
+        stage=q.get("stage") or "",
+        status=q.get("status") or "",
+        live=not (q.get("stage") or q.get("status")),
+    )
 
 
 def report_page(request: Request) -> Response:
@@ -185,7 +236,9 @@ def report_figure(request: Request) -> Response:
     store, name, file = _store(request), request.path_params["name"], request.path_params["file"]
     _one(D.sweep(store, name), f"no sweep {name!r} in this database")
     rep = request.app.state.reports.get(store, name)
-    if file not in {f for f, _ in rep.figures}:  # only files the report listed: no path from the URL is opened
+    if file not in {
+        f for f, _ in rep.figures
+    }:  # only files the report listed: no path from the URL is opened
         raise HTTPException(404, f"no figure {file!r} in the report of {name}")
     return FileResponse(rep.folder / "figures" / file, media_type="image/png")
 
@@ -203,8 +256,16 @@ def config_page(request: Request) -> Response:
     for j in jobs:
         j["log"] = D.log_tail(j["log_path"])
     curve = D.curve(store, cid)
-    return _page(request, "config.html", cfg=cfg, plan=D.plan(store, cid), metrics=D.metrics(store, cid),
-                 curve=svg_curve(curve), curve_points=sum(len(v) for v in curve.values()), jobs=jobs)
+    return _page(
+        request,
+        "config.html",
+        cfg=cfg,
+        plan=D.plan(store, cid),
+        metrics=D.metrics(store, cid),
+        curve=svg_curve(curve),
+        curve_points=sum(len(v) for v in curve.values()),
+        jobs=jobs,
+    )
 
 
 def job_page(request: Request) -> Response:
@@ -215,8 +276,13 @@ def job_page(request: Request) -> Response:
 
 # ---- JSON for the live pages --------------------------------------------------------------------------
 def api_sweeps(request: Request) -> Response:
-    return JSONResponse({"sweeps": [{"name": s.name, "status": s.status, "stages": s.counts}
-                                    for s in D.sweeps(_store(request))]})
+    return JSONResponse(
+        {
+            "sweeps": [
+                {"name": s.name, "status": s.status, "stages": s.counts} for s in D.sweeps(_store(request))
+            ]
+        }
+    )
 
 
 def api_progress(request: Request) -> Response:
@@ -229,7 +295,9 @@ def api_progress(request: Request) -> Response:
 def _error(request: Request, code: int, message: str) -> Response:
     if request.url.path.startswith("/api/"):
         return JSONResponse({"error": message}, status_code=code)
-    return templates.TemplateResponse(request, "error.html", {"code": code, "message": message}, status_code=code)
+    return templates.TemplateResponse(
+        request, "error.html", {"code": code, "message": message}, status_code=code
+    )
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -261,8 +329,10 @@ def create_app(store: Store, reports: ReportCache | None = None) -> Starlette:
         Route("/api/sweeps/{name}/progress", api_progress),
         Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
     ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, D.BadRequest: _bad_request,
-                                                       StoreError: _store_error})
+    app = Starlette(
+        routes=routes,
+        exception_handlers={HTTPException: _http_error, D.BadRequest: _bad_request, StoreError: _store_error},
+    )
     app.state.store = store
     app.state.reports = reports or ReportCache()
     return app

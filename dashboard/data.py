@@ -15,12 +15,50 @@ from db.store import Store, owner_dead
 
 STATUSES = ("succeeded", "running", "failed", "pending")
 # the results table: the columns shown, those a visitor may filter on (axes) and sort by
-RESULT_COLUMNS = ("config_id", "config_key", "model", "kind", "baseline", "scoring", "grouping", "dp_scaling",
-                  "K", "output", "recovery", "merging", "editing", "top_k", "variant", "distill_loss",
-                  "teacher_top_k", "distill_tokens", "ppl_pre", "ppl_pre_kind", "ppl_post", "ppl_post_kind",
-                  "avg_acc", "params", "selected_for_distill", "duplicate_of")
-FILTER_AXES = ("model", "kind", "baseline", "scoring", "grouping", "dp_scaling", "K", "output", "recovery",
-               "merging", "editing", "variant", "distill_loss", "teacher_top_k")
+RESULT_COLUMNS = (
+    "config_id",
+    "config_key",
+    "model",
+    "kind",
+    "baseline",
+    "scoring",
+    "grouping",
+    "dp_scaling",
+    "K",
+    "output",
+    "recovery",
+    "merging",
+    "editing",
+    "top_k",
+    "variant",
+    "distill_loss",
+    "teacher_top_k",
+    "distill_tokens",
+    "ppl_pre",
+    "ppl_pre_kind",
+    "ppl_post",
+    "ppl_post_kind",
+    "avg_acc",
+    "params",
+    "selected_for_distill",
+    "duplicate_of",
+)
+FILTER_AXES = (
+    "model",
+    "kind",
+    "baseline",
+    "scoring",
+    "grouping",
+    "dp_scaling",
+    "K",
+    "output",
+    "recovery",
+    "merging",
+    "editing",
+    "variant",
+    "distill_loss",
+    "teacher_top_k",
+)
 INT_AXES = frozenset({"K", "teacher_top_k", "top_k"})
 SORTABLE = frozenset(RESULT_COLUMNS) - {"ppl_pre_kind", "ppl_post_kind"}
 
@@ -92,9 +130,13 @@ def stage_counts(store: Store, sweep: str | None = None) -> dict[str, dict[str, 
     """{sweep: {stage: {status: jobs}}} (stages in launch order); a running job whose launch is gone
     counts as `dead`, as `moesweep status` shows it."""
     where, params = ("WHERE s.name = :sweep", {"sweep": sweep}) if sweep is not None else ("", {})
-    found = rows(store, "SELECT s.name AS sweep, j.stage AS stage, j.status AS status, j.owner AS owner, "
-                        "j.heartbeat_at AS heartbeat_at FROM sweeps s JOIN sweep_jobs sj ON sj.sweep_id = s.id "
-                        f"JOIN jobs j ON j.id = sj.job_id {where}", params)
+    found = rows(
+        store,
+        "SELECT s.name AS sweep, j.stage AS stage, j.status AS status, j.owner AS owner, "
+        "j.heartbeat_at AS heartbeat_at FROM sweeps s JOIN sweep_jobs sj ON sj.sweep_id = s.id "
+        f"JOIN jobs j ON j.id = sj.job_id {where}",
+        params,
+    )
     out: dict[str, dict[str, dict[str, int]]] = {}
     for r in found:
         st = r["status"]
@@ -108,14 +150,28 @@ def stage_counts(store: Store, sweep: str | None = None) -> dict[str, dict[str, 
 def sweeps(store: Store) -> list[SweepRow]:
     """Every sweep in the database, launched ones first, with its progress per stage."""
     counts = stage_counts(store)
-    found = rows(store, "SELECT s.name AS name, s.kind AS kind, s.source AS source, s.description AS "
-                        "description, s.updated_at AS updated_at, "
-                        "(SELECT COUNT(*) FROM configurations c WHERE c.sweep_id = s.id) AS configs, "
-                        "(SELECT COUNT(*) FROM configurations c WHERE c.sweep_id = s.id "
-                        "AND c.selected_for_distill = 1) AS selected "
-                        "FROM sweeps s ORDER BY CASE WHEN s.kind = 'reference' THEN 1 ELSE 0 END, s.name")
-    return [SweepRow(r["name"], r["kind"], r["source"] or "", r["description"] or "", r["configs"] or 0,
-                     r["selected"] or 0, r["updated_at"], counts.get(r["name"], {})) for r in found]
+    found = rows(
+        store,
+        "SELECT s.name AS name, s.kind AS kind, s.source AS source, s.description AS "
+        "description, s.updated_at AS updated_at, "
+        "(SELECT COUNT(*) FROM configurations c WHERE c.sweep_id = s.id) AS configs, "
+        "(SELECT COUNT(*) FROM configurations c WHERE c.sweep_id = s.id "
+        "AND c.selected_for_distill = 1) AS selected "
+        "FROM sweeps s ORDER BY CASE WHEN s.kind = 'reference' THEN 1 ELSE 0 END, s.name",
+    )
+    return [
+        SweepRow(
+            r["name"],
+            r["kind"],
+            r["source"] or "",
+            r["description"] or "",
+            r["configs"] or 0,
+            r["selected"] or 0,
+            r["updated_at"],
+            counts.get(r["name"], {}),
+        )
+        for r in found
+    ]
 
 
 def sweep(store: Store, name: str) -> SweepRow | None:
@@ -134,8 +190,11 @@ def _axis_value(axis: str, value: str) -> Any:
 
 def filter_options(store: Store, name: str) -> dict[str, list[Any]]:
     """Per filterable axis, the values it takes in the sweep (axes with a single value or none are left out)."""
-    found = rows(store, "SELECT " + ", ".join(_q(a) for a in FILTER_AXES) + " FROM results WHERE sweep = :sweep",
-                 {"sweep": name})
+    found = rows(
+        store,
+        "SELECT " + ", ".join(_q(a) for a in FILTER_AXES) + " FROM results WHERE sweep = :sweep",
+        {"sweep": name},
+    )
     out = {}
     for a in FILTER_AXES:
         vals = sorted({r[a] for r in found if r[a] is not None}, key=lambda v: (str(type(v)), v))
@@ -144,8 +203,15 @@ def filter_options(store: Store, name: str) -> dict[str, list[Any]]:
     return out
 
 
-def results(store: Store, name: str, filters: dict[str, str], sort: str | None = None, desc: bool = False,
-            selected_only: bool = False, search: str | None = None) -> list[dict[str, Any]]:
+def results(
+    store: Store,
+    name: str,
+    filters: dict[str, str],
+    sort: str | None = None,
+    desc: bool = False,
+    selected_only: bool = False,
+    search: str | None = None,
+) -> list[dict[str, Any]]:
     """The sweep's configurations, filtered by axis values (bound), sorted by a known column."""
     if sort is not None and sort not in SORTABLE:
         raise BadRequest(f"sort: unknown column {sort!r}; allowed: {', '.join(sorted(SORTABLE))}")
@@ -164,8 +230,12 @@ def results(store: Store, name: str, filters: dict[str, str], sort: str | None =
     if sort is not None:
         col = _q(sort)
         order = f"CASE WHEN {col} IS NULL THEN 1 ELSE 0 END, {col} {'DESC' if desc else 'ASC'}, config_id"
-    return rows(store, f"SELECT {', '.join(_q(c) for c in RESULT_COLUMNS)} FROM results WHERE "
-                       f"{' AND '.join(where)} ORDER BY {order}", params)
+    return rows(
+        store,
+        f"SELECT {', '.join(_q(c) for c in RESULT_COLUMNS)} FROM results WHERE "
+        f"{' AND '.join(where)} ORDER BY {order}",
+        params,
+    )
 
 
 # ---- one configuration ----------------------------------------------------------------------------
@@ -176,21 +246,34 @@ def config(store: Store, config_id: int) -> dict[str, Any] | None:
 
 def plan(store: Store, config_id: int) -> list[dict[str, Any]]:
     """Per layer and group, the kept experts with their merge weights and α (the conversion plan)."""
-    found = rows(store, "SELECT layer, expert, score, selected_rank, group_idx, merge_weight, alpha "
-                        "FROM selections WHERE config_id = :c ORDER BY layer, group_idx, selected_rank", {"c": config_id})
+    found = rows(
+        store,
+        "SELECT layer, expert, score, selected_rank, group_idx, merge_weight, alpha "
+        "FROM selections WHERE config_id = :c ORDER BY layer, group_idx, selected_rank",
+        {"c": config_id},
+    )
     layers: dict[int, dict[int, list[dict[str, Any]]]] = {}
     for r in found:
         layers.setdefault(r["layer"], {}).setdefault(r["group_idx"], []).append(r)
-    return [{"layer": layer, "kept": sum(len(g) for g in groups.values()),
-             "groups": [{"group": g, "experts": ex} for g, ex in sorted(groups.items())]}
-            for layer, groups in sorted(layers.items())]
+    return [
+        {
+            "layer": layer,
+            "kept": sum(len(g) for g in groups.values()),
+            "groups": [{"group": g, "experts": ex} for g, ex in sorted(groups.items())],
+        }
+        for layer, groups in sorted(layers.items())
+    ]
 
 
 def metrics(store: Store, config_id: int) -> list[dict[str, Any]]:
     """Every metric of the configuration with its n (tokens for a perplexity or loss, items for a task)."""
-    found = rows(store, "SELECT job_stage, name, stage, task, who, step, value, value_kind, n_tokens, total, "
-                        "correct, stderr, num_fewshot, headline FROM config_metrics WHERE config_id = :c "
-                        "ORDER BY name, stage, task, who, step, metric_id", {"c": config_id})
+    found = rows(
+        store,
+        "SELECT job_stage, name, stage, task, who, step, value, value_kind, n_tokens, total, "
+        "correct, stderr, num_fewshot, headline FROM config_metrics WHERE config_id = :c "
+        "ORDER BY name, stage, task, who, step, metric_id",
+        {"c": config_id},
+    )
     for r in found:
         r["n"] = r["total"] if r["total"] is not None else r["n_tokens"]
     return found
@@ -199,23 +282,32 @@ def metrics(store: Store, config_id: int) -> list[dict[str, Any]]:
 def curve(store: Store, config_id: int) -> dict[str, list[tuple[int, float]]]:
     """Validation CE during distillation: {who: [(step, value)]}."""
     out: dict[str, list[tuple[int, float]]] = {}
-    for r in rows(store, "SELECT who, step, value FROM curves WHERE config_id = :c AND value IS NOT NULL "
-                         "ORDER BY who, step", {"c": config_id}):
+    for r in rows(
+        store,
+        "SELECT who, step, value FROM curves WHERE config_id = :c AND value IS NOT NULL ORDER BY who, step",
+        {"c": config_id},
+    ):
         out.setdefault(r["who"] or "student", []).append((r["step"], r["value"]))
     return out
 
 
 def config_jobs(store: Store, config_id: int) -> list[dict[str, Any]]:
-    found = rows(store, "SELECT cj.stage AS stage, j.key AS key, j.status AS status, j.attempts AS attempts, "
-                        "j.started_at AS started_at, j.finished_at AS finished_at, j.duration_s AS duration_s, "
-                        "j.error AS error, j.log_path AS log_path FROM config_jobs cj "
-                        "JOIN jobs j ON j.id = cj.job_id WHERE cj.config_id = :c", {"c": config_id})
+    found = rows(
+        store,
+        "SELECT cj.stage AS stage, j.key AS key, j.status AS status, j.attempts AS attempts, "
+        "j.started_at AS started_at, j.finished_at AS finished_at, j.duration_s AS duration_s, "
+        "j.error AS error, j.log_path AS log_path FROM config_jobs cj "
+        "JOIN jobs j ON j.id = cj.job_id WHERE cj.config_id = :c",
+        {"c": config_id},
+    )
     order = stage_order()
     return sorted(found, key=lambda r: order.index(r["stage"]) if r["stage"] in order else len(order))
 
 
 # ---- jobs -----------------------------------------------------------------------------------------
-def sweep_jobs(store: Store, name: str, stage: str | None = None, status: str | None = None) -> list[dict[str, Any]]:
+def sweep_jobs(
+    store: Store, name: str, stage: str | None = None, status: str | None = None
+) -> list[dict[str, Any]]:
     where, params = ["s.name = :sweep"], {"sweep": name}
     if stage:
         where.append("j.stage = :stage")
@@ -223,10 +315,14 @@ def sweep_jobs(store: Store, name: str, stage: str | None = None, status: str | 
     if status:
         where.append("j.status = :status")
         params["status"] = status
-    found = rows(store, "SELECT j.key AS key, j.stage AS stage, j.status AS status, j.attempts AS attempts, "
-                        "j.started_at AS started_at, j.finished_at AS finished_at, j.duration_s AS duration_s, "
-                        "j.error AS error FROM sweeps s JOIN sweep_jobs sj ON sj.sweep_id = s.id "
-                        f"JOIN jobs j ON j.id = sj.job_id WHERE {' AND '.join(where)} ORDER BY j.id", params)
+    found = rows(
+        store,
+        "SELECT j.key AS key, j.stage AS stage, j.status AS status, j.attempts AS attempts, "
+        "j.started_at AS started_at, j.finished_at AS finished_at, j.duration_s AS duration_s, "
+        "j.error AS error FROM sweeps s JOIN sweep_jobs sj ON sj.sweep_id = s.id "
+        f"JOIN jobs j ON j.id = sj.job_id WHERE {' AND '.join(where)} ORDER BY j.id",
+        params,
+    )
     order = stage_order()
     return sorted(found, key=lambda r: order.index(r["stage"]) if r["stage"] in order else len(order))
 
@@ -237,24 +333,48 @@ def job(store: Store, key: str) -> dict[str, Any] | None:
         return None
     j = found[0]
     j["params"] = json.loads(j["params_json"] or "{}")
-    j["configs"] = rows(store, "SELECT c.id AS config_id, c.config_key AS config_key, s.name AS sweep, "
-                               "cj.stage AS stage FROM config_jobs cj JOIN configurations c ON c.id = cj.config_id "
-                               "JOIN sweeps s ON s.id = c.sweep_id WHERE cj.job_id = :j ORDER BY c.id",
-                        {"j": j["id"]})
-    j["sweeps"] = [r["name"] for r in rows(store, "SELECT s.name AS name FROM sweep_jobs sj JOIN sweeps s "
-                                                  "ON s.id = sj.sweep_id WHERE sj.job_id = :j ORDER BY s.name",
-                                           {"j": j["id"]})]
-    j["metrics"] = rows(store, "SELECT name, stage, task, who, step, value, value_kind, n_tokens, total "
-                               "FROM metrics WHERE job_id = :j ORDER BY name, stage, task, who, step", {"j": j["id"]})
+    j["configs"] = rows(
+        store,
+        "SELECT c.id AS config_id, c.config_key AS config_key, s.name AS sweep, "
+        "cj.stage AS stage FROM config_jobs cj JOIN configurations c ON c.id = cj.config_id "
+        "JOIN sweeps s ON s.id = c.sweep_id WHERE cj.job_id = :j ORDER BY c.id",
+        {"j": j["id"]},
+    )
+    j["sweeps"] = [
+        r["name"]
+        for r in rows(
+            store,
+            "SELECT s.name AS name FROM sweep_jobs sj JOIN sweeps s "
+            "ON s.id = sj.sweep_id WHERE sj.job_id = :j ORDER BY s.name",
+            {"j": j["id"]},
+        )
+    ]
+    j["metrics"] = rows(
+        store,
+        "SELECT name, stage, task, who, step, value, value_kind, n_tokens, total "
+        "FROM metrics WHERE job_id = :j ORDER BY name, stage, task, who, step",
+        {"j": j["id"]},
+    )
     return j
 
 
 def progress(store: Store, name: str) -> dict[str, Any]:
     """What the live pages poll: per stage and status the job count, and every job's status."""
-    return {"sweep": name, "stages": stage_counts(store, name).get(name, {}),
-            "jobs": [{"key": j["key"], "stage": j["stage"], "status": j["status"], "attempts": j["attempts"],
-                      "duration_s": j["duration_s"], "error": last_line(j["error"])}
-                     for j in sweep_jobs(store, name)]}
+    return {
+        "sweep": name,
+        "stages": stage_counts(store, name).get(name, {}),
+        "jobs": [
+            {
+                "key": j["key"],
+                "stage": j["stage"],
+                "status": j["status"],
+                "attempts": j["attempts"],
+                "duration_s": j["duration_s"],
+                "error": last_line(j["error"]),
+            }
+            for j in sweep_jobs(store, name)
+        ],
+    }
 
 
 def last_line(text: str | None) -> str:

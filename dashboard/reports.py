@@ -22,11 +22,28 @@ from db.store import Store
 
 # the LaTeX the tables write (analysis/latex.py), back to plain characters
 _UNTEX = [
-    (r"\textbackslash{}", "\\"), (r"\textasciitilde{}", "~"), (r"\textasciicircum{}", "^"),
-    (r"$\times$", "×"), (r"$\geq$", "≥"), (r"$'$", "′"), (r"$\to$", "→"), (r"$\Delta$", "Δ"),
-    (r"$\neq$", "≠"), (r"$\dagger$", "†"), (r"$\pm$", "±"), (r"$\in$", "∈"), (r"$\cdot$", "·"),
-    ("---", "—"), ("--", "–"), (r"\&", "&"), (r"\%", "%"), (r"\$", "$"), (r"\#", "#"), (r"\_", "_"),
-    (r"\{", "{"), (r"\}", "}"),
+    (r"\textbackslash{}", "\\"),
+    (r"\textasciitilde{}", "~"),
+    (r"\textasciicircum{}", "^"),
+    (r"$\times$", "×"),
+    (r"$\geq$", "≥"),
+    (r"$'$", "′"),
+    (r"$\to$", "→"),
+    (r"$\Delta$", "Δ"),
+    (r"$\neq$", "≠"),
+    (r"$\dagger$", "†"),
+    (r"$\pm$", "±"),
+    (r"$\in$", "∈"),
+    (r"$\cdot$", "·"),
+    ("---", "—"),
+    ("--", "–"),
+    (r"\&", "&"),
+    (r"\%", "%"),
+    (r"\$", "$"),
+    (r"\#", "#"),
+    (r"\_", "_"),
+    (r"\{", "{"),
+    (r"\}", "}"),
 ]
 _MULTI = re.compile(r"^\\multicolumn\{(\d+)\}\{[^}]*\}\{(.*)\}$")
 
@@ -77,7 +94,7 @@ def _cells(line: str) -> list[tuple[str, int]]:
 def parse_table(tex: str, stem: str) -> HtmlTable:
     """The rows of a table file `report` wrote (analysis/latex.Table.tex), its caption and notes."""
     lines = tex.splitlines()
-    cap = next((ln[len(r"\caption{"):-1] for ln in lines if ln.startswith(r"\caption{")), stem)
+    cap = next((ln[len(r"\caption{") : -1] for ln in lines if ln.startswith(r"\caption{")), stem)
     t = HtmlTable(stem, untex(cap), [], [])
     part = None
     for ln in lines:
@@ -88,8 +105,12 @@ def parse_table(tex: str, stem: str) -> HtmlTable:
             part = None
         elif part == "head" and s == r"\midrule":
             part = "body"
-        elif part is not None and s.startswith("\\") and not s.startswith(r"\multicolumn") \
-                and not s.startswith(r"\textbf"):
+        elif (
+            part is not None
+            and s.startswith("\\")
+            and not s.startswith(r"\multicolumn")
+            and not s.startswith(r"\textbf")
+        ):
             if part == "body" and s.startswith(r"\midrule"):
                 t.rules_before.add(len(t.body))
         elif part == "head":
@@ -97,23 +118,27 @@ def parse_table(tex: str, stem: str) -> HtmlTable:
         elif part == "body":
             t.body.append(_cells(s))
         elif s.startswith(r"{\footnotesize "):
-            t.notes.append(untex(s[len(r"{\footnotesize "):-1]))
+            t.notes.append(untex(s[len(r"{\footnotesize ") : -1]))
     return t
 
 
 def fingerprint(store: Store, name: str) -> str:
     """What a sweep's report depends on, in one string: it changes whenever a job of the sweep finishes,
     a configuration is added or selected, or the reference data is imported again."""
-    (r,) = rows(store, "SELECT "
-                       "(SELECT COUNT(*) FROM sweep_jobs sj JOIN jobs j ON j.id = sj.job_id JOIN sweeps s "
-                       " ON s.id = sj.sweep_id WHERE s.name = :n AND j.status = 'succeeded') AS done, "
-                       "(SELECT MAX(j.finished_at) FROM sweep_jobs sj JOIN jobs j ON j.id = sj.job_id "
-                       " JOIN sweeps s ON s.id = sj.sweep_id WHERE s.name = :n) AS last, "
-                       "(SELECT COUNT(*) FROM configurations c JOIN sweeps s ON s.id = c.sweep_id "
-                       " WHERE s.name = :n) AS configs, "
-                       "(SELECT SUM(c.selected_for_distill) FROM configurations c JOIN sweeps s "
-                       " ON s.id = c.sweep_id WHERE s.name = :n) AS selected, "
-                       "(SELECT MAX(s.updated_at) FROM sweeps s) AS updated", {"n": name})
+    (r,) = rows(
+        store,
+        "SELECT "
+        "(SELECT COUNT(*) FROM sweep_jobs sj JOIN jobs j ON j.id = sj.job_id JOIN sweeps s "
+        " ON s.id = sj.sweep_id WHERE s.name = :n AND j.status = 'succeeded') AS done, "
+        "(SELECT MAX(j.finished_at) FROM sweep_jobs sj JOIN jobs j ON j.id = sj.job_id "
+        " JOIN sweeps s ON s.id = sj.sweep_id WHERE s.name = :n) AS last, "
+        "(SELECT COUNT(*) FROM configurations c JOIN sweeps s ON s.id = c.sweep_id "
+        " WHERE s.name = :n) AS configs, "
+        "(SELECT SUM(c.selected_for_distill) FROM configurations c JOIN sweeps s "
+        " ON s.id = c.sweep_id WHERE s.name = :n) AS selected, "
+        "(SELECT MAX(s.updated_at) FROM sweeps s) AS updated",
+        {"n": name},
+    )
     return json.dumps(r, default=str, sort_keys=True)
 
 
@@ -122,8 +147,10 @@ def reference_ready(store: Store) -> bool:
     report is rendered without the comparison, as `moesweep report` without --compare)."""
     from analysis.reference import reference_sweeps
 
-    want = {s["name"]: json.dumps(s["select"], sort_keys=True) if s.get("select") else None
-            for s in reference_sweeps()}
+    want = {
+        s["name"]: json.dumps(s["select"], sort_keys=True) if s.get("select") else None
+        for s in reference_sweeps()
+    }
     stored = {r["sweep"]: r["select_json"] for r in rows(store, "SELECT sweep, select_json FROM sweep_info")}
     return all(n in stored and stored[n] == rule for n, rule in want.items())
 
@@ -165,10 +192,14 @@ def render(store: Store, name: str, out: Path) -> Report:
         compare = load_frames(store.engine, [s["name"] for s in reference_sweeps()])
     write_report(frames, name, out, compare)
     captions = _captions(out / "index.md")
-    figures = [(p.name, captions.get(f"figures/{p.name}", p.stem)) for p in sorted((out / "figures").glob("*.png"))]
+    figures = [
+        (p.name, captions.get(f"figures/{p.name}", p.stem)) for p in sorted((out / "figures").glob("*.png"))
+    ]
     order = list(captions)
-    tex = sorted((out / "tables").glob("*.tex"), key=lambda p: (order.index(f"tables/{p.name}")
-                                                                 if f"tables/{p.name}" in order else len(order)))
+    tex = sorted(
+        (out / "tables").glob("*.tex"),
+        key=lambda p: order.index(f"tables/{p.name}") if f"tables/{p.name}" in order else len(order),
+    )
     tables = [parse_table(p.read_text(), p.stem) for p in tex]
     line = code_versions_line(code_versions(frames.code[frames.code["sweep"] == name]))
     return Report(name, out, figures, tables, compare is not None, line or None)
@@ -199,7 +230,9 @@ def compare(store: Store, name: str) -> dict[str, Any]:
     stored = {r["sweep"] for r in rows(store, "SELECT sweep FROM sweep_info WHERE kind = 'reference'")}
     present = [n for n in refs if n in stored]
     if not present:
-        return {"error": "no reference data in this database: `moesweep import-paper` loads the paper's numbers"}
+        return {
+            "error": "no reference data in this database: `moesweep import-paper` loads the paper's numbers"
+        }
     ours = load_frames(store.engine, [name]).results
     if ours.empty:
         return {"error": f"sweep {name!r} has no configurations yet"}
@@ -220,8 +253,16 @@ def compare(store: Store, name: str) -> dict[str, Any]:
             p = index.get(_match_key(r))
             pairs.append({"ours": r, "paper": p})
         pairs.sort(key=lambda x: (x["paper"] is None, x["ours"]["config_id"]))
-        out.append({"model": model, "ref_sweep": m[0], "ref_model": m[1], "pairs": pairs,
-                    "matched": sum(p["paper"] is not None for p in pairs), "picks": _picks(mine, theirs)})
+        out.append(
+            {
+                "model": model,
+                "ref_sweep": m[0],
+                "ref_model": m[1],
+                "pairs": pairs,
+                "matched": sum(p["paper"] is not None for p in pairs),
+                "picks": _picks(mine, theirs),
+            }
+        )
     return {"models": out}
 
 
@@ -230,11 +271,15 @@ def _picks(mine, theirs) -> list[dict[str, Any]]:
     paper's: comparable even where the grids differ in K (a smaller model, another expert count)."""
     out: dict[tuple, dict[str, Any]] = {}
     for side, frame in (("ours", mine), ("paper", theirs)):
-        sel = frame[(frame["kind"] == "moe2dense") & (frame["selected_for_distill"] == 1) & frame["variant"].isna()]
+        sel = frame[
+            (frame["kind"] == "moe2dense") & (frame["selected_for_distill"] == 1) & frame["variant"].isna()
+        ]
         for r in sel.to_dict("records"):
             out.setdefault((str(r["scoring"]), str(r["grouping"])), {})[side] = r
-    return [{"scoring": k[0], "grouping": k[1], "ours": v.get("ours"), "paper": v.get("paper")}
-            for k, v in sorted(out.items())]
+    return [
+        {"scoring": k[0], "grouping": k[1], "ours": v.get("ours"), "paper": v.get("paper")}
+        for k, v in sorted(out.items())
+    ]
 
 
 def _match_key(r: dict[str, Any]) -> tuple:

@@ -25,17 +25,22 @@ def bind(host: str, port: int) -> socket.socket:
         return socket.create_server((host, port), family=family, backlog=64)
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
-            raise ServeError(f"port {port} on {host} is in use (another server?); choose another with --port") from None
+            raise ServeError(
+                f"port {port} on {host} is in use (another server?); choose another with --port"
+            ) from None
         if e.errno in (errno.EACCES, errno.EPERM):
-            raise ServeError(f"port {port} on {host}: permission denied (ports below 1024 need root)") from None
+            raise ServeError(
+                f"port {port} on {host}: permission denied (ports below 1024 need root)"
+            ) from None
         if isinstance(e, socket.gaierror) or e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
             raise ServeError(f"--host {host!r}: not an address of this machine") from None
         raise ServeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def make_server(store: Store, sock: socket.socket, quiet: bool = False) -> uvicorn.Server:
-    config = uvicorn.Config(create_app(store), log_level="warning" if quiet else "info", access_log=not quiet,
-                            lifespan="off")
+    config = uvicorn.Config(
+        create_app(store), log_level="warning" if quiet else "info", access_log=not quiet, lifespan="off"
+    )
     return uvicorn.Server(config)
 
 
@@ -46,8 +51,9 @@ class Background:
         self.sock = bind(host, port)
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
         self.server = make_server(store, self.sock, quiet=True)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
-                                       name="moesweep-serve")
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True, name="moesweep-serve"
+        )
 
     def start(self) -> Background:
         self.thread.start()

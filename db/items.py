@@ -33,7 +33,16 @@ def item_row(r: dict) -> dict:
     """A worker's item_scores record → the table's columns (one-line error when ids and values differ)."""
     ids, values = r["doc_ids"], r["values"]
     if len(ids) != len(values):
-        raise ValueError(f"item_scores {r.get('task') or 'ppl'}/{r['name']}: {len(ids)} ids but {len(values)} values")
-    return {"stage": r.get("stage") or "", "task": r.get("task") or "", "subtask": r.get("subtask") or "",
-            "step": -1 if r.get("step") is None else int(r["step"]), "name": r["name"], "n": len(ids),
-            "ids": pack_ids(ids), "vals": pack_values(values)}
+        raise ValueError(
+            f"item_scores {r.get('task') or 'ppl'}/{r['name']}: {len(ids)} ids but {len(values)} values"
+        )
+    return {
+        "stage": r.get("stage") or "",
+        "task": r.get("task") or "",
+        "subtask": r.get("subtask") or "",
+        "step": -1 if r.get("step") is None else int(r["step"]),
+        "name": r["name"],
+        "n": len(ids),
+        "ids": pack_ids(ids),
+        "vals": pack_values(values),
+    }

@@ -91,12 +91,16 @@ class Configuration(Base):
     grouping: Mapped[str | None] = mapped_column(String(50), index=True)
     dp_scaling: Mapped[str | None] = mapped_column(String(50))
     K: Mapped[int | None] = mapped_column(Integer)
-    output: Mapped[str | None] = mapped_column(String(20))  # dense | moe | merged | edited (NULL: dense, before 0004)
+    output: Mapped[str | None] = mapped_column(
+        String(20)
+    )  # dense | moe | merged | edited (NULL: dense, before 0004)
     recovery: Mapped[str | None] = mapped_column(String(50))  # none | router_kd | full_kd (smaller MoEs)
     merging: Mapped[str | None] = mapped_column(String(50))  # merged outputs: HC-SMoE | M-SMoE
     editing: Mapped[str | None] = mapped_column(String(50))  # edited outputs: MoBE | TD-MoE
     settings: Mapped[str | None] = mapped_column(Text)  # JSON: the settings of its output and method
-    top_k: Mapped[int | None] = mapped_column(Integer)  # the router's k (= groups); SQLite names are case-blind
+    top_k: Mapped[int | None] = mapped_column(
+        Integer
+    )  # the router's k (= groups); SQLite names are case-blind
     distill_loss: Mapped[str | None] = mapped_column(String(50))
     teacher_top_k: Mapped[int | None] = mapped_column(Integer)
     distill_tokens: Mapped[str | None] = mapped_column(String(50))
@@ -123,10 +127,30 @@ class Metric(Base):
 
     __tablename__ = "metrics"
     __table_args__ = (
-        Index("uq_metric_job", "job_id", "name", "stage", "task", "who", "step", unique=True,
-              sqlite_where=text("job_id IS NOT NULL"), postgresql_where=text("job_id IS NOT NULL")),
-        Index("uq_metric_config", "config_id", "name", "stage", "task", "who", "step", unique=True,
-              sqlite_where=text("config_id IS NOT NULL"), postgresql_where=text("config_id IS NOT NULL")),
+        Index(
+            "uq_metric_job",
+            "job_id",
+            "name",
+            "stage",
+            "task",
+            "who",
+            "step",
+            unique=True,
+            sqlite_where=text("job_id IS NOT NULL"),
+            postgresql_where=text("job_id IS NOT NULL"),
+        ),
+        Index(
+            "uq_metric_config",
+            "config_id",
+            "name",
+            "stage",
+            "task",
+            "who",
+            "step",
+            unique=True,
+            sqlite_where=text("config_id IS NOT NULL"),
+            postgresql_where=text("config_id IS NOT NULL"),
+        ),
     )
     id: Mapped[int] = mapped_column(primary_key=True)
     job_id: Mapped[int | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)

@@ -8,8 +8,9 @@ import math
 from typing import Any
 
 
-def select_best_rows(rows: list[dict[str, Any]], per: list[str], over: list[str],
-                     by: str = "ppl_pre") -> list[dict[str, Any]]:
+def select_best_rows(
+    rows: list[dict[str, Any]], per: list[str], over: list[str], by: str = "ppl_pre"
+) -> list[dict[str, Any]]:
     """Per group of `per`, the row with the lowest finite `by`; ties go to the smallest str() of `over`.
     A row whose `<by>_kind` says inf/nan (a diverged model, the paper's "–") never wins."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
@@ -17,8 +18,11 @@ def select_best_rows(rows: list[dict[str, Any]], per: list[str], over: list[str]
         groups.setdefault(tuple(r[a] for a in per), []).append(r)
     picked = []
     for _, members in sorted(groups.items(), key=lambda kv: str(kv[0])):
-        finite = [m for m in members if m.get(by) is not None and math.isfinite(m[by])
-                  and m.get(f"{by}_kind") in (None, "finite")]
+        finite = [
+            m
+            for m in members
+            if m.get(by) is not None and math.isfinite(m[by]) and m.get(f"{by}_kind") in (None, "finite")
+        ]
         if finite:
             picked.append(min(finite, key=lambda m: (m[by], tuple(str(m[a]) for a in over))))
     return picked

@@ -40,12 +40,47 @@ from db.models import (
 )
 
 VERSION_TABLE = "moesweep_alembic_version"
-METRIC_FIELDS = ("name", "stage", "task", "who", "step", "value", "value_kind", "sum_nll", "n_tokens",
-                 "correct", "total", "stderr", "num_fewshot", "headline")
-CONFIG_FIELDS = ("model", "teacher_variant", "family", "kind", "baseline", "scoring", "grouping",
-                 "dp_scaling", "K", "top_k", "distill_loss", "teacher_top_k", "distill_tokens",
-                 "source_table", "selected_for_distill", "plan_key", "note", "variant", "output", "recovery",
-                 "merging", "editing", "settings")
+METRIC_FIELDS = (
+    "name",
+    "stage",
+    "task",
+    "who",
+    "step",
+    "value",
+    "value_kind",
+    "sum_nll",
+    "n_tokens",
+    "correct",
+    "total",
+    "stderr",
+    "num_fewshot",
+    "headline",
+)
+CONFIG_FIELDS = (
+    "model",
+    "teacher_variant",
+    "family",
+    "kind",
+    "baseline",
+    "scoring",
+    "grouping",
+    "dp_scaling",
+    "K",
+    "top_k",
+    "distill_loss",
+    "teacher_top_k",
+    "distill_tokens",
+    "source_table",
+    "selected_for_distill",
+    "plan_key",
+    "note",
+    "variant",
+    "output",
+    "recovery",
+    "merging",
+    "editing",
+    "settings",
+)
 
 
 def home() -> Path:
@@ -78,7 +113,9 @@ def pid_alive(pid: int) -> bool:
 STALE_AFTER_S = 600.0  # a running job of another host whose heartbeat is older than this is taken over
 
 
-def owner_dead(owner: str | None, heartbeat_at: datetime | None, stale_after_s: float = STALE_AFTER_S) -> bool:
+def owner_dead(
+    owner: str | None, heartbeat_at: datetime | None, stale_after_s: float = STALE_AFTER_S
+) -> bool:
     """Whether the launch that holds a running job is gone: on this host its process has ended; on
     another host (whose processes cannot be seen from here) its heartbeat is older than `stale_after_s`."""
     ohost, _, opid = (owner or "").rpartition(":")
@@ -188,17 +225,23 @@ class Store:
             return
         upgrade = f"moesweep migrate --db '{make_url(self.url).render_as_string(hide_password=True)}'"
         if rev is None:
-            raise StoreError(f"{self.shown} is not a moesweep database (no revision in {VERSION_TABLE}); "
-                             f"`moesweep launch` or `{upgrade}` creates the schema")
+            raise StoreError(
+                f"{self.shown} is not a moesweep database (no revision in {VERSION_TABLE}); "
+                f"`moesweep launch` or `{upgrade}` creates the schema"
+            )
         try:
             known = ScriptDirectory(str(MIGRATIONS)).get_revision(rev) is not None
         except CommandError:
             known = False
         if not known:
-            raise StoreError(f"{self.shown} is at schema revision {rev!r}, unknown to this moesweep (head "
-                             f"{head}): a newer moesweep wrote it; upgrade moesweep to read it")
-        raise StoreError(f"{self.shown} is at schema revision {rev}, this moesweep needs {head}: "
-                         f"upgrade it with `{upgrade}` (or `moesweep launch`)")
+            raise StoreError(
+                f"{self.shown} is at schema revision {rev!r}, unknown to this moesweep (head "
+                f"{head}): a newer moesweep wrote it; upgrade moesweep to read it"
+            )
+        raise StoreError(
+            f"{self.shown} is at schema revision {rev}, this moesweep needs {head}: "
+            f"upgrade it with `{upgrade}` (or `moesweep launch`)"
+        )
 
     @contextmanager
     def tx(self) -> Iterator[Connection]:
@@ -206,14 +249,29 @@ class Store:
             yield conn
 
     # ---- sweeps ---------------------------------------------------------------------------
-    def upsert_sweep(self, name: str, *, spec_yaml: str | None = None, spec_hash: str | None = None,
-                     description: str | None = None, kind: str = "own", source: str = "moesweep",
-                     select_json: str | None = None) -> int:
+    def upsert_sweep(
+        self,
+        name: str,
+        *,
+        spec_yaml: str | None = None,
+        spec_hash: str | None = None,
+        description: str | None = None,
+        kind: str = "own",
+        source: str = "moesweep",
+        select_json: str | None = None,
+    ) -> int:
         """Insert or update a sweep; `select_json`: its selection rule as JSON (None: none stored)."""
         with self.tx() as c:
-            return self._upsert_sweep(c, name, spec_yaml=spec_yaml, spec_hash=spec_hash,
-                                      description=description, kind=kind, source=source,
-                                      select_json=select_json)
+            return self._upsert_sweep(
+                c,
+                name,
+                spec_yaml=spec_yaml,
+                spec_hash=spec_hash,
+                description=description,
+                kind=kind,
+                source=source,
+                select_json=select_json,
+            )
 
     @staticmethod
     def _upsert_sweep(c: Connection, name: str, **values: Any) -> int:
@@ -236,13 +294,21 @@ class Store:
             for j in jobs:
                 jid = c.scalar(select(Job.id).where(Job.key == j["key"]))
                 if jid is None:
-                    jid = c.execute(insert(Job).values(
-                        key=j["key"], stage=j["stage"], params_json=json.dumps(j["params"], sort_keys=True),
-                        status="pending", attempts=0, code_version=j.get("code_version"),
-                        code_json=j.get("code_json"),
-                    )).inserted_primary_key[0]
-                if c.scalar(select(SweepJob.id).where(SweepJob.sweep_id == sweep_id,
-                                                      SweepJob.job_id == jid)) is None:
+                    jid = c.execute(
+                        insert(Job).values(
+                            key=j["key"],
+                            stage=j["stage"],
+                            params_json=json.dumps(j["params"], sort_keys=True),
+                            status="pending",
+                            attempts=0,
+                            code_version=j.get("code_version"),
+                            code_json=j.get("code_json"),
+                        )
+                    ).inserted_primary_key[0]
+                if (
+                    c.scalar(select(SweepJob.id).where(SweepJob.sweep_id == sweep_id, SweepJob.job_id == jid))
+                    is None
+                ):
                     c.execute(insert(SweepJob).values(sweep_id=sweep_id, job_id=jid))
                 ids[j["key"]] = jid
         return ids
@@ -252,7 +318,7 @@ class Store:
         out: dict[str, dict[str, Any]] = {}
         with self.tx() as c:
             for i in range(0, len(keys), 500):
-                for row in c.execute(select(Job).where(Job.key.in_(keys[i:i + 500]))).mappings():
+                for row in c.execute(select(Job).where(Job.key.in_(keys[i : i + 500]))).mappings():
                     out[row["key"]] = dict(row)
         return out
 
@@ -260,9 +326,18 @@ class Store:
         """Atomically move a job to running for `owner`; False if someone else has it or it is done."""
         allowed = ["pending", "failed"] if retry_failed else ["pending"]
         with self.tx() as c:
-            res = c.execute(update(Job).where(Job.key == key, Job.status.in_(allowed)).values(
-                status="running", owner=owner, started_at=now(), heartbeat_at=now(), error=None,
-                attempts=Job.attempts + 1))
+            res = c.execute(
+                update(Job)
+                .where(Job.key == key, Job.status.in_(allowed))
+                .values(
+                    status="running",
+                    owner=owner,
+                    started_at=now(),
+                    heartbeat_at=now(),
+                    error=None,
+                    attempts=Job.attempts + 1,
+                )
+            )
             return res.rowcount == 1
 
     def heartbeat(self, keys: Iterable[str], owner: str) -> None:
@@ -270,18 +345,26 @@ class Store:
         if not keys:
             return
         with self.tx() as c:
-            c.execute(update(Job).where(Job.key.in_(keys), Job.owner == owner, Job.status == "running")
-                      .values(heartbeat_at=now()))
+            c.execute(
+                update(Job)
+                .where(Job.key.in_(keys), Job.owner == owner, Job.status == "running")
+                .values(heartbeat_at=now())
+            )
 
     def release_stale(self, stale_after_s: float = STALE_AFTER_S) -> int:
         """Running jobs whose orchestrator is gone go back to pending (nothing they wrote counts)."""
         released = 0
         with self.tx() as c:
-            rows = c.execute(select(Job.key, Job.owner, Job.heartbeat_at).where(Job.status == "running")).all()
+            rows = c.execute(
+                select(Job.key, Job.owner, Job.heartbeat_at).where(Job.status == "running")
+            ).all()
             for key, owner, beat in rows:
                 if owner_dead(owner, beat, stale_after_s):
-                    c.execute(update(Job).where(Job.key == key, Job.status == "running")
-                              .values(status="pending", owner=None))
+                    c.execute(
+                        update(Job)
+                        .where(Job.key == key, Job.status == "running")
+                        .values(status="pending", owner=None)
+                    )
                     released += 1
         return released
 
@@ -290,11 +373,19 @@ class Store:
         job of `owner` (also one claimed a moment before the interrupt, which its owner may not know of)."""
         cond = [Job.owner == owner, Job.status == "running"] + ([Job.key == key] if key is not None else [])
         with self.tx() as c:
-            return c.execute(update(Job).where(*cond).values(status="pending", owner=None,
-                                                             attempts=Job.attempts - 1)).rowcount
+            return c.execute(
+                update(Job).where(*cond).values(status="pending", owner=None, attempts=Job.attempts - 1)
+            ).rowcount
 
-    def finish(self, key: str, owner: str, result: dict[str, Any], duration_s: float,
-               log_path: str | None = None, inputs: dict[str, dict[str, str]] | None = None) -> bool:
+    def finish(
+        self,
+        key: str,
+        owner: str,
+        result: dict[str, Any],
+        duration_s: float,
+        log_path: str | None = None,
+        inputs: dict[str, dict[str, str]] | None = None,
+    ) -> bool:
         """Write a job's records and mark it succeeded, in one transaction (idempotent per job).
         `inputs`: the upstream artifacts it read, {upstream job key: {path: content hash}}."""
         with self.tx() as c:
@@ -304,12 +395,21 @@ class Store:
             for table in (Metric, Artifact, PlanRow, LayerDiagnostic, ItemScore):
                 c.execute(delete(table).where(table.job_id == jid))
             self._write_records(c, result, job_id=jid)
-            c.execute(update(Job).where(Job.id == jid).values(
-                status="succeeded", finished_at=now(), duration_s=duration_s,
-                compute_s=result.get("compute_s"), log_path=log_path,
-                versions_json=json.dumps(result.get("versions", {}), sort_keys=True),
-                outputs_json=json.dumps(result.get("outputs", {}), sort_keys=True),
-                inputs_json=None if inputs is None else json.dumps(inputs, sort_keys=True), error=None))
+            c.execute(
+                update(Job)
+                .where(Job.id == jid)
+                .values(
+                    status="succeeded",
+                    finished_at=now(),
+                    duration_s=duration_s,
+                    compute_s=result.get("compute_s"),
+                    log_path=log_path,
+                    versions_json=json.dumps(result.get("versions", {}), sort_keys=True),
+                    outputs_json=json.dumps(result.get("outputs", {}), sort_keys=True),
+                    inputs_json=None if inputs is None else json.dumps(inputs, sort_keys=True),
+                    error=None,
+                )
+            )
             return True
 
     # ---- artifacts --------------------------------------------------------------------------
@@ -319,18 +419,32 @@ class Store:
         out: dict[str, list[dict[str, Any]]] = {k: [] for k in keys}
         with self.tx() as c:
             for i in range(0, len(keys), 500):
-                q = (select(Job.key, Artifact.id, Artifact.kind, Artifact.path, Artifact.content_hash,
-                            Artifact.size_bytes, Artifact.mtime)
-                     .join(Job, Job.id == Artifact.job_id).where(Job.key.in_(keys[i:i + 500]))
-                     .order_by(Artifact.id))
+                q = (
+                    select(
+                        Job.key,
+                        Artifact.id,
+                        Artifact.kind,
+                        Artifact.path,
+                        Artifact.content_hash,
+                        Artifact.size_bytes,
+                        Artifact.mtime,
+                    )
+                    .join(Job, Job.id == Artifact.job_id)
+                    .where(Job.key.in_(keys[i : i + 500]))
+                    .order_by(Artifact.id)
+                )
                 for row in c.execute(q).mappings():
                     out[row["key"]].append(dict(row))
         return out
 
     def artifact_jobs(self, sweep_id: int | None = None) -> list[dict[str, Any]]:
         """Succeeded jobs that recorded artifacts (of one sweep, or all): key, stage, job id."""
-        q = (select(Job.key, Job.stage, Job.id).where(Job.status == "succeeded")
-             .where(Job.id.in_(select(Artifact.job_id))).order_by(Job.id))
+        q = (
+            select(Job.key, Job.stage, Job.id)
+            .where(Job.status == "succeeded")
+            .where(Job.id.in_(select(Artifact.job_id)))
+            .order_by(Job.id)
+        )
         if sweep_id is not None:
             q = q.where(Job.id.in_(select(SweepJob.job_id).where(SweepJob.sweep_id == sweep_id)))
         with self.tx() as c:
@@ -339,16 +453,23 @@ class Store:
     def update_artifact(self, artifact_id: int, *, mtime: float | None, size_bytes: int | None) -> None:
         """The content is unchanged but its size/mtime fingerprint moved (or was never stored): store it."""
         with self.tx() as c:
-            c.execute(update(Artifact).where(Artifact.id == artifact_id)
-                      .values(mtime=mtime, size_bytes=size_bytes))
+            c.execute(
+                update(Artifact).where(Artifact.id == artifact_id).values(mtime=mtime, size_bytes=size_bytes)
+            )
 
     def mark_stale(self, key: str, reason: str) -> bool:
         """A succeeded job whose artifact changed, or whose input was recomputed with other content, goes
         back to `pending` with `reason` as its error: the next launch (or this one) recomputes it. Its
         records stay until the recomputation replaces them. False if it was not succeeded (any more)."""
         with self.tx() as c:
-            return c.execute(update(Job).where(Job.key == key, Job.status == "succeeded").values(
-                status="pending", owner=None, error=f"stale: {reason}"[-4000:])).rowcount == 1
+            return (
+                c.execute(
+                    update(Job)
+                    .where(Job.key == key, Job.status == "succeeded")
+                    .values(status="pending", owner=None, error=f"stale: {reason}"[-4000:])
+                ).rowcount
+                == 1
+            )
 
     def add_partial_metrics(self, key: str, owner: str, metrics: list[dict[str, Any]]) -> int:
         """Metrics a running job reports before it ends (its final record replaces them in `finish`)."""
@@ -356,33 +477,66 @@ class Store:
             jid = c.scalar(select(Job.id).where(Job.key == key, Job.owner == owner, Job.status == "running"))
             if jid is None:
                 return 0
-            for m in metrics:  # a re-sent record replaces the earlier copy (unique per name/stage/task/who/step)
+            for (
+                m
+            ) in metrics:  # a re-sent record replaces the earlier copy (unique per name/stage/task/who/step)
                 step = -1 if m.get("step") is None else int(m["step"])
-                c.execute(delete(Metric).where(Metric.job_id == jid, Metric.name == m["name"],
-                                               Metric.stage == (m.get("stage") or ""), Metric.task == (m.get("task") or ""),
-                                               Metric.who == (m.get("who") or ""), Metric.step == step))
+                c.execute(
+                    delete(Metric).where(
+                        Metric.job_id == jid,
+                        Metric.name == m["name"],
+                        Metric.stage == (m.get("stage") or ""),
+                        Metric.task == (m.get("task") or ""),
+                        Metric.who == (m.get("who") or ""),
+                        Metric.step == step,
+                    )
+                )
             self._write_records(c, {"metrics": metrics}, job_id=jid)
             return len(metrics)
 
-    def fail(self, key: str, owner: str, error: str, final: bool, log_path: str | None = None,
-             duration_s: float | None = None) -> None:
+    def fail(
+        self,
+        key: str,
+        owner: str,
+        error: str,
+        final: bool,
+        log_path: str | None = None,
+        duration_s: float | None = None,
+    ) -> None:
         with self.tx() as c:
-            c.execute(update(Job).where(Job.key == key, Job.owner == owner).values(
-                status="failed" if final else "pending", error=error[-4000:], finished_at=now(),
-                log_path=log_path, duration_s=duration_s, owner=owner if final else None))
+            c.execute(
+                update(Job)
+                .where(Job.key == key, Job.owner == owner)
+                .values(
+                    status="failed" if final else "pending",
+                    error=error[-4000:],
+                    finished_at=now(),
+                    log_path=log_path,
+                    duration_s=duration_s,
+                    owner=owner if final else None,
+                )
+            )
 
     @staticmethod
-    def _write_records(c: Connection, result: dict[str, Any], *, job_id: int | None = None,
-                       config_id: int | None = None) -> None:
+    def _write_records(
+        c: Connection, result: dict[str, Any], *, job_id: int | None = None, config_id: int | None = None
+    ) -> None:
         metrics = []
         for m in result.get("metrics", []):
             row = {f: m.get(f) for f in METRIC_FIELDS}
             value, kind = classify(m.get("value"))
-            row.update(value=value, value_kind=m.get("value_kind") or kind, task=m.get("task") or "",
-                       stage=m.get("stage") or "", who=m.get("who") or "",
-                       step=-1 if m.get("step") is None else int(m["step"]),
-                       headline=int(bool(m.get("headline"))), job_id=job_id, config_id=config_id,
-                       extra_json=json.dumps(m["extra"], sort_keys=True) if m.get("extra") else None)
+            row.update(
+                value=value,
+                value_kind=m.get("value_kind") or kind,
+                task=m.get("task") or "",
+                stage=m.get("stage") or "",
+                who=m.get("who") or "",
+                step=-1 if m.get("step") is None else int(m["step"]),
+                headline=int(bool(m.get("headline"))),
+                job_id=job_id,
+                config_id=config_id,
+                extra_json=json.dumps(m["extra"], sort_keys=True) if m.get("extra") else None,
+            )
             metrics.append(row)
         if metrics:
             c.execute(insert(Metric), metrics)
@@ -402,11 +556,17 @@ class Store:
         with self.tx() as c:
             for cfg in configs:
                 values = {f: cfg.get(f) for f in CONFIG_FIELDS if f in cfg}
-                cid = c.scalar(select(Configuration.id).where(Configuration.sweep_id == sweep_id,
-                                                              Configuration.config_key == cfg["config_key"]))
+                cid = c.scalar(
+                    select(Configuration.id).where(
+                        Configuration.sweep_id == sweep_id, Configuration.config_key == cfg["config_key"]
+                    )
+                )
                 if cid is None:
-                    cid = c.execute(insert(Configuration).values(
-                        sweep_id=sweep_id, config_key=cfg["config_key"], **values)).inserted_primary_key[0]
+                    cid = c.execute(
+                        insert(Configuration).values(
+                            sweep_id=sweep_id, config_key=cfg["config_key"], **values
+                        )
+                    ).inserted_primary_key[0]
                 else:
                     c.execute(update(Configuration).where(Configuration.id == cid).values(**values))
                 ids[cfg["config_key"]] = cid
@@ -416,13 +576,17 @@ class Store:
         """(config_id, stage, job_id): which job produced a configuration's numbers for a stage."""
         with self.tx() as c:
             for config_id, stage, job_id in links:
-                cur = c.scalar(select(ConfigJob.job_id).where(ConfigJob.config_id == config_id,
-                                                              ConfigJob.stage == stage))
+                cur = c.scalar(
+                    select(ConfigJob.job_id).where(ConfigJob.config_id == config_id, ConfigJob.stage == stage)
+                )
                 if cur is None:
                     c.execute(insert(ConfigJob).values(config_id=config_id, stage=stage, job_id=job_id))
                 elif cur != job_id:
-                    c.execute(update(ConfigJob).where(ConfigJob.config_id == config_id,
-                                                      ConfigJob.stage == stage).values(job_id=job_id))
+                    c.execute(
+                        update(ConfigJob)
+                        .where(ConfigJob.config_id == config_id, ConfigJob.stage == stage)
+                        .values(job_id=job_id)
+                    )
 
     def unlink(self, config_ids: Iterable[int], stage: str) -> int:
         """Forget which job produced these configurations' numbers for a stage (the job itself stays):
@@ -431,8 +595,11 @@ class Store:
         n = 0
         with self.tx() as c:
             for i in range(0, len(ids), 500):
-                n += c.execute(delete(ConfigJob).where(ConfigJob.config_id.in_(ids[i:i + 500]),
-                                                       ConfigJob.stage == stage)).rowcount
+                n += c.execute(
+                    delete(ConfigJob).where(
+                        ConfigJob.config_id.in_(ids[i : i + 500]), ConfigJob.stage == stage
+                    )
+                ).rowcount
         return n
 
     def set_config_fields(self, updates: dict[int, dict[str, Any]]) -> None:
@@ -442,9 +609,12 @@ class Store:
 
     def configs(self, sweep_id: int) -> list[dict[str, Any]]:
         with self.tx() as c:
-            return [dict(r) for r in c.execute(
-                select(Configuration).where(Configuration.sweep_id == sweep_id).order_by(Configuration.id)
-            ).mappings()]
+            return [
+                dict(r)
+                for r in c.execute(
+                    select(Configuration).where(Configuration.sweep_id == sweep_id).order_by(Configuration.id)
+                ).mappings()
+            ]
 
     # ---- reading ----------------------------------------------------------------------------
     def query(self, sql: str, params: dict[str, Any] | None = None) -> tuple[list[str], list[tuple]]:
@@ -476,8 +646,12 @@ class Store:
 
     def job_counts(self, sweep_id: int) -> dict[tuple[str, str], int]:
         with self.tx() as c:
-            rows = c.execute(select(Job.stage, Job.status, func.count()).join(SweepJob, SweepJob.job_id == Job.id)
-                             .where(SweepJob.sweep_id == sweep_id).group_by(Job.stage, Job.status)).all()
+            rows = c.execute(
+                select(Job.stage, Job.status, func.count())
+                .join(SweepJob, SweepJob.job_id == Job.id)
+                .where(SweepJob.sweep_id == sweep_id)
+                .group_by(Job.stage, Job.status)
+            ).all()
         return {(stage, status): n for stage, status, n in rows}
 
     # ---- reference data (papers) ------------------------------------------------------------
@@ -490,17 +664,25 @@ class Store:
         with self.tx() as c:
             for sw in sweeps:
                 rule = sw.get("select")
-                sid = self._upsert_sweep(c, sw["name"], description=sw.get("description"), kind="reference",
-                                         source=sw.get("source", "paper"), spec_yaml=None, spec_hash=None,
-                                         select_json=json.dumps(rule, sort_keys=True) if rule else None)
+                sid = self._upsert_sweep(
+                    c,
+                    sw["name"],
+                    description=sw.get("description"),
+                    kind="reference",
+                    source=sw.get("source", "paper"),
+                    spec_yaml=None,
+                    spec_hash=None,
+                    select_json=json.dumps(rule, sort_keys=True) if rule else None,
+                )
                 c.execute(delete(Configuration).where(Configuration.sweep_id == sid))
                 ids: dict[str, int] = {}
                 for i, cfg in enumerate(sw["configs"]):
                     values = {f: cfg.get(f) for f in CONFIG_FIELDS if f in cfg}
                     values.setdefault("source_table", cfg.get("table"))
                     key = cfg.get("config_key") or f"{cfg.get('table', 'ref')}:{i}"
-                    ids[key] = c.execute(insert(Configuration).values(
-                        sweep_id=sid, config_key=key, **values)).inserted_primary_key[0]
+                    ids[key] = c.execute(
+                        insert(Configuration).values(sweep_id=sid, config_key=key, **values)
+                    ).inserted_primary_key[0]
                     self._write_records(c, {"metrics": cfg.get("metrics", [])}, config_id=ids[key])
                 for i, cfg in enumerate(sw["configs"]):
                     main = cfg.get("variant_of_key")
@@ -508,48 +690,114 @@ class Store:
                         continue
                     key = cfg.get("config_key") or f"{cfg.get('table', 'ref')}:{i}"
                     if main not in ids or main == key:
-                        raise ValueError(f"reference sweep {sw['name']!r}, configuration {key!r}: "
-                                         f"variant_of_key {main!r} is not another configuration of the "
-                                         "sweep; allowed: its other config_keys")
-                    c.execute(update(Configuration).where(Configuration.id == ids[key])
-                              .values(variant_of=ids[main]))
+                        raise ValueError(
+                            f"reference sweep {sw['name']!r}, configuration {key!r}: "
+                            f"variant_of_key {main!r} is not another configuration of the "
+                            "sweep; allowed: its other config_keys"
+                        )
+                    c.execute(
+                        update(Configuration).where(Configuration.id == ids[key]).values(variant_of=ids[main])
+                    )
                 counts[sw["name"]] = len(sw["configs"])
         return counts
 
 
 URL_EXAMPLES = "sqlite:///PATH or postgresql+psycopg://USER@HOST/DB"
 # PRAGMAs a read-only connection may run: these only report (never with a value, `PRAGMA x=...`)...
-READ_PRAGMAS = frozenset({
-    "application_id", "auto_vacuum", "busy_timeout", "cache_size", "collation_list", "compile_options",
-    "data_version", "database_list", "encoding", "foreign_keys", "freelist_count", "function_list",
-    "journal_mode", "module_list", "page_count", "page_size", "pragma_list", "query_only",
-    "read_uncommitted", "schema_version", "synchronous", "user_version",
-})
+READ_PRAGMAS = frozenset(
+    {
+        "application_id",
+        "auto_vacuum",
+        "busy_timeout",
+        "cache_size",
+        "collation_list",
+        "compile_options",
+        "data_version",
+        "database_list",
+        "encoding",
+        "foreign_keys",
+        "freelist_count",
+        "function_list",
+        "journal_mode",
+        "module_list",
+        "page_count",
+        "page_size",
+        "pragma_list",
+        "query_only",
+        "read_uncommitted",
+        "schema_version",
+        "synchronous",
+        "user_version",
+    }
+)
 # ...and these take a table, index or row limit as their argument and still only report
-ARG_PRAGMAS = frozenset({
-    "foreign_key_check", "foreign_key_list", "index_info", "index_list", "index_xinfo", "integrity_check",
-    "quick_check", "table_info", "table_list", "table_xinfo",
-})
+ARG_PRAGMAS = frozenset(
+    {
+        "foreign_key_check",
+        "foreign_key_list",
+        "index_info",
+        "index_list",
+        "index_xinfo",
+        "integrity_check",
+        "quick_check",
+        "table_info",
+        "table_list",
+        "table_xinfo",
+    }
+)
 # statements that change something: when one fails on a read-only store, it was refused (VACUUM, say,
 # fails as "cannot VACUUM from within a transaction" before SQLite asks the authorizer)
-WRITING_KEYWORDS = frozenset({
-    "ALTER", "ANALYZE", "ATTACH", "CLUSTER", "COMMENT", "COPY", "CREATE", "DELETE", "DETACH", "DROP",
-    "GRANT", "INSERT", "MERGE", "REFRESH", "REINDEX", "RELEASE", "REPLACE", "REVOKE", "SAVEPOINT",
-    "TRUNCATE", "UPDATE", "UPSERT", "VACUUM",
-})
+WRITING_KEYWORDS = frozenset(
+    {
+        "ALTER",
+        "ANALYZE",
+        "ATTACH",
+        "CLUSTER",
+        "COMMENT",
+        "COPY",
+        "CREATE",
+        "DELETE",
+        "DETACH",
+        "DROP",
+        "GRANT",
+        "INSERT",
+        "MERGE",
+        "REFRESH",
+        "REINDEX",
+        "RELEASE",
+        "REPLACE",
+        "REVOKE",
+        "SAVEPOINT",
+        "TRUNCATE",
+        "UPDATE",
+        "UPSERT",
+        "VACUUM",
+    }
+)
 UNSAFE_FUNCTIONS = frozenset({"load_extension", "fts3_tokenizer"})
-_READING = frozenset({sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION,
-                      sqlite3.SQLITE_RECURSIVE, sqlite3.SQLITE_TRANSACTION})
+_READING = frozenset(
+    {
+        sqlite3.SQLITE_SELECT,
+        sqlite3.SQLITE_READ,
+        sqlite3.SQLITE_FUNCTION,
+        sqlite3.SQLITE_RECURSIVE,
+        sqlite3.SQLITE_TRANSACTION,
+    }
+)
 
 
-def read_only_authorizer(action: int, arg1: str | None, arg2: str | None, _db: str | None,
-                         _trigger: str | None) -> int:
+def read_only_authorizer(
+    action: int, arg1: str | None, arg2: str | None, _db: str | None, _trigger: str | None
+) -> int:
     """sqlite3 authorizer of a read-only connection: reading, functions, BEGIN/COMMIT/ROLLBACK and the
     reporting PRAGMAs; everything else (writes, DDL, ATTACH/DETACH, VACUUM, REINDEX, ANALYZE,
     SAVEPOINT, PRAGMA x=value, load_extension) is denied when the statement is prepared."""
     if action in _READING:
-        return sqlite3.SQLITE_DENY if action == sqlite3.SQLITE_FUNCTION and arg2 in UNSAFE_FUNCTIONS \
+        return (
+            sqlite3.SQLITE_DENY
+            if action == sqlite3.SQLITE_FUNCTION and arg2 in UNSAFE_FUNCTIONS
             else sqlite3.SQLITE_OK
+        )
     if action == sqlite3.SQLITE_PRAGMA:
         name = (arg1 or "").lower()
         if name in ARG_PRAGMAS or (name in READ_PRAGMAS and arg2 is None):
@@ -593,7 +841,8 @@ def explain(url: str, e: BaseException, read_only: bool = False) -> str:
     low = msg.lower()
     if isinstance(e, OSError):
         return f"{where}: cannot create or open it: {e.strerror or msg}" + (
-            f" ({e.filename})" if getattr(e, "filename", None) else "")
+            f" ({e.filename})" if getattr(e, "filename", None) else ""
+        )
     if "unable to open database file" in low:
         if read_only:
             return f"{where}: cannot open the database file for reading (may you read it?)"
@@ -614,15 +863,25 @@ def refusal(sql: str, e: DBAPIError) -> str | None:
     msg = " ".join(str(e.orig).split()).lower()
     head = textwrap.shorten(" ".join(sql.split()), 60, placeholder=" …")
     if "one statement at a time" in msg or "multiple commands" in msg:
-        return (f"one statement at a time: {head!r} holds several; moesweep sql runs a single SELECT or "
-                "WITH query (nothing was changed)")
+        return (
+            f"one statement at a time: {head!r} holds several; moesweep sql runs a single SELECT or "
+            "WITH query (nothing was changed)"
+        )
     code = getattr(e.orig, "sqlstate", None)
     first = (sql.split(None, 1) or [""])[0].upper()
-    refused = ("not authorized", "authorization denied", "readonly database", "query_only",
-               "read-only transaction", "read-write mode")
+    refused = (
+        "not authorized",
+        "authorization denied",
+        "readonly database",
+        "query_only",
+        "read-only transaction",
+        "read-write mode",
+    )
     if code == "25006" or any(r in msg for r in refused) or first in WRITING_KEYWORDS:
-        return (f"refused {head!r}: the database is open read-only; moesweep sql only reads (SELECT, WITH, "
-                "reporting PRAGMAs), no writes, DDL, ATTACH, VACUUM or PRAGMA changes (nothing was changed)")
+        return (
+            f"refused {head!r}: the database is open read-only; moesweep sql only reads (SELECT, WITH, "
+            "reporting PRAGMAs), no writes, DDL, ATTACH, VACUUM or PRAGMA changes (nothing was changed)"
+        )
     return None
 
 
@@ -635,29 +894,42 @@ def make_engine(url: str, read_only: bool = False) -> Engine:
         driver = u.get_driver_name()
     except NoSuchModuleError:
         driver = None
-    unknown = StoreError(f"{u.render_as_string(hide_password=True)!r}: unknown or unsupported database kind "
-                         f"or driver {u.drivername!r}; expected {URL_EXAMPLES} (or another SQLAlchemy "
-                         "dialect)", about_url=True)
+    unknown = StoreError(
+        f"{u.render_as_string(hide_password=True)!r}: unknown or unsupported database kind "
+        f"or driver {u.drivername!r}; expected {URL_EXAMPLES} (or another SQLAlchemy "
+        "dialect)",
+        about_url=True,
+    )
     if driver is None or backend == "sqlite" and driver != "pysqlite":
         raise unknown
     if backend == "sqlite":
         return _sqlite_engine(url, u, read_only)
     if read_only and (backend, driver) != ("postgresql", "psycopg"):
-        raise StoreError(f"{shown_url(url)}: read-only access needs SQLite or PostgreSQL through psycopg: "
-                         "write the URL as sqlite:///PATH or postgresql+psycopg://…", about_url=True)
-    args = {"connect_timeout": 10} if driver in ("psycopg", "psycopg2") and "connect_timeout" not in u.query \
+        raise StoreError(
+            f"{shown_url(url)}: read-only access needs SQLite or PostgreSQL through psycopg: "
+            "write the URL as sqlite:///PATH or postgresql+psycopg://…",
+            about_url=True,
+        )
+    args = (
+        {"connect_timeout": 10}
+        if driver in ("psycopg", "psycopg2") and "connect_timeout" not in u.query
         else {}
+    )
     try:
         engine = create_engine(u, pool_pre_ping=True, connect_args=args)
     except NoSuchModuleError:
         raise unknown from None
     except ImportError as e:
         if backend != "postgresql":
-            raise StoreError(f"{shown_url(url)}: the {backend} driver {e.name or driver} is not installed "
-                             f"(pip install {e.name or driver})") from None
+            raise StoreError(
+                f"{shown_url(url)}: the {backend} driver {e.name or driver} is not installed "
+                f"(pip install {e.name or driver})"
+            ) from None
         hint = "" if driver == "psycopg" else " and write the URL as postgresql+psycopg://…"
-        raise StoreError(f"{shown_url(url)}: the PostgreSQL driver {e.name or driver} is not installed: "
-                         f"pip install 'moesweep[postgres]'{hint}") from None
+        raise StoreError(
+            f"{shown_url(url)}: the PostgreSQL driver {e.name or driver} is not installed: "
+            f"pip install 'moesweep[postgres]'{hint}"
+        ) from None
     if read_only:
         _pg_read_only(engine)
     return engine
@@ -694,8 +966,10 @@ def _sqlite_engine(url: str, u: URL, read_only: bool) -> Engine:
     path = sqlite_path(u)
     if read_only:
         if path is None:
-            raise StoreError(f"{url!r}: an in-memory database cannot be opened read-only; give a file, "
-                             "sqlite:///PATH", about_url=True)
+            raise StoreError(
+                f"{url!r}: an in-memory database cannot be opened read-only; give a file, sqlite:///PATH",
+                about_url=True,
+            )
         if not path.exists():
             raise StoreError(f"no database at {path} (moesweep launch or moesweep migrate creates one)")
         if path.is_dir():

@@ -41,24 +41,73 @@ class Axis:
 
 MOE_OUTPUTS = ("moe", "merged", "edited")  # the outputs that keep a router (a smaller MoE)
 
-AXES: dict[str, Axis] = {a.name: a for a in (
-    Axis("output", str, ("workers.models.outputs", "OUTPUTS"),
-         "a dense student, or a smaller MoE: pruned (moe), merged or edited", ("dense",)),
-    Axis("scoring", str, ("workers.methods.scoring", "SCORINGS"), "how experts are scored and the K kept are chosen",
-         outputs=("dense", "moe")),
-    Axis("merging", str, ("workers.methods.moe_merging", "MERGINGS"), "how the E experts are merged into K",
-         outputs=("merged",)),
-    Axis("editing", str, ("workers.methods.editing", "EDITINGS"), "how every expert is factorised to the size of K",
-         outputs=("edited",)),
-    Axis("grouping", str, ("workers.methods.grouping", "GROUPINGS"), "how the K kept experts form k groups", ("RR",),
-         outputs=("dense",)),
-    Axis("dp_scaling", str, ("workers.methods.scaling", "SCALINGS"), "the down-projection scale α of each group",
-         ("uniform",), outputs=("dense",)),
-    Axis("K", int, None, "experts kept per layer (k ≤ K ≤ E); for editing, the parameter budget of K experts",
-         named=True),
-    Axis("recovery", str, None, "what recovers a smaller MoE before evaluation", ("none",), outputs=MOE_OUTPUTS,
-         choices=("none", "router_kd", "full_kd"), named=True, after_student=True),
-)}
+AXES: dict[str, Axis] = {
+    a.name: a
+    for a in (
+        Axis(
+            "output",
+            str,
+            ("workers.models.outputs", "OUTPUTS"),
+            "a dense student, or a smaller MoE: pruned (moe), merged or edited",
+            ("dense",),
+        ),
+        Axis(
+            "scoring",
+            str,
+            ("workers.methods.scoring", "SCORINGS"),
+            "how experts are scored and the K kept are chosen",
+            outputs=("dense", "moe"),
+        ),
+        Axis(
+            "merging",
+            str,
+            ("workers.methods.moe_merging", "MERGINGS"),
+            "how the E experts are merged into K",
+            outputs=("merged",),
+        ),
+        Axis(
+            "editing",
+            str,
+            ("workers.methods.editing", "EDITINGS"),
+            "how every expert is factorised to the size of K",
+            outputs=("edited",),
+        ),
+        Axis(
+            "grouping",
+            str,
+            ("workers.methods.grouping", "GROUPINGS"),
+            "how the K kept experts form k groups",
+            ("RR",),
+            outputs=("dense",),
+        ),
+        Axis(
+            "dp_scaling",
+            str,
+            ("workers.methods.scaling", "SCALINGS"),
+            "the down-projection scale α of each group",
+            ("uniform",),
+            outputs=("dense",),
+        ),
+        Axis(
+            "K",
+            int,
+            None,
+            "experts kept per layer (k ≤ K ≤ E); for editing, the parameter budget of K experts",
+            named=True,
+        ),
+        Axis(
+            "recovery",
+            str,
+            None,
+            "what recovers a smaller MoE before evaluation",
+            ("none",),
+            outputs=MOE_OUTPUTS,
+            choices=("none", "router_kd", "full_kd"),
+            named=True,
+            after_student=True,
+        ),
+    )
+}
 
 
 def method_registries() -> list[tuple[str, str]]:

@@ -15,14 +15,21 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Experiment sweeps and a results database for MoE→dense compression research.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Experiment sweeps and a results database for MoE→dense compression research.",
+)
 # in a pipe or a log file (no terminal to measure) tables get room instead of rich's default 80 columns
 out = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
-DbOpt = Annotated[str | None, typer.Option("--db", help="SQLAlchemy URL (default: $MOESWEEP_DB or "
-                                                        "sqlite:///$MOESWEEP_HOME/moesweep.db)")]
+DbOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--db", help="SQLAlchemy URL (default: $MOESWEEP_DB or sqlite:///$MOESWEEP_HOME/moesweep.db)"
+    ),
+]
 
 
 def _version(value: bool) -> None:
@@ -34,9 +41,17 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
-                                               help="the version, git commit and locked library versions")]
-         = False) -> None:
+def main(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_version,
+            is_eager=True,
+            help="the version, git commit and locked library versions",
+        ),
+    ] = False,
+) -> None:
     """Experiment sweeps and a results database for MoE→dense compression research."""
 
 
@@ -73,8 +88,9 @@ def launch(
     db: DbOpt = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print the plan; run nothing")] = False,
     executor: Annotated[str, typer.Option(help="ray | serial")] = "ray",
-    address: Annotated[str | None, typer.Option(help="Ray cluster address (default: $RAY_ADDRESS, "
-                                                     "else a local Ray)")] = None,
+    address: Annotated[
+        str | None, typer.Option(help="Ray cluster address (default: $RAY_ADDRESS, else a local Ray)")
+    ] = None,
     num_cpus: Annotated[int | None, typer.Option(help="CPUs for a local Ray")] = None,
     max_concurrent: Annotated[int | None, typer.Option(help="at most this many jobs at once")] = None,
     retry_failed: Annotated[bool, typer.Option("--retry-failed", help="run failed jobs again")] = False,
@@ -87,7 +103,13 @@ def launch(
         from orchestrator.dryrun import dry_run as show
 
         try:
-            show(spec, _store(db, read_only=True) if db or os.environ.get("MOESWEEP_DB") or _default_db_exists() else None, out)
+            show(
+                spec,
+                _store(db, read_only=True)
+                if db or os.environ.get("MOESWEEP_DB") or _default_db_exists()
+                else None,
+                out,
+            )
         except SpecError as e:
             _fail(str(e) if str(e).startswith(str(path)) else f"{path}: {e}")
         return
@@ -106,12 +128,17 @@ def launch(
     elif executor == "ray":
         from orchestrator.execute import RayExecutor
 
-        ex = RayExecutor(address=address or os.environ.get("RAY_ADDRESS"), num_cpus=num_cpus,
-                         max_concurrent=max_concurrent or spec.execution.max_concurrent)
+        ex = RayExecutor(
+            address=address or os.environ.get("RAY_ADDRESS"),
+            num_cpus=num_cpus,
+            max_concurrent=max_concurrent or spec.execution.max_concurrent,
+        )
     else:
         _fail(f"--executor {executor!r}: allowed: ray, serial")
     try:
-        code = run(spec, text, store, ex, retry_failed=retry_failed, console=err, path=str(path), prepared=prepared)
+        code = run(
+            spec, text, store, ex, retry_failed=retry_failed, console=err, path=str(path), prepared=prepared
+        )
     except SpecError as e:
         _fail(str(e) if str(e).startswith(str(path)) else f"{path}: {e}")
     raise typer.Exit(code)
@@ -132,7 +159,9 @@ def sweeps(db: DbOpt = None) -> None:
 
     from orchestrator.spec import find_sweep, list_sweeps
 
-    store = _store(db, read_only=True) if db or os.environ.get("MOESWEEP_DB") or _default_db_exists() else None
+    store = (
+        _store(db, read_only=True) if db or os.environ.get("MOESWEEP_DB") or _default_db_exists() else None
+    )
     if store is not None:
         from dashboard.data import sweeps as db_sweeps
 
@@ -153,8 +182,12 @@ def sweeps(db: DbOpt = None) -> None:
         t.add_row(name, shown, *_db_status(in_db.get(name), store), _short(desc))
     for name, s in in_db.items():
         if name not in listed:
-            t.add_row(name, "(imported)" if s.kind == "reference" else "(no file)", *_db_status(s, store),
-                      _short(s.description))
+            t.add_row(
+                name,
+                "(imported)" if s.kind == "reference" else "(no file)",
+                *_db_status(s, store),
+                _short(s.description),
+            )
     out.print(t)
     if store is not None:
         out.print(f"database: {store.shown}", highlight=False, soft_wrap=True)
@@ -189,7 +222,9 @@ def status(name: str, db: DbOpt = None) -> None:
         _fail(f"no sweep {name!r} in {store.shown}")
     _, jobs = store.query(
         "SELECT j.stage, j.status, j.params_json, j.code_json, j.key FROM jobs j "
-        "JOIN sweep_jobs sj ON sj.job_id = j.id WHERE sj.sweep_id = :s", {"s": sid})
+        "JOIN sweep_jobs sj ON sj.job_id = j.id WHERE sj.sweep_id = :s",
+        {"s": sid},
+    )
     running = store.jobs(key for _, st, _, _, key in jobs if st == "running")
     dead = {k for k, r in running.items() if owner_dead(r["owner"], r["heartbeat_at"])}
     counts: dict[tuple[str, str], int] = {}
@@ -198,38 +233,71 @@ def status(name: str, db: DbOpt = None) -> None:
         counts[(stage, col)] = counts.get((stage, col), 0) + 1
     _, shared = store.query(
         "SELECT cj.stage, COUNT(*) - COUNT(DISTINCT cj.job_id) FROM config_jobs cj "
-        "JOIN configurations c ON c.id = cj.config_id WHERE c.sweep_id = :s GROUP BY cj.stage", {"s": sid})
+        "JOIN configurations c ON c.id = cj.config_id WHERE c.sweep_id = :s GROUP BY cj.stage",
+        {"s": sid},
+    )
     dup_by_stage = dict(shared)
     declared = {s.name: s for s in stages()}
-    t = Table("stage", "succeeded", "running", "dead", "failed", "pending", "stale", "duplicate",
-              title=f"sweep {name}")
+    t = Table(
+        "stage",
+        "succeeded",
+        "running",
+        "dead",
+        "failed",
+        "pending",
+        "stale",
+        "duplicate",
+        title=f"sweep {name}",
+    )
     order = list(declared)
     for stage in sorted({s for s, _ in counts}, key=lambda s: order.index(s) if s in order else len(order)):
         shared_by_design = stage in declared and declared[stage].shared
-        t.add_row(stage, *(str(counts.get((stage, st), 0)) for st in ("succeeded", "running", "dead", "failed",
-                                                                        "pending", "stale")),
-                  "–" if shared_by_design else str(dup_by_stage.get(stage, 0)))
+        t.add_row(
+            stage,
+            *(
+                str(counts.get((stage, st), 0))
+                for st in ("succeeded", "running", "dead", "failed", "pending", "stale")
+            ),
+            "–" if shared_by_design else str(dup_by_stage.get(stage, 0)),
+        )
     out.print(t)
-    out.print("stale = computed by code that has changed since (the next launch recomputes what the sweep uses); "
-              "duplicate = configurations served by another configuration's job (same content key)", soft_wrap=True)
+    out.print(
+        "stale = computed by code that has changed since (the next launch recomputes what the sweep uses); "
+        "duplicate = configurations served by another configuration's job (same content key)",
+        soft_wrap=True,
+    )
     if dead:
-        out.print(f"dead = {len(dead)} job(s) marked running whose launch is gone (its process ended, or no "
-                  "heartbeat from its host for 10 minutes): the next launch takes them over", soft_wrap=True)
+        out.print(
+            f"dead = {len(dead)} job(s) marked running whose launch is gone (its process ended, or no "
+            "heartbeat from its host for 10 minutes): the next launch takes them over",
+            soft_wrap=True,
+        )
     _, stale_art = store.query(
         "SELECT j.stage, j.key, j.error FROM jobs j JOIN sweep_jobs sj ON sj.job_id = j.id "
-        "WHERE sj.sweep_id = :s AND j.status = 'pending' AND j.error LIKE 'stale: %' ORDER BY j.stage", {"s": sid})
+        "WHERE sj.sweep_id = :s AND j.status = 'pending' AND j.error LIKE 'stale: %' ORDER BY j.stage",
+        {"s": sid},
+    )
     for stage, key, error in stale_art:
-        out.print(f"[yellow]to recompute[/] {stage} {key[:12]}: {error[len('stale: '):]}", highlight=False,
-                  soft_wrap=True)
+        out.print(
+            f"[yellow]to recompute[/] {stage} {key[:12]}: {error[len('stale: ') :]}",
+            highlight=False,
+            soft_wrap=True,
+        )
     cols, rows = store.query(
         "SELECT COUNT(*), COUNT(duplicate_of), SUM(selected_for_distill) FROM configurations "
-        "WHERE sweep_id = :s", {"s": sid})
+        "WHERE sweep_id = :s",
+        {"s": sid},
+    )
     n, dup, sel = rows[0]
-    out.print(f"configurations: {n}  duplicates (share another's student): {dup or 0}  "
-              f"selected for distillation: {sel or 0}")
+    out.print(
+        f"configurations: {n}  duplicates (share another's student): {dup or 0}  "
+        f"selected for distillation: {sel or 0}"
+    )
     _, fails = store.query(
         "SELECT j.stage, j.key, j.error, j.log_path FROM jobs j JOIN sweep_jobs sj ON sj.job_id = j.id "
-        "WHERE sj.sweep_id = :s AND j.status = 'failed' ORDER BY j.stage", {"s": sid})
+        "WHERE sj.sweep_id = :s AND j.status = 'failed' ORDER BY j.stage",
+        {"s": sid},
+    )
     for stage, key, error, log in fails:
         last = [ln for ln in (error or "").splitlines() if ln.strip()][-1:] or [""]
         out.print(f"[red]failed[/] {stage} {key[:12]}: {last[0]}  (log: {log})", highlight=False)
@@ -266,13 +334,21 @@ def verify(
                 store.update_artifact(a["id"], mtime=c.mtime, size_bytes=c.size)
         if problems:
             bad += 1
-            store.mark_stale(j["key"], problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+            store.mark_stale(
+                j["key"], problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+            )
     where = f"sweep {name}" if name else "every sweep"
     if bad:
-        out.print(f"{n} artifact(s) of {len(jobs)} job(s) in {where}: {bad} job(s) with a changed or missing "
-                  "artifact marked stale; the next launch recomputes them", highlight=False, soft_wrap=True)
+        out.print(
+            f"{n} artifact(s) of {len(jobs)} job(s) in {where}: {bad} job(s) with a changed or missing "
+            "artifact marked stale; the next launch recomputes them",
+            highlight=False,
+            soft_wrap=True,
+        )
         raise typer.Exit(1)
-    out.print(f"{n} artifact(s) of {len(jobs)} job(s) in {where}: all as recorded", highlight=False, soft_wrap=True)
+    out.print(
+        f"{n} artifact(s) of {len(jobs)} job(s) in {where}: all as recorded", highlight=False, soft_wrap=True
+    )
 
 
 @app.command("stages")
@@ -282,8 +358,10 @@ def stages_cmd() -> None:
 
     for s in stages():
         res = f"{s.resources.cpus:g} CPU" + (f", {s.resources.gpus:g} GPU" if s.resources.gpus else "")
-        print(f"{s.name}: {s.summary}\n  section: {s.section or '-'}   reads: {', '.join(s.upstream) or '-'}   "
-              f"records: {', '.join(sorted(s.records - {'outputs'})) or '-'}   default resources: {res}")
+        print(
+            f"{s.name}: {s.summary}\n  section: {s.section or '-'}   reads: {', '.join(s.upstream) or '-'}   "
+            f"records: {', '.join(sorted(s.records - {'outputs'})) or '-'}   default resources: {res}"
+        )
 
 
 @app.command("families")
@@ -293,15 +371,19 @@ def families_cmd() -> None:
     from workers.families import ADAPTERS
 
     for a in ADAPTERS:
-        print(f"{a.name}: model_type {', '.join(a.model_types)} ({'/'.join(a.block_classes)})\n"
-              f"  routing: {a.routing}\n  student: {a.student}")
+        print(
+            f"{a.name}: model_type {', '.join(a.model_types)} ({'/'.join(a.block_classes)})\n"
+            f"  routing: {a.routing}\n  student: {a.student}"
+        )
         for output, reason in a.refused_outputs.items():
             print(f"  refused output {output}: {reason}")
 
 
 @app.command()
 def sql(
-    query: Annotated[str, typer.Argument(help="SQL, e.g. \"SELECT scoring, AVG(ppl_pre) FROM results GROUP BY scoring\"")],
+    query: Annotated[
+        str, typer.Argument(help='SQL, e.g. "SELECT scoring, AVG(ppl_pre) FROM results GROUP BY scoring"')
+    ],
     db: DbOpt = None,
     format: Annotated[str, typer.Option("--format", "-f", help="table | csv | json")] = "table",
 ) -> None:
@@ -358,7 +440,9 @@ def import_paper(db: DbOpt = None) -> None:
 def report(
     name: str,
     db: DbOpt = None,
-    out_dir: Annotated[Path | None, typer.Option("--out", help="output folder (default: report/NAME)")] = None,
+    out_dir: Annotated[
+        Path | None, typer.Option("--out", help="output folder (default: report/NAME)")
+    ] = None,
     compare: Annotated[str | None, typer.Option(help="'paper': our numbers beside the paper's")] = None,
 ) -> None:
     """LaTeX tables, PNG/PDF figures and an index for a sweep, from the database only (reads, never writes
@@ -373,18 +457,24 @@ def report(
     store = _store(db, read_only=True)
     if store.sweep_id(name) is None:
         _fail(f"no sweep {name!r} in {store.shown} (moesweep import-paper loads the paper's)")
-    refs = {s["name"]: json.dumps(s["select"], sort_keys=True) if s.get("select") else None
-            for s in reference_sweeps()}
+    refs = {
+        s["name"]: json.dumps(s["select"], sort_keys=True) if s.get("select") else None
+        for s in reference_sweeps()
+    }
     needed = [n for n in refs if compare is not None or n == name]
     stored = dict(store.query("SELECT sweep, select_json FROM sweep_info")[1])
     missing = [n for n in needed if n not in stored]
     if missing:
-        _fail(f"reference sweeps {', '.join(missing)} are not in {store.shown}; "
-              "run 'moesweep import-paper' first")
+        _fail(
+            f"reference sweeps {', '.join(missing)} are not in {store.shown}; "
+            "run 'moesweep import-paper' first"
+        )
     stale = [n for n in needed if stored[n] != refs[n]]
     if stale:
-        _fail(f"reference sweeps {', '.join(stale)} were imported by an older moesweep (their stored "
-              "selection rule is not the paper's); run 'moesweep import-paper' first")
+        _fail(
+            f"reference sweeps {', '.join(stale)} were imported by an older moesweep (their stored "
+            "selection rule is not the paper's); run 'moesweep import-paper' first"
+        )
     try:
         frames = load_frames(store.engine, [name])
         cmp = load_frames(store.engine, list(refs)) if compare is not None else None
@@ -394,16 +484,20 @@ def report(
     except ValueError as e:
         _fail(str(e))
     if line:
-        err.print(f"[yellow]warning:[/] sweep {name}: {line} (see {target / 'index.md'})", highlight=False,
-                  soft_wrap=True)
+        err.print(
+            f"[yellow]warning:[/] sweep {name}: {line} (see {target / 'index.md'})",
+            highlight=False,
+            soft_wrap=True,
+        )
     out.print(f"{len(arts)} artefacts in {target}/ (index: {target / 'index.md'})")
 
 
 @app.command()
 def serve(
     db: DbOpt = None,
-    host: Annotated[str, typer.Option(help="address to listen on (loopback by default: the dashboard has no "
-                                           "login)")] = "127.0.0.1",
+    host: Annotated[
+        str, typer.Option(help="address to listen on (loopback by default: the dashboard has no login)")
+    ] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port to listen on (0: any free port)")] = 8765,
 ) -> None:
     """A read-only web dashboard: sweeps and their live progress, results, reports, configurations, jobs
@@ -418,8 +512,12 @@ def serve(
     except ServeError as e:
         _fail(str(e))
     shown = f"[{host}]" if ":" in host else host
-    err.print(f"moesweep dashboard on http://{shown}:{sock.getsockname()[1]}/ (database {store.shown}, "
-              "read-only); Ctrl-C stops it", highlight=False, soft_wrap=True)
+    err.print(
+        f"moesweep dashboard on http://{shown}:{sock.getsockname()[1]}/ (database {store.shown}, "
+        "read-only); Ctrl-C stops it",
+        highlight=False,
+        soft_wrap=True,
+    )
     make_server(store, sock).run(sockets=[sock])
 
 

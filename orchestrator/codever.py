@@ -48,9 +48,13 @@ def _strip_docstrings(node: ast.AST) -> ast.AST:
     node = copy.deepcopy(node)
     for n in ast.walk(node):
         body = getattr(n, "body", None)
-        if (isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Module) and body
-                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-                and isinstance(body[0].value.value, str)):
+        if (
+            isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Module)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
             n.body = body[1:] or [ast.Pass()]
     return node
 
@@ -121,7 +125,9 @@ def _scope(module: str) -> _Scope:
                 visit(getattr(n, "orelse", []))
                 for h in getattr(n, "handlers", []):
                     visit(h.body)
-        scope.imports.update(_imports(module, [n for n in body if isinstance(n, ast.Import | ast.ImportFrom)]))
+        scope.imports.update(
+            _imports(module, [n for n in body if isinstance(n, ast.Import | ast.ImportFrom)])
+        )
 
     visit(module_ast(module).body)
     return scope
@@ -307,4 +313,3 @@ def clear_caches() -> None:
     module_ast.cache_clear()
     module_path.cache_clear()
     _scope.cache_clear()
-

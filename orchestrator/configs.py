@@ -45,27 +45,36 @@ def model_shape(spec: SweepSpec, path: str | None = None) -> TeacherShape:
         from workers.tiny.spec import TinyTeacherSpec
         from workers.tiny.teacher import moe_config
 
-        config = moe_config(TinyTeacherSpec(**t.tiny), SimpleNamespace(bos_token_id=None, eos_token_id=None,
-                                                                         pad_token_id=None))
+        config = moe_config(
+            TinyTeacherSpec(**t.tiny),
+            SimpleNamespace(bos_token_id=None, eos_token_id=None, pad_token_id=None),
+        )
     else:
         from transformers import AutoConfig
 
         try:
             config = AutoConfig.from_pretrained(t.model, revision=t.revision)
         except (OSError, ValueError) as e:
-            raise SpecError(f"{path}: teacher.model: cannot read the config of {t.model!r}: "
-                            f"{str(e).splitlines()[0]}") from None
+            raise SpecError(
+                f"{path}: teacher.model: cannot read the config of {t.model!r}: {str(e).splitlines()[0]}"
+            ) from None
     try:
         s = teacher_shape(config)
     except ValueError as e:
         hint = " (`moesweep families` describes each)" if "unsupported model_type" in str(e) else ""
         raise SpecError(f"{path}: teacher.model: {str(e).splitlines()[0]}{hint}") from None
-    stated = {"num_experts": t.num_experts, "top_k": t.top_k, "renormalize": t.renormalize,
-              "shared_experts": t.shared_experts}
+    stated = {
+        "num_experts": t.num_experts,
+        "top_k": t.top_k,
+        "renormalize": t.renormalize,
+        "shared_experts": t.shared_experts,
+    }
     for name, value in stated.items():
         if value is not None and value != getattr(s, name):
-            raise SpecError(f"{path}: teacher.{name}: {value!r}, but the model's config says {getattr(s, name)!r} "
-                            f"({s.family}); remove it or write {getattr(s, name)!r}")
+            raise SpecError(
+                f"{path}: teacher.{name}: {value!r}, but the model's config says {getattr(s, name)!r} "
+                f"({s.family}); remove it or write {getattr(s, name)!r}"
+            )
     return TeacherShape(s.num_experts, s.top_k, s.renormalize, s.shared_experts, s.family, source="config")
 
 
@@ -99,19 +108,34 @@ def build_configs(spec: SweepSpec, shape: TeacherShape) -> list[dict[str, Any]]:
             allowed = ", ".join(o for o in AXES["output"].allowed() if o not in refused)
             raise SpecError(f"grid.output: {out}: {family} {refused[out]}; allowed for {family}: {allowed}")
     if spec.distill is None and any(c.get("recovery") == "full_kd" for c in configs):
-        raise SpecError("grid.recovery: full_kd distils the smaller MoE with the distill section's settings; "
-                        "add a distill section or use none / router_kd")
+        raise SpecError(
+            "grid.recovery: full_kd distils the smaller MoE with the distill section's settings; "
+            "add a distill section or use none / router_kd"
+        )
     for b in spec.baselines:
         if b == "d2d":
             continue  # candidates are configurations of their own, added below
-        configs.append({"config_key": "teacher" if b == "teacher" else f"baseline:{b}", "model": model,
-                        "kind": "teacher" if b == "teacher" else "baseline", "family": family,
-                        "baseline": None if b == "teacher" else b, "teacher_variant": spec.teacher.variant,
-                        "top_k": shape.top_k})
+        configs.append(
+            {
+                "config_key": "teacher" if b == "teacher" else f"baseline:{b}",
+                "model": model,
+                "kind": "teacher" if b == "teacher" else "baseline",
+                "family": family,
+                "baseline": None if b == "teacher" else b,
+                "teacher_variant": spec.teacher.variant,
+                "top_k": shape.top_k,
+            }
+        )
     if "d2d" in spec.baselines:
         for name in registry_names("workers.baselines.baselines", "_CANDIDATES"):
-            configs.append({"config_key": f"baseline:d2d:{name}", "model": model, "kind": "baseline",
-                            "baseline": f"d2d:{name}"})
+            configs.append(
+                {
+                    "config_key": f"baseline:d2d:{name}",
+                    "model": model,
+                    "kind": "baseline",
+                    "baseline": f"d2d:{name}",
+                }
+            )
     return configs
 
 

@@ -35,24 +35,36 @@ def plan_counts(spec: SweepSpec, shape: TeacherShape | None = None) -> tuple[lis
         elif st.section and getattr(ctx.spec, st.section, None) is None:
             continue  # its section is absent: the stage does not run
         elif any(ctx.jobs.get(u) for u in st.upstream):  # its plan needs results that do not exist yet
-            rows.append({"stage": st.name, "named": "–", "distinct": "–",
-                         "note": f"planned from the results of {', '.join(st.upstream)}" + (
-                             f"; {st.summary}" if st.summary else "")})
+            rows.append(
+                {
+                    "stage": st.name,
+                    "named": "–",
+                    "distinct": "–",
+                    "note": f"planned from the results of {', '.join(st.upstream)}"
+                    + (f"; {st.summary}" if st.summary else ""),
+                }
+            )
     return rows, keys
 
 
 def dry_run(spec: SweepSpec, store, console: Console) -> None:
     shape = P.stated_shape(spec)
     rows, keys = plan_counts(spec, shape)
-    grids = "; ".join(" × ".join(f"{len(v)} {a}" for a, v in g.model_dump().items() if v is not None and a in AXES)
-                      for g in subgrids(spec))
-    console.print(f"[bold]{spec.name}[/]: teacher {P.teacher_label(spec)} (E={shape.num_experts}, k={shape.top_k}, "
-                  f"from the {shape.source}); {grids}")
+    grids = "; ".join(
+        " × ".join(f"{len(v)} {a}" for a, v in g.model_dump().items() if v is not None and a in AXES)
+        for g in subgrids(spec)
+    )
+    console.print(
+        f"[bold]{spec.name}[/]: teacher {P.teacher_label(spec)} (E={shape.num_experts}, k={shape.top_k}, "
+        f"from the {shape.source}); {grids}"
+    )
     t = Table("stage", "named by configs", "distinct jobs", "notes", title="jobs (nothing is run)")
     for r in rows:
         t.add_row(r["stage"], str(r["named"]), str(r["distinct"]), r["note"])
     console.print(t)
     if store is not None:
         done = sum(1 for r in store.jobs(keys).values() if r["status"] == "succeeded")
-        console.print(f"already done in {store.shown}: {done} of {len(keys)} jobs planned so far "
-                      "(later stages are planned from earlier results)")
+        console.print(
+            f"already done in {store.shown}: {done} of {len(keys)} jobs planned so far "
+            "(later stages are planned from earlier results)"
+        )

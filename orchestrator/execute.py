@@ -88,12 +88,17 @@ class JobLog:
             self.file = None
 
 
-def run_payload(payload: dict[str, Any], cache: dict, progress: Progress | None,
-                where: dict[str, Any] | None = None) -> tuple[dict | None, str | None]:
+def run_payload(
+    payload: dict[str, Any], cache: dict, progress: Progress | None, where: dict[str, Any] | None = None
+) -> tuple[dict | None, str | None]:
     """Run one job with its output going to its log file; returns (result, error text). Never raises an
     Exception: a job that cannot write its log still runs, and its error (with why the log is missing)
     comes back to the orchestrator, which records it."""
-    cb = (lambda d, t, desc="", metrics=None: progress(payload["key"], d, t, desc, metrics)) if progress else None
+    cb = (
+        (lambda d, t, desc="", metrics=None: progress(payload["key"], d, t, desc, metrics))
+        if progress
+        else None
+    )
     log = JobLog(payload.get("log_path"))
     result, err = None, None
     try:
@@ -127,7 +132,11 @@ def fresh_cache(cache: dict, epoch: int, payload: dict[str, Any]) -> int:
 
 def payload_shape(payload: dict[str, Any]) -> Shape:
     """The resources a job holds while it runs: jobs of one shape share a pool of actors."""
-    return (payload.get("cpus", 1), payload.get("gpus", 0), tuple(sorted((payload.get("custom") or {}).items())))
+    return (
+        payload.get("cpus", 1),
+        payload.get("gpus", 0),
+        tuple(sorted((payload.get("custom") or {}).items())),
+    )
 
 
 def _amounts(shape: Shape) -> dict[str, float]:
@@ -142,8 +151,14 @@ class SerialExecutor:
         self.cache: dict = {}
         self.epoch = 0
 
-    def run(self, payloads: list[dict[str, Any]], on_done: Done, progress: Progress | None = None,
-            poll: Callable[[], None] | None = None, claim: Claim | None = None) -> None:
+    def run(
+        self,
+        payloads: list[dict[str, Any]],
+        on_done: Done,
+        progress: Progress | None = None,
+        poll: Callable[[], None] | None = None,
+        claim: Claim | None = None,
+    ) -> None:
         for p in payloads:
             if claim is not None and not claim(p):
                 continue
@@ -161,10 +176,13 @@ class RayExecutor:
 
     name = "ray"
 
-    def __init__(self, address: str | None = None, num_cpus: int | None = None,
-                 max_concurrent: int | None = None) -> None:
+    def __init__(
+        self, address: str | None = None, num_cpus: int | None = None, max_concurrent: int | None = None
+    ) -> None:
         self.address, self.num_cpus, self.max_concurrent = address, num_cpus, max_concurrent
-        self.ray: Any = None  # Ray starts with the first job: a resumed sweep with nothing to run never starts it
+        self.ray: Any = (
+            None  # Ray starts with the first job: a resumed sweep with nothing to run never starts it
+        )
         self.hub: Any = None
         self.pools: dict[Shape, list[Any]] = {}
         self.holds: dict[Any, str] = {}  # actor -> the resident model its last job loaded
@@ -175,8 +193,11 @@ class RayExecutor:
 
         self.ray = ray
         if not ray.is_initialized():
-            kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
-                                  "configure_logging": False}
+            kw: dict[str, Any] = {
+                "include_dashboard": False,
+                "log_to_driver": False,
+                "configure_logging": False,
+            }
             if self.address:
                 ray.init(address=self.address, **kw)
             else:
@@ -195,8 +216,10 @@ class RayExecutor:
         if fit < 1:
             extra = "".join(f", {v:g} {k}" for k, v in custom)
             have = "".join(f", {total.get(k, 0):g} {k}" for k, _ in custom)
-            raise RuntimeError(f"no node can hold a job needing {cpus} CPUs and {gpus} GPUs{extra} "
-                               f"(cluster: {total.get('CPU', 0)} CPUs, {total.get('GPU', 0)} GPUs{have})")
+            raise RuntimeError(
+                f"no node can hold a job needing {cpus} CPUs and {gpus} GPUs{extra} "
+                f"(cluster: {total.get('CPU', 0)} CPUs, {total.get('GPU', 0)} GPUs{have})"
+            )
         n = max(1, min(wanted, fit, self.max_concurrent or wanted))
         self._make_room(shape, max(n, len(pool)), total)
         while len(pool) < n:
@@ -205,13 +228,22 @@ class RayExecutor:
 
     def _actor(self, shape: Shape) -> Any:
         cpus, gpus, custom = shape
-        actor = _worker_actor(self.ray).options(num_cpus=cpus, num_gpus=gpus,
-                                                resources=dict(custom) or None).remote(self.hub, cpus)
+        actor = (
+            _worker_actor(self.ray)
+            .options(num_cpus=cpus, num_gpus=gpus, resources=dict(custom) or None)
+            .remote(self.hub, cpus)
+        )
         self.starting[actor] = actor.__ray_ready__.remote()
         return actor
 
-    def run(self, payloads: list[dict[str, Any]], on_done: Done, progress: Progress | None = None,
-            poll: Callable[[], None] | None = None, claim: Claim | None = None) -> None:
+    def run(
+        self,
+        payloads: list[dict[str, Any]],
+        on_done: Done,
+        progress: Progress | None = None,
+        poll: Callable[[], None] | None = None,
+        claim: Claim | None = None,
+    ) -> None:
         if not payloads:
             return
         if self.ray is None:
@@ -421,9 +453,14 @@ def _dies_with_this_process():
         return
     token = f"{LOCAL_RAY_ENV}={os.getpid()}-{uuid.uuid4().hex}"
     env = {k: v for k, v in os.environ.items() if k != LOCAL_RAY_ENV}
-    watchdog = subprocess.Popen([sys.executable, "-c", _WATCHDOG, token, str(os.getpid())], stdin=subprocess.PIPE,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                                start_new_session=True)  # a kill of the launch's process group spares it
+    watchdog = subprocess.Popen(
+        [sys.executable, "-c", _WATCHDOG, token, str(os.getpid())],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )  # a kill of the launch's process group spares it
     _WATCHDOGS.append(watchdog)  # its pipe stays open for as long as this process lives
     before = os.environ.get(LOCAL_RAY_ENV)
     os.environ[LOCAL_RAY_ENV] = token.split("=", 1)[1]
@@ -461,7 +498,9 @@ def _worker_actor(ray):
             def run(self, payload: dict[str, Any]):
                 self.epoch = fresh_cache(self.cache, self.epoch, payload)
 
-                def report(key: str, done: float, total: float, desc: str = "", metrics: list | None = None) -> None:
+                def report(
+                    key: str, done: float, total: float, desc: str = "", metrics: list | None = None
+                ) -> None:
                     self.hub.put.remote(key, done, total, desc, metrics)
 
                 return run_payload(payload, self.cache, report, self.where)
@@ -481,7 +520,9 @@ def _progress_hub(ray):
                 self.latest: dict[str, tuple] = {}
                 self.metrics: dict[str, list] = {}
 
-            def put(self, key: str, done: float, total: float, desc: str, metrics: list | None = None) -> None:
+            def put(
+                self, key: str, done: float, total: float, desc: str, metrics: list | None = None
+            ) -> None:
                 self.latest[key] = (key, done, total, desc)
                 if metrics:
                     self.metrics.setdefault(key, []).extend(metrics)

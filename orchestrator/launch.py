@@ -111,9 +111,13 @@ class ProgressLines:
             total = f"{t.total:g}" if t.total is not None else "?"
             name = t.description.strip()
             sub = t.description.startswith(" ")
-            self.console.print(f"{stamp} {'  job ' if sub else 'stage '}{name}: {t.completed:g}/{total}"
-                               f"{' done' if t.finished else ''} ({_elapsed(t.elapsed)})", highlight=False,
-                               soft_wrap=True, markup=False)
+            self.console.print(
+                f"{stamp} {'  job ' if sub else 'stage '}{name}: {t.completed:g}/{total}"
+                f"{' done' if t.finished else ''} ({_elapsed(t.elapsed)})",
+                highlight=False,
+                soft_wrap=True,
+                markup=False,
+            )
 
     def stop(self) -> None:
         self._stop.set()
@@ -135,9 +139,20 @@ def progress_interval() -> float:
 
 
 class Runner:
-    def __init__(self, store: Store, executor, sweep_id: int, spec: SweepSpec, *, retry_failed: bool,
-                 console: Console, progress: Progress | None, owner: str | None = None,
-                 stale_after_s: float = STALE_AFTER_S, wait_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        store: Store,
+        executor,
+        sweep_id: int,
+        spec: SweepSpec,
+        *,
+        retry_failed: bool,
+        console: Console,
+        progress: Progress | None,
+        owner: str | None = None,
+        stale_after_s: float = STALE_AFTER_S,
+        wait_s: float = 1.0,
+    ) -> None:
         self.store, self.executor, self.sweep_id, self.spec = store, executor, sweep_id, spec
         self.retry_failed = retry_failed
         self.owner = owner or owner_id()
@@ -161,8 +176,9 @@ class Runner:
             return list(self.claimed)
 
     # ---- one stage ---------------------------------------------------------------------------
-    def run_stage(self, st: Stage, jobs: Iterable[JobSpec | None],
-                  rep: StageReport | None = None) -> dict[str, dict[str, Any]]:
+    def run_stage(
+        self, st: Stage, jobs: Iterable[JobSpec | None], rep: StageReport | None = None
+    ) -> dict[str, dict[str, Any]]:
         """Run a stage's distinct jobs; returns {job key: outputs} of those that succeeded. A succeeded job
         is reused only if its artifacts are as recorded and its inputs are those it read; a job runs only
         once the artifacts it reads are as recorded (else their producer is recomputed first).
@@ -196,7 +212,9 @@ class Runner:
                     rep.cached += 1
                     self._advance(bar)
                     continue
-                if status == "failed" and (j.key in waited or not (self.retry_failed and tries.get(j.key, 0) == 0)):
+                if status == "failed" and (
+                    j.key in waited or not (self.retry_failed and tries.get(j.key, 0) == 0)
+                ):
                     rep.failed.append((j.key, _last_line(rows[j.key]["error"])))
                     self._advance(bar)
                     continue
@@ -206,9 +224,14 @@ class Runner:
                     continue
                 err = rows[j.key]["error"] or ""
                 if status == "pending" and err.startswith("stale: ") and j.key not in self._announced:
-                    self._announced.add(j.key)  # marked stale earlier (by `moesweep verify`, or a launch cut short)
-                    self.console.print(f"{stage} {j.key[:8]}…: {err[len('stale: '):]}; recomputing",
-                                       highlight=False, soft_wrap=True)
+                    self._announced.add(
+                        j.key
+                    )  # marked stale earlier (by `moesweep verify`, or a launch cut short)
+                    self.console.print(
+                        f"{stage} {j.key[:8]}…: {err[len('stale: ') :]}; recomputing",
+                        highlight=False,
+                        soft_wrap=True,
+                    )
                     rep.stale += 1
                 self._consumed[j.key] = _inputs_of(j, arts)
                 payloads.append(self._payload(st, j, rows, arts))
@@ -227,22 +250,44 @@ class Runner:
                 tries[p["key"]] = tries.get(p["key"], 0) + 1
                 return True
 
-            def on_done(p: dict, result: dict | None, err: str | None, dt: float,
-                        retry: list = retry, by_key: dict = by_key) -> None:
+            def on_done(
+                p: dict,
+                result: dict | None,
+                err: str | None,
+                dt: float,
+                retry: list = retry,
+                by_key: dict = by_key,
+            ) -> None:
                 key = p["key"]
                 stray = sorted(set(result or {}) - st.records - {"compute_s", "versions"})
                 if err is None and stray:  # a record the stage does not declare is a bug in its run function
-                    result, err = None, f"stage {stage!r} returned {stray}; it declares records {sorted(st.records)}"
+                    result, err = (
+                        None,
+                        f"stage {stage!r} returned {stray}; it declares records {sorted(st.records)}",
+                    )
                 if err is None and result is not None:
                     try:
-                        self.store.finish(key, self.owner, result, dt, log_path=p["log_path"],
-                                          inputs=self._consumed.get(key))
-                    except Exception as e:  # e.g. a record the schema refuses: the job failed, the launch goes on
+                        self.store.finish(
+                            key,
+                            self.owner,
+                            result,
+                            dt,
+                            log_path=p["log_path"],
+                            inputs=self._consumed.get(key),
+                        )
+                    except (
+                        Exception
+                    ) as e:  # e.g. a record the schema refuses: the job failed, the launch goes on
                         if self.interrupted:
                             raise KeyboardInterrupt from e
                         # the last line is what the launch's summary shows: what went wrong, not a link
-                        result, err = None, (traceback.format_exc()
-                                             + f"recording its result failed: {explain(self.store.url, e)}")
+                        result, err = (
+                            None,
+                            (
+                                traceback.format_exc()
+                                + f"recording its result failed: {explain(self.store.url, e)}"
+                            ),
+                        )
                 if err is None and result is not None:
                     rep.ran += 1
                     self._advance(bar)
@@ -250,8 +295,14 @@ class Runner:
                     if self.interrupted:  # the job died of Ctrl-C: released by launch(), not a failure
                         raise KeyboardInterrupt
                     final = tries[key] > self.spec.execution.retries
-                    self.store.fail(key, self.owner, err or "no result", final=final, log_path=p["log_path"],
-                                    duration_s=dt)
+                    self.store.fail(
+                        key,
+                        self.owner,
+                        err or "no result",
+                        final=final,
+                        log_path=p["log_path"],
+                        duration_s=dt,
+                    )
                     if final:
                         rep.failed.append((key, _last_line(err)))
                         self._advance(bar)
@@ -267,8 +318,11 @@ class Runner:
             waited.update(j.key for j in others)
             pending = retry + others
         self._finish_bar(bar)
-        return {k: json.loads(r["outputs_json"] or "{}") for k, r in
-                self.store.jobs([j.key for j in jobs]).items() if r["status"] == "succeeded"}
+        return {
+            k: json.loads(r["outputs_json"] or "{}")
+            for k, r in self.store.jobs([j.key for j in jobs]).items()
+            if r["status"] == "succeeded"
+        }
 
     # ---- artifacts: checked before they are used again -----------------------------------------
     def _problem(self, rows: list[dict[str, Any]], full: bool = False) -> str | None:
@@ -311,8 +365,13 @@ class Runner:
                 now = _inputs_of(j, arts)
                 for d in j.deps.values():
                     if d in recorded and recorded[d] != now.get(d):
-                        changed = sorted({Path(p).name for p in set(recorded[d]) | set(now.get(d, {}))
-                                          if recorded[d].get(p) != now.get(d, {}).get(p)})
+                        changed = sorted(
+                            {
+                                Path(p).name
+                                for p in set(recorded[d]) | set(now.get(d, {}))
+                                if recorded[d].get(p) != now.get(d, {}).get(p)
+                            }
+                        )
                         up = self.known[d][0].name if d in self.known else "upstream"
                         why = f"its input {up} {d[:8]}… was recomputed with other content ({', '.join(changed)})"
                         break
@@ -322,8 +381,11 @@ class Runner:
     def _inputs_ready(self, jobs: list[JobSpec]) -> None:
         """The artifacts these jobs read are checked (size and mtime; hash where either moved); a broken
         one's producer is marked stale and recomputed now, before anything reads it."""
-        deps = list(dict.fromkeys(d for j in jobs for d in j.deps.values()
-                                  if d in self.known and d not in self._recomputing))
+        deps = list(
+            dict.fromkeys(
+                d for j in jobs for d in j.deps.values() if d in self.known and d not in self._recomputing
+            )
+        )
         if not deps:
             return
         rows = self.store.jobs(deps)
@@ -342,17 +404,29 @@ class Runner:
                 self._recomputing.discard(d)
             self.cache_epoch += 1  # workers drop what they loaded from the old artifact
 
-    def _payload(self, st: Stage, j: JobSpec, rows: dict[str, dict],
-                 arts: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    def _payload(
+        self, st: Stage, j: JobSpec, rows: dict[str, dict], arts: dict[str, list[dict[str, Any]]]
+    ) -> dict[str, Any]:
         """What a worker needs to run a job. With an artifact root the job runs in a local scratch folder and
         uploads its artifacts under `artifacts_url`; inputs recorded at URLs are listed in `fetch` (whatever
         the root is now: they were recorded there by an earlier launch)."""
         inputs = {role: json.loads(rows[d]["outputs_json"] or "{}") for role, d in j.deps.items()}
         root = home()
-        payload = {"key": j.key, "stage": j.stage, "run": ":".join(st.run_ref()), "params": j.params,
-                   "inputs": inputs, "resident": j.resident, "cpus": j.cpus, "gpus": j.gpus, "custom": j.custom,
-                   "home": str(root), "workdir": str(root / "artifacts" / j.stage / j.key),
-                   "log_path": str(root / "logs" / j.stage / f"{j.key}.log"), "cache_epoch": self.cache_epoch}
+        payload = {
+            "key": j.key,
+            "stage": j.stage,
+            "run": ":".join(st.run_ref()),
+            "params": j.params,
+            "inputs": inputs,
+            "resident": j.resident,
+            "cpus": j.cpus,
+            "gpus": j.gpus,
+            "custom": j.custom,
+            "home": str(root),
+            "workdir": str(root / "artifacts" / j.stage / j.key),
+            "log_path": str(root / "logs" / j.stage / f"{j.key}.log"),
+            "cache_epoch": self.cache_epoch,
+        }
         if self.artifacts:
             payload["workdir"] = str(root / "scratch" / j.stage / j.key)
             payload["artifacts_url"] = f"{self.artifacts}/{j.stage}/{j.key}"
@@ -383,7 +457,9 @@ class Runner:
             self.progress.remove_task(t)
         self._job_bars.clear()
 
-    def _on_progress(self, key: str, done: float, total: float, desc: str, metrics: list | None = None) -> None:
+    def _on_progress(
+        self, key: str, done: float, total: float, desc: str, metrics: list | None = None
+    ) -> None:
         if metrics:  # e.g. validation CE during distillation: in the DB while the job still runs
             self.store.add_partial_metrics(key, self.owner, metrics)
         if self.progress is not None and total:
@@ -410,7 +486,7 @@ def _fetch_of(j: JobSpec, arts: dict[str, list[dict[str, Any]]]) -> dict[str, di
         for a in arts.get(d, []):
             path = a["path"]
             if is_url(path) and f"/{d}/" in path:
-                out.setdefault(path[:path.index(f"/{d}/") + len(d) + 1], {})[path] = a["content_hash"]
+                out.setdefault(path[: path.index(f"/{d}/") + len(d) + 1], {})[path] = a["content_hash"]
     return out
 
 
@@ -451,26 +527,58 @@ def prepare(spec: SweepSpec, path: str | None = None) -> tuple[TeacherShape, lis
     return shape, P.build_configs(spec, shape)
 
 
-def launch(spec: SweepSpec, spec_text: str, store: Store, executor, *, retry_failed: bool = False,
-           console: Console | None = None, show_progress: bool = True, path: str | None = None,
-           prepared: tuple[TeacherShape, list[dict[str, Any]]] | None = None, owner: str | None = None,
-           heartbeat_s: float = 10.0, stale_after_s: float = STALE_AFTER_S, lines_s: float | None = None) -> int:
+def launch(
+    spec: SweepSpec,
+    spec_text: str,
+    store: Store,
+    executor,
+    *,
+    retry_failed: bool = False,
+    console: Console | None = None,
+    show_progress: bool = True,
+    path: str | None = None,
+    prepared: tuple[TeacherShape, list[dict[str, Any]]] | None = None,
+    owner: str | None = None,
+    heartbeat_s: float = 10.0,
+    stale_after_s: float = STALE_AFTER_S,
+    lines_s: float | None = None,
+) -> int:
     """Run the sweep; returns the process exit code (0 = everything succeeded). `owner` (default
     host:pid) names this launch on the jobs it claims; it heartbeats them every `heartbeat_s`, and takes
     over another host's running job only when its heartbeat is older than `stale_after_s`. Progress shows
     as bars on a terminal, else as lines every `lines_s` (default: progress_interval())."""
     console = console or Console(stderr=True)
     shape, configs = prepared or prepare(spec, path)
-    sid = store.upsert_sweep(spec.name, spec_yaml=spec_text, spec_hash=spec_hash(spec_text),
-                             description=spec.description, select_json=P.select_json(spec))
+    sid = store.upsert_sweep(
+        spec.name,
+        spec_yaml=spec_text,
+        spec_hash=spec_hash(spec_text),
+        description=spec.description,
+        select_json=P.select_json(spec),
+    )
     store.release_stale(stale_after_s)
     cfg_ids = store.upsert_configs(sid, configs)
     as_lines = show_progress and not console.is_terminal
-    progress = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=console, disable=not show_progress or as_lines,
-                        transient=False)
-    runner = Runner(store, executor, sid, spec, retry_failed=retry_failed, console=console, progress=progress,
-                    owner=owner, stale_after_s=stale_after_s)
+    progress = Progress(
+        TextColumn("{task.description:<28}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not show_progress or as_lines,
+        transient=False,
+    )
+    runner = Runner(
+        store,
+        executor,
+        sid,
+        spec,
+        retry_failed=retry_failed,
+        console=console,
+        progress=progress,
+        owner=owner,
+        stale_after_s=stale_after_s,
+    )
     ctx = _context(spec, shape, configs, store, sid, cfg_ids)
     previous = _on_sigint(runner)
     beat = Heartbeat(store, runner.owner, runner.held, heartbeat_s).start()
@@ -495,8 +603,12 @@ def launch(spec: SweepSpec, spec_text: str, store: Store, executor, *, retry_fai
             # the database could not be used (locked past the busy timeout, gone): one line, not a traceback;
             # what finished is kept, and the jobs this launch held are taken over by the next one (its owner
             # is gone then), so nothing is released here through a database that is not answering
-            console.print(f"[red]error:[/] {explain(store.url, e)}; the jobs that finished are kept and "
-                          "`moesweep launch` resumes", highlight=False, soft_wrap=True)
+            console.print(
+                f"[red]error:[/] {explain(store.url, e)}; the jobs that finished are kept and "
+                "`moesweep launch` resumes",
+                highlight=False,
+                soft_wrap=True,
+            )
             return 2
         if not (isinstance(e, KeyboardInterrupt) or runner.interrupted):
             raise
@@ -504,7 +616,9 @@ def launch(spec: SweepSpec, spec_text: str, store: Store, executor, *, retry_fai
         try:
             runner.release_claimed()
         except Exception as err:  # the next launch releases them anyway: their owner is gone
-            console.print(f"[yellow]could not release the jobs in flight now ({err}); the next launch will[/]")
+            console.print(
+                f"[yellow]could not release the jobs in flight now ({err}); the next launch will[/]"
+            )
         console.print("[yellow]interrupted[/]: finished jobs are kept; `moesweep launch` resumes.")
         return 130
     finally:
@@ -513,16 +627,21 @@ def launch(spec: SweepSpec, spec_text: str, store: Store, executor, *, retry_fai
             lines.print()  # where every stage ended
         beat.stop()
         if beat.failures:
-            console.print(f"[yellow]warning:[/] {beat.failures} heartbeat(s) could not be written "
-                          f"(last: {beat.last_error})", highlight=False, soft_wrap=True)
+            console.print(
+                f"[yellow]warning:[/] {beat.failures} heartbeat(s) could not be written "
+                f"(last: {beat.last_error})",
+                highlight=False,
+                soft_wrap=True,
+            )
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
         executor.close()
     return _summary(console, runner.reports, store, sid)
 
 
-def _context(spec: SweepSpec, shape, configs: list[dict[str, Any]], store: Store, sid: int,
-             cfg_ids: dict[str, int]) -> SweepContext:
+def _context(
+    spec: SweepSpec, shape, configs: list[dict[str, Any]], store: Store, sid: int, cfg_ids: dict[str, int]
+) -> SweepContext:
     """The sweep context with the launcher's hooks: the selection rule, new configurations, fields."""
     ctx = SweepContext(spec, shape, configs)
     chosen: list[str] | None = None
@@ -536,8 +655,13 @@ def _context(spec: SweepSpec, shape, configs: list[dict[str, Any]], store: Store
     def add_configs(new: list[dict[str, Any]]) -> None:
         rows = [{k: v for k, v in c.items() if k != "variant_of"} for c in new]
         cfg_ids.update(store.upsert_configs(sid, rows))
-        store.set_config_fields({cfg_ids[c["config_key"]]: {"variant_of": cfg_ids[c["variant_of"]]}
-                                 for c in new if c.get("variant_of")})
+        store.set_config_fields(
+            {
+                cfg_ids[c["config_key"]]: {"variant_of": cfg_ids[c["variant_of"]]}
+                for c in new
+                if c.get("variant_of")
+            }
+        )
         known = {c["config_key"] for c in ctx.configs}
         ctx.configs.extend(c for c in new if c["config_key"] not in known)
 
@@ -551,6 +675,7 @@ def _context(spec: SweepSpec, shape, configs: list[dict[str, Any]], store: Store
 def _on_sigint(runner: Runner):
     """Ctrl-C marks the runner interrupted before Python raises KeyboardInterrupt, so a job whose library
     turns the interrupt into another exception is released, not recorded as failed. Main thread only."""
+
     def handler(signum, frame):
         runner.interrupted = True
         signal.default_int_handler(signum, frame)
@@ -572,7 +697,9 @@ def _link(store: Store, cfg_ids: dict[str, int], jobs: dict[str, JobSpec], stage
     store.link([(cfg_ids[ck], stage, rows[j.key]["id"]) for ck, j in linked.items() if j.key in rows])
 
 
-def _mark_duplicates(store: Store, cfg_ids: dict[str, int], jobs: dict[str, JobSpec], ctx: SweepContext) -> None:
+def _mark_duplicates(
+    store: Store, cfg_ids: dict[str, int], jobs: dict[str, JobSpec], ctx: SweepContext
+) -> None:
     """Configurations sharing one student (the same job, and the same values of the axes that change a
     student after its conversion, such as recovery) are marked duplicates of the first of them."""
     later = [a.name for a in AXES.values() if a.after_student]
@@ -601,9 +728,12 @@ def _select(spec: SweepSpec, store: Store, sid: int, cfg_ids: dict[str, int]) ->
     chosen += [key_of[r["config_id"]] for r in base if not (r["baseline"] or "").startswith("d2d:")]
     d2d = [dict(r, family="d2d") for r in base if (r["baseline"] or "").startswith("d2d:")]
     chosen += [key_of[r["config_id"]] for r in P.select_best(d2d, ["family"], ["baseline"])]
-    store.set_config_fields({r["config_id"]: {"selected_for_distill": int(key_of[r["config_id"]] in chosen)}
-                             for r in main})
+    store.set_config_fields(
+        {r["config_id"]: {"selected_for_distill": int(key_of[r["config_id"]] in chosen)} for r in main}
+    )
     return chosen
+
+
 def _summary(console: Console, reports: list[StageReport], store: Store, sid: int) -> int:
     t = Table(title="moesweep launch", show_lines=False)
     for col in ("stage", "jobs", "cached", "ran", "failed", "blocked", "stale"):
@@ -611,15 +741,24 @@ def _summary(console: Console, reports: list[StageReport], store: Store, sid: in
     failures = []
     for r in reports:
         if r.total:
-            t.add_row(r.stage, str(r.total), str(r.cached), str(r.ran), str(len(r.failed)), str(r.blocked),
-                      str(r.stale))
+            t.add_row(
+                r.stage,
+                str(r.total),
+                str(r.cached),
+                str(r.ran),
+                str(len(r.failed)),
+                str(r.blocked),
+                str(r.stale),
+            )
         failures += [(r.stage, k, e) for k, e in r.failed]
     console.print(t)
-    console.print(f"results: {store.shown}   (try: moesweep sql \"SELECT * FROM results\")")
+    console.print(f'results: {store.shown}   (try: moesweep sql "SELECT * FROM results")')
     blocked = sum(r.blocked for r in reports)
     if failures:
-        console.print(f"[red]{len(failures)} job(s) failed[/] (moesweep status shows them; "
-                      "--retry-failed runs them again):")
+        console.print(
+            f"[red]{len(failures)} job(s) failed[/] (moesweep status shows them; "
+            "--retry-failed runs them again):"
+        )
         for stage, key, err in failures[:20]:
             console.print(f"  {stage} {key[:12]}: {err}", highlight=False)
     if blocked:

@@ -56,8 +56,14 @@ class Data(Strict):
     def _chat_fields(self) -> Data:
         from workers.core.data import chat_field_error
 
-        error = chat_field_error(self.source, self.format, self.messages_field, self.prompt_field,
-                                 self.response_field, self.chat_template)
+        error = chat_field_error(
+            self.source,
+            self.format,
+            self.messages_field,
+            self.prompt_field,
+            self.response_field,
+            self.chat_template,
+        )
         if error:
             raise ValueError(error)
         return self

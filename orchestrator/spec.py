@@ -73,8 +73,10 @@ class SweepSpec(Strict):
     @classmethod
     def _slug(cls, v: str) -> str:
         if not NAME.match(v):
-            raise ValueError(f"{v!r} is not a sweep name; allowed: letters, digits, '.', '_', '-' "
-                             "(starting with a letter or digit, at most 100)")
+            raise ValueError(
+                f"{v!r} is not a sweep name; allowed: letters, digits, '.', '_', '-' "
+                "(starting with a letter or digit, at most 100)"
+            )
         return v
 
     @field_validator("baselines")
@@ -88,8 +90,9 @@ class SweepSpec(Strict):
             raise ValueError("baseline 'd2d' needs a dense_teacher section")
         calibration = getattr(self, "calibration", None)
         if "d2d" in self.baselines and calibration is not None and calibration.sources is not None:
-            raise ValueError("baseline 'd2d' prunes on calibration.data; with calibration.sources it is not "
-                             "supported yet")
+            raise ValueError(
+                "baseline 'd2d' prunes on calibration.data; with calibration.sources it is not supported yet"
+            )
         return self
 
     def resources(self, stage: str) -> Resources:
@@ -159,8 +162,11 @@ class _StrictLoader(yaml.SafeLoader):
             if key in seen:
                 m = key_node.start_mark
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} appears twice in one mapping (line {m.line + 1}, column {m.column + 1})",
-                    key_node.start_mark)
+                    None,
+                    None,
+                    f"key {key!r} appears twice in one mapping (line {m.line + 1}, column {m.column + 1})",
+                    key_node.start_mark,
+                )
             seen[key] = True
         return super().construct_mapping(node, deep=deep)
 
@@ -170,7 +176,9 @@ def read_yaml(path: Path) -> tuple[Any, str]:
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
-        raise SpecError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
+        raise SpecError(
+            f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})"
+        ) from None
     except OSError as e:
         raise SpecError(f"{path}: cannot read: {e.strerror}") from None
     try:
@@ -240,10 +248,15 @@ def check_local_paths(spec: SweepSpec, path: Path | str) -> None:
         if data.chat_template and not Path(data.chat_template).is_file():
             raise SpecError(f"{path}: {where}.chat_template: no such file {data.chat_template!r}")
         if data.format == "chat" and not where.startswith(CHAT_SECTIONS):
-            raise SpecError(f"{path}: {where}.format: 'chat' is read with the teacher's tokenizer only in "
-                            f"{', '.join(s.rstrip('.') for s in CHAT_SECTIONS)}")
-    if spec.teacher.source == "hf" and spec.teacher.model and (spec.teacher.model.startswith(("/", "./", "../"))
-                                                              and not Path(spec.teacher.model).is_dir()):
+            raise SpecError(
+                f"{path}: {where}.format: 'chat' is read with the teacher's tokenizer only in "
+                f"{', '.join(s.rstrip('.') for s in CHAT_SECTIONS)}"
+            )
+    if (
+        spec.teacher.source == "hf"
+        and spec.teacher.model
+        and (spec.teacher.model.startswith(("/", "./", "../")) and not Path(spec.teacher.model).is_dir())
+    ):
         raise SpecError(f"{path}: teacher.model: no such directory {spec.teacher.model!r}")
 
 

@@ -42,7 +42,9 @@ class Stage:
     shared: bool = False  # one job serves many configurations by design (teacher, calibration)
     identity: bool = False  # configurations sharing this stage's job are one student (duplicate_of)
     summary: str = ""
-    estimate: Callable[[SweepContext, list[dict[str, Any]]], list[dict[str, Any]]] | None = None  # dry-run rows
+    estimate: Callable[[SweepContext, list[dict[str, Any]]], list[dict[str, Any]]] | None = (
+        None  # dry-run rows
+    )
     # (given the rows of earlier stages) for a stage whose jobs need earlier outputs
     after: Callable[[SweepContext], None] | None = None  # orchestrator bookkeeping once its jobs ran
 
@@ -60,7 +62,9 @@ def register(stage: Stage) -> Stage:
     if stage.name in _REGISTRY and _REGISTRY[stage.name] is not stage:
         raise ValueError(f"stage {stage.name!r} is declared twice")
     if not stage.records <= RECORD_KINDS:
-        raise ValueError(f"stage {stage.name!r}: records {sorted(stage.records)}; allowed: {sorted(RECORD_KINDS)}")
+        raise ValueError(
+            f"stage {stage.name!r}: records {sorted(stage.records)}; allowed: {sorted(RECORD_KINDS)}"
+        )
     _REGISTRY[stage.name] = stage
     _ordered.cache_clear()
     code_fingerprints.cache_clear()
@@ -93,7 +97,9 @@ def _ordered() -> tuple[Stage, ...]:
     for s in todo:
         missing = [u for u in s.upstream if u not in names]
         if missing:
-            raise ValueError(f"stage {s.name!r}: upstream {missing} not registered; known: {', '.join(sorted(names))}")
+            raise ValueError(
+                f"stage {s.name!r}: upstream {missing} not registered; known: {', '.join(sorted(names))}"
+            )
     done: list[Stage] = []
     while todo:
         ready = next((s for s in todo if all(u in {d.name for d in done} for u in s.upstream)), None)
@@ -165,8 +171,11 @@ def code_version(components: dict[str, str]) -> str:
 
 
 def content_key(stage: str, params: dict[str, Any], deps: dict[str, str], code: dict[str, str]) -> str:
-    blob = json.dumps({"stage": stage, "params": params, "deps": deps, "code": code,
-                       "libraries": library_versions()}, sort_keys=True, default=str)
+    blob = json.dumps(
+        {"stage": stage, "params": params, "deps": deps, "code": code, "libraries": library_versions()},
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
@@ -192,8 +201,13 @@ class JobSpec:
         self.key = self.key or content_key(self.stage, self.params, deps, self.code)
 
     def record(self) -> dict[str, Any]:
-        return {"key": self.key, "stage": self.stage, "params": self.params,
-                "code_version": code_version(self.code), "code_json": json.dumps(self.code, sort_keys=True)}
+        return {
+            "key": self.key,
+            "stage": self.stage,
+            "params": self.params,
+            "code_version": code_version(self.code),
+            "code_json": json.dumps(self.code, sort_keys=True),
+        }
 
 
 def unique(jobs) -> list[JobSpec]:
@@ -248,7 +262,15 @@ class SweepContext:
         res = self.spec.resources(stage)
         return {"cpus": res.cpus, "gpus": res.gpus, "custom": dict(res.custom)}
 
-    def job(self, stage: str, params: dict[str, Any], deps: dict[str, str] | None = None, *,
-            resident: str | None = None, key_deps: dict[str, str] | None = None) -> JobSpec:
-        return JobSpec(stage, params, dict(deps or {}), resident=resident, key_deps=key_deps,
-                       **self.resources(stage))
+    def job(
+        self,
+        stage: str,
+        params: dict[str, Any],
+        deps: dict[str, str] | None = None,
+        *,
+        resident: str | None = None,
+        key_deps: dict[str, str] | None = None,
+    ) -> JobSpec:
+        return JobSpec(
+            stage, params, dict(deps or {}), resident=resident, key_deps=key_deps, **self.resources(stage)
+        )

@@ -18,12 +18,20 @@ def git_commit(root: Path = ROOT) -> str | None:
     if not (root / ".git").exists():
         return None
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
-                              capture_output=True, text=True, timeout=10)
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         if head.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return None
     return head.stdout.strip() + ("+dirty" if dirty else "")
@@ -63,4 +71,3 @@ def version_text(root: Path = ROOT) -> str:
 def _public(v: str) -> str:
     """A version without its local label: torch 2.13.0+cpu and its CUDA build 2.13.0 are one locked release."""
     return v.split("+", 1)[0]
-

@@ -23,8 +23,10 @@ def main() -> int:
     named = left_out(README.read_text())
     gaps = unsupported()
     new = [d for d in gaps if not covered(d, named)]
-    print(f"transformers {transformers.__version__}: {len(moe_model_types())} MoE model types, "
-          f"{len(gaps)} without an adapter ({len(new)} new)")
+    print(
+        f"transformers {transformers.__version__}: {len(moe_model_types())} MoE model types, "
+        f"{len(gaps)} without an adapter ({len(new)} new)"
+    )
     for d in gaps:
         print(f"  {d:28s} {'NEW' if d in new else 'left out'}")
     return 1 if new else 0

@@ -90,11 +90,20 @@ class LocalCluster:
         self.top = Path(tempfile.mkdtemp(prefix="msray-", dir="/tmp" if os.path.isdir("/tmp") else None))
         self.head_temp, self.worker_temp = str(self.top / "h"), str(self.top / "w")
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MOESWEEP_"))}
-        self.env.update({TOKEN_ENV: self.token, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-                         "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-                         # a token of its own (not ~/.ray/auth_token, which would switch the head to token
-                         # auth while a node started with --address stays without)
-                         "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex + uuid.uuid4().hex})
+        self.env.update(
+            {
+                TOKEN_ENV: self.token,
+                "PYTHONPATH": str(ROOT),
+                "OMP_NUM_THREADS": "1",
+                "RAY_USAGE_STATS_ENABLED": "0",
+                "HF_HUB_OFFLINE": "1",
+                "HF_DATASETS_OFFLINE": "1",
+                # a token of its own (not ~/.ray/auth_token, which would switch the head to token
+                # auth while a node started with --address stays without)
+                "RAY_AUTH_MODE": "token",
+                "RAY_AUTH_TOKEN": uuid.uuid4().hex + uuid.uuid4().hex,
+            }
+        )
         self.procs: list[subprocess.Popen] = []
         self.address = ""
         self.nodes: dict[str, dict[str, float]] = {}
@@ -102,26 +111,63 @@ class LocalCluster:
 
     def _node(self, name: str, args: list[str], resources: dict[str, float]) -> None:
         p = free_ports(24)
-        cmd = [RAY, "start", "--block", "--num-cpus", "1", "--num-gpus", "0", "--resources", json.dumps(resources),
-               "--node-ip-address", "127.0.0.1", "--object-store-memory", str(100 << 20),
-               "--node-manager-port", str(p[0]), "--object-manager-port", str(p[1]),
-               "--dashboard-agent-listen-port", str(p[2]), "--dashboard-agent-grpc-port", str(p[3]),
-               "--metrics-export-port", str(p[4]), "--runtime-env-agent-port", str(p[5]),
-               "--worker-port-list", ",".join(map(str, p[8:])), "--disable-usage-stats", *args]
+        cmd = [
+            RAY,
+            "start",
+            "--block",
+            "--num-cpus",
+            "1",
+            "--num-gpus",
+            "0",
+            "--resources",
+            json.dumps(resources),
+            "--node-ip-address",
+            "127.0.0.1",
+            "--object-store-memory",
+            str(100 << 20),
+            "--node-manager-port",
+            str(p[0]),
+            "--object-manager-port",
+            str(p[1]),
+            "--dashboard-agent-listen-port",
+            str(p[2]),
+            "--dashboard-agent-grpc-port",
+            str(p[3]),
+            "--metrics-export-port",
+            str(p[4]),
+            "--runtime-env-agent-port",
+            str(p[5]),
+            "--worker-port-list",
+            ",".join(map(str, p[8:])),
+            "--disable-usage-stats",
+            *args,
+        ]
         log = open(self.top / f"{name}.log", "w")  # noqa: SIM115  (the node's own output, kept for failures)
-        self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.top,
-                                           start_new_session=True))
+        self.procs.append(
+            subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.top, start_new_session=True
+            )
+        )
         log.close()
 
     def start(self) -> LocalCluster:
         (gcs,) = free_ports(1)
         self.address = f"127.0.0.1:{gcs}"
-        self._node("head", ["--head", "--port", str(gcs), "--include-dashboard", "false",
-                            "--temp-dir", self.head_temp], self.resources[0])
+        self._node(
+            "head",
+            ["--head", "--port", str(gcs), "--include-dashboard", "false", "--temp-dir", self.head_temp],
+            self.resources[0],
+        )
         self._wait_for_file(Path(self.head_temp) / "ray_current_cluster", "head")
         self._node("worker", ["--address", self.address, "--temp-dir", self.worker_temp], self.resources[1])
-        out = subprocess.run([sys.executable, "-c", NODES, self.address, "2"], capture_output=True, text=True,
-                             env=self.env, cwd=self.top, timeout=180)
+        out = subprocess.run(
+            [sys.executable, "-c", NODES, self.address, "2"],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            cwd=self.top,
+            timeout=180,
+        )
         if out.returncode != 0:
             raise RuntimeError(f"the cluster did not come up: {out.stderr[-2000:]}{self.logs()}")
         self.nodes = json.loads(out.stdout.strip().splitlines()[-1])
@@ -140,7 +186,9 @@ class LocalCluster:
         return next(n for n, res in self.nodes.items() if res.get(resource))
 
     def logs(self) -> str:
-        return "".join(f"\n--- {f.name}\n{f.read_text(errors='replace')[-3000:]}" for f in sorted(self.top.glob("*.log")))
+        return "".join(
+            f"\n--- {f.name}\n{f.read_text(errors='replace')[-3000:]}" for f in sorted(self.top.glob("*.log"))
+        )
 
     def stop(self) -> None:
         """Worker first, then head: SIGTERM (Ray's own clean-up), SIGKILL after 20 s; then every process
@@ -169,16 +217,25 @@ def marked(token: str) -> set[int]:
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
-                if needle in Path(f"/proc/{d}/environ").read_bytes().split(b"\0") and \
-                        Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                if (
+                    needle in Path(f"/proc/{d}/environ").read_bytes().split(b"\0")
+                    and Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+                ):
                     found.add(int(d))
             except (OSError, IndexError):
                 pass
     return found
 
 
-def launch(cluster: LocalCluster | None, sweep: Path, db: str, home: Path, *, temp_dir: str | None = None,
-           **popen: Any) -> subprocess.Popen:
+def launch(
+    cluster: LocalCluster | None,
+    sweep: Path,
+    db: str,
+    home: Path,
+    *,
+    temp_dir: str | None = None,
+    **popen: Any,
+) -> subprocess.Popen:
     """`moesweep launch SWEEP --address ADDRESS --db DB` with the fake stages, as a process of its own
     (`cluster` None: `--executor serial`)."""
     env = {k: v for k, v in (cluster.env if cluster else os.environ).items() if k != TOKEN_ENV}
@@ -186,8 +243,15 @@ def launch(cluster: LocalCluster | None, sweep: Path, db: str, home: Path, *, te
     if temp_dir:
         env["MOESWEEP_TEST_RAY_TEMP"] = temp_dir
     where = ["--address", cluster.address] if cluster else ["--executor", "serial"]
-    return subprocess.Popen([sys.executable, "-c", DRIVER, "launch", str(sweep), *where, "--db", db], env=env,
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+    return subprocess.Popen(
+        [sys.executable, "-c", DRIVER, "launch", str(sweep), *where, "--db", db],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **popen,
+    )
 
 
 # a sweep for the fake stages (tests/test_orchestrator.py's fake_sweep points its teacher at a local config):
@@ -242,8 +306,12 @@ def distill(p, cache, progress):
 
 def evaluate(p, cache, progress):
     _ran(p)
-    return {"outputs": {}, "metrics": [{"name": "acc", "stage": "post", "task": "t", "value": _num(p) / 100,
-                                        "headline": 1}]}
+    return {
+        "outputs": {},
+        "metrics": [{"name": "acc", "stage": "post", "task": "t", "value": _num(p) / 100, "headline": 1}],
+    }
 
 
-FAKES = {name: f"tests.ray_cluster:{name}" for name in ("calibrate", "convert", "ppl_pre", "distill", "evaluate")}
+FAKES = {
+    name: f"tests.ray_cluster:{name}" for name in ("calibrate", "convert", "ppl_pre", "distill", "evaluate")
+}

@@ -65,7 +65,9 @@ def _local_results(tmp_path: Path, sweep: Path, monkeypatch) -> list[tuple]:
         m.setenv("MOESWEEP_HOME", str(tmp_path / "local_home"))
         store = Store(f"sqlite:///{tmp_path}/local.db")
         assert _launch(store, sweep)[0] == 0
-        assert all(not p.startswith(("memory:", "file:")) for (p,) in store.query("SELECT path FROM artifacts")[1])
+        assert all(
+            not p.startswith(("memory:", "file:")) for (p,) in store.query("SELECT path FROM artifacts")[1]
+        )
         return _results(store)
 
 
@@ -77,12 +79,22 @@ def test_a_sweep_keeps_its_artifacts_at_a_url(arts, root, downloads, tmp_path, m
     assert _launch(store, sweep)[0] == 0
 
     # (a) every artifact is recorded by its URL under <root>/<stage>/<key>/, and is as recorded there
-    rows = store.query("SELECT j.stage, j.key, a.kind, a.path FROM artifacts a JOIN jobs j ON j.id = a.job_id")[1]
-    assert {kind for _, _, kind, _ in rows} == {"model", "calibration_stats", "plan", "student", "lm_eval_results"}
+    rows = store.query(
+        "SELECT j.stage, j.key, a.kind, a.path FROM artifacts a JOIN jobs j ON j.id = a.job_id"
+    )[1]
+    assert {kind for _, _, kind, _ in rows} == {
+        "model",
+        "calibration_stats",
+        "plan",
+        "student",
+        "lm_eval_results",
+    }
     for stage, key, _, path in rows:
         assert path.startswith(f"{root}/{stage}/{key}/"), path
     r = CliRunner().invoke(app, ["verify", "--db", state["db"]])  # rehashes every artifact where it lives
-    assert r.exit_code == 0 and f"{len(rows)} artifact(s)" in r.output and "all as recorded" in r.output, r.output
+    assert r.exit_code == 0 and f"{len(rows)} artifact(s)" in r.output and "all as recorded" in r.output, (
+        r.output
+    )
     # the outputs name artifacts by URL too (what the next job reads), never a path under $MOESWEEP_HOME
     outputs = " ".join(o for (o,) in store.query("SELECT outputs_json FROM jobs")[1])
     assert str(home) not in outputs and f"{root}/calibrate/" in outputs
@@ -116,7 +128,9 @@ def test_a_sweep_keeps_its_artifacts_at_a_url(arts, root, downloads, tmp_path, m
     assert code == 0
     assert len(lines) == 1 and re.fullmatch(
         rf"calibrate [0-9a-f]{{8}}…: stats\.safetensors is missing \(recorded at {re.escape(stats)}\); "
-        rf"recomputing", lines[0]), lines
+        rf"recomputing",
+        lines[0],
+    ), lines
     assert _stages_run(calls, n) == ["calibrate"] and len(downloads) == d
     assert fs.exists(p) and _results(store) == before
     assert _files(home / "scratch") == [] and not (home / "artifacts").exists()
@@ -132,7 +146,9 @@ def test_the_artifact_root_setting():
     try:
         import s3fs  # noqa: F401
     except ImportError:  # not installed here: the error names the package
-        with pytest.raises(ValueError, match=r"^s3:// needs its fsspec package \(Install s3fs to access S3\)$"):
+        with pytest.raises(
+            ValueError, match=r"^s3:// needs its fsspec package \(Install s3fs to access S3\)$"
+        ):
             artifact_root("s3://bucket/x")
 
 
@@ -141,14 +157,20 @@ def test_a_bad_artifact_root_is_one_line_before_anything_runs(tmp_path, monkeypa
 
     sweep = fake_sweep(tmp_path)
     bad = tmp_path / "bad.yaml"
-    bad.write_text(sweep.read_text().replace("execution: {retries: 1}", "execution: {retries: 1, artifacts: nope://x}"))
+    bad.write_text(
+        sweep.read_text().replace("execution: {retries: 1}", "execution: {retries: 1, artifacts: nope://x}")
+    )
     with pytest.raises(SpecError) as e:
         load_spec(str(bad))
     assert str(e.value) == f"{bad}: execution.artifacts: nope:// is not a protocol fsspec knows"
     monkeypatch.setenv("MOESWEEP_ARTIFACTS", "nope://x")
     monkeypatch.setenv("MOESWEEP_HOME", str(tmp_path / "home"))
-    r = CliRunner().invoke(app, ["launch", str(sweep), "--executor", "serial", "--db", f"sqlite:///{tmp_path}/r.db"])
-    assert r.exit_code == 2 and "MOESWEEP_ARTIFACTS: nope:// is not a protocol fsspec knows" in r.output, r.output
+    r = CliRunner().invoke(
+        app, ["launch", str(sweep), "--executor", "serial", "--db", f"sqlite:///{tmp_path}/r.db"]
+    )
+    assert r.exit_code == 2 and "MOESWEEP_ARTIFACTS: nope:// is not a protocol fsspec knows" in r.output, (
+        r.output
+    )
     assert not (tmp_path / "r.db").exists() and not (tmp_path / "home").exists()
 
 
@@ -166,10 +188,16 @@ def test_upload_and_fetch_keep_a_jobs_layout_and_refuse_what_they_cannot_vouch_f
     (work / "round1" / "factors.safetensors").write_bytes(b"\0" * 16)
     (work / "junk.txt").write_text("not an artifact")
     plan, factors = work / "round1" / "plan.json", work / "round1" / "factors.safetensors"
-    rec = {"outputs": {"plan_path": str(plan), "n": 3}, "artifacts": [record("plan", plan), record("factors", factors)]}
+    rec = {
+        "outputs": {"plan_path": str(plan), "n": 3},
+        "artifacts": [record("plan", plan), record("factors", factors)],
+    }
     up = uploaded(rec, work, url)
     assert up["outputs"] == {"plan_path": f"{url}/round1/plan.json", "n": 3}
-    assert [a["path"] for a in up["artifacts"]] == [f"{url}/round1/plan.json", f"{url}/round1/factors.safetensors"]
+    assert [a["path"] for a in up["artifacts"]] == [
+        f"{url}/round1/plan.json",
+        f"{url}/round1/factors.safetensors",
+    ]
     assert [a["content_hash"] for a in up["artifacts"]] == [a["content_hash"] for a in rec["artifacts"]]
 
     recorded = {a["path"]: a["content_hash"] for a in up["artifacts"]}
@@ -179,8 +207,11 @@ def test_upload_and_fetch_keep_a_jobs_layout_and_refuse_what_they_cannot_vouch_f
     assert local.parent.parent.parent == tmp_path / "home" / "cache" / "fetched"
     assert with_local_inputs(payload)["inputs"]["convert"]["plan_path"] == str(local)  # cached: the same copy
 
-    with pytest.raises(ValueError, match=r"^outputs\.log names .*junk\.txt, a file of the job's workdir that is "
-                                         r"not a declared artifact; only declared artifacts are uploaded$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^outputs\.log names .*junk\.txt, a file of the job's workdir that is "
+        r"not a declared artifact; only declared artifacts are uploaded$",
+    ):
         uploaded({**rec, "outputs": {"log": str(work / "junk.txt")}}, work, url)
     elsewhere = tmp_path / "elsewhere.json"
     elsewhere.write_text("{}")
@@ -189,8 +220,11 @@ def test_upload_and_fetch_keep_a_jobs_layout_and_refuse_what_they_cannot_vouch_f
 
     fs, p = fsspec.core.url_to_fs(f"{url}/round1/plan.json")
     fs.pipe(p, b"[9, 9]")  # changed at the URL after it was recorded
-    with pytest.raises(ValueError, match=r"^memory://.*/round1/plan\.json changed since it was recorded "
-                                         r"\(content hash [0-9a-f]{8}… → [0-9a-f]{8}…\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^memory://.*/round1/plan\.json changed since it was recorded "
+        r"\(content hash [0-9a-f]{8}… → [0-9a-f]{8}…\)$",
+    ):
         fetch(url, recorded, tmp_path / "other_cache")
     assert list((tmp_path / "other_cache").iterdir()) == []  # nothing half-fetched is left to be trusted
     fs.rm(fsspec.core.url_to_fs(url)[1], recursive=True)

@@ -27,8 +27,10 @@ def test_an_artifact_at_a_url_is_fingerprinted_and_checked_where_it_lives(tmp_pa
 
     fs.pipe(f"{root}/sub/b.bin", b"\1" * 100)  # same size, other content
     c = check({**there, "mtime": None})
-    assert c.problem == f"student/ changed since it was recorded (same size, content hash " \
-                        f"{there['content_hash'][:8]}… → {content_hash(url)[:8]}…)"
+    assert (
+        c.problem == f"student/ changed since it was recorded (same size, content hash "
+        f"{there['content_hash'][:8]}… → {content_hash(url)[:8]}…)"
+    )
     fs.rm(root, recursive=True)
     assert stat(url) is None
     assert check(there).problem == f"student is missing (recorded at {url})"

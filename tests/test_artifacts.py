@@ -28,8 +28,10 @@ from orchestrator.spec import load_spec
 from tests.test_orchestrator import fake, fake_sweep  # noqa: F401  (the fake stage functions fixture)
 from workers.core.artifacts import record
 
-TINY = ("teacher: {source: tiny, tiny: {experts: 8, top_k: 2, hidden: 16, layers: 1, heads: 2, kv_heads: 1, "
-        "moe_intermediate: 8, vocab: 512}}")
+TINY = (
+    "teacher: {source: tiny, tiny: {experts: 8, top_k: 2, hidden: 16, layers: 1, heads: 2, kv_heads: 1, "
+    "moe_intermediate: 8, vocab: 512}}"
+)
 
 
 # ---- fake stages that write and read real files ----------------------------------------------------
@@ -57,13 +59,18 @@ def arts(fake, monkeypatch):  # noqa: F811  (the fixture imported above)
     """`fake` with artifacts: each stage reads its inputs' files and writes its own."""
     calls, state = fake
     state.update(salt=False, sabotage=False)
-    orig = {n: getattr(importlib.import_module(f"workers.run.{n}"), f"stage_{n}") for n in ("calibrate", "convert", "ppl_pre", "distill", "evaluate")}
+    orig = {
+        n: getattr(importlib.import_module(f"workers.run.{n}"), f"stage_{n}")
+        for n in ("calibrate", "convert", "ppl_pre", "distill", "evaluate")
+    }
 
     def salt() -> str:
         return str(time.time_ns()) if state["salt"] else "0"
 
     def teacher_body(p) -> str:
-        return _read(Path(p["inputs"]["teacher"]["path"]) / "weights.bin") if "teacher" in p["inputs"] else "hf"
+        return (
+            _read(Path(p["inputs"]["teacher"]["path"]) / "weights.bin") if "teacher" in p["inputs"] else "hf"
+        )
 
     def teacher(p, cache, progress):
         calls.append(("teacher", p["key"]))
@@ -117,8 +124,14 @@ def arts(fake, monkeypatch):  # noqa: F811  (the fixture imported above)
         _write(path, _body("lm-eval", rec["metrics"]), salt())
         return {**rec, "artifacts": [record("lm_eval_results", path)]}
 
-    for name, fn in dict(teacher=teacher, calibrate=calibrate, convert=convert, ppl_pre=ppl_pre, distill=distill,
-                         evaluate=evaluate).items():
+    for name, fn in dict(
+        teacher=teacher,
+        calibrate=calibrate,
+        convert=convert,
+        ppl_pre=ppl_pre,
+        distill=distill,
+        evaluate=evaluate,
+    ).items():
         monkeypatch.setattr(f"workers.run.{name}.stage_{name}", fn)
     state["fail"] = False
     return calls, state
@@ -127,16 +140,26 @@ def arts(fake, monkeypatch):  # noqa: F811  (the fixture imported above)
 def _launch(store: Store, sweep: Path, **kw) -> tuple[int, list[str]]:
     spec, path, text = load_spec(str(sweep))
     buf = io.StringIO()
-    code = launch(spec, text, store, SerialExecutor(), console=Console(file=buf, width=300), show_progress=False,
-                  path=str(path), **kw)
+    code = launch(
+        spec,
+        text,
+        store,
+        SerialExecutor(),
+        console=Console(file=buf, width=300),
+        show_progress=False,
+        path=str(path),
+        **kw,
+    )
     lines = [ln for ln in buf.getvalue().splitlines() if "recomputing" in ln]
     return code, lines
 
 
 def _results(store: Store) -> list[tuple]:
-    return store.query("SELECT c.config_key, r.ppl_pre, r.ppl_pre_kind, r.ppl_post, r.avg_acc, "
-                       "r.selected_for_distill, r.duplicate_of IS NOT NULL FROM results r "
-                       "JOIN configurations c ON c.id = r.config_id ORDER BY c.config_key")[1]
+    return store.query(
+        "SELECT c.config_key, r.ppl_pre, r.ppl_pre_kind, r.ppl_post, r.avg_acc, "
+        "r.selected_for_distill, r.duplicate_of IS NOT NULL FROM results r "
+        "JOIN configurations c ON c.id = r.config_id ORDER BY c.config_key"
+    )[1]
 
 
 def _reference(tmp_path: Path, sweep: Path) -> list[tuple]:
@@ -152,7 +175,9 @@ def _reference(tmp_path: Path, sweep: Path) -> list[tuple]:
 
 
 def _path(store: Store, kind: str) -> Path:
-    return Path(store.query("SELECT path FROM artifacts WHERE kind = :k ORDER BY id LIMIT 1", {"k": kind})[1][0][0])
+    return Path(
+        store.query("SELECT path FROM artifacts WHERE kind = :k ORDER BY id LIMIT 1", {"k": kind})[1][0][0]
+    )
 
 
 def _stages_run(calls, since: int) -> list[str]:
@@ -180,7 +205,9 @@ def test_overwritten_statistics_same_size_are_recomputed_and_nothing_else(arts, 
     assert code == 0
     assert len(lines) == 1 and re.fullmatch(
         r"calibrate [0-9a-f]{8}…: stats\.safetensors changed since it was recorded \(same size, content hash "
-        r"[0-9a-f]{8}… → [0-9a-f]{8}…\); recomputing", lines[0]), lines
+        r"[0-9a-f]{8}… → [0-9a-f]{8}…\); recomputing",
+        lines[0],
+    ), lines
     assert _stages_run(calls, n) == ["calibrate"]  # recomputed with the same content: the rest stays valid
     assert stats.read_bytes() == good
     assert _results(store) == before == _reference(tmp_path, state["sweep"])
@@ -207,10 +234,17 @@ def test_restored_mtime_is_caught_by_verify(arts, tmp_path):
     status = store.query("SELECT status, error FROM jobs WHERE stage = 'calibrate'")[1]
     assert status[0][0] == "pending" and status[0][1].startswith("stale: stats.safetensors changed")
     r = CliRunner().invoke(app, ["status", "fake", "--db", state["db"]])
-    assert any(ln.startswith("to recompute calibrate ") and "stats.safetensors changed" in ln
-               for ln in r.output.splitlines()), r.output
+    assert any(
+        ln.startswith("to recompute calibrate ") and "stats.safetensors changed" in ln
+        for ln in r.output.splitlines()
+    ), r.output
     code, lines = _launch(store, state["sweep"])
-    assert code == 0 and len(lines) == 1 and lines[0].startswith("calibrate ") and "stats.safetensors" in lines[0]
+    assert (
+        code == 0
+        and len(lines) == 1
+        and lines[0].startswith("calibrate ")
+        and "stats.safetensors" in lines[0]
+    )
     assert _stages_run(calls, n) == ["calibrate"]
     assert _results(store) == before == _reference(tmp_path, state["sweep"])
     r = CliRunner().invoke(app, ["verify", "--db", state["db"]])
@@ -233,10 +267,16 @@ def test_truncated_statistics_and_student(arts, tmp_path):
     code, lines = _launch(store, state["sweep"])
     assert code == 0
     assert len(lines) == 2, lines
-    assert re.fullmatch(rf"calibrate [0-9a-f]{{8}}…: stats\.safetensors changed since it was recorded "
-                        rf"\(size {size} → {size // 2}\); recomputing", lines[0]), lines
+    assert re.fullmatch(
+        rf"calibrate [0-9a-f]{{8}}…: stats\.safetensors changed since it was recorded "
+        rf"\(size {size} → {size // 2}\); recomputing",
+        lines[0],
+    ), lines
     assert lines[1].startswith("distill ") and "student/ changed since it was recorded (size" in lines[1]
-    assert sorted(_stages_run(calls, n)) == ["calibrate", "distill"]  # same content again: evaluate stays valid
+    assert sorted(_stages_run(calls, n)) == [
+        "calibrate",
+        "distill",
+    ]  # same content again: evaluate stays valid
     assert _results(store) == before == _reference(tmp_path, state["sweep"])
 
 
@@ -253,7 +293,9 @@ def test_deleted_teacher_folder_recomputes_it_and_everything_that_read_other_wei
     n = len(calls)
     code, lines = _launch(store, sweep)
     assert code == 0
-    assert re.fullmatch(r"teacher [0-9a-f]{8}…: model is missing \(recorded at .*\); recomputing", lines[0]), lines
+    assert re.fullmatch(
+        r"teacher [0-9a-f]{8}…: model is missing \(recorded at .*\); recomputing", lines[0]
+    ), lines
     assert teacher.is_dir()
     # everything that read the teacher, and what read what was recomputed, ran again: the whole sweep
     assert sorted(_stages_run(calls, n)) == sorted(first)
@@ -279,7 +321,8 @@ def test_an_artifact_broken_mid_launch_is_recomputed_before_it_is_read(arts, tmp
     code, lines = _launch(store, state["sweep"])
     assert code == 0
     assert len(lines) == 1 and re.fullmatch(
-        r"calibrate [0-9a-f]{8}…: stats\.safetensors is missing \(recorded at .*\); recomputing", lines[0]), lines
+        r"calibrate [0-9a-f]{8}…: stats\.safetensors is missing \(recorded at .*\); recomputing", lines[0]
+    ), lines
     assert [s for s, _ in calls].count("calibrate") == 2
     assert store.query("SELECT COUNT(*) FROM jobs WHERE status <> 'succeeded'")[1] == [(0,)]
     assert _results(store) == _reference(tmp_path, state["sweep"])
@@ -304,11 +347,16 @@ def test_fingerprints_of_files_and_folders(tmp_path):
     (d / "extra.txt").unlink()
     c = check(row)
     assert c.problem is None and c.mtime is not None and c.mtime != row["mtime"]  # same content: new mtime
-    assert stat(tmp_path / "nowhere") is None and "is missing" in check({**row, "path": str(tmp_path / "x")}).problem
+    assert (
+        stat(tmp_path / "nowhere") is None
+        and "is missing" in check({**row, "path": str(tmp_path / "x")}).problem
+    )
 
     def safetensors(meta_order: list[str]) -> bytes:
-        header = {"__metadata__": {k: "v" + k for k in meta_order}, "t": {"dtype": "F32", "shape": [1],
-                                                                          "data_offsets": [0, 4]}}
+        header = {
+            "__metadata__": {k: "v" + k for k in meta_order},
+            "t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+        }
         blob = json.dumps(header).encode()
         return struct.pack("<Q", len(blob)) + blob + b"\0\0\x80?"
 
@@ -341,4 +389,6 @@ def test_verify_names_a_deleted_student_and_refuses_an_unknown_sweep(arts):
     assert code == 0 and len(said) == 1 and said[0].startswith("distill ") and student.is_dir()
     assert _stages_run(calls, n) == ["distill"]
     r = CliRunner().invoke(app, ["verify", "nope", "--db", state["db"]])
-    assert r.exit_code == 2 and "error: no sweep 'nope' in" in r.output  # (_fail wraps at the terminal's width)
+    assert (
+        r.exit_code == 2 and "error: no sweep 'nope' in" in r.output
+    )  # (_fail wraps at the terminal's width)

@@ -23,8 +23,15 @@ pytestmark = pytest.mark.slow
 def _launch(store: Store) -> tuple[int, list[str]]:
     spec, path, text = load_spec(str(HERE / "sweeps" / "crash.yaml"))
     buf = io.StringIO()
-    code = launch(spec, text, store, SerialExecutor(), console=Console(file=buf, width=300), show_progress=False,
-                  path=str(path))
+    code = launch(
+        spec,
+        text,
+        store,
+        SerialExecutor(),
+        console=Console(file=buf, width=300),
+        show_progress=False,
+        path=str(path),
+    )
     return code, [ln for ln in buf.getvalue().splitlines() if "recomputing" in ln]
 
 
@@ -35,7 +42,9 @@ def test_deleted_teacher_and_overwritten_statistics_on_the_real_stages(tmp_path,
     results = "SELECT config_id, ppl_pre, ppl_post, avg_acc FROM results ORDER BY config_id"
     before = store.query(results)[1]
     jobs = store.query("SELECT key, finished_at FROM jobs ORDER BY key")[1]
-    arts = dict(store.query("SELECT kind, path FROM artifacts WHERE kind IN ('model', 'calibration_stats')")[1])
+    arts = dict(
+        store.query("SELECT kind, path FROM artifacts WHERE kind IN ('model', 'calibration_stats')")[1]
+    )
     stats, teacher = Path(arts["calibration_stats"]), Path(arts["model"])
     assert teacher.is_dir() and any(teacher.iterdir())
 
@@ -53,10 +62,13 @@ def test_deleted_teacher_and_overwritten_statistics_on_the_real_stages(tmp_path,
     assert code == 0, lines
     # both recomputed to the same content (safetensors hashed with its header's keys sorted): nothing else runs
     assert len(lines) == 2 and lines[0].startswith("teacher ") and "model is missing" in lines[0], lines
-    assert lines[1].startswith("calibrate ") and "stats.safetensors changed since it was recorded (same size" \
-        in lines[1], lines
-    rerun = {k for k, f in store.query("SELECT key, finished_at FROM jobs ORDER BY key")[1]} - \
-        {k for k, f in jobs if (k, f) in set(store.query("SELECT key, finished_at FROM jobs")[1])}
+    assert (
+        lines[1].startswith("calibrate ")
+        and "stats.safetensors changed since it was recorded (same size" in lines[1]
+    ), lines
+    rerun = {k for k, f in store.query("SELECT key, finished_at FROM jobs ORDER BY key")[1]} - {
+        k for k, f in jobs if (k, f) in set(store.query("SELECT key, finished_at FROM jobs")[1])
+    }
     assert len(rerun) == len(lines)  # every job that ran again was named on the console, once
     assert teacher.is_dir() and stats.stat().st_size == size
     assert store.query(results)[1] == before

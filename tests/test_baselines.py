@@ -15,8 +15,16 @@ from workers.baselines.baselines import (
 from workers.families import get_adapter
 
 V = 128
-COMMON = dict(vocab_size=V, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=8, tie_word_embeddings=False, max_position_embeddings=64)
+COMMON = dict(
+    vocab_size=V,
+    hidden_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    tie_word_embeddings=False,
+    max_position_embeddings=64,
+)
 
 
 def n_params(model) -> int:
@@ -28,8 +36,14 @@ def moe():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(**COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
-                         intermediate_size=16, norm_topk_prob=True)
+    cfg = Qwen3MoeConfig(
+        **COMMON,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        intermediate_size=16,
+        norm_topk_prob=True,
+    )
     return Qwen3MoeForCausalLM(cfg).eval()
 
 
@@ -94,9 +108,13 @@ def test_random_init_has_the_student_architecture_and_nothing_from_the_teacher(m
     ref = random_ffn_student(moe, adapter, seed=0)
     state = torch.random.get_rng_state()
     student = random_init_student(moe, adapter, seed=3)
-    assert torch.equal(state, torch.random.get_rng_state())  # exact: RNG state bytes; the global RNG is left alone
+    assert torch.equal(
+        state, torch.random.get_rng_state()
+    )  # exact: RNG state bytes; the global RNG is left alone
     assert type(student) is type(ref)
-    assert [(n, p.shape) for n, p in student.named_parameters()] == [(n, p.shape) for n, p in ref.named_parameters()]
+    assert [(n, p.shape) for n, p in student.named_parameters()] == [
+        (n, p.shape) for n, p in ref.named_parameters()
+    ]
     teacher = dict(moe.named_parameters())
     for name, p in student.named_parameters():
         if p.dim() >= 2 and name in teacher:  # every matrix (attention, embeddings, head) is new
@@ -112,8 +130,10 @@ def test_dbrx_is_refused_in_one_line():
     from families_cases import make_teacher
 
     teacher = make_teacher("dbrx")
-    msg = ("model_type='dbrx': decoder layers at base_model.blocks, not base_model.layers; the baselines need "
-           "base_model.layers")
+    msg = (
+        "model_type='dbrx': decoder layers at base_model.blocks, not base_model.layers; the baselines need "
+        "base_model.layers"
+    )
     for build in (random_ffn_student, random_init_student):
         with pytest.raises(ValueError) as e:
             build(teacher, get_adapter(teacher), seed=0)
@@ -139,7 +159,9 @@ def test_d2d_candidates_match_the_moe_student_size(moe, tmp_path):
         assert c["target_params"] == target
     # the tiny dense twin carries its MoE sibling's spec: the target then comes from its directory
     dense.save_pretrained(tmp_path / "dense")
-    (tmp_path / "dense" / "tiny_meta.json").write_text(json.dumps({"spec": {"top_k": 2, "moe_intermediate": 16}}))
+    (tmp_path / "dense" / "tiny_meta.json").write_text(
+        json.dumps({"spec": {"top_k": 2, "moe_intermediate": 16}})
+    )
     from transformers import AutoModelForCausalLM
 
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "dense")
@@ -157,7 +179,7 @@ def rigged_dense():
         for li, layer in enumerate(model.model.layers):
             layer.mlp.gate_proj.weight[dead[li]] = 0.0
             g = li % 2
-            layer.self_attn.v_proj.weight[g * 8:(g + 1) * 8] = 0.0
+            layer.self_attn.v_proj.weight[g * 8 : (g + 1) * 8] = 0.0
         model.model.layers[2].self_attn.o_proj.weight.zero_()
         model.model.layers[2].mlp.down_proj.weight.zero_()
     return model, dead
@@ -181,10 +203,12 @@ def test_prune_dense_keeps_the_important_units_and_preserves_the_function():
         # exact: the pruned weights are slices (copied bytes) of the dense model's
         assert torch.equal(dst.mlp.gate_proj.weight, src.mlp.gate_proj.weight[live])
         assert torch.equal(dst.mlp.down_proj.weight, src.mlp.down_proj.weight[:, live])
-        g = 1 - old % 2  # the live KV group and its two query heads; exact: slices of their rows (copied bytes)
-        assert torch.equal(dst.self_attn.k_proj.weight, src.self_attn.k_proj.weight[g * 8:(g + 1) * 8])
-        assert torch.equal(dst.self_attn.q_proj.weight, src.self_attn.q_proj.weight[g * 16:(g + 1) * 16])
-        assert torch.equal(dst.self_attn.o_proj.weight, src.self_attn.o_proj.weight[:, g * 16:(g + 1) * 16])
+        g = (
+            1 - old % 2
+        )  # the live KV group and its two query heads; exact: slices of their rows (copied bytes)
+        assert torch.equal(dst.self_attn.k_proj.weight, src.self_attn.k_proj.weight[g * 8 : (g + 1) * 8])
+        assert torch.equal(dst.self_attn.q_proj.weight, src.self_attn.q_proj.weight[g * 16 : (g + 1) * 16])
+        assert torch.equal(dst.self_attn.o_proj.weight, src.self_attn.o_proj.weight[:, g * 16 : (g + 1) * 16])
     assert model.config.num_hidden_layers == 4  # the dense teacher is untouched
 
 
@@ -202,9 +226,13 @@ def test_prune_dense_drops_the_least_active_embedding_channels(tmp_path):
     # exact: the pruned weights are slices (copied bytes) of the dense model's
     assert torch.equal(pruned.model.embed_tokens.weight, model.model.embed_tokens.weight[:, live])
     assert torch.equal(pruned.lm_head.weight, model.lm_head.weight[:, live])
-    assert torch.equal(pruned.model.layers[1].self_attn.q_proj.weight, model.model.layers[1].self_attn.q_proj.weight[:, live])
-    assert torch.equal(pruned.model.layers[1].self_attn.q_norm.weight,  # exact: q_norm is copied whole
-                       model.model.layers[1].self_attn.q_norm.weight)
+    assert torch.equal(
+        pruned.model.layers[1].self_attn.q_proj.weight, model.model.layers[1].self_attn.q_proj.weight[:, live]
+    )
+    assert torch.equal(
+        pruned.model.layers[1].self_attn.q_norm.weight,  # exact: q_norm is copied whole
+        model.model.layers[1].self_attn.q_norm.weight,
+    )
     # the pruned model is a plain checkpoint of the same class: it runs and reloads
     pruned.save_pretrained(tmp_path / "pruned")
     from transformers import AutoModelForCausalLM
@@ -218,15 +246,21 @@ def test_prune_dense_drops_the_least_active_embedding_channels(tmp_path):
     ids = calib(1)[0]
     with torch.no_grad():
         # float32 forward of a reloaded model: the kernels may take other paths (memory layout), so not bitwise
-        torch.testing.assert_close(back(input_ids=ids).logits, pruned(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            back(input_ids=ids).logits, pruned(input_ids=ids).logits, rtol=1e-5, atol=1e-5
+        )
 
 
 def test_prune_dense_rejects_bad_input(moe):
     dense = dense_model()
     with pytest.raises(ValueError, match="heads=3"):
-        prune_dense(dense, {"name": "x", "layers": 4, "hidden": 32, "ffn": 8, "heads": 3, "kv_heads": 1}, calib())
+        prune_dense(
+            dense, {"name": "x", "layers": 4, "hidden": 32, "ffn": 8, "heads": 3, "kv_heads": 1}, calib()
+        )
     with pytest.raises(ValueError, match="ffn=99"):
-        prune_dense(dense, {"name": "x", "layers": 4, "hidden": 32, "ffn": 99, "heads": 4, "kv_heads": 2}, calib())
+        prune_dense(
+            dense, {"name": "x", "layers": 4, "hidden": 32, "ffn": 99, "heads": 4, "kv_heads": 2}, calib()
+        )
     with pytest.raises(ValueError, match="model_type 'qwen3_moe'"):
         d2d_candidates(moe, target_params=1000)
     with pytest.raises(ValueError, match="batches are empty"):

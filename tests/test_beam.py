@@ -14,7 +14,9 @@ from workers.training.distill import lm_head
 
 def test_the_real_final_logit_softcap_is_refused_by_the_kd_head_in_one_line():
     teacher = make_teacher("beam", final_logit_softcapping=30.0)
-    with pytest.raises(ValueError, match=r"^BeamForCausalLM: config.final_logit_softcapping is set; the chunked KD") as e:
+    with pytest.raises(
+        ValueError, match=r"^BeamForCausalLM: config.final_logit_softcapping is set; the chunked KD"
+    ) as e:
         lm_head(teacher)
     assert "\n" not in str(e.value)
     assert isinstance(lm_head(make_teacher("beam")), torch.nn.Linear)
@@ -26,7 +28,9 @@ def test_reported_weights_carry_the_blocks_factor():
     layer = a.moe_layers(teacher)[0]
     seen = {}
     handles = a.hook_routing(teacher, layer, lambda x, p, w, idx: seen.update(w=w))
-    handles.append(a.router_module(teacher, layer).register_forward_hook(lambda m, i, o: seen.update(raw=o[1])))
+    handles.append(
+        a.router_module(teacher, layer).register_forward_hook(lambda m, i, o: seen.update(raw=o[1]))
+    )
     with torch.no_grad():
         teacher(ids())
     for h in handles:

@@ -46,6 +46,7 @@ def _capture(model, adapter, batches):
     def make(layer):
         def hook(x, p, w, idx):
             seen[layer].append((x.clone(), p.clone(), w.clone(), idx.clone(), state["mask"]))
+
         return hook
 
     handles = [h for layer in seen for h in adapter.hook_routing(model, layer, make(layer))]
@@ -77,8 +78,12 @@ def naive_stats(model, adapter, batches) -> dict[int, dict[str, torch.Tensor]]:
                         continue
                     n += 1
                     one = torch.ones(1, 1, dtype=x.dtype)
-                    fs = [experts_forward(adapter.name, experts, x[t:t + 1], torch.tensor([[e]]), one).reshape(-1)
-                          .double() for e in range(E)]
+                    fs = [
+                        experts_forward(adapter.name, experts, x[t : t + 1], torch.tensor([[e]]), one)
+                        .reshape(-1)
+                        .double()
+                        for e in range(E)
+                    ]
                     stacked = torch.stack(fs)  # [E, H], this token only
                     acc["gram"] += stacked @ stacked.T
                     acc["sum_out"] += stacked
@@ -100,7 +105,13 @@ def naive_stats(model, adapter, batches) -> dict[int, dict[str, torch.Tensor]]:
     return out
 
 
-ROUTER_FIELDS = ("sum_p", "sum_p_sel", "sum_gnorm_sel", "sum_pnorm_sel", "gram_p")  # sums of the router's p or weights
+ROUTER_FIELDS = (
+    "sum_p",
+    "sum_p_sel",
+    "sum_gnorm_sel",
+    "sum_pnorm_sel",
+    "gram_p",
+)  # sums of the router's p or weights
 
 
 def act_rtol(dtype: torch.dtype) -> float:
@@ -138,8 +149,12 @@ def test_batched_stats_equal_naive_per_expert_loop(family):
     batches = padded_batches()
     stats = collect_stats(model, adapter, batches, chunk_tokens=5)
     assert sorted(stats) == sorted(adapter.moe_layers(model))
-    act = CASES[family].act_dtype  # the naive loop runs the experts module, rounding as its activation dtype does
-    assert_stats_close(stats, naive_stats(model, adapter, batches), rtol=1e-9 if act is None else act_rtol(act))
+    act = CASES[
+        family
+    ].act_dtype  # the naive loop runs the experts module, rounding as its activation dtype does
+    assert_stats_close(
+        stats, naive_stats(model, adapter, batches), rtol=1e-9 if act is None else act_rtol(act)
+    )
     n_real = int(sum(m.sum() for _, m in batches))
     k = adapter.top_k(model)
     for st in stats.values():
@@ -152,12 +167,17 @@ def test_batched_stats_equal_naive_per_expert_loop(family):
         assert (st.sum_p_sel <= st.sum_p + 1e-12).all() and (st.sum_norm_sel > 0).any()
         # per routed token max ≤ sum, mean ≤ max
         routed = st.count > 0
-        assert (st.max_norm_sel <= st.sum_norm_sel + 1e-12).all() and bool((st.max_norm_sel[~routed] == 0).all())
+        assert (st.max_norm_sel <= st.sum_norm_sel + 1e-12).all() and bool(
+            (st.max_norm_sel[~routed] == 0).all()
+        )
         assert (st.sum_norm_sel[routed] / st.count[routed] <= st.max_norm_sel[routed] * (1 + 1e-12)).all()
         # p·‖f‖ and g·‖f‖ agree iff the gate is the plain softmax p (no renormalization, no scale; PhiMoE's
         # SparseMixer weights are softmaxes over masked sets, and Llama-4's the chosen logits' sigmoid, not p)
-        g_is_p = (CASES[family].router not in ("sparsemixer", "topk_sigmoid") and not adapter.renormalized(model)
-                  and adapter.routed_scaling(model) == 1.0)
+        g_is_p = (
+            CASES[family].router not in ("sparsemixer", "topk_sigmoid")
+            and not adapter.renormalized(model)
+            and adapter.routed_scaling(model) == 1.0
+        )
         assert torch.allclose(st.sum_pnorm_sel, st.sum_gnorm_sel, rtol=1e-6) == g_is_p
 
 
@@ -176,8 +196,11 @@ def test_padding_is_excluded(family):
     model = tiny_model(family, seed=2)
     adapter = get_adapter(model)
     batches = padded_batches(seed=4)
-    unpadded = [(ids[r:r + 1, :int(mask[r].sum())], torch.ones(1, int(mask[r].sum()), dtype=mask.dtype))
-                for ids, mask in batches for r in range(ids.shape[0])]
+    unpadded = [
+        (ids[r : r + 1, : int(mask[r].sum())], torch.ones(1, int(mask[r].sum()), dtype=mask.dtype))
+        for ids, mask in batches
+        for r in range(ids.shape[0])
+    ]
     padded = collect_stats(model, adapter, batches, chunk_tokens=4)
     plain = collect_stats(model, adapter, unpadded, chunk_tokens=4)
     # padded and unpadded forwards differ in the last bits of the hidden states; a float32 router
@@ -185,7 +208,9 @@ def test_padding_is_excluded(family):
     # puts those last bits at float32's
     attn = CASES[family].attn_dtype or CASES[family].act_dtype
     rtol = 1e-9 if attn is None else 4 * torch.finfo(attn).eps
-    assert_stats_close(padded, plain, rtol=rtol, router_rtol=max(rtol, 4 * router_eps(model, adapter, batches)))
+    assert_stats_close(
+        padded, plain, rtol=rtol, router_rtol=max(rtol, 4 * router_eps(model, adapter, batches))
+    )
     # the padding really was there: counting it would change the sums
     all_ones = [(ids, torch.ones_like(m)) for ids, m in batches]
     with_pad = collect_stats(model, adapter, all_ones, chunk_tokens=4)
@@ -204,13 +229,18 @@ def test_what_the_padding_holds_does_not_reach_the_statistics(family):
     adapter = get_adapter(model)
     batches = padded_batches(seed=4)
     g = torch.Generator().manual_seed(9)
-    other = [(torch.where(m.bool(), ids, torch.randint(3, V, ids.shape, generator=g)), m) for ids, m in batches]
+    other = [
+        (torch.where(m.bool(), ids, torch.randint(3, V, ids.shape, generator=g)), m) for ids, m in batches
+    ]
     assert not all(torch.equal(a[0], b[0]) for a, b in zip(batches, other, strict=True))  # exact: integer ids
     act = CASES[family].act_dtype
     rtol = 1e-12 if act is None else 4 * torch.finfo(act).eps
-    assert_stats_close(collect_stats(model, adapter, other, chunk_tokens=4),
-                       collect_stats(model, adapter, batches, chunk_tokens=4),
-                       rtol=rtol, router_rtol=max(rtol, 4 * router_eps(model, adapter, batches)))
+    assert_stats_close(
+        collect_stats(model, adapter, other, chunk_tokens=4),
+        collect_stats(model, adapter, batches, chunk_tokens=4),
+        rtol=rtol,
+        router_rtol=max(rtol, 4 * router_eps(model, adapter, batches)),
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -232,9 +262,11 @@ def test_hook_reads_the_real_decision(family):
     router = adapter.router_module(model, layer)
     block = _block_of(model, router)
     got: dict[str, object] = {}
-    hooks = [*adapter.hook_routing(model, layer, lambda x, p, w, idx: got.update(x=x, dec=(p, w, idx))),
-             block.experts.register_forward_hook(lambda m, a, o: got.update(experts=o)),
-             block.register_forward_hook(lambda m, a, o: got.update(block=o[0] if isinstance(o, tuple) else o))]
+    hooks = [
+        *adapter.hook_routing(model, layer, lambda x, p, w, idx: got.update(x=x, dec=(p, w, idx))),
+        block.experts.register_forward_hook(lambda m, a, o: got.update(experts=o)),
+        block.register_forward_hook(lambda m, a, o: got.update(block=o[0] if isinstance(o, tuple) else o)),
+    ]
     ids, mask = padded_batches(seed=8)[0]
     try:
         with torch.no_grad():
@@ -250,13 +282,24 @@ def test_hook_reads_the_real_decision(family):
     experts_out = got["experts"]
     if CASES[adapter.name].block_scaled:  # the block scales the experts' sum; the decision's weights carry it
         experts_out = experts_out * routed_scale(adapter.name, model)
-    if CASES[adapter.name].input_scaled:  # Llama-4: Σ_j f_j(w_j x); its experts module returns [E·T, H] unsummed
+    if CASES[
+        adapter.name
+    ].input_scaled:  # Llama-4: Σ_j f_j(w_j x); its experts module returns [E·T, H] unsummed
         ew = adapter.expert_weights(model, layer)
-        rebuilt = torch.stack([sum(all_expert_outputs(ew, w[t, j] * x[t:t + 1])[int(idx[t, j]), 0]
-                                   for j in range(idx.shape[1])) for t in range(x.shape[0])])
+        rebuilt = torch.stack(
+            [
+                sum(
+                    all_expert_outputs(ew, w[t, j] * x[t : t + 1])[int(idx[t, j]), 0]
+                    for j in range(idx.shape[1])
+                )
+                for t in range(x.shape[0])
+            ]
+        )
         experts_out = experts_out.reshape(-1, *rebuilt.shape).sum(0)
     act = CASES[adapter.name].act_dtype  # Beam's experts round act(gate)·up to float32
-    rtol, atol = (1e-10, 1e-12) if act is None else (act_rtol(act), act_rtol(act) * float(rebuilt.abs().max()))
+    rtol, atol = (
+        (1e-10, 1e-12) if act is None else (act_rtol(act), act_rtol(act) * float(rebuilt.abs().max()))
+    )
     torch.testing.assert_close(rebuilt, experts_out.reshape(rebuilt.shape), rtol=rtol, atol=atol)
     if adapter.shared_ffn(model, layer) is None:
         torch.testing.assert_close(rebuilt, got["block"].reshape(rebuilt.shape), rtol=rtol, atol=atol)

@@ -27,16 +27,30 @@ from workers.core.types import LayerStats
 from workers.families import get_adapter
 
 E, H = 4, 3
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def synthetic(n_tokens: int, seed: int, max_scale: float = 1.0) -> LayerStats:
     g = torch.Generator().manual_seed(seed)
     r = lambda *shape: torch.rand(*shape, generator=g, dtype=torch.float64) * n_tokens  # noqa: E731
-    return LayerStats(n_tokens=n_tokens, count=r(E), sum_p=r(E), sum_p_sel=r(E), sum_sq=r(E), sum_gnorm_sel=r(E),
-                      sum_norm_sel=r(E), gram=r(E, E), sum_pnorm_sel=r(E), max_norm_sel=r(E) * max_scale,
-                      sum_out=r(E, H), gram_p=r(E, E), sum_xx=r(H, H))
+    return LayerStats(
+        n_tokens=n_tokens,
+        count=r(E),
+        sum_p=r(E),
+        sum_p_sel=r(E),
+        sum_sq=r(E),
+        sum_gnorm_sel=r(E),
+        sum_norm_sel=r(E),
+        gram=r(E, E),
+        sum_pnorm_sel=r(E),
+        max_norm_sel=r(E) * max_scale,
+        sum_out=r(E, H),
+        gram_p=r(E, E),
+        sum_xx=r(H, H),
+    )
 
 
 def assert_same(a: LayerStats, b: LayerStats, exact: bool = True) -> None:
@@ -56,14 +70,18 @@ def test_mixture_equals_a_hand_computed_reweighting():
     # λ_a = (3/4)·40/10 = 3, λ_b = (1/4)·40/30 = 1/3
     assert mixed.n_tokens == 40
     for name in STAT_FIELDS:
-        want = (torch.maximum(getattr(a, name), getattr(b, name)) if name == "max_norm_sel"
-                else 3 * getattr(a, name) + getattr(b, name) / 3)
+        want = (
+            torch.maximum(getattr(a, name), getattr(b, name))
+            if name == "max_norm_sel"
+            else 3 * getattr(a, name) + getattr(b, name) / 3
+        )
         torch.testing.assert_close(getattr(mixed, name), want, rtol=1e-14, atol=0, msg=name)
     # per token: the weights' shares of each source's own average (CP's numerator and denominator alike)
     torch.testing.assert_close(mixed.sum_p_sel / 40, 0.75 * a.sum_p_sel / 10 + 0.25 * b.sum_p_sel / 30)
-    torch.testing.assert_close(mixed.sum_p_sel / mixed.count,
-                               (0.75 * a.sum_p_sel / 10 + 0.25 * b.sum_p_sel / 30)
-                               / (0.75 * a.count / 10 + 0.25 * b.count / 30))
+    torch.testing.assert_close(
+        mixed.sum_p_sel / mixed.count,
+        (0.75 * a.sum_p_sel / 10 + 0.25 * b.sum_p_sel / 30) / (0.75 * a.count / 10 + 0.25 * b.count / 30),
+    )
 
 
 def test_a_single_source_is_exact():
@@ -99,12 +117,17 @@ def test_each_source_contributes_and_its_weight_moves_the_mix():
     mixed = mix_stats(per, {"a": 1, "b": 1})[0]
     for name in ("sum_p", "gram", "sum_xx", "sum_out"):
         m = getattr(mixed, name)
-        assert not torch.allclose(m, getattr(a, name) * 70 / 20) and not torch.allclose(m, getattr(b, name) * 70 / 50)
+        assert not torch.allclose(m, getattr(a, name) * 70 / 20) and not torch.allclose(
+            m, getattr(b, name) * 70 / 50
+        )
     big = synthetic(20, 3, max_scale=100.0)  # max_norm_sel is a max over the sources with weight
-    torch.testing.assert_close(mix_stats({"a": {0: big}, "b": {0: b}}, {"a": 1, "b": 1})[0].max_norm_sel,
-                               torch.maximum(big.max_norm_sel, b.max_norm_sel))
-    torch.testing.assert_close(mix_stats({"a": {0: big}, "b": {0: b}}, {"a": 0, "b": 1})[0].max_norm_sel,
-                               b.max_norm_sel)
+    torch.testing.assert_close(
+        mix_stats({"a": {0: big}, "b": {0: b}}, {"a": 1, "b": 1})[0].max_norm_sel,
+        torch.maximum(big.max_norm_sel, b.max_norm_sel),
+    )
+    torch.testing.assert_close(
+        mix_stats({"a": {0: big}, "b": {0: b}}, {"a": 0, "b": 1})[0].max_norm_sel, b.max_norm_sel
+    )
 
 
 def test_token_proportional_weights_equal_one_pass_over_all_sources():
@@ -113,20 +136,28 @@ def test_token_proportional_weights_equal_one_pass_over_all_sources():
     adapter = get_adapter(model)
     g = torch.Generator().manual_seed(4)
     ba = [(torch.randint(3, V // 2, (2, 7), generator=g), torch.ones(2, 7, dtype=torch.long))]
-    bb = [(torch.randint(V // 2, V, (3, 5), generator=g), torch.ones(3, 5, dtype=torch.long)) for _ in range(2)]
+    bb = [
+        (torch.randint(V // 2, V, (3, 5), generator=g), torch.ones(3, 5, dtype=torch.long)) for _ in range(2)
+    ]
     sa, sb = (collect_stats(model, adapter, b, chunk_tokens=8) for b in (ba, bb))
     joint = collect_stats(model, adapter, ba + bb, chunk_tokens=8)
     mixed = mix_stats({"a": sa, "b": sb}, {"a": 14.0, "b": 30.0})
     for layer in joint:
         assert_same(mixed[layer], joint[layer], exact=False)
-    assert not torch.allclose(mix_stats({"a": sa, "b": sb}, {"a": 1, "b": 1})[layer].count, joint[layer].count)
+    assert not torch.allclose(
+        mix_stats({"a": sa, "b": sb}, {"a": 1, "b": 1})[layer].count, joint[layer].count
+    )
 
 
 def test_mixing_errors_are_one_line():
     per = {"a": {0: synthetic(10, 1)}, "b": {0: synthetic(10, 2)}}
-    for weights, match in [({"a": 1.0}, "weights name"), ({"a": 1, "b": 1, "c": 1}, "weights name"),
-                           ({"a": -1, "b": 1}, "weight of source 'a'"), ({"a": float("nan"), "b": 1}, "finite"),
-                           ({"a": 0, "b": 0}, "every weight is 0")]:
+    for weights, match in [
+        ({"a": 1.0}, "weights name"),
+        ({"a": 1, "b": 1, "c": 1}, "weights name"),
+        ({"a": -1, "b": 1}, "weight of source 'a'"),
+        ({"a": float("nan"), "b": 1}, "finite"),
+        ({"a": 0, "b": 0}, "every weight is 0"),
+    ]:
         with pytest.raises(ValueError, match=match) as e:
             mix_stats(per, weights)
         assert "\n" not in str(e.value)
@@ -138,7 +169,10 @@ def test_mixing_errors_are_one_line():
 
 # ---- the file ------------------------------------------------------------------------------------
 def test_sources_are_stored_apart_with_their_weights_and_token_counts(tmp_path):
-    per = {"web": {0: synthetic(12, 1), 2: synthetic(12, 2)}, "chat": {0: synthetic(40, 3), 2: synthetic(40, 4)}}
+    per = {
+        "web": {0: synthetic(12, 1), 2: synthetic(12, 2)},
+        "chat": {0: synthetic(40, 3), 2: synthetic(40, 4)},
+    }
     path = tmp_path / "stats.safetensors"
     save_source_stats(per, {"web": 2.0, "chat": 1.0}, path, metadata={"teacher": "tiny"})
     from safetensors import safe_open
@@ -148,8 +182,10 @@ def test_sources_are_stored_apart_with_their_weights_and_token_counts(tmp_path):
     assert "source.web.layer.0.count" in keys and "source.chat.layer.2.sum_xx" in keys
     assert not any(k.startswith("layer.") for k in keys)
     meta = stats_metadata(path)
-    assert json.loads(meta["sources"]) == {"web": {"weight": 2.0, "n_tokens": 12},
-                                           "chat": {"weight": 1.0, "n_tokens": 40}}
+    assert json.loads(meta["sources"]) == {
+        "web": {"weight": 2.0, "n_tokens": 12},
+        "chat": {"weight": 1.0, "n_tokens": 40},
+    }
     assert meta["teacher"] == "tiny" and source_weights(path) == {"web": 2.0, "chat": 1.0}
     back = load_source_stats(path)
     assert sorted(back) == ["chat", "web"]
@@ -197,16 +233,35 @@ def _jsonl(path: Path, rows: list[dict]) -> str:
 def test_chat_records_are_rendered_with_the_template(tmp_path, tok):
     template = tmp_path / "chat.jinja"
     template.write_text(TEMPLATE)
-    msgs = _jsonl(tmp_path / "m.jsonl", [
-        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
-                      {"role": "assistant", "content": "hello"}]},
-        {"messages": [{"role": "user", "content": "2+2?"}]}])
-    spec = DataSpec(source="jsonl", path=msgs, format="chat", messages_field="messages", chat_template=str(template))
-    assert load_texts(spec, tok=tok) == ["<|system|>be brief\n<|user|>hi\n<|assistant|>hello\n",
-                                         "<|user|>2+2?\n<|assistant|>"]  # no answer: the generation prompt
+    msgs = _jsonl(
+        tmp_path / "m.jsonl",
+        [
+            {
+                "messages": [
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "hello"},
+                ]
+            },
+            {"messages": [{"role": "user", "content": "2+2?"}]},
+        ],
+    )
+    spec = DataSpec(
+        source="jsonl", path=msgs, format="chat", messages_field="messages", chat_template=str(template)
+    )
+    assert load_texts(spec, tok=tok) == [
+        "<|system|>be brief\n<|user|>hi\n<|assistant|>hello\n",
+        "<|user|>2+2?\n<|assistant|>",
+    ]  # no answer: the generation prompt
     pr = _jsonl(tmp_path / "p.jsonl", [{"q": "why?", "a": "because"}])
-    spec = DataSpec(source="jsonl", path=pr, format="chat", prompt_field="q", response_field="a",
-                    chat_template=str(template))
+    spec = DataSpec(
+        source="jsonl",
+        path=pr,
+        format="chat",
+        prompt_field="q",
+        response_field="a",
+        chat_template=str(template),
+    )
     assert load_texts(spec, tok=tok) == ["<|user|>why?\n<|assistant|>because\n"]
     # windows of the rendered text: what the calibration pass sees
     wins = token_windows(tok, load_texts(spec, tok=tok) * 8, 8, None, seed=0)
@@ -226,16 +281,22 @@ def test_a_tokenizer_template_is_used_unless_a_file_is_given(tmp_path, tok):
     assert load_texts(spec, tok=own) == ["[user] hi"]
     template = tmp_path / "chat.jinja"
     template.write_text(TEMPLATE)
-    spec = DataSpec(source="jsonl", path=path, format="chat", messages_field="messages", chat_template=str(template))
+    spec = DataSpec(
+        source="jsonl", path=path, format="chat", messages_field="messages", chat_template=str(template)
+    )
     assert load_texts(spec, tok=own) == ["<|user|>hi\n<|assistant|>"]  # the file overrides the tokenizer's
-    missing = DataSpec(source="jsonl", path=path, format="chat", messages_field="messages", chat_template="/no.jinja")
+    missing = DataSpec(
+        source="jsonl", path=path, format="chat", messages_field="messages", chat_template="/no.jinja"
+    )
     with pytest.raises(ValueError, match="^chat_template: no such file"):
         load_texts(missing, tok=own)
 
 
 def test_malformed_chat_records_and_settings_are_one_line(tmp_path, tok):
-    path = _jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": "ok"}]},
-                                           {"messages": [{"role": "user"}]}])
+    path = _jsonl(
+        tmp_path / "bad.jsonl",
+        [{"messages": [{"role": "user", "content": "ok"}]}, {"messages": [{"role": "user"}]}],
+    )
     spec = DataSpec(source="jsonl", path=path, format="chat", messages_field="messages", chat_template=None)
     tok2 = copy.deepcopy(tok)
     tok2.chat_template = TEMPLATE
@@ -244,13 +305,18 @@ def test_malformed_chat_records_and_settings_are_one_line(tmp_path, tok):
     spec = DataSpec(source="jsonl", path=path, format="chat", prompt_field="q")
     with pytest.raises(ValueError, match=r"bad.jsonl:1: prompt_field 'q' is missing"):
         load_texts(spec, tok=tok2)
-    for kw, match in [({"source": "tiny", "format": "chat", "messages_field": "m"}, "^format: 'chat' reads"),
-                      ({"format": "chat"}, "^messages_field: format 'chat' needs"),
-                      ({"format": "chat", "messages_field": "m", "prompt_field": "p"}, "^messages_field: give messages_field or prompt_field, not both"),
-                      ({"format": "chat", "messages_field": "m", "response_field": "a"}, "^response_field: only"),
-                      ({"messages_field": "m"}, "^messages_field: only with format 'chat'"),
-                      ({"chat_template": "t.jinja"}, "^chat_template: only with format 'chat'"),
-                      ({"format": "markdown"}, "^format='markdown'")]:
+    for kw, match in [
+        ({"source": "tiny", "format": "chat", "messages_field": "m"}, "^format: 'chat' reads"),
+        ({"format": "chat"}, "^messages_field: format 'chat' needs"),
+        (
+            {"format": "chat", "messages_field": "m", "prompt_field": "p"},
+            "^messages_field: give messages_field or prompt_field, not both",
+        ),
+        ({"format": "chat", "messages_field": "m", "response_field": "a"}, "^response_field: only"),
+        ({"messages_field": "m"}, "^messages_field: only with format 'chat'"),
+        ({"chat_template": "t.jinja"}, "^chat_template: only with format 'chat'"),
+        ({"format": "markdown"}, "^format='markdown'"),
+    ]:
         with pytest.raises(ValueError, match=match):
             DataSpec(**{"source": "jsonl", "path": path, **kw})
 
@@ -286,26 +352,50 @@ def test_a_sweep_with_two_sources_runs_end_to_end(tmp_path, monkeypatch):
     from orchestrator.spec import load_spec
 
     monkeypatch.setenv("MOESWEEP_HOME", str(tmp_path / "home"))
-    web = _jsonl(tmp_path / "web.jsonl", [{"text": f"The river {i} runs past the old mill and the town." * 3}
-                                          for i in range(40)])
-    chat = _jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": f"def f{i}(x): return x?"},
-                                                          {"role": "assistant", "content": f"It returns x ({i})."}]}
-                                            for i in range(40)])
+    web = _jsonl(
+        tmp_path / "web.jsonl",
+        [{"text": f"The river {i} runs past the old mill and the town." * 3} for i in range(40)],
+    )
+    chat = _jsonl(
+        tmp_path / "chat.jsonl",
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": f"def f{i}(x): return x?"},
+                    {"role": "assistant", "content": f"It returns x ({i})."},
+                ]
+            }
+            for i in range(40)
+        ],
+    )
     template = tmp_path / "chat.jinja"
     template.write_text(TEMPLATE)
     sweep = tmp_path / "mixture.yaml"
     sweep.write_text(SWEEP.format(web=web, chat=chat, template=template))
     spec, path, text = load_spec(str(sweep))
     store = Store(f"sqlite:///{tmp_path}/r.db")
-    assert launch(spec, text, store, SerialExecutor(), console=Console(quiet=True), show_progress=False,
-                  path=str(path)) == 0
-    (job_id, outputs), = store.query("SELECT id, outputs_json FROM jobs WHERE stage = 'calibrate'")[1]
+    assert (
+        launch(
+            spec,
+            text,
+            store,
+            SerialExecutor(),
+            console=Console(quiet=True),
+            show_progress=False,
+            path=str(path),
+        )
+        == 0
+    )
+    ((job_id, outputs),) = store.query("SELECT id, outputs_json FROM jobs WHERE stage = 'calibrate'")[1]
     out = json.loads(outputs)
-    assert out["sources"] == {"web": {"n_tokens": 8 * 32, "weight": 3.0, "n_samples": 8},
-                              "chat": {"n_tokens": 4 * 32, "weight": 1.0, "n_samples": 4}}
+    assert out["sources"] == {
+        "web": {"n_tokens": 8 * 32, "weight": 3.0, "n_samples": 8},
+        "chat": {"n_tokens": 4 * 32, "weight": 1.0, "n_samples": 4},
+    }
     assert out["n_tokens"] == 12 * 32
-    metrics = store.query("SELECT task, value FROM metrics WHERE job_id = :j AND name = 'calib_tokens'",
-                          {"j": job_id})[1]
+    metrics = store.query(
+        "SELECT task, value FROM metrics WHERE job_id = :j AND name = 'calib_tokens'", {"j": job_id}
+    )[1]
     assert sorted(metrics) == [("chat", 128.0), ("web", 256.0)]
     per = load_source_stats(out["stats"])
     assert sorted(per) == ["chat", "web"] and all(sorted(s) == out["layers"] for s in per.values())
@@ -328,8 +418,14 @@ def test_a_mixture_samples_tokens_in_the_proportions_of_its_weights():
     def sample(n_tokens: int, n_windows: int, fill: float) -> dict[str, torch.Tensor]:
         ids = torch.arange(n_windows * 8).reshape(n_windows, 8) + int(fill * 1000)
         window, pos = torch.arange(n_tokens) % n_windows, torch.arange(n_tokens) % 8
-        return {"x": torch.full((n_tokens, 3), fill), "p": torch.full((n_tokens, 4), fill), "ids": ids,
-                "mask": torch.ones_like(ids), "window": window, "pos": pos}
+        return {
+            "x": torch.full((n_tokens, 3), fill),
+            "p": torch.full((n_tokens, 4), fill),
+            "ids": ids,
+            "mask": torch.ones_like(ids),
+            "window": window,
+            "pos": pos,
+        }
 
     a, b = sample(30, 5, 1.0), sample(20, 4, 2.0)
     mixed = mix_samples({"a": a, "b": b}, {"a": 1.0, "b": 2.0})
@@ -337,6 +433,8 @@ def test_a_mixture_samples_tokens_in_the_proportions_of_its_weights():
     assert mixed["x"].shape == (30, 3) and int((mixed["x"][:, 0] == 1.0).sum()) == 10
     assert int((mixed["x"][:, 0] == 2.0).sum()) == 20  # b's share is 20 of 30: all it has
     assert mixed["ids"].shape == (9, 8)
-    token = mixed["ids"][mixed["window"], mixed["pos"]]  # every kept token points into its own source's windows
+    token = mixed["ids"][
+        mixed["window"], mixed["pos"]
+    ]  # every kept token points into its own source's windows
     assert bool(((token >= 2000) == (mixed["x"][:, 0] == 2.0)).all())
     assert mix_samples({"a": a, "b": None}, {"a": 1.0, "b": 1.0}) is None

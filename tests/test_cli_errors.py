@@ -21,8 +21,11 @@ PG_DOWN = "postgresql+psycopg://u:secret@127.0.0.1:1/x"  # nothing listens on po
 
 def commands(url: str, read_only_only: bool = False) -> list[list[str]]:
     read = [["sql", "SELECT 1", "--db", url], ["status", "x", "--db", url]]
-    write = [["migrate", "--db", url], ["import-paper", "--db", url],
-             ["launch", str(SWEEP), "--db", url, "--executor", "serial"]]
+    write = [
+        ["migrate", "--db", url],
+        ["import-paper", "--db", url],
+        ["launch", str(SWEEP), "--db", url, "--executor", "serial"],
+    ]
     return read if read_only_only else read + write
 
 
@@ -46,8 +49,10 @@ def cwd(tmp_path, monkeypatch):
 def test_malformed_url(cwd):
     for args in commands("nonsense"):
         line = error_line(args)
-        assert line == ("error: --db: 'nonsense' is not a database URL; expected sqlite:///PATH or "
-                        "postgresql+psycopg://USER@HOST/DB"), line
+        assert line == (
+            "error: --db: 'nonsense' is not a database URL; expected sqlite:///PATH or "
+            "postgresql+psycopg://USER@HOST/DB"
+        ), line
     assert os.listdir(cwd) == []
 
 
@@ -59,15 +64,18 @@ def test_malformed_url_from_the_environment_is_named(cwd, monkeypatch):
 
 def test_unknown_database_kind_or_missing_driver(cwd, monkeypatch):
     for args in commands("nosuchdb://u@host/x"):
-        assert "unknown or unsupported database kind or driver 'nosuchdb'; expected sqlite:///PATH" \
+        assert (
+            "unknown or unsupported database kind or driver 'nosuchdb'; expected sqlite:///PATH"
             in error_line(args)
+        )
     for url in ("postgresql+nosuchdriver://u:secret@h/x", "sqlite+aiosqlite:///x.db"):
         line = error_line(["migrate", "--db", url])
         assert "unknown or unsupported database kind or driver" in line and "secret" not in line
     monkeypatch.setitem(sys.modules, "MySQLdb", None)
     for args in commands("mysql://u@host/x")[2:]:
-        assert error_line(args) == ("error: mysql://u@host/x: the mysql driver MySQLdb is not installed "
-                                    "(pip install MySQLdb)")
+        assert error_line(args) == (
+            "error: mysql://u@host/x: the mysql driver MySQLdb is not installed (pip install MySQLdb)"
+        )
     for args in commands("mysql://u@host/x", read_only_only=True):
         assert "read-only access needs SQLite or PostgreSQL through psycopg" in error_line(args)
     assert os.listdir(cwd) == []
@@ -80,13 +88,15 @@ def test_reading_a_missing_database_creates_nothing(cwd):
             assert line.startswith("error: no database at ") and "(moesweep launch" in line, line
     assert os.listdir(cwd) == []
     # the default database, when there is none yet
-    assert error_line(["sql", "SELECT 1"]) == (f"error: no database at {cwd}/home/moesweep.db "
-                                               "(moesweep launch or moesweep migrate creates one)")
+    assert error_line(["sql", "SELECT 1"]) == (
+        f"error: no database at {cwd}/home/moesweep.db (moesweep launch or moesweep migrate creates one)"
+    )
     assert os.listdir(cwd) == []
 
 
 def test_unreachable_postgres(cwd):
     import psycopg  # noqa: F401  (the dev extra installs it; without it this test fails, it does not skip)
+
     for args in commands(PG_DOWN):
         line = error_line(args)
         assert line.startswith("error: cannot connect to postgresql+psycopg://u:***@127.0.0.1:1/x: "), line
@@ -143,8 +153,10 @@ def test_database_in_a_folder_nobody_may_write(cwd):
     path = Path(f"/proc/moesweep-test-{os.getpid()}.db")
     for args in commands(f"sqlite:///{path}")[2:]:
         line = error_line(args)
-        assert line == (f"error: {path}: cannot open or create the database file (does its folder exist, may "
-                        "you write it?)"), line
+        assert line == (
+            f"error: {path}: cannot open or create the database file (does its folder exist, may "
+            "you write it?)"
+        ), line
     assert not path.exists()
 
 
@@ -158,19 +170,33 @@ def test_database_in_a_read_only_folder(cwd):
     if os.geteuid() == 0:
         setpriv = shutil.which("setpriv")
         if setpriv is None:
-            pytest.fail("as root this test needs setpriv (util-linux) to run moesweep without "
-                        "CAP_DAC_OVERRIDE, the capability that lets root write a read-only folder")
-        prefix = [setpriv, "--inh-caps=-dac_override,-dac_read_search",
-                  "--bounding-set=-dac_override,-dac_read_search", "--"]
+            pytest.fail(
+                "as root this test needs setpriv (util-linux) to run moesweep without "
+                "CAP_DAC_OVERRIDE, the capability that lets root write a read-only folder"
+            )
+        prefix = [
+            setpriv,
+            "--inh-caps=-dac_override,-dac_read_search",
+            "--bounding-set=-dac_override,-dac_read_search",
+            "--",
+        ]
     env = dict(os.environ, PYTHONPATH=str(ROOT), MOESWEEP_HOME=str(cwd / "home"))
     env.pop("MOESWEEP_DB", None)
     try:
         for args in commands(f"sqlite:///{folder}/x.db")[2:]:
-            proc = subprocess.run([*prefix, sys.executable, "-m", "orchestrator.cli", *args], capture_output=True,
-                                  text=True, env=env, cwd=cwd, timeout=300)
+            proc = subprocess.run(
+                [*prefix, sys.executable, "-m", "orchestrator.cli", *args],
+                capture_output=True,
+                text=True,
+                env=env,
+                cwd=cwd,
+                timeout=300,
+            )
             assert proc.returncode == 2, (args, proc.returncode, proc.stderr[-2000:])
-            assert proc.stderr == (f"error: {folder}/x.db: cannot open or create the database file (does its "
-                                   "folder exist, may you write it?)\n"), (args, proc.stderr[-2000:])
+            assert proc.stderr == (
+                f"error: {folder}/x.db: cannot open or create the database file (does its "
+                "folder exist, may you write it?)\n"
+            ), (args, proc.stderr[-2000:])
         assert os.listdir(folder) == []
     finally:
         folder.chmod(0o755)

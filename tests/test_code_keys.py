@@ -44,21 +44,32 @@ def _digest(unit: tuple[str, ...]) -> str:
 
 
 def test_docstrings_comments_and_layout_do_not_count_code_does(toy_pkg):
-    _write(toy_pkg, "helpers", '''
+    _write(
+        toy_pkg,
+        "helpers",
+        """
         SCALE = 2.0
 
         def scaled(x):
             return x * SCALE
-    ''')
-    _write(toy_pkg, "stage", '''
+    """,
+    )
+    _write(
+        toy_pkg,
+        "stage",
+        '''
         from cvtoy.helpers import scaled
 
         def run(x):
             """Run it."""
             return scaled(x) + 1
-    ''')
+    ''',
+    )
     base = _digest(("cvtoy.stage", "run"))
-    _write(toy_pkg, "stage", '''
+    _write(
+        toy_pkg,
+        "stage",
+        '''
         from cvtoy.helpers import scaled  # a comment
 
 
@@ -70,19 +81,27 @@ def test_docstrings_comments_and_layout_do_not_count_code_does(toy_pkg):
             """Run it, with a longer docstring that says more."""
             # a comment inside
             return scaled(x)    +    1
-    ''')
+    ''',
+    )
     assert _digest(("cvtoy.stage", "run")) == base
-    _write(toy_pkg, "helpers", '''
+    _write(
+        toy_pkg,
+        "helpers",
+        """
         SCALE = 3.0
 
         def scaled(x):
             return x * SCALE
-    ''')  # a constant two modules away, reached through a function the stage calls
+    """,
+    )  # a constant two modules away, reached through a function the stage calls
     assert _digest(("cvtoy.stage", "run")) != base
 
 
 def test_a_registry_entry_is_its_own_component_and_not_followed_from_a_stage(toy_pkg):
-    _write(toy_pkg, "methods", '''
+    _write(
+        toy_pkg,
+        "methods",
+        """
         def a(x):
             return x + 1
 
@@ -96,16 +115,30 @@ def test_a_registry_entry_is_its_own_component_and_not_followed_from_a_stage(toy
 
         def get(name):
             return METHODS[name]
-    ''')
-    _write(toy_pkg, "stage", '''
+    """,
+    )
+    _write(
+        toy_pkg,
+        "stage",
+        """
         import cvtoy.methods as m
 
         def run(name, x):
             return m.get(name)(x)
-    ''')
-    before = {u: _digest(u) for u in [("cvtoy.stage", "run"), ("cvtoy.methods", "METHODS", "A"),
-                                      ("cvtoy.methods", "METHODS", "B")]}
-    _write(toy_pkg, "methods", '''
+    """,
+    )
+    before = {
+        u: _digest(u)
+        for u in [
+            ("cvtoy.stage", "run"),
+            ("cvtoy.methods", "METHODS", "A"),
+            ("cvtoy.methods", "METHODS", "B"),
+        ]
+    }
+    _write(
+        toy_pkg,
+        "methods",
+        """
         def a(x):
             return x + 1
 
@@ -119,7 +152,8 @@ def test_a_registry_entry_is_its_own_component_and_not_followed_from_a_stage(toy
 
         def get(name):
             return METHODS[name]
-    ''')  # edit B's helper: only B's component changes
+    """,
+    )  # edit B's helper: only B's component changes
     after = {u: _digest(u) for u in before}
     changed = {u for u in before if before[u] != after[u]}
     assert changed == {("cvtoy.methods", "METHODS", "B")}
@@ -135,17 +169,25 @@ def test_every_registry_reads_the_same_names_from_source_as_at_run_time():
     import workers.models.outputs
     import workers.training.losses
 
-    for (module, name), obj in {("workers.methods.scoring", "SCORINGS"): workers.methods.scoring.SCORINGS,
-                                ("workers.models.outputs", "OUTPUTS"): workers.models.outputs.OUTPUTS,
-                                ("workers.methods.moe_merging", "MERGINGS"): workers.methods.moe_merging.MERGINGS,
-                                ("workers.methods.editing", "EDITINGS"): workers.methods.editing.EDITINGS,
-                                ("workers.methods.grouping", "GROUPINGS"): workers.methods.grouping.GROUPINGS,
-                                ("workers.methods.scaling", "SCALINGS"): workers.methods.scaling.SCALINGS,
-                                ("workers.training.losses", "LOSSES"): workers.training.losses.LOSSES,
-                                ("workers.baselines.baselines", "_CANDIDATES"): workers.baselines.baselines._CANDIDATES}.items():
+    for (module, name), obj in {
+        ("workers.methods.scoring", "SCORINGS"): workers.methods.scoring.SCORINGS,
+        ("workers.models.outputs", "OUTPUTS"): workers.models.outputs.OUTPUTS,
+        ("workers.methods.moe_merging", "MERGINGS"): workers.methods.moe_merging.MERGINGS,
+        ("workers.methods.editing", "EDITINGS"): workers.methods.editing.EDITINGS,
+        ("workers.methods.grouping", "GROUPINGS"): workers.methods.grouping.GROUPINGS,
+        ("workers.methods.scaling", "SCALINGS"): workers.methods.scaling.SCALINGS,
+        ("workers.training.losses", "LOSSES"): workers.training.losses.LOSSES,
+        ("workers.baselines.baselines", "_CANDIDATES"): workers.baselines.baselines._CANDIDATES,
+    }.items():
         assert registry_names(module, name) == list(obj), name
-    assert {m for m, _ in method_registries()} == {"workers.models.outputs", "workers.methods.scoring", "workers.methods.grouping",
-                                                   "workers.methods.scaling", "workers.methods.moe_merging", "workers.methods.editing"}
+    assert {m for m, _ in method_registries()} == {
+        "workers.models.outputs",
+        "workers.methods.scoring",
+        "workers.methods.grouping",
+        "workers.methods.scaling",
+        "workers.methods.moe_merging",
+        "workers.methods.editing",
+    }
 
 
 def test_a_conversion_depends_on_its_own_methods_only():
@@ -158,7 +200,9 @@ def test_a_conversion_depends_on_its_own_methods_only():
     assert ("workers.methods.scoring", "pp") not in stage and ("workers.methods.scoring", "sf") not in stage
     assert ("workers.methods.scoring", "pp") in fp.closure([("workers.methods.scoring", "SCORINGS", "PP")])
     # frequency is SF under another name: the same code, the same component hash
-    assert fp.digest([("workers.methods.scoring", "SCORINGS", "SF")]) != fp.digest([("workers.methods.scoring", "SCORINGS", "PP")])
+    assert fp.digest([("workers.methods.scoring", "SCORINGS", "SF")]) != fp.digest(
+        [("workers.methods.scoring", "SCORINGS", "PP")]
+    )
 
 
 SWEEP = """\
@@ -182,17 +226,31 @@ execution: {retries: 0}
 
 
 def _cli(src: Path, home: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(src), "MOESWEEP_HOME": str(home), "HF_HUB_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=home, env=env,
-                          capture_output=True, text=True, timeout=900)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(src),
+        "MOESWEEP_HOME": str(home),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        cwd=home,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 def _jobs(db: Path) -> dict[str, tuple[str, frozenset[str]]]:
     """job key → (stage, the scorings of the configurations linked to it)."""
     with sqlite3.connect(db) as c:
-        rows = c.execute("SELECT j.key, j.stage, c.scoring FROM jobs j LEFT JOIN config_jobs cj ON cj.job_id = j.id "
-                         "LEFT JOIN configurations c ON c.id = cj.config_id").fetchall()
+        rows = c.execute(
+            "SELECT j.key, j.stage, c.scoring FROM jobs j LEFT JOIN config_jobs cj ON cj.job_id = j.id "
+            "LEFT JOIN configurations c ON c.id = cj.config_id"
+        ).fetchall()
     out: dict[str, tuple[str, set[str]]] = {}
     for key, stage, scoring in rows:
         out.setdefault(key, (stage, set()))[1].add(scoring or "-")
@@ -238,8 +296,10 @@ def test_editing_one_scoring_reruns_exactly_its_configurations(tmp_path):
     assert by_stage == {"convert": 2, "ppl_pre": 2, "distill": 1, "evaluate": 1}
     # every job of the other configurations (teacher, calibration, SF, the teacher baseline) was reused
     with sqlite3.connect(db) as c:
-        linked = c.execute("SELECT DISTINCT j.key FROM config_jobs cj JOIN jobs j ON j.id = cj.job_id "
-                           "JOIN configurations c ON c.id = cj.config_id WHERE c.scoring IS NOT 'PP'").fetchall()
+        linked = c.execute(
+            "SELECT DISTINCT j.key FROM config_jobs cj JOIN jobs j ON j.id = cj.job_id "
+            "JOIN configurations c ON c.id = cj.config_id WHERE c.scoring IS NOT 'PP'"
+        ).fetchall()
     assert {k for (k,) in linked} <= set(before)
     assert "stale" in _cli(src, home, "status", "codeedit", "--db", f"sqlite:///{db}").stdout
 
@@ -249,47 +309,61 @@ def test_the_code_that_builds_a_student_is_part_of_every_job_that_builds_it():
     student from its plan hash the builder's code (workers/models/outputs.py), not only the stage's own."""
     for output in ("dense", "moe"):
         recipe = {"type": "plan", "plan_key": "abc", "output": output}
-        for stage, params in (("ppl_pre", {"student": recipe}), ("distill", {"student": recipe}),
-                              ("router_kd", {"student": recipe}),
-                              ("evaluate", {"student": {"type": "router_kd", "base": recipe}})):
+        for stage, params in (
+            ("ppl_pre", {"student": recipe}),
+            ("distill", {"student": recipe}),
+            ("router_kd", {"student": recipe}),
+            ("evaluate", {"student": {"type": "router_kd", "base": recipe}}),
+        ):
             assert f"output:{output}" in code_components(stage, params), (stage, output)
     fp = Fingerprints(stop=method_registries())
     dense = fp.closure([("workers.models.outputs", "OUTPUTS", "dense")])
-    assert ("workers.models.convert", "build_student_from_plans") in dense and ("workers.methods.merge", "build_dense_ffn") in dense
+    assert ("workers.models.convert", "build_student_from_plans") in dense and (
+        "workers.methods.merge",
+        "build_dense_ffn",
+    ) in dense
 
 
 def test_moving_a_definition_to_another_module_keeps_its_key_and_an_edit_still_changes_it(toy_pkg):
     """A definition is its name and its source, not the module it lives in: moving `scaled` (reached by a
     from-import, a module alias and a dotted chain) keeps the stage's digest; editing it where it now lives
     does not."""
-    helper = '''
+    helper = """
         SCALE = 2.0
 
         def scaled(x):
             return x * SCALE
-    '''
+    """
     _write(toy_pkg, "helpers", helper)
-    _write(toy_pkg, "stage", '''
+    _write(
+        toy_pkg,
+        "stage",
+        """
         import cvtoy.helpers
         import cvtoy.helpers as h
 
         def run(x):
             from cvtoy.helpers import scaled
             return scaled(x) + h.scaled(x) + cvtoy.helpers.scaled(x)
-    ''')
+    """,
+    )
     base = _digest(("cvtoy.stage", "run"))
     (toy_pkg / "helpers.py").unlink()
     (toy_pkg / "deep").mkdir()
     (toy_pkg / "deep" / "__init__.py").write_text("")
     _write(toy_pkg / "deep", "numerics", helper)
-    _write(toy_pkg, "stage", '''
+    _write(
+        toy_pkg,
+        "stage",
+        """
         import cvtoy.deep.numerics
         import cvtoy.deep.numerics as h
 
         def run(x):
             from cvtoy.deep.numerics import scaled
             return scaled(x) + h.scaled(x) + cvtoy.deep.numerics.scaled(x)
-    ''')
+    """,
+    )
     assert _digest(("cvtoy.stage", "run")) == base
     _write(toy_pkg / "deep", "numerics", helper.replace("x * SCALE", "x * SCALE + 1"))
     assert _digest(("cvtoy.stage", "run")) != base
@@ -302,21 +376,26 @@ def test_a_module_named_in_a_string_and_the_order_of_imports_do_not_count(toy_pk
     helper = "def scaled(x):\n    return 2 * x\n"
     _write(toy_pkg, "helpers", helper)
     _write(toy_pkg, "other", helper)
-    stage = '''
+    stage = """
         def run(x):
             import os
             from cvtoy.{a} import scaled
             return [scaled(x), "-m", "cvtoy.{a}", "see cvtoy.{a}.scaled", os.sep]
-    '''
+    """
     _write(toy_pkg, "stage", stage.format(a="helpers"))
     base = _digest(("cvtoy.stage", "run"))
     (toy_pkg / "helpers.py").unlink()
     (toy_pkg / "zz").mkdir()
     (toy_pkg / "zz" / "__init__.py").write_text("")
     _write(toy_pkg / "zz", "helpers", helper)
-    _write(toy_pkg, "stage", stage.format(a="zz.helpers").replace(
-        "    import os\n            from cvtoy.zz.helpers import scaled\n",
-        "    from cvtoy.zz.helpers import scaled\n            import os\n"))
+    _write(
+        toy_pkg,
+        "stage",
+        stage.format(a="zz.helpers").replace(
+            "    import os\n            from cvtoy.zz.helpers import scaled\n",
+            "    from cvtoy.zz.helpers import scaled\n            import os\n",
+        ),
+    )
     assert _digest(("cvtoy.stage", "run")) == base
     _write(toy_pkg, "stage", stage.format(a="other"))
     assert _digest(("cvtoy.stage", "run")) != base
@@ -336,8 +415,9 @@ def _components(src: Path) -> dict[str, dict[str, str]]:
     import json
 
     env = {**os.environ, "PYTHONPATH": str(src)}
-    got = subprocess.run([sys.executable, "-c", COMPONENTS], cwd=src, env=env, capture_output=True, text=True,
-                         timeout=300)
+    got = subprocess.run(
+        [sys.executable, "-c", COMPONENTS], cwd=src, env=env, capture_output=True, text=True, timeout=300
+    )
     assert got.returncode == 0, got.stderr[-3000:]
     return json.loads(got.stdout)
 
@@ -356,18 +436,21 @@ def test_moving_a_scoring_to_another_module_keeps_every_key(tmp_path):
     moved = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in ("_f64", "_n", "pp")]
     assert len(moved) == 3
     lines = text.splitlines(keepends=True)
-    bodies = ["".join(lines[n.lineno - 1 - len(n.decorator_list):n.end_lineno]) for n in moved]
+    bodies = ["".join(lines[n.lineno - 1 - len(n.decorator_list) : n.end_lineno]) for n in moved]
     for body in bodies:
         text = text.replace(body, "")
-    header = "".join(lines[:min(n.lineno for n in tree.body if isinstance(n, ast.FunctionDef)) - 1])
+    header = "".join(lines[: min(n.lineno for n in tree.body if isinstance(n, ast.FunctionDef)) - 1])
     (src / "workers" / "core" / "moved_scoring.py").write_text(header + "\n\n" + "\n\n".join(bodies))
-    scoring.write_text(text.replace("\ndef ", "\nfrom workers.core.moved_scoring import _f64, _n, pp  # noqa\n\n\ndef ",
-                                    1))
+    scoring.write_text(
+        text.replace("\ndef ", "\nfrom workers.core.moved_scoring import _f64, _n, pp  # noqa\n\n\ndef ", 1)
+    )
     assert _components(src) == before
     new = (src / "workers" / "core" / "moved_scoring.py").read_text()
     old = "    return _f64(ctx.stats.sum_p) / _n(ctx.stats)\n"
     assert new.count(old) == 1
-    (src / "workers" / "core" / "moved_scoring.py").write_text(new.replace(old, "    return 2 * _f64(ctx.stats.sum_p) / _n(ctx.stats)\n"))
+    (src / "workers" / "core" / "moved_scoring.py").write_text(
+        new.replace(old, "    return 2 * _f64(ctx.stats.sum_p) / _n(ctx.stats)\n")
+    )
     after = _components(src)
     changed = {(job, comp) for job in before for comp in before[job] if before[job][comp] != after[job][comp]}
     assert changed and {comp for _, comp in changed} == {"scoring:PP"}

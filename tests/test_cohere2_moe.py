@@ -56,8 +56,9 @@ def test_average_strategy_and_student_kinds(layers):
         assert kinds == ["dense"] * 3 and student.config.prefix_dense_sliding_window_pattern == 1
     x = ids(seed=5)
     with torch.no_grad():
-        torch.testing.assert_close(student(x).logits, reference_logits(teacher, plans)(x).logits,
-                                   rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(
+            student(x).logits, reference_logits(teacher, plans)(x).logits, rtol=1e-9, atol=1e-9
+        )
 
 
 def test_softmax_over_the_top_k_logits_is_p_renormalized():

@@ -29,10 +29,16 @@ from workers.models.convert import build_student_from_plans, layer_contexts, pla
 def fake_stats(e: int, seed: int) -> LayerStats:
     g = torch.Generator().manual_seed(seed)
     f = torch.randn(50, e, 4, generator=g, dtype=torch.float64)
-    return LayerStats(n_tokens=50, count=torch.rand(e, generator=g, dtype=torch.float64) * 50,
-                      sum_p=torch.rand(e, generator=g, dtype=torch.float64), sum_p_sel=torch.rand(e, dtype=torch.float64),
-                      sum_sq=torch.rand(e, dtype=torch.float64), sum_gnorm_sel=torch.rand(e, dtype=torch.float64),
-                      sum_norm_sel=torch.rand(e, dtype=torch.float64), gram=torch.einsum("tid,tjd->ij", f, f))
+    return LayerStats(
+        n_tokens=50,
+        count=torch.rand(e, generator=g, dtype=torch.float64) * 50,
+        sum_p=torch.rand(e, generator=g, dtype=torch.float64),
+        sum_p_sel=torch.rand(e, dtype=torch.float64),
+        sum_sq=torch.rand(e, dtype=torch.float64),
+        sum_gnorm_sel=torch.rand(e, dtype=torch.float64),
+        sum_norm_sel=torch.rand(e, dtype=torch.float64),
+        gram=torch.einsum("tid,tjd->ij", f, f),
+    )
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -56,14 +62,22 @@ def test_layer_contexts(fam):
     ctx = layer_contexts(teacher, a, stats)
     assert sorted(ctx) == moe[1:]
     c = ctx[moe[1]]
-    assert c.stats is stats[moe[1]] and c.top_k == a.top_k(teacher) and c.renormalized == a.renormalized(teacher)
+    assert (
+        c.stats is stats[moe[1]] and c.top_k == a.top_k(teacher) and c.renormalized == a.renormalized(teacher)
+    )
     block = block_of(family, teacher, moe[1])
-    assert torch.equal(c.router_weight, router_of(family, block).weight)  # exact: the router's own tensor, detached
+    assert torch.equal(
+        c.router_weight, router_of(family, block).weight
+    )  # exact: the router's own tensor, detached
     store = {p.untyped_storage().data_ptr() for p in block.experts.parameters()}
     assert c.experts.gate.untyped_storage().data_ptr() in store  # views, not copies
     h = torch.randn(5, H)
-    torch.testing.assert_close(ffn_forward(c.experts, h, expert=3), experts_forward(
-        family, block.experts, h, torch.full((5, 1), 3), torch.ones(5, 1)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        ffn_forward(c.experts, h, expert=3),
+        experts_forward(family, block.experts, h, torch.full((5, 1), 3), torch.ones(5, 1)),
+        rtol=1e-5,
+        atol=1e-5,
+    )
     dense = [i for i in range(len(layers_of(family, teacher))) if i not in moe]
     if dense:
         with pytest.raises(ValueError, match="not MoE layers"):
@@ -84,8 +98,14 @@ def test_plans_validated_and_progress_reported(fam):
     # a dense layer where the family has one (Qwen3-MoE, DeepSeek), else one past the last layer
     not_moe = next(i for i in range(len(layers_of(family, teacher)) + 1) if i not in moe)
     e = a.num_experts(teacher)
-    bad = LayerPlan(layer=not_moe, selected=[0, 1], scores=[1.0] * e, groups=[[0], [1]],
-                    merge_weights=[[1.0], [1.0]], alpha=[0.5, 0.5])
+    bad = LayerPlan(
+        layer=not_moe,
+        selected=[0, 1],
+        scores=[1.0] * e,
+        groups=[[0], [1]],
+        merge_weights=[[1.0], [1.0]],
+        alpha=[0.5, 0.5],
+    )
     with pytest.raises(ValueError, match="not an MoE layer"):
         plan_ffns(teacher, a, [bad, *plans])
 
@@ -102,11 +122,15 @@ def test_routed_scaling_folded_into_alpha(fam):
         ew = a.expert_weights(teacher, pl.layer)
         h = torch.randn(6, H)
         if CASES[family].input_scaled:  # Llama-4: the weight scales the expert's input
-            expect = sum(ffn_forward(ew, al * scale * h, expert=g[0]) for al, g in zip(pl.alpha, pl.groups,
-                                                                                      strict=True))
+            expect = sum(
+                ffn_forward(ew, al * scale * h, expert=g[0])
+                for al, g in zip(pl.alpha, pl.groups, strict=True)
+            )
         else:
-            expect = sum(al * scale * ffn_forward(ew, h, expert=g[0]) for al, g in zip(pl.alpha, pl.groups,
-                                                                                      strict=True))
+            expect = sum(
+                al * scale * ffn_forward(ew, h, expert=g[0])
+                for al, g in zip(pl.alpha, pl.groups, strict=True)
+            )
         torch.testing.assert_close(ffn_forward(ffns[pl.layer], h), expect, rtol=1e-5, atol=1e-6)
 
 
@@ -123,10 +147,16 @@ def test_many_shared_students_leave_teacher_intact(dense_fam):
         student = build_student_from_plans(teacher, a, hand_plans(a, teacher, merged), share_weights=True)
         t_names = dict(teacher.named_parameters())
         # new: the FFN tensors, and zeros for a bias the teacher lacks (Solar Open's o_proj in its Llama student)
-        new = [p for n, p in student.named_parameters() if p.untyped_storage().data_ptr() not in t_store
-               and not (n not in t_names and n.endswith(".bias") and not p.any())]
+        new = [
+            p
+            for n, p in student.named_parameters()
+            if p.untyped_storage().data_ptr() not in t_store
+            and not (n not in t_names and n.endswith(".bias") and not p.any())
+        ]
         ffn = student_ffn_name(family)
-        assert sum(p.numel() for p in new) == sum(p.numel() for n, p in student.named_parameters() if ffn in n)
+        assert sum(p.numel() for p in new) == sum(
+            p.numel() for n, p in student.named_parameters() if ffn in n
+        )
         with torch.no_grad():
             student(x)
     for k, v in teacher.state_dict().items():

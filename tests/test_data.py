@@ -10,7 +10,9 @@ import torch
 from workers.core.data import DataSpec, load_texts, token_windows
 from workers.tiny.tokenizer import train_tokenizer
 
-DOCS = [f"Document {i}: the quick brown fox jumps over the lazy dog {i} times.\n" * (1 + i % 3) for i in range(40)]
+DOCS = [
+    f"Document {i}: the quick brown fox jumps over the lazy dog {i} times.\n" * (1 + i % 3) for i in range(40)
+]
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,7 @@ def test_windows_all_in_order(tok):
     stream = _stream(tok, DOCS)
     w = token_windows(tok, DOCS, 16, None, seed=0)
     assert w.dtype == torch.long and w.shape == (len(stream) // 16, 16)
-    assert w.flatten().tolist() == stream[:w.numel()]  # docs separated by eos, tail dropped
+    assert w.flatten().tolist() == stream[: w.numel()]  # docs separated by eos, tail dropped
     assert (w == tok.eos_token_id).sum() >= len(DOCS) - 2
 
 
@@ -78,8 +80,11 @@ def test_load_tiny(tmp_path):
     for split in ("train", "valid", "test"):
         rows = [{"text": f"{split} {i}", "domain": "prose"} for i in range(3)]
         (tmp_path / "corpus" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert load_texts(DataSpec(source="tiny", split="valid"), tiny_dir=str(tmp_path)) == ["valid 0", "valid 1",
-                                                                                          "valid 2"]
+    assert load_texts(DataSpec(source="tiny", split="valid"), tiny_dir=str(tmp_path)) == [
+        "valid 0",
+        "valid 1",
+        "valid 2",
+    ]
     assert load_texts(DataSpec(split="test"), tiny_dir=str(tmp_path), max_texts=2) == ["test 0", "test 1"]
     with pytest.raises(ValueError, match="split"):
         load_texts(DataSpec(split="validation"), tiny_dir=str(tmp_path))
@@ -89,7 +94,9 @@ def test_load_tiny(tmp_path):
 
 def test_load_jsonl(tmp_path):
     path = tmp_path / "d.jsonl"
-    path.write_text("".join(json.dumps({"body": t, "id": i}) + "\n" for i, t in enumerate(["aaa", "", "bbbb", "cc"])))
+    path.write_text(
+        "".join(json.dumps({"body": t, "id": i}) + "\n" for i, t in enumerate(["aaa", "", "bbbb", "cc"]))
+    )
     spec = DataSpec(source="jsonl", path=str(path), text_field="body")
     assert load_texts(spec) == ["aaa", "bbbb", "cc"]  # empty rows dropped
     assert load_texts(spec, max_chars=5) == ["aaa", "bbbb"]  # stops once 5 chars are read
@@ -105,7 +112,9 @@ def test_load_jsonl(tmp_path):
 def test_load_hf_local(tmp_path, streaming):
     d = tmp_path / "mydata"
     d.mkdir()
-    (d / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in ["one", " ", "two", "three"]))
+    (d / "train.jsonl").write_text(
+        "".join(json.dumps({"text": t}) + "\n" for t in ["one", " ", "two", "three"])
+    )
     spec = DataSpec(source="hf", path=str(d), split="train", streaming=streaming)
     assert load_texts(spec) == ["one", "two", "three"]
     assert load_texts(spec, max_texts=2) == ["one", "two"]

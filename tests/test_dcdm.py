@@ -30,9 +30,10 @@ def test_softmax_update_on_hand_numbers():
     assert w == pytest.approx({"code": e / (e + 2), "math": 1 / (e + 2), "web": 1 / (e + 2)}, rel=1e-12)
     # the paper's reported 2:1:1 needs d_code − d_math = ln 2 (no temperature)
     assert softmax_weights({"code": math.log(2), "math": 0.0, "web": 0.0}) == pytest.approx(
-        {"code": 0.5, "math": 0.25, "web": 0.25}, rel=1e-12)
+        {"code": 0.5, "math": 0.25, "web": 0.25}, rel=1e-12
+    )
     # τ = 0.5 doubles the differences; a common shift changes nothing; large d does not overflow
-    assert softmax_weights({"a": 1.0, "b": 0.0}, 0.5)["a"] == pytest.approx(e ** 2 / (e ** 2 + 1), rel=1e-12)
+    assert softmax_weights({"a": 1.0, "b": 0.0}, 0.5)["a"] == pytest.approx(e**2 / (e**2 + 1), rel=1e-12)
     assert softmax_weights({"a": 1001.0, "b": 1000.0}) == pytest.approx(softmax_weights({"a": 1.0, "b": 0.0}))
     with pytest.raises(ValueError, match="not finite"):
         softmax_weights({"a": float("nan"), "b": 0.0})
@@ -40,8 +41,16 @@ def test_softmax_update_on_hand_numbers():
 
 def test_largest_remainder_counts():
     assert sample_counts({"a": 0.5, "b": 0.3, "c": 0.2}, 32) == {"a": 16, "b": 10, "c": 6}  # 16, 9.6, 6.4
-    assert sample_counts({"a": 0.5, "b": 0.25, "c": 0.25}, 32) == {"a": 16, "b": 8, "c": 8}  # the paper's 2:1:1
-    assert sample_counts({"a": 1 / 3, "b": 1 / 3, "c": 1 / 3}, 32) == {"a": 11, "b": 11, "c": 10}  # ties: order
+    assert sample_counts({"a": 0.5, "b": 0.25, "c": 0.25}, 32) == {
+        "a": 16,
+        "b": 8,
+        "c": 8,
+    }  # the paper's 2:1:1
+    assert sample_counts({"a": 1 / 3, "b": 1 / 3, "c": 1 / 3}, 32) == {
+        "a": 11,
+        "b": 11,
+        "c": 10,
+    }  # ties: order
     assert sample_counts({"a": 0.99, "b": 0.01}, 10) == {"a": 9, "b": 1}  # at least one per domain
     assert sample_counts({"a": 0.99, "b": 0.01}, 1) == {"a": 1, "b": 0}  # unless n is too small
 
@@ -52,7 +61,7 @@ def test_stopping_rule_on_hand_numbers():
     assert stop_reason([a, b], 4, 1e-3) is None
     assert stop_reason([a, {"x": 0.55, "y": 0.45}], 4, 1e-3) == "counts"  # (2, 2) again
     # counts that differ (500400 vs 500000 of 10⁶) but no weight moved by tol
-    assert stop_reason([a, {"x": 0.5004, "y": 0.4996}], 10 ** 6, 1e-3) == "tol"
+    assert stop_reason([a, {"x": 0.5004, "y": 0.4996}], 10**6, 1e-3) == "tol"
     back = {"x": 0.45, "y": 0.55}  # quotas 1.8, 2.2 -> (2, 2): the counts of round 0, not of round 1
     assert stop_reason([a, b, back], 4, 1e-3) == "cycle"
     assert stop_reason([a, b, {"x": 0.7, "y": 0.3}], 4, 1e-3) == "counts"
@@ -76,15 +85,27 @@ def test_the_loop_stops_on_a_two_cycle(monkeypatch, tmp_path):
     monkeypatch.setattr(D, "compress", fake_compress)
     monkeypatch.setattr(D, "domain_discrepancy", fake_discrepancy)
     monkeypatch.setattr("workers.calibration.calibrate.source_tokens", lambda stats: 10)
-    res = D.run_dcdm(None, None, {"code": {0: None}, "prose": {0: None}}, {"code": "code", "prose": "prose"},
-                     DCDMSpec(max_iters=10), 32, {}, tmp_path, "cpu",
-                     progress=lambda i, n: state.update(round=i))
+    res = D.run_dcdm(
+        None,
+        None,
+        {"code": {0: None}, "prose": {0: None}},
+        {"code": "code", "prose": "prose"},
+        DCDMSpec(max_iters=10),
+        32,
+        {},
+        tmp_path,
+        "cpu",
+        progress=lambda i, n: state.update(round=i),
+    )
     hi = math.exp(2) / (math.exp(2) + 1)
     used = [r["weights"] for r in res.rounds]
     assert used[0] == {"code": 0.5, "prose": 0.5}
     assert used[1]["code"] == pytest.approx(hi) and used[2]["code"] == pytest.approx(1 - hi)
-    assert [r["counts"] for r in res.rounds] == [{"code": 16, "prose": 16}, {"code": 28, "prose": 4},
-                                                 {"code": 4, "prose": 28}]
+    assert [r["counts"] for r in res.rounds] == [
+        {"code": 16, "prose": 16},
+        {"code": 28, "prose": 4},
+        {"code": 4, "prose": 28},
+    ]
     assert res.stop == "cycle" and len(res.rounds) == 3  # w³ = w¹: counts (28, 4) again
     assert res.trajectory[3] == pytest.approx(used[1])
     assert res.weights == used[2] and res.plans == [used[2]]
@@ -94,14 +115,32 @@ def test_the_loop_runs_to_max_iters_when_the_weights_keep_moving(monkeypatch, tm
     import workers.calibration.dcdm as D
 
     state = {"round": 0}
-    monkeypatch.setattr(D, "compress", lambda m, a, p, w, params, wd: ([w], torch.nn.Identity(), wd / "p.json"))
-    monkeypatch.setattr(D, "domain_discrepancy", lambda t, s, domain, bs, dev: {
-        "kl": 0.0, "nll_teacher": 1.0, "nll_student": 1.0 + (0.3 * (state["round"] + 1) if domain == "code" else 0.0),
-        "tokens": 1})
+    monkeypatch.setattr(
+        D, "compress", lambda m, a, p, w, params, wd: ([w], torch.nn.Identity(), wd / "p.json")
+    )
+    monkeypatch.setattr(
+        D,
+        "domain_discrepancy",
+        lambda t, s, domain, bs, dev: {
+            "kl": 0.0,
+            "nll_teacher": 1.0,
+            "nll_student": 1.0 + (0.3 * (state["round"] + 1) if domain == "code" else 0.0),
+            "tokens": 1,
+        },
+    )
     monkeypatch.setattr("workers.calibration.calibrate.source_tokens", lambda stats: 10)
-    res = D.run_dcdm(None, None, {"code": {0: None}, "prose": {0: None}}, {"code": "code", "prose": "prose"},
-                     DCDMSpec(max_iters=3, metric="log_ppl"), 1000, {}, tmp_path, "cpu",
-                     progress=lambda i, n: state.update(round=i))
+    res = D.run_dcdm(
+        None,
+        None,
+        {"code": {0: None}, "prose": {0: None}},
+        {"code": "code", "prose": "prose"},
+        DCDMSpec(max_iters=3, metric="log_ppl"),
+        1000,
+        {},
+        tmp_path,
+        "cpu",
+        progress=lambda i, n: state.update(round=i),
+    )
     assert res.stop == "max_iters" and len(res.rounds) == 3
     assert [round(r["discrepancy"]["code"], 12) for r in res.rounds] == [0.3, 0.6, 0.9]  # the log-ppl gap
 
@@ -120,8 +159,11 @@ def test_mixing_with_dcdm_weights_is_the_hand_reweighting(tmp_path):
     lam_a, lam_b = 0.2 * 40 / 10, 0.8 * 40 / 30  # λ_s = w_s · N / N_s
     assert mixed.n_tokens == 40
     for name in STAT_FIELDS:
-        want = (torch.maximum(getattr(a, name), getattr(b, name)) if name == "max_norm_sel"
-                else lam_a * getattr(a, name) + lam_b * getattr(b, name))
+        want = (
+            torch.maximum(getattr(a, name), getattr(b, name))
+            if name == "max_norm_sel"
+            else lam_a * getattr(a, name) + lam_b * getattr(b, name)
+        )
         torch.testing.assert_close(getattr(mixed, name), want, rtol=1e-12, atol=0, msg=name)
 
 
@@ -139,8 +181,15 @@ def run(tmp_path_factory):
         mp.setenv("MOESWEEP_HOME", str(tmp / "home"))
         spec, path, text = load_spec(str(SWEEP))
         store = Store(f"sqlite:///{tmp}/r.db")
-        code = launch(spec, text, store, SerialExecutor(), console=Console(quiet=True), show_progress=False,
-                      path=str(path))
+        code = launch(
+            spec,
+            text,
+            store,
+            SerialExecutor(),
+            console=Console(quiet=True),
+            show_progress=False,
+            path=str(path),
+        )
         yield {"code": code, "store": store, "spec": spec}
 
 
@@ -149,7 +198,7 @@ def _rows(store, sql: str, **params) -> list[tuple]:
 
 
 def _dcdm_outputs(store) -> dict:
-    (out,), = _rows(store, "SELECT outputs_json FROM jobs WHERE stage = 'dcdm'")
+    ((out,),) = _rows(store, "SELECT outputs_json FROM jobs WHERE stage = 'dcdm'")
     return json.loads(out)
 
 
@@ -160,22 +209,42 @@ def test_every_round_is_in_the_database(run):
     out = _dcdm_outputs(store)
     n = out["rounds"]
     assert 1 <= n <= 6 and out["stop"] in ("counts", "tol", "cycle", "max_iters")
-    weights = _rows(store, "SELECT m.task, m.step, m.value FROM config_metrics m JOIN results r "
-                           "ON r.config_id = m.config_id WHERE r.config_key = :k AND m.name = 'dcdm_weight'", k=MOE)
-    assert sorted((t, s) for t, s, _ in weights) == sorted((t, s) for s in range(n + 1) for t in ("code", "prose"))
+    weights = _rows(
+        store,
+        "SELECT m.task, m.step, m.value FROM config_metrics m JOIN results r "
+        "ON r.config_id = m.config_id WHERE r.config_key = :k AND m.name = 'dcdm_weight'",
+        k=MOE,
+    )
+    assert sorted((t, s) for t, s, _ in weights) == sorted(
+        (t, s) for s in range(n + 1) for t in ("code", "prose")
+    )
     for task, step, value in weights:
         assert value == pytest.approx(out["trajectory"][step][task], rel=1e-12)
-    disc = _rows(store, "SELECT m.task, m.step, m.value FROM config_metrics m JOIN results r "
-                        "ON r.config_id = m.config_id WHERE r.config_key = :k AND m.name = 'dcdm_discrepancy'", k=MOE)
+    disc = _rows(
+        store,
+        "SELECT m.task, m.step, m.value FROM config_metrics m JOIN results r "
+        "ON r.config_id = m.config_id WHERE r.config_key = :k AND m.name = 'dcdm_discrepancy'",
+        k=MOE,
+    )
     assert len(disc) == 2 * n
     for task, step, value in disc:
         assert value == pytest.approx(out["history"][step - 1]["discrepancy"][task], rel=1e-12)
-    ppl = _rows(store, "SELECT m.task, m.who, m.step FROM config_metrics m JOIN results r "
-                       "ON r.config_id = m.config_id WHERE r.config_key = :k AND m.name = 'dcdm_ppl'", k=MOE)
-    assert len([r for r in ppl if r[1] == "student"]) == 2 * n and len([r for r in ppl if r[1] == "teacher"]) == 2
+    ppl = _rows(
+        store,
+        "SELECT m.task, m.who, m.step FROM config_metrics m JOIN results r "
+        "ON r.config_id = m.config_id WHERE r.config_key = :k AND m.name = 'dcdm_ppl'",
+        k=MOE,
+    )
+    assert (
+        len([r for r in ppl if r[1] == "student"]) == 2 * n
+        and len([r for r in ppl if r[1] == "teacher"]) == 2
+    )
     # the dense configuration is not in apply_to: no DCDM there
-    assert not _rows(store, "SELECT 1 FROM config_metrics m JOIN results r ON r.config_id = m.config_id "
-                            "WHERE r.config_key = 'SF|RR|uniform|K=2' AND m.name LIKE 'dcdm%'")
+    assert not _rows(
+        store,
+        "SELECT 1 FROM config_metrics m JOIN results r ON r.config_id = m.config_id "
+        "WHERE r.config_key = 'SF|RR|uniform|K=2' AND m.name LIKE 'dcdm%'",
+    )
     assert not _rows(store, "SELECT 1 FROM results WHERE config_key = 'SF|RR|uniform|K=2|calibration=dcdm'")
 
 
@@ -204,12 +273,14 @@ def test_the_logged_discrepancy_is_the_kl_of_the_round_one_student(run):
 
     store = run["store"]
     out = _dcdm_outputs(store)
-    (teacher_out,), = _rows(store, "SELECT outputs_json FROM jobs WHERE stage = 'teacher'")
+    ((teacher_out,),) = _rows(store, "SELECT outputs_json FROM jobs WHERE stage = 'teacher'")
     tdir = json.loads(teacher_out)["path"]
     teacher = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tdir)
     plans = json.loads((Path(out["plan_path"]).parent.parent / "round1" / "plan.json").read_text())
-    student = get_adapter(teacher).pruned_moe_student(teacher, {p["layer"]: sorted(p["selected"]) for p in plans})
+    student = get_adapter(teacher).pruned_moe_student(
+        teacher, {p["layer"]: sorted(p["selected"]) for p in plans}
+    )
     d = run["spec"].dcdm
     texts = load_texts(DataSpec(source="tiny", split="valid:code"), tiny_dir=tdir)
     ids = token_windows(tok, texts, run["spec"].calibration.seq_len, d.n_eval, d.seed)
@@ -224,21 +295,36 @@ def test_the_logged_discrepancy_is_the_kl_of_the_round_one_student(run):
 def test_the_final_mixture_is_a_configuration_of_its_own(run):
     store = run["store"]
     out = _dcdm_outputs(store)
-    (variant, note, ppl, acc, plan_key), = _rows(
-        store, "SELECT r.variant, c.note, r.ppl_pre, r.avg_acc, r.plan_key FROM results r JOIN configurations c "
-               "ON c.id = r.config_id WHERE r.config_key = :k", k=MIX)
+    ((variant, note, ppl, acc, plan_key),) = _rows(
+        store,
+        "SELECT r.variant, c.note, r.ppl_pre, r.avg_acc, r.plan_key FROM results r JOIN configurations c "
+        "ON c.id = r.config_id WHERE r.config_key = :k",
+        k=MIX,
+    )
     assert variant == "calibration=dcdm" and MOE in note and out["stop"] in note
     assert ppl is not None and math.isfinite(ppl) and acc is not None  # ppl_pre and evaluate ran for it
-    assert _rows(store, "SELECT 1 FROM config_jobs cj JOIN results r ON r.config_id = cj.config_id "
-                        "WHERE r.config_key = :k AND cj.stage = 'ppl_pre'", k=MIX)
+    assert _rows(
+        store,
+        "SELECT 1 FROM config_jobs cj JOIN results r ON r.config_id = cj.config_id "
+        "WHERE r.config_key = :k AND cj.stage = 'ppl_pre'",
+        k=MIX,
+    )
     # its conversion mixes the statistics with the DCDM weights and so reproduces DCDM's final plan
-    convert = {k: json.loads(p) for k, p in _rows(
-        store, "SELECT r.config_key, j.params_json FROM config_jobs cj JOIN results r ON r.config_id = cj.config_id "
-               "JOIN jobs j ON j.id = cj.job_id WHERE cj.stage = 'convert'")}
+    convert = {
+        k: json.loads(p)
+        for k, p in _rows(
+            store,
+            "SELECT r.config_key, j.params_json FROM config_jobs cj JOIN results r ON r.config_id = cj.config_id "
+            "JOIN jobs j ON j.id = cj.job_id WHERE cj.stage = 'convert'",
+        )
+    }
     assert convert[MIX]["calibration_weights"] == out["weights"]
-    assert "calibration_weights" not in convert[MOE] and "calibration_weights" not in convert["SF|RR|uniform|K=2"]
+    assert (
+        "calibration_weights" not in convert[MOE]
+        and "calibration_weights" not in convert["SF|RR|uniform|K=2"]
+    )
     assert plan_key == out["plan_key"]
-    (base_plan,), = _rows(store, "SELECT plan_key FROM results WHERE config_key = :k", k=MOE)
+    ((base_plan,),) = _rows(store, "SELECT plan_key FROM results WHERE config_key = :k", k=MOE)
     assert out["history"][0]["plan_key"] == base_plan  # round 1 mixes 1:1, the calibration's own weights
 
 
@@ -250,7 +336,7 @@ def test_the_dcdm_weights_mix_the_calibration_file(run):
 
     store = run["store"]
     w = _dcdm_outputs(store)["weights"]
-    (calib,), = _rows(store, "SELECT outputs_json FROM jobs WHERE stage = 'calibrate'")
+    ((calib,),) = _rows(store, "SELECT outputs_json FROM jobs WHERE stage = 'calibrate'")
     path = json.loads(calib)["stats"]
     per = load_source_stats(path)
     mixed, want = load_stats(path, weights=w), mix_stats(per, w)
@@ -298,22 +384,29 @@ def load_spec_from(raw: dict, tmp: Path | None = None):
 
 
 # ---- errors ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("change, expect", [
-    ({"temperature": 0}, "dcdm.temperature: Input should be greater than 0"),
-    ({"metric": "l2"}, "dcdm.metric: Input should be 'kl' or 'log_ppl'"),
-    ({"w0": "sizes"}, "dcdm.w0: Input should be 'uniform' or 'tokens'"),
-    ({"max_iters": 0}, "dcdm.max_iters: Input should be greater than 0"),
-    ({"n_eval": -1}, "dcdm.n_eval: Input should be greater than 0"),
-    ({"seq_len": 1}, "dcdm.seq_len: must be >= 2"),
-    ({"colour": 1}, "dcdm.colour: unknown key"),
-    ({"apply_to": {"colour": "red"}}, "dcdm.apply_to: 'colour' is not an axis; allowed: output, scoring"),
-    ({"apply_to": {"K": []}}, "dcdm.apply_to: K: a value or a non-empty list of values"),
-    ({"held_out": {"web": {"source": "tiny"}}}, "dcdm: held_out: 'web' is not a calibration source; allowed: "
-                                                "prose, code"),
-    ({"held_out": {"code": {"source": "tiny", "split": "valid:math"}}},
-     "dcdm.held_out: code: split='valid:math': the tiny corpus has domains prose, code"),
-    ({"held_out": {"code": {"source": "jsonl"}}}, "dcdm.held_out.code: source 'jsonl' needs a path"),
-])
+@pytest.mark.parametrize(
+    "change, expect",
+    [
+        ({"temperature": 0}, "dcdm.temperature: Input should be greater than 0"),
+        ({"metric": "l2"}, "dcdm.metric: Input should be 'kl' or 'log_ppl'"),
+        ({"w0": "sizes"}, "dcdm.w0: Input should be 'uniform' or 'tokens'"),
+        ({"max_iters": 0}, "dcdm.max_iters: Input should be greater than 0"),
+        ({"n_eval": -1}, "dcdm.n_eval: Input should be greater than 0"),
+        ({"seq_len": 1}, "dcdm.seq_len: must be >= 2"),
+        ({"colour": 1}, "dcdm.colour: unknown key"),
+        ({"apply_to": {"colour": "red"}}, "dcdm.apply_to: 'colour' is not an axis; allowed: output, scoring"),
+        ({"apply_to": {"K": []}}, "dcdm.apply_to: K: a value or a non-empty list of values"),
+        (
+            {"held_out": {"web": {"source": "tiny"}}},
+            "dcdm: held_out: 'web' is not a calibration source; allowed: prose, code",
+        ),
+        (
+            {"held_out": {"code": {"source": "tiny", "split": "valid:math"}}},
+            "dcdm.held_out: code: split='valid:math': the tiny corpus has domains prose, code",
+        ),
+        ({"held_out": {"code": {"source": "jsonl"}}}, "dcdm.held_out.code: source 'jsonl' needs a path"),
+    ],
+)
 def test_malformed_dcdm_sections_are_one_line(tmp_path, change, expect):
     raw = yaml.safe_load(SWEEP.read_text())
     raw["dcdm"] = {**raw["dcdm"], **change}
@@ -330,8 +423,11 @@ def test_dcdm_needs_two_calibration_sources(tmp_path):
     raw["calibration"] = {"data": {"source": "tiny", "split": "train"}, "n_samples": 16}
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    with pytest.raises(SpecError, match=r"bad.yaml: dcdm: needs calibration.sources with at least 2 named "
-                                        r"sources \(DCDM mixes domains\)$"):
+    with pytest.raises(
+        SpecError,
+        match=r"bad.yaml: dcdm: needs calibration.sources with at least 2 named "
+        r"sources \(DCDM mixes domains\)$",
+    ):
         load_spec(str(path))
 
 

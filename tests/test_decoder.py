@@ -14,7 +14,9 @@ from workers.models.decoder import decoder_of
 def test_the_decoder_gives_the_hidden_states_the_lm_head_reads(family):
     model = make_teacher(family)
     dec = decoder_of(model)
-    assert dec is not model and isinstance(getattr(dec, "layers", getattr(dec, "blocks", None)), nn.ModuleList)
+    assert dec is not model and isinstance(
+        getattr(dec, "layers", getattr(dec, "blocks", None)), nn.ModuleList
+    )
     x = ids(n=1, t=6)
     last = model(input_ids=x, output_hidden_states=True).hidden_states[-1]
     assert last.shape[:2] == (1, 6)
@@ -35,6 +37,7 @@ def test_a_model_without_a_decoder_is_a_one_line_error():
         def base_model(self):
             return self
 
-    with pytest.raises(ValueError, match=r"^Bare: base_model is the model itself and it has no `\.model` decoder$"):
+    with pytest.raises(
+        ValueError, match=r"^Bare: base_model is the model itself and it has no `\.model` decoder$"
+    ):
         decoder_of(Bare())
-

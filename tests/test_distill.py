@@ -20,10 +20,22 @@ def teacher():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
-                         moe_intermediate_size=16, intermediate_size=16, norm_topk_prob=True,
-                         max_position_embeddings=64, tie_word_embeddings=False, initializer_range=0.3)
+    cfg = Qwen3MoeConfig(
+        vocab_size=V,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        intermediate_size=16,
+        norm_topk_prob=True,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        initializer_range=0.3,
+    )
     return Qwen3MoeForCausalLM(cfg).eval()
 
 
@@ -49,11 +61,13 @@ def student_of(teacher, adapter, seed=0):
 
 
 def micro_batches(data: torch.Tensor, b: int):
-    return (data[i:i + b] for i in range(0, len(data), b))
+    return (data[i : i + b] for i in range(0, len(data), b))
 
 
 def spec(**kw) -> DistillSpec:
-    base = dict(steps=12, batch_size=4, seq_len=T, lr=3e-3, min_lr=3e-4, warmup=2, eval_every=4, val_windows=8)
+    base = dict(
+        steps=12, batch_size=4, seq_len=T, lr=3e-3, min_lr=3e-4, warmup=2, eval_every=4, val_windows=8
+    )
     return DistillSpec(**{**base, **kw})
 
 
@@ -61,8 +75,16 @@ def test_spec_validation_and_budget():
     s = spec(grad_accum=3, betas=[0.9, 0.95])
     assert s.betas == (0.9, 0.95)
     assert s.tokens == 12 * 4 * 3 * T
-    for field, value in [("loss", "kl"), ("dtype", "fp16"), ("steps", 0), ("min_lr", 1.0), ("tau", 0.0),
-                         ("teacher_top_k", 0), ("betas", (0.9, 1.0)), ("teacher_renormalize", "yes")]:
+    for field, value in [
+        ("loss", "kl"),
+        ("dtype", "fp16"),
+        ("steps", 0),
+        ("min_lr", 1.0),
+        ("tau", 0.0),
+        ("teacher_top_k", 0),
+        ("betas", (0.9, 1.0)),
+        ("teacher_renormalize", "yes"),
+    ]:
         with pytest.raises(ValueError, match=f"DistillSpec.{field}"):
             spec(**{field: value})
     with pytest.raises(ValueError, match="allowed: forward_kl, intermediate, reverse_kl"):
@@ -85,8 +107,16 @@ def test_distill_lowers_student_val_ce_and_records_curves(teacher, adapter, corp
     s = spec()
     calls = []
     seen = []
-    res = distill(student, teacher, adapter, micro_batches(corpus[:48], 4), val, s,
-                  progress=lambda i, n: calls.append((i, n)), on_val=seen.append)
+    res = distill(
+        student,
+        teacher,
+        adapter,
+        micro_batches(corpus[:48], 4),
+        val,
+        s,
+        progress=lambda i, n: calls.append((i, n)),
+        on_val=seen.append,
+    )
     assert res["tokens"] == s.steps * s.batch_size * s.grad_accum * s.seq_len == 12 * 4 * T
     assert len(res["loss_curve"]) == 12 and res["loss_curve"][-1] < res["loss_curve"][0]
     st = [r for r in res["val"] if r["who"] == "student"]
@@ -116,9 +146,17 @@ def test_activation_checkpointing_gives_the_same_step(teacher, adapter, corpus):
     a, b = student_of(teacher, adapter), student_of(teacher, adapter)
     ra = distill(a, teacher, adapter, micro_batches(data, 4), val, spec(steps=1))
     during = []
-    rb = distill(b, teacher, adapter, micro_batches(data, 4), val, spec(steps=1, grad_checkpoint=True),
-                 progress=lambda i, n: during.append(any(getattr(m, "gradient_checkpointing", False)
-                                                         for m in b.modules())))
+    rb = distill(
+        b,
+        teacher,
+        adapter,
+        micro_batches(data, 4),
+        val,
+        spec(steps=1, grad_checkpoint=True),
+        progress=lambda i, n: during.append(
+            any(getattr(m, "gradient_checkpointing", False) for m in b.modules())
+        ),
+    )
     assert during == [True]
     assert ra["loss_curve"] == pytest.approx(rb["loss_curve"], rel=1e-6)
     assert all(torch.allclose(p, q, atol=1e-6) for p, q in zip(a.parameters(), b.parameters(), strict=True))
@@ -135,7 +173,9 @@ def test_seeded_runs_are_identical(teacher, adapter, corpus):
     # exact: the claim is reproducibility: the same seed and data, the same ops in the same order on the same shapes
     assert runs[0][0]["loss_curve"] == runs[1][0]["loss_curve"]
     assert runs[0][0]["val"] == runs[1][0]["val"]
-    assert all(torch.equal(p, q) for p, q in zip(runs[0][1].parameters(), runs[1][1].parameters(), strict=True))
+    assert all(
+        torch.equal(p, q) for p, q in zip(runs[0][1].parameters(), runs[1][1].parameters(), strict=True)
+    )
 
 
 def _first_step_loss(teacher, adapter, student, ids, loss, k=None):
@@ -158,8 +198,14 @@ def test_loop_uses_the_named_loss(teacher, adapter, corpus, loss):
     data = corpus[:4]
     st = student_of(teacher, adapter)
     expected = _first_step_loss(teacher, adapter, copy.deepcopy(st), data, loss)
-    res = distill(st, teacher, adapter, micro_batches(data, 4), corpus[48:50],
-                  spec(steps=1, loss=loss, hidden_weight=0.5))
+    res = distill(
+        st,
+        teacher,
+        adapter,
+        micro_batches(data, 4),
+        corpus[48:50],
+        spec(steps=1, loss=loss, hidden_weight=0.5),
+    )
     assert res["loss_curve"][0] == pytest.approx(expected, rel=1e-4)
 
 
@@ -181,20 +227,32 @@ def test_expanded_teacher_routing_changes_targets_and_is_restored(teacher, adapt
         # exact: routing restored afterwards: the same model, input and ops as `native`
         assert torch.equal(teacher(input_ids=ids).logits, native)
     with pytest.raises(ValueError, match="teacher_top_k"):
-        distill(student_of(teacher, adapter), teacher, None, micro_batches(ids, 4), ids, spec(steps=1, teacher_top_k=4))
+        distill(
+            student_of(teacher, adapter),
+            teacher,
+            None,
+            micro_batches(ids, 4),
+            ids,
+            spec(steps=1, teacher_top_k=4),
+        )
 
 
 def test_bad_batches_and_bf16(teacher, adapter, corpus):
     st = student_of(teacher, adapter)
     with pytest.raises(ValueError, match="ran out after 2 micro-batches"):
-        distill(st, teacher, adapter, micro_batches(corpus[:8], 4), corpus[48:50], spec(steps=2, grad_accum=2))
+        distill(
+            st, teacher, adapter, micro_batches(corpus[:8], 4), corpus[48:50], spec(steps=2, grad_accum=2)
+        )
     with pytest.raises(ValueError, match=r"expected \[batch_size, seq_len\]"):
         distill(st, teacher, adapter, micro_batches(corpus[:8], 2), corpus[48:50], spec(steps=1))
     st = student_of(teacher, adapter).to(torch.bfloat16)
-    res = distill(st, teacher, adapter, micro_batches(corpus[:8], 4), corpus[48:52],
-                  spec(steps=2, dtype="bf16"))
+    res = distill(
+        st, teacher, adapter, micro_batches(corpus[:8], 4), corpus[48:52], spec(steps=2, dtype="bf16")
+    )
     assert all(math.isfinite(v) for v in res["loss_curve"])
-    assert next(st.parameters()).dtype == torch.bfloat16  # trained with fp32 master weights, handed back in bf16
+    assert (
+        next(st.parameters()).dtype == torch.bfloat16
+    )  # trained with fp32 master weights, handed back in bf16
 
 
 def test_two_process_gloo_matches_single_process(teacher, adapter, corpus, tmp_path):
@@ -206,11 +264,27 @@ def test_two_process_gloo_matches_single_process(teacher, adapter, corpus, tmp_p
     train, val = corpus[:24], corpus[48:53]  # odd val count: uneven rank split
     torch.save(train, tmp_path / "train.pt")
     torch.save(val, tmp_path / "val.pt")
-    settings = dict(steps=3, batch_size=4, grad_accum=2, seq_len=T, lr=3e-3, min_lr=3e-4, warmup=1,
-                    eval_every=2, val_windows=5, teacher_top_k=3)
-    job = {"student": str(tmp_path / "student"), "teacher": str(tmp_path / "teacher"), "moe_teacher": True,
-           "train": str(tmp_path / "train.pt"), "val": str(tmp_path / "val.pt"), "spec": settings,
-           "out": str(tmp_path / "out")}
+    settings = dict(
+        steps=3,
+        batch_size=4,
+        grad_accum=2,
+        seq_len=T,
+        lr=3e-3,
+        min_lr=3e-4,
+        warmup=1,
+        eval_every=2,
+        val_windows=5,
+        teacher_top_k=3,
+    )
+    job = {
+        "student": str(tmp_path / "student"),
+        "teacher": str(tmp_path / "teacher"),
+        "moe_teacher": True,
+        "train": str(tmp_path / "train.pt"),
+        "val": str(tmp_path / "val.pt"),
+        "spec": settings,
+        "out": str(tmp_path / "out"),
+    }
     multi = launch(job, tmp_path, nproc=2, timeout=120, env={"OMP_NUM_THREADS": "1"})
     single = distill(student, teacher, adapter, micro_batches(train, 4), val, DistillSpec(**settings))
     assert multi["tokens"] == single["tokens"] == 3 * 2 * 4 * T
@@ -240,8 +314,14 @@ def test_a_llama4_text_dense_student_distills(loss):
     g = torch.Generator().manual_seed(2)
     data = torch.randint(0, teacher.config.vocab_size, (16, T), generator=g)
     expected = _first_step_loss(teacher, adapter, copy.deepcopy(student), data[:4], loss, k=3)
-    res = distill(student, teacher, adapter, micro_batches(data[:12], 4), data[12:],
-                  spec(steps=3, eval_every=3, val_windows=4, teacher_top_k=3, loss=loss, hidden_weight=0.5))
+    res = distill(
+        student,
+        teacher,
+        adapter,
+        micro_batches(data[:12], 4),
+        data[12:],
+        spec(steps=3, eval_every=3, val_windows=4, teacher_top_k=3, loss=loss, hidden_weight=0.5),
+    )
     assert res["loss_curve"][0] == pytest.approx(expected, rel=1e-4)
     assert all(math.isfinite(v) for v in res["loss_curve"]) and res["loss_curve"][-1] < res["loss_curve"][0]
     assert res["teacher_routing"] == {"top_k": 3, "renormalize": False, "native_top_k": 2}

@@ -14,8 +14,13 @@ OUTSIDE = re.compile(r"DESIGN\.md|\.\./shared|\bresearch/[\w-]+\.md|\bseeds/0\d\
 
 def _files() -> list[Path]:
     skip = {".git", ".venv", "node_modules", "__pycache__", ".moesweep", "report"}
-    return [p for p in ROOT.rglob("*") if p.is_file() and p.suffix in (".py", ".md", ".yaml", ".toml")
-            and not skip & set(p.relative_to(ROOT).parts)]
+    return [
+        p
+        for p in ROOT.rglob("*")
+        if p.is_file()
+        and p.suffix in (".py", ".md", ".yaml", ".toml")
+        and not skip & set(p.relative_to(ROOT).parts)
+    ]
 
 
 def test_every_mentioned_path_exists():
@@ -32,23 +37,39 @@ def test_every_mentioned_path_exists():
 
 
 def test_nothing_points_outside_the_repository():
-    hits = [f"{f.relative_to(ROOT)}:{n}" for f in _files() if f.name != "test_docs.py"
-            for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1) if OUTSIDE.search(line)]
+    hits = [
+        f"{f.relative_to(ROOT)}:{n}"
+        for f in _files()
+        if f.name != "test_docs.py"
+        for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1)
+        if OUTSIDE.search(line)
+    ]
     assert not hits, hits
 
 
 def layout_block(readme: str) -> str:
-    section = readme[readme.index("## Layout"):]
+    section = readme[readme.index("## Layout") :]
     start = section.index("```") + 3
-    return section[start:section.index("```", start)]
+    return section[start : section.index("```", start)]
 
 
 def must_name() -> list[str]:
     """What the README's Layout must name: every top-level folder, every package of the product (as `name/`),
     and every module of the orchestrator, db, analysis, dashboard and each wing of workers (families' adapters
     are one per MoE family and named by the family table instead)."""
-    names = ["sweeps/", "orchestrator/", "workers/", "db/", "analysis/", "dashboard/", "tests/", "benchmarks/",
-             "requirements/", "scripts/", "docs/"]
+    names = [
+        "sweeps/",
+        "orchestrator/",
+        "workers/",
+        "db/",
+        "analysis/",
+        "dashboard/",
+        "tests/",
+        "benchmarks/",
+        "requirements/",
+        "scripts/",
+        "docs/",
+    ]
     for pkg in ("orchestrator", "workers", "db", "analysis", "dashboard"):
         for init in sorted((ROOT / pkg).rglob("__init__.py")):
             d = init.parent

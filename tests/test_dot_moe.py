@@ -26,9 +26,18 @@ SPEC = DotMoeSpec(steps=30, batch_size=4, seq_len=16, lr=5e-2, sinkhorn_iters=20
 def _dense(d_ffn: int = 64, seed: int = 0):
     """A small random Qwen3 whose FFNs matter (large init), in eval mode."""
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=d_ffn, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, initializer_range=0.2,
-                      max_position_embeddings=64, tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=d_ffn,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        initializer_range=0.2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     return AutoModelForCausalLM.from_config(cfg).eval()
 
 
@@ -168,28 +177,44 @@ def test_checkpoint_reloads_in_a_fresh_interpreter(tmp_path):
     moe.save_pretrained(tmp_path / "moe")
     torch.save(ids, tmp_path / "ids.pt")
     torch.save(_logits(moe, ids), tmp_path / "want.pt")
-    code = ("import sys, torch\n"
-            "from transformers import AutoModelForCausalLM\n"
-            "import workers.models.dot_moe_hf  # noqa\n"
-            "d = sys.argv[1]\n"
-            "m = AutoModelForCausalLM.from_pretrained(d + '/moe').eval()\n"
-            "assert type(m).__name__ == 'DotQwen3MoeForCausalLM', type(m)\n"
-            "assert m.config.moe_combine == 'unit' and m.config.num_experts_per_tok == 2\n"
-            "with torch.no_grad():\n"
-            "    got = m(input_ids=torch.load(d + '/ids.pt')).logits\n"
-            "torch.testing.assert_close(got, torch.load(d + '/want.pt'), rtol=1e-5, atol=1e-5)\n"
-            "print('same logits')\n")
+    code = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "import workers.models.dot_moe_hf  # noqa\n"
+        "d = sys.argv[1]\n"
+        "m = AutoModelForCausalLM.from_pretrained(d + '/moe').eval()\n"
+        "assert type(m).__name__ == 'DotQwen3MoeForCausalLM', type(m)\n"
+        "assert m.config.moe_combine == 'unit' and m.config.num_experts_per_tok == 2\n"
+        "with torch.no_grad():\n"
+        "    got = m(input_ids=torch.load(d + '/ids.pt')).logits\n"
+        "torch.testing.assert_close(got, torch.load(d + '/want.pt'), rtol=1e-5, atol=1e-5)\n"
+        "print('same logits')\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env,
-                       cwd=ROOT, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert r.returncode == 0 and "same logits" in r.stdout, r.stderr[-2000:]
     cfg = json.loads((tmp_path / "moe" / "config.json").read_text())
-    assert cfg["model_type"] == "dot_qwen3_moe" and cfg["moe_combine"] == "unit" and cfg["dot_method"] == "dot"
+    assert (
+        cfg["model_type"] == "dot_qwen3_moe" and cfg["moe_combine"] == "unit" and cfg["dot_method"] == "dot"
+    )
 
 
 def test_unsupported_dense_class_is_a_one_line_error():
-    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     with pytest.raises(ValueError, match=r"model_type 'llama' .* not supported; supported: qwen3"):
         install(AutoModelForCausalLM.from_config(cfg), 4, 1, "dot", SPEC)
 
@@ -229,9 +254,26 @@ def test_only_the_affinities_and_routers_train():
 
 def test_spec_defaults_are_the_papers_and_tau_anneals_over_the_warm_up():
     s = DotMoeSpec()
-    assert (s.steps, s.batch_size, s.seq_len, s.lr, s.weight_decay, s.sinkhorn_iters) == (3500, 64, 2048, 5e-4, 1e-4, 50)
-    assert (s.w_kl, s.w_ce, s.w_z, s.w_lb, s.tau_start, s.tau_end, s.warmup) == (2.0, 1.0, 1e-3, 1e-2, 1.0, 0.1, 700)
-    assert s.tau_at(0) == 1.0 and s.tau_at(350) == pytest.approx(0.55) and s.tau_at(700) == s.tau_at(3499) == 0.1
+    assert (s.steps, s.batch_size, s.seq_len, s.lr, s.weight_decay, s.sinkhorn_iters) == (
+        3500,
+        64,
+        2048,
+        5e-4,
+        1e-4,
+        50,
+    )
+    assert (s.w_kl, s.w_ce, s.w_z, s.w_lb, s.tau_start, s.tau_end, s.warmup) == (
+        2.0,
+        1.0,
+        1e-3,
+        1e-2,
+        1.0,
+        0.1,
+        700,
+    )
+    assert (
+        s.tau_at(0) == 1.0 and s.tau_at(350) == pytest.approx(0.55) and s.tau_at(700) == s.tau_at(3499) == 0.1
+    )
     with pytest.raises(ValueError, match="combine"):
         DotMoeSpec(combine="softmax")
 
@@ -244,12 +286,15 @@ def test_stage_methods_are_the_workers():
     assert dot_moe.METHODS == METHODS
 
 
-@pytest.mark.parametrize("section, expect", [
-    ({"experts": [4], "top_k": [8]}, "top_k 8 exceeds experts 4"),
-    ({"methods": ["kmeans"]}, "unknown method 'kmeans'; allowed: dot, random, cluster"),
-    ({"dense_models": ["teacher"]}, "unknown dense model 'teacher'"),
-    ({"settings": {"stpes": 3}}, "stpes: unknown key"),
-])
+@pytest.mark.parametrize(
+    "section, expect",
+    [
+        ({"experts": [4], "top_k": [8]}, "top_k 8 exceeds experts 4"),
+        ({"methods": ["kmeans"]}, "unknown method 'kmeans'; allowed: dot, random, cluster"),
+        ({"dense_models": ["teacher"]}, "unknown dense model 'teacher'"),
+        ({"settings": {"stpes": 3}}, "stpes: unknown key"),
+    ],
+)
 def test_section_errors_are_one_line(tmp_path, section, expect):
     import yaml
 
@@ -288,17 +333,34 @@ def test_the_stage_runs_in_a_tiny_sweep_and_evaluates_several_top_k(tmp_path, mo
     monkeypatch.setenv("MOESWEEP_HOME", str(tmp_path / "home"))
     spec, path, text = load_spec(str(ROOT / "tests" / "sweeps" / "dot.yaml"))
     store = Store(f"sqlite:///{tmp_path}/r.db")
-    assert launch(spec, text, store, SerialExecutor(), console=Console(quiet=True), show_progress=False,
-                  path=str(path)) == 0
-    cfgs = store.query("SELECT id, config_key, K, top_k, settings FROM configurations WHERE kind = 'dense2moe'")[1]
-    assert {c[1] for c in cfgs} == {f"dense2moe|{m}|{s}|E=4|k=2" for m in ("dot", "random", "cluster")
-                                    for s in ("dense_teacher", "distilled:SF|RR|uniform|K=2")}
+    assert (
+        launch(
+            spec,
+            text,
+            store,
+            SerialExecutor(),
+            console=Console(quiet=True),
+            show_progress=False,
+            path=str(path),
+        )
+        == 0
+    )
+    cfgs = store.query(
+        "SELECT id, config_key, K, top_k, settings FROM configurations WHERE kind = 'dense2moe'"
+    )[1]
+    assert {c[1] for c in cfgs} == {
+        f"dense2moe|{m}|{s}|E=4|k=2"
+        for m in ("dot", "random", "cluster")
+        for s in ("dense_teacher", "distilled:SF|RR|uniform|K=2")
+    }
     assert all(c[2] == 4 and c[3] == 2 for c in cfgs)
     meta = {c[1]: json.loads(c[4]) for c in cfgs}
     assert meta["dense2moe|dot|distilled:SF|RR|uniform|K=2|E=4|k=2"]["source_config"] == "SF|RR|uniform|K=2"
     assert meta["dense2moe|cluster|dense_teacher|E=4|k=2"]["source"] == "dense_teacher"
-    rows = store.query("SELECT cj.config_id, m.who, m.step, m.value FROM config_jobs cj JOIN metrics m "
-                       "ON m.job_id = cj.job_id WHERE cj.stage = 'dot_moe' AND m.name = 'ppl'")[1]
+    rows = store.query(
+        "SELECT cj.config_id, m.who, m.step, m.value FROM config_jobs cj JOIN metrics m "
+        "ON m.job_id = cj.job_id WHERE cj.stage = 'dot_moe' AND m.name = 'ppl'"
+    )[1]
     by: dict[int, dict] = {}
     for cid, who, step, v in rows:
         by.setdefault(cid, {})[(who, step)] = v
@@ -307,8 +369,13 @@ def test_the_stage_runs_in_a_tiny_sweep_and_evaluates_several_top_k(tmp_path, mo
         assert set(got) == {("dense", -1), ("student", 1), ("student", 2), ("student", 4)}
         assert got[("student", 4)] == pytest.approx(got[("dense", -1)], rel=1e-5)  # k = E: the dense model
         assert got[("student", 1)] != pytest.approx(got[("dense", -1)], rel=1e-7)
-    paths = [p for (p,) in store.query("SELECT a.path FROM artifacts a JOIN jobs j ON j.id = a.job_id "
-                                       "WHERE j.stage = 'dot_moe' AND a.kind = 'moe'")[1]]
+    paths = [
+        p
+        for (p,) in store.query(
+            "SELECT a.path FROM artifacts a JOIN jobs j ON j.id = a.job_id "
+            "WHERE j.stage = 'dot_moe' AND a.kind = 'moe'"
+        )[1]
+    ]
     assert len(paths) == 6
     from workers.run.runtime import load_model
 
@@ -351,17 +418,31 @@ def test_report_has_a_dense_to_moe_table_beside_the_papers(tmp_path):
     sid = store.upsert_sweep("own-dot", spec_yaml="name: own-dot")
     key = "dense2moe|dot|dense_teacher|E=4|k=2"
     settings = {"method": "dot", "source": "dense_teacher", "experts": 4, "top_k": 2}
-    ids = store.upsert_configs(sid, [{"config_key": key, "model": "tiny", "kind": "dense2moe", "K": 4, "top_k": 2,
-                                      "settings": json.dumps(settings)}])
+    ids = store.upsert_configs(
+        sid,
+        [
+            {
+                "config_key": key,
+                "model": "tiny",
+                "kind": "dense2moe",
+                "K": 4,
+                "top_k": 2,
+                "settings": json.dumps(settings),
+            }
+        ],
+    )
     store.register_jobs(sid, [{"key": "dot-job", "stage": "dot_moe", "params": {"k": 1}}])
     assert store.claim("dot-job", "t")
     ppl = [{"name": "ppl", "stage": "dot_moe", "who": "dense", "value": 100.0}] + [
         {"name": "ppl", "stage": "dot_moe", "who": "student", "step": k, "value": v}
-        for k, v in ((1, 180.0), (2, 130.0), (4, 100.0))]
+        for k, v in ((1, 180.0), (2, 130.0), (4, 100.0))
+    ]
     store.finish("dot-job", "t", {"metrics": ppl}, 0.1)
     store.link([(ids[key], "dot_moe", store.jobs(["dot-job"])["dot-job"]["id"])])
     frames = load_frames(store.engine, ["own-dot"])
-    write_report(frames, "own-dot", tmp_path / "r", load_frames(store.engine, [s["name"] for s in reference_sweeps()]))
+    write_report(
+        frames, "own-dot", tmp_path / "r", load_frames(store.engine, [s["name"] for s in reference_sweeps()])
+    )
     tex = (tmp_path / "r" / "tables" / "dense2moe.tex").read_text()
     assert r"dot & dense\_teacher & 4 & 2 & 100.0 & 180.0 & 130.0 & 100.0 \\" in tex
     paper = (tmp_path / "r" / "tables" / "dense2moe_paper-dot-moe.tex").read_text()

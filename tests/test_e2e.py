@@ -24,16 +24,32 @@ from orchestrator.spec import load_spec
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
-RESULT_COLS = ("config_key", "kind", "baseline", "scoring", "grouping", "dp_scaling", "K", "ppl_pre", "ppl_pre_kind",
-               "ppl_post", "avg_acc", "selected_for_distill", "duplicate_of IS NOT NULL")
+RESULT_COLS = (
+    "config_key",
+    "kind",
+    "baseline",
+    "scoring",
+    "grouping",
+    "dp_scaling",
+    "K",
+    "ppl_pre",
+    "ppl_pre_kind",
+    "ppl_post",
+    "avg_acc",
+    "selected_for_distill",
+    "duplicate_of IS NOT NULL",
+)
 
 pytestmark = pytest.mark.slow
 
 
 def _results(store: Store, sweep: str) -> list[tuple]:
     cols = ", ".join(("c." if c == "config_key" else "r.") + c for c in RESULT_COLS)
-    return store.query(f"SELECT {cols} FROM results r JOIN configurations c ON c.id = r.config_id "
-                       f"WHERE r.sweep = :s ORDER BY c.config_key", {"s": sweep})[1]
+    return store.query(
+        f"SELECT {cols} FROM results r JOIN configurations c ON c.id = r.config_id "
+        f"WHERE r.sweep = :s ORDER BY c.config_key",
+        {"s": sweep},
+    )[1]
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +75,15 @@ def ray_run(tmp_path_factory):
             relaunch_s = time.perf_counter() - t0
         finally:
             ray.shutdown()
-        yield {"store": store, "home": home, "code": code, "code2": code2, "relaunch_s": relaunch_s,
-               "jobs_before": jobs_before, "metrics_before": metrics_before}
+        yield {
+            "store": store,
+            "home": home,
+            "code": code,
+            "code2": code2,
+            "relaunch_s": relaunch_s,
+            "jobs_before": jobs_before,
+            "metrics_before": metrics_before,
+        }
     finally:
         if old is None:
             os.environ.pop("MOESWEEP_HOME", None)
@@ -73,8 +96,12 @@ def test_micro_sweep_through_ray_fills_the_database(ray_run):
     assert ray_run["code"] == 0
     assert store.query("SELECT COUNT(*) FROM jobs WHERE status <> 'succeeded'")[1] == [(0,)]
     # the teachers are visibly trained: held-out perplexity far below a random-init model's
-    trained = dict(store.query("SELECT j.stage || ':' || m.who, m.value FROM metrics m JOIN jobs j ON j.id = m.job_id "
-                               "WHERE m.name = 'ppl' AND m.stage = 'train'")[1])
+    trained = dict(
+        store.query(
+            "SELECT j.stage || ':' || m.who, m.value FROM metrics m JOIN jobs j ON j.id = m.job_id "
+            "WHERE m.name = 'ppl' AND m.stage = 'train'"
+        )[1]
+    )
     for stage in ("teacher", "dense_teacher"):
         assert trained[f"{stage}:teacher"] < 0.7 * trained[f"{stage}:random_init"]
 
@@ -85,7 +112,10 @@ def test_micro_sweep_through_ray_fills_the_database(ray_run):
     # K = k: both groupings are one student -> one of the two is a duplicate with the same number
     for s in ("SF", "DO-ACP"):
         a, b = rows[f"{s}|RR|uniform|K=2"], rows[f"{s}|OC|uniform|K=2"]
-        assert a["ppl_pre"] == b["ppl_pre"] and a["duplicate_of IS NOT NULL"] + b["duplicate_of IS NOT NULL"] == 1
+        assert (
+            a["ppl_pre"] == b["ppl_pre"]
+            and a["duplicate_of IS NOT NULL"] + b["duplicate_of IS NOT NULL"] == 1
+        )
     # one (K, scaling) per scoring x grouping is distilled and evaluated
     picked = [r for r in grid if r["selected_for_distill"]]
     assert len(picked) == 4 and all(r["ppl_post"] is not None and r["avg_acc"] is not None for r in picked)
@@ -114,14 +144,25 @@ def test_micro_sweep_through_ray_fills_the_database(ray_run):
 def test_relaunch_does_no_work_twice(ray_run):
     store = ray_run["store"]
     assert ray_run["code2"] == 0
-    assert store.query("SELECT key, attempts, finished_at FROM jobs ORDER BY key")[1] == ray_run["jobs_before"]
+    assert (
+        store.query("SELECT key, attempts, finished_at FROM jobs ORDER BY key")[1] == ray_run["jobs_before"]
+    )
     assert store.query("SELECT COUNT(*) FROM metrics")[1] == ray_run["metrics_before"]
 
 
 # ---- kill -9 at several points, relaunch, compare with an uninterrupted run ----------------------
 def _launch_cmd(home: Path) -> list[str]:
-    return [sys.executable, "-m", "orchestrator.cli", "launch", str(HERE / "sweeps" / "crash.yaml"),
-            "--executor", "serial", "--db", f"sqlite:///{home}/moesweep.db"]
+    return [
+        sys.executable,
+        "-m",
+        "orchestrator.cli",
+        "launch",
+        str(HERE / "sweeps" / "crash.yaml"),
+        "--executor",
+        "serial",
+        "--db",
+        f"sqlite:///{home}/moesweep.db",
+    ]
 
 
 def _env(home: Path) -> dict[str, str]:
@@ -140,8 +181,14 @@ def _succeeded(db: Path) -> int:
 
 def _run_and_kill_at(home: Path, n_succeeded: int, timeout: float = 400) -> bool:
     """Launch; SIGKILL the whole process group once `n_succeeded` jobs have succeeded. True if killed."""
-    proc = subprocess.Popen(_launch_cmd(home), env=_env(home), cwd=ROOT, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _launch_cmd(home),
+        env=_env(home),
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     t0 = time.monotonic()
     while proc.poll() is None and time.monotonic() - t0 < timeout:
         if _succeeded(home / "moesweep.db") >= n_succeeded:
@@ -158,17 +205,26 @@ def _run_and_kill_at(home: Path, n_succeeded: int, timeout: float = 400) -> bool
 def _snapshot(home: Path) -> tuple[list[tuple], list[tuple], dict[str, tuple]]:
     store = Store(f"sqlite:///{home}/moesweep.db", migrate=False)
     res = _results(store, "crash")
-    per_job = store.query("SELECT j.stage, COUNT(m.id) FROM jobs j LEFT JOIN metrics m ON m.job_id = j.id "
-                          "GROUP BY j.id ORDER BY j.key")[1]
-    done = {k: (a, f) for k, a, f in store.query(
-        "SELECT key, attempts, finished_at FROM jobs WHERE status = 'succeeded'")[1]}
+    per_job = store.query(
+        "SELECT j.stage, COUNT(m.id) FROM jobs j LEFT JOIN metrics m ON m.job_id = j.id "
+        "GROUP BY j.id ORDER BY j.key"
+    )[1]
+    done = {
+        k: (a, f)
+        for k, a, f in store.query("SELECT key, attempts, finished_at FROM jobs WHERE status = 'succeeded'")[
+            1
+        ]
+    }
     store.engine.dispose()
     return res, per_job, done
 
 
 def test_kill_9_at_several_points_then_resume_equals_an_uninterrupted_run(tmp_path):
     ref, crash = tmp_path / "ref", tmp_path / "crash"
-    assert subprocess.run(_launch_cmd(ref), env=_env(ref), cwd=ROOT, capture_output=True, timeout=600).returncode == 0
+    assert (
+        subprocess.run(_launch_cmd(ref), env=_env(ref), cwd=ROOT, capture_output=True, timeout=600).returncode
+        == 0
+    )
     ref_rows, ref_per_job, _ = _snapshot(ref)
     # the crashed home reuses the cached teacher (same bytes), so both runs see the same model
     shutil.copytree(ref / "cache", crash / "cache")
@@ -197,8 +253,12 @@ def test_two_concurrent_launches_and_ctrl_c(tmp_path):
     """Two launches of one sweep on one DB share its jobs without running any job twice; Ctrl-C keeps
     what finished and leaves nothing claimed."""
     home = tmp_path / "home"
-    procs = [subprocess.Popen(_launch_cmd(home), env=_env(home), cwd=ROOT, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            _launch_cmd(home), env=_env(home), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        for _ in range(2)
+    ]
     codes = [p.wait(timeout=600) for p in procs]
     assert codes == [0, 0], [p.stderr.read().decode()[-1500:] for p in procs]
     store = Store(f"sqlite:///{home}/moesweep.db", migrate=False)
@@ -232,8 +292,9 @@ def test_report_from_the_micro_run(ray_run, tmp_path):
     store = ray_run["store"]
     store.import_reference(reference_sweeps())
     ref = [s["name"] for s in reference_sweeps()]
-    paths = write_report(load_frames(store.engine, ["micro"]), "micro", tmp_path / "r",
-                         load_frames(store.engine, ref))
+    paths = write_report(
+        load_frames(store.engine, ["micro"]), "micro", tmp_path / "r", load_frames(store.engine, ref)
+    )
     names = {p.name for p in paths}
     assert "index.md" in names and any(n.endswith(".tex") for n in names)
     for p in paths:

@@ -38,16 +38,32 @@ ROOT = Path(__file__).resolve().parents[1]
 MOBE = {"kind": "mobe", "activation": "silu", "coef": "softmax"}
 
 
-def synthetic_ctx(E: int = 6, I: int = 12, H: int = 8, k: int = 2, seed: int = 0,  # noqa: E741
-                  scales: torch.Tensor | None = None, bias: bool = False) -> LayerContext:
+def synthetic_ctx(
+    E: int = 6,
+    I: int = 12,  # noqa: E741
+    H: int = 8,
+    k: int = 2,
+    seed: int = 0,
+    scales: torch.Tensor | None = None,
+    bias: bool = False,
+) -> LayerContext:
     """A layer of random experts with hand-made statistics: Σ x xᵀ of N = 400 inputs whose coordinates have
     standard deviations `scales` (isotropic when None)."""
     g = torch.Generator().manual_seed(seed)
     w = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
     x = w(400, H) * (torch.ones(H, dtype=torch.float64) if scales is None else scales)
     z = torch.zeros(E, dtype=torch.float64)
-    stats = LayerStats(n_tokens=400, count=z, sum_p=z, sum_p_sel=z, sum_sq=z, sum_gnorm_sel=z, sum_norm_sel=z,
-                       gram=torch.zeros(E, E, dtype=torch.float64), sum_xx=x.T @ x)
+    stats = LayerStats(
+        n_tokens=400,
+        count=z,
+        sum_p=z,
+        sum_p_sel=z,
+        sum_sq=z,
+        sum_gnorm_sel=z,
+        sum_norm_sel=z,
+        gram=torch.zeros(E, E, dtype=torch.float64),
+        sum_xx=x.T @ x,
+    )
     biases = dict(gate_bias=w(E, I), up_bias=w(E, I), down_bias=w(E, H)) if bias else {}
     experts = ExpertWeights(gate=w(E, I, H), up=w(E, I, H), down=w(E, H, I), **biases)
     return LayerContext(stats=stats, experts=experts, router_weight=w(E, H), top_k=k, renormalized=True)
@@ -61,8 +77,11 @@ def test_the_largest_rank_within_the_budget_of_pruning_to_K(method, K, bias):
     ctx = synthetic_ctx(E, I, H, bias=bias)
     plan, tensors = edit_layer(3, ctx, method, K, {"steps": 5})
     r, limit = plan.extras["rank"], K * routed_params(1, I, H, bias)
-    cost = (lambda q: mobe_params(E, I, H, q, 2, bias)) if method == "MoBE" else (
-        lambda q: td_moe_params(E, I, H, q, True, bias))
+    cost = (
+        (lambda q: mobe_params(E, I, H, q, 2, bias))
+        if method == "MoBE"
+        else (lambda q: td_moe_params(E, I, H, q, True, bias))
+    )
     assert plan.extras["params_routed"] == sum(t.numel() for t in tensors.values()) == cost(r)
     assert plan.extras["params_routed_original"] == routed_params(E, I, H, bias)
     assert cost(r) <= limit < cost(r + 1)
@@ -115,7 +134,9 @@ def test_mobe_with_full_rank_and_one_basis_per_expert_reconstructs(activation):
 
 def test_mobe_error_decreases_as_the_rank_grows():
     W = synthetic_ctx(E=6, I=16, H=12).experts.up
-    errs = [float((reconstruct(MOBE, fit_mobe(W, r, 2, steps=60)) - W).norm() / W.norm()) for r in (2, 5, 8, 12)]
+    errs = [
+        float((reconstruct(MOBE, fit_mobe(W, r, 2, steps=60)) - W).norm() / W.norm()) for r in (2, 5, 8, 12)
+    ]
     assert all(a > b for a, b in zip(errs, errs[1:], strict=False)), errs
     assert errs[-1] < 1e-6  # r = H: act(mixture) is square and invertible
 
@@ -186,7 +207,11 @@ def test_edit_layer_plan_keeps_every_expert():
     ex = plan.extras
     assert ex["bases"] == 3 and 0 < ex["rel_error"] < 1 and ex["params_routed"] < ex["params_routed_original"]
     student = json.loads(json.dumps(ex["student"]))
-    assert student["method"] == "MoBE" and student["factored"] == ["gate", "up"] and student["activation"] == "silu"
+    assert (
+        student["method"] == "MoBE"
+        and student["factored"] == ["gate", "up"]
+        and student["activation"] == "silu"
+    )
     other, _ = edit_layer(2, ctx, "MoBE", 5, {"steps": 5, "bases": 3, "activation": "none"})
     assert other.signature() != plan.signature()
 
@@ -217,11 +242,21 @@ def written_back(family: str, model, plans, factors):
     for plan in plans:
         ex = block_of(family, ref, plan.layer).experts
         specs = plan.extras["student"]["projections"]
-        w = {p: reconstruct(specs[p], {n.split(".")[-1]: t for n, t in factors.items()
-                                       if n.startswith(f"layer.{plan.layer}.{p}.") and not n.endswith(".bias")})
-             for p in ("gate", "up", "down")}
+        w = {
+            p: reconstruct(
+                specs[p],
+                {
+                    n.split(".")[-1]: t
+                    for n, t in factors.items()
+                    if n.startswith(f"layer.{plan.layer}.{p}.") and not n.endswith(".bias")
+                },
+            )
+            for p in ("gate", "up", "down")
+        }
         with torch.no_grad():
-            if family == "gpt_oss":  # [E, H, 2I] interleaved gate/up columns, down [E, I, H]; biases unchanged
+            if (
+                family == "gpt_oss"
+            ):  # [E, H, 2I] interleaved gate/up columns, down [E, I, H]; biases unchanged
                 ex.gate_up_proj[..., 0::2] = w["gate"].transpose(1, 2)
                 ex.gate_up_proj[..., 1::2] = w["up"].transpose(1, 2)
                 ex.down_proj.copy_(w["down"].transpose(1, 2))
@@ -240,8 +275,9 @@ def logits(model, x):
 EDITABLE = [f for f in FAMILIES if "edited" not in adapter_named(f).refused_outputs]
 
 
-@pytest.mark.parametrize("family,method", [(f, "TD-MoE") for f in EDITABLE] + [("qwen3_moe", "MoBE"),
-                                                                               ("gpt_oss", "MoBE")])
+@pytest.mark.parametrize(
+    "family,method", [(f, "TD-MoE") for f in EDITABLE] + [("qwen3_moe", "MoBE"), ("gpt_oss", "MoBE")]
+)
 def test_edited_model_computes_the_teacher_with_the_reconstructed_experts(family, method, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -251,15 +287,21 @@ def test_edited_model_computes_the_teacher_with_the_reconstructed_experts(family
     torch.testing.assert_close(logits(student, x), want, rtol=1e-12, atol=1e-12)
     assert not torch.allclose(want, logits(model, x), rtol=1e-3, atol=1e-3)  # editing changed the model
     adapter = get_adapter(student)
-    assert type(adapter) is type(get_adapter(model)) and adapter.moe_layers(student) == adapter.moe_layers(model)
+    assert type(adapter) is type(get_adapter(model)) and adapter.moe_layers(student) == adapter.moe_layers(
+        model
+    )
     assert adapter.top_k(student) == adapter.top_k(model)
     t_routers = get_adapter(model).router_parameters(model)
     s_routers = adapter.router_parameters(student)
     # exact: the edited student's routers are the teacher's, copied
-    assert len(s_routers) == len(t_routers) and all(torch.equal(a, b) for a, b in zip(s_routers, t_routers, strict=True))
+    assert len(s_routers) == len(t_routers) and all(
+        torch.equal(a, b) for a, b in zip(s_routers, t_routers, strict=True)
+    )
     for layer in adapter.moe_layers(student):
-        assert torch.equal(router_of(family, block_of(family, student, layer)).weight,
-                           router_of(family, block_of(family, model, layer)).weight)
+        assert torch.equal(
+            router_of(family, block_of(family, student, layer)).weight,
+            router_of(family, block_of(family, model, layer)).weight,
+        )
 
     student.save_pretrained(tmp_path)
     back = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64, experts_implementation="eager")
@@ -302,10 +344,17 @@ def test_edited_checkpoint_reloads_in_a_fresh_interpreter(tmp_path):
         "    m = AutoModelForCausalLM.from_pretrained(sys.argv[1] + '/' + fam, dtype=torch.float64,\n"
         "                                             experts_implementation='eager')\n"
         "    with torch.no_grad():\n"
-        "        torch.save(m(input_ids=x, use_cache=False).logits, sys.argv[1] + '/' + fam + '.pt')\n")
+        "        torch.save(m(input_ids=x, use_cache=False).logits, sys.argv[1] + '/' + fam + '.pt')\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    subprocess.run([sys.executable, "-c", script, str(tmp_path), *want], check=True, env=env, cwd=tmp_path,
-                   capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path), *want],
+        check=True,
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        timeout=300,
+    )
     for family, expected in want.items():
         torch.testing.assert_close(torch.load(tmp_path / f"{family}.pt"), expected, rtol=1e-12, atol=1e-12)
 

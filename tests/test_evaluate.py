@@ -61,9 +61,19 @@ def tok(tmp_path_factory):
 
 def dense(tok, seed: int):
     torch.manual_seed(seed)
-    return Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False)).eval()
+    return Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+        )
+    ).eval()
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +82,19 @@ def model(tok):
 
 
 def run(model, tok, suite, cache, key="model-a", tiny_dir=None, limit=None):
-    return run_suite(model, tok, suite, model_key=key, cache_dir=str(cache), tiny_dir=str(tiny_dir) if tiny_dir else None,
-                     batch_size=8, backend="hf", limit=limit, model_path=None, workdir=str(cache))
+    return run_suite(
+        model,
+        tok,
+        suite,
+        model_key=key,
+        cache_dir=str(cache),
+        tiny_dir=str(tiny_dir) if tiny_dir else None,
+        batch_size=8,
+        backend="hf",
+        limit=limit,
+        model_path=None,
+        workdir=str(cache),
+    )
 
 
 # ---- the tiny suite --------------------------------------------------------------------------------
@@ -90,17 +111,26 @@ def test_tiny_suite_builds_word_boundary_choices(tiny_dir, tmp_path):
         assert len(r["choices"]) == 4 and 0 <= r["label"] < 4
         assert len({" ".join(c.split()) for c in r["choices"]}) == 4
         i, a, b = r["sources"][r["label"]]
-        assert docs[i]["text"].startswith(r["context"] + r["choices"][r["label"]]), "the correct choice continues the doc"
+        assert docs[i]["text"].startswith(r["context"] + r["choices"][r["label"]]), (
+            "the correct choice continues the doc"
+        )
         assert not r["context"][-1].isspace()
         for (j, a, b), choice in zip(r["sources"], r["choices"], strict=True):
             text = docs[j]["text"]
             assert text[a:b] == choice and choice[0].isspace() and len(choice.split()) == 4
-            assert not text[a - 1].isspace() and (b == len(text) or text[b].isspace()), "cut at word boundaries"
+            assert not text[a - 1].isspace() and (b == len(text) or text[b].isspace()), (
+                "cut at word boundaries"
+            )
             assert docs[j]["domain"] == docs[i]["domain"]
         assert len({j for j, _, _ in r["sources"]}) == 4, "distractors come from other documents"
     again = build_suite("tiny", tmp_path / "other", str(tiny_dir))
-    assert Path(again[0].spec["dataset_kwargs"]["data_files"]["test"]).read_bytes() == path.read_bytes()  # seeded
-    ppl_rows = [json.loads(line) for line in Path(ppl.spec["dataset_kwargs"]["data_files"]["test"]).read_text().splitlines()]
+    assert (
+        Path(again[0].spec["dataset_kwargs"]["data_files"]["test"]).read_bytes() == path.read_bytes()
+    )  # seeded
+    ppl_rows = [
+        json.loads(line)
+        for line in Path(ppl.spec["dataset_kwargs"]["data_files"]["test"]).read_text().splitlines()
+    ]
     assert {r["text"] for r in ppl_rows} <= {d["text"] for d in docs}
 
 
@@ -108,7 +138,7 @@ def lm_eval_choice_ll(model, tok, context: str, choice: str, max_len: int) -> fl
     """log p(choice | context) the way lm-eval's HF backend encodes and truncates a causal request."""
     whole = tok(context + choice)["input_ids"]
     n_ctx = len(tok(context)["input_ids"])
-    seq = whole[-(max_len + 1):]
+    seq = whole[-(max_len + 1) :]
     n = len(whole) - n_ctx
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.tensor([seq[:-1]])).logits[0], -1)
@@ -121,8 +151,14 @@ def test_tiny_suite_runs_and_matches_direct_scoring(model, tok, tiny_dir, tmp_pa
     mc, ppl = res["tasks"]
     assert mc["task"] == "tiny_mc" and mc["n"] == n and mc["num_fewshot"] == 0 and mc["headline"] == "acc"
     assert mc["acc_stderr"] > 0 and mc["acc_norm_stderr"] > 0
-    rows = [json.loads(line) for line in Path(build_suite("tiny", tmp_path, str(tiny_dir))[0]
-                                                 .spec["dataset_kwargs"]["data_files"]["test"]).read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in Path(
+            build_suite("tiny", tmp_path, str(tiny_dir))[0].spec["dataset_kwargs"]["data_files"]["test"]
+        )
+        .read_text()
+        .splitlines()
+    ]
     max_len = res["results_json"]["max_length"]
     acc = acc_norm = 0
     for r in rows[:n]:
@@ -132,15 +168,27 @@ def test_tiny_suite_runs_and_matches_direct_scoring(model, tok, tiny_dir, tmp_pa
         acc_norm += norm.index(max(norm)) == r["label"]
     assert acc != acc_norm, "the rows must tell acc and acc_norm apart for this check to mean anything"
     assert mc["acc"] == pytest.approx(acc / n) and mc["acc_norm"] == pytest.approx(acc_norm / n)
-    assert res["average"] == pytest.approx(mc["acc"]), "the perplexity task has no headline and stays out of the average"
+    assert res["average"] == pytest.approx(mc["acc"]), (
+        "the perplexity task has no headline and stays out of the average"
+    )
 
     assert ppl["acc"] is None and ppl["n"] == n and ppl["headline"] is None
     assert set(ppl["other"]) == {"word_perplexity", "byte_perplexity", "bits_per_byte"}
     # lm-eval's bits_per_byte = our rolling-window Σ NLL over the same documents / bytes / ln 2
-    texts = [json.loads(line)["text"] for line in Path(build_suite("tiny", tmp_path, str(tiny_dir))[1]
-                                                      .spec["dataset_kwargs"]["data_files"]["test"]).read_text().splitlines()[:n]]
-    nll = sum(perplexity(model, tok, [t], seq_len=max_len, batch_size=4, add_bos=True, device="cpu",
-                         windows="rolling")["sum_nll"] for t in texts)
+    texts = [
+        json.loads(line)["text"]
+        for line in Path(
+            build_suite("tiny", tmp_path, str(tiny_dir))[1].spec["dataset_kwargs"]["data_files"]["test"]
+        )
+        .read_text()
+        .splitlines()[:n]
+    ]
+    nll = sum(
+        perplexity(
+            model, tok, [t], seq_len=max_len, batch_size=4, add_bos=True, device="cpu", windows="rolling"
+        )["sum_nll"]
+        for t in texts
+    )
     n_bytes = sum(len(t.encode()) for t in texts)
     assert ppl["other"]["bits_per_byte"] == pytest.approx(nll / n_bytes / math.log(2), rel=1e-5)
     assert ppl["other"]["byte_perplexity"] == pytest.approx(math.exp(nll / n_bytes), rel=1e-5)
@@ -167,27 +215,65 @@ def test_response_cache_is_keyed_by_model_key(model, tok, tiny_dir, tmp_path):
 
 # ---- offline copies of real benchmarks --------------------------------------------------------------
 WINO = [
-    {"sentence": "The trophy does not fit into the suitcase because the _ is too large.",
-     "option1": "trophy", "option2": "suitcase", "answer": "1"},
-    {"sentence": "The trophy does not fit into the suitcase because the _ is too small.",
-     "option1": "trophy", "option2": "suitcase", "answer": "2"},
-    {"sentence": "Anna poured water from the bottle into the cup until the _ was full.",
-     "option1": "bottle", "option2": "cup", "answer": "2"},
-    {"sentence": "Anna poured water from the bottle into the cup until the _ was empty.",
-     "option1": "bottle", "option2": "cup", "answer": "1"},
-    {"sentence": "Sam lent his umbrella to Tom because _ was going out into the rain.",
-     "option1": "Sam", "option2": "Tom", "answer": "2"},
+    {
+        "sentence": "The trophy does not fit into the suitcase because the _ is too large.",
+        "option1": "trophy",
+        "option2": "suitcase",
+        "answer": "1",
+    },
+    {
+        "sentence": "The trophy does not fit into the suitcase because the _ is too small.",
+        "option1": "trophy",
+        "option2": "suitcase",
+        "answer": "2",
+    },
+    {
+        "sentence": "Anna poured water from the bottle into the cup until the _ was full.",
+        "option1": "bottle",
+        "option2": "cup",
+        "answer": "2",
+    },
+    {
+        "sentence": "Anna poured water from the bottle into the cup until the _ was empty.",
+        "option1": "bottle",
+        "option2": "cup",
+        "answer": "1",
+    },
+    {
+        "sentence": "Sam lent his umbrella to Tom because _ was going out into the rain.",
+        "option1": "Sam",
+        "option2": "Tom",
+        "answer": "2",
+    },
 ]
 ARC = [
-    {"id": "q1", "question": "Which gas do green plants take in from the air to make food?",
-     "choices": {"text": ["oxygen", "carbon dioxide", "helium", "neon"], "label": ["A", "B", "C", "D"]}, "answerKey": "B"},
-    {"id": "q2", "question": "Which of these will melt an ice cube fastest?",
-     "choices": {"text": ["a warm hand", "a freezer", "a shadow", "a cold plate"], "label": ["A", "B", "C", "D"]},
-     "answerKey": "A"},
-    {"id": "q3", "question": "How many legs does a spider have?",
-     "choices": {"text": ["six", "eight", "ten"], "label": ["1", "2", "3"]}, "answerKey": "2"},
-    {"id": "q4", "question": "What force pulls a dropped ball toward the ground?",
-     "choices": {"text": ["magnetism", "friction", "gravity", "wind"], "label": ["A", "B", "C", "D"]}, "answerKey": "C"},
+    {
+        "id": "q1",
+        "question": "Which gas do green plants take in from the air to make food?",
+        "choices": {"text": ["oxygen", "carbon dioxide", "helium", "neon"], "label": ["A", "B", "C", "D"]},
+        "answerKey": "B",
+    },
+    {
+        "id": "q2",
+        "question": "Which of these will melt an ice cube fastest?",
+        "choices": {
+            "text": ["a warm hand", "a freezer", "a shadow", "a cold plate"],
+            "label": ["A", "B", "C", "D"],
+        },
+        "answerKey": "A",
+    },
+    {
+        "id": "q3",
+        "question": "How many legs does a spider have?",
+        "choices": {"text": ["six", "eight", "ten"], "label": ["1", "2", "3"]},
+        "answerKey": "2",
+    },
+    {
+        "id": "q4",
+        "question": "What force pulls a dropped ball toward the ground?",
+        "choices": {"text": ["magnetism", "friction", "gravity", "wind"], "label": ["A", "B", "C", "D"]},
+        "answerKey": "C",
+    },
 ]
 
 
@@ -207,8 +293,18 @@ def test_offline_winogrande_and_arc_with_per_task_fewshot(model, tok, tmp_path):
     write(data / "challenge" / "ARC-Challenge" / "test.jsonl", ARC)
     suite = [
         {"task": "winogrande", "num_fewshot": 2, "data_dir": str(data / "wino")},
-        {"task": "arc_easy", "num_fewshot": 3, "data_files": {"train": str(arc_train), "test": str(arc_test)}},
-        {"task": "arc_challenge", "num_fewshot": 1, "data_dir": str(data / "challenge"), "limit": 2, "headline": "acc"},
+        {
+            "task": "arc_easy",
+            "num_fewshot": 3,
+            "data_files": {"train": str(arc_train), "test": str(arc_test)},
+        },
+        {
+            "task": "arc_challenge",
+            "num_fewshot": 1,
+            "data_dir": str(data / "challenge"),
+            "limit": 2,
+            "headline": "acc",
+        },
     ]
     res = run(model, tok, suite, tmp_path / "cache")
     rows = {t["task"]: t for t in res["tasks"]}
@@ -217,7 +313,9 @@ def test_offline_winogrande_and_arc_with_per_task_fewshot(model, tok, tmp_path):
     assert [rows[n]["n"] for n in rows] == [len(WINO), len(ARC), 2]
     assert [rows[n]["headline"] for n in rows] == ["acc", "acc_norm", "acc"]
     assert rows["winogrande"]["acc_norm"] is None and 0 <= rows["winogrande"]["acc"] <= 1
-    assert rows["winogrande"]["acc"] * len(WINO) == pytest.approx(round(rows["winogrande"]["acc"] * len(WINO)))
+    assert rows["winogrande"]["acc"] * len(WINO) == pytest.approx(
+        round(rows["winogrande"]["acc"] * len(WINO))
+    )
     heads = [rows["winogrande"]["acc"], rows["arc_easy"]["acc_norm"], rows["arc_challenge"]["acc"]]
     assert res["average"] == pytest.approx(sum(heads) / 3)
     cfg = res["results_json"]["configs"]
@@ -227,20 +325,29 @@ def test_offline_winogrande_and_arc_with_per_task_fewshot(model, tok, tmp_path):
     assert res["results_json"]["n-shot"] == {"winogrande": 2, "arc_easy": 3, "arc_challenge": 1}
     # the task hash covers the prompts, so it changes with the few-shot count
     zero = run(model, tok, [{**suite[1], "num_fewshot": 0}], tmp_path / "cache")
-    assert zero["tasks"][0]["num_fewshot"] == 0 and zero["tasks"][0]["task_hash"] != rows["arc_easy"]["task_hash"]
+    assert (
+        zero["tasks"][0]["num_fewshot"] == 0
+        and zero["tasks"][0]["task_hash"] != rows["arc_easy"]["task_hash"]
+    )
 
 
 # ---- suite definitions and bad input -----------------------------------------------------------------
 def test_paper_suite_definition(tmp_path):
     tasks = build_suite("paper", tmp_path)
     assert [(t.name, t.num_fewshot, t.headline) for t in tasks] == [
-        ("winogrande", 5, "acc"), ("hellaswag", 10, "acc_norm"), ("arc_easy", 25, "acc_norm"),
-        ("arc_challenge", 25, "acc_norm"), ("mmlu", 5, "acc")]
+        ("winogrande", 5, "acc"),
+        ("hellaswag", 10, "acc_norm"),
+        ("arc_easy", 25, "acc_norm"),
+        ("arc_challenge", 25, "acc_norm"),
+        ("mmlu", 5, "acc"),
+    ]
     assert [(n, k) for n, k, _ in PAPER] == [(t.name, t.num_fewshot) for t in tasks]
     for t in tasks:
         files = {p.stem: yaml.safe_load(p.read_text()) for p in Path(t.include_path).glob("*.yaml")}
         leaves = [f for f in files.values() if "task" in f]
-        assert leaves and all(f["num_fewshot"] == t.num_fewshot for f in leaves), "few-shot set per task, not globally"
+        assert leaves and all(f["num_fewshot"] == t.num_fewshot for f in leaves), (
+            "few-shot set per task, not globally"
+        )
         assert all(Path(f["include"]).is_file() for f in files.values())
     mmlu = {p.stem for p in Path(tasks[-1].include_path).glob("*.yaml")}
     assert len(mmlu) == 57 + 5 and {"mmlu", "mmlu_stem", "mmlu_anatomy"} <= mmlu
@@ -276,16 +383,40 @@ def test_bad_suites_are_one_line_errors(tmp_path):
 def test_vllm_backend_without_vllm_is_a_one_line_error(model, tok, tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if the [gpu] extra were not installed
     with pytest.raises(ImportError, match=r"install the \[gpu\] extra"):
-        run_suite(model, tok, "tiny", model_key="k", cache_dir=str(tmp_path), tiny_dir=str(tiny_dir), batch_size=4,
-                  backend="vllm", limit=2, model_path=None, workdir=str(tmp_path))
+        run_suite(
+            model,
+            tok,
+            "tiny",
+            model_key="k",
+            cache_dir=str(tmp_path),
+            tiny_dir=str(tiny_dir),
+            batch_size=4,
+            backend="vllm",
+            limit=2,
+            model_path=None,
+            workdir=str(tmp_path),
+        )
     with pytest.raises(ValueError, match="backend must be one of hf, vllm"):
-        run_suite(model, tok, "tiny", model_key="k", cache_dir=str(tmp_path), tiny_dir=str(tiny_dir), batch_size=4,
-                  backend="tpu", limit=2, model_path=None, workdir=str(tmp_path))
+        run_suite(
+            model,
+            tok,
+            "tiny",
+            model_key="k",
+            cache_dir=str(tmp_path),
+            tiny_dir=str(tiny_dir),
+            batch_size=4,
+            backend="tpu",
+            limit=2,
+            model_path=None,
+            workdir=str(tmp_path),
+        )
 
 
 # ---- generative tasks and repeated runs --------------------------------------------------------------
-NUMBERS = ("one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
-           "seventeen eighteen nineteen twenty").split()
+NUMBERS = (
+    "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+    "seventeen eighteen nineteen twenty"
+).split()
 
 
 def counting_corpus(n_docs: int = 40, seed: int = 0) -> list[dict]:
@@ -297,7 +428,7 @@ def counting_corpus(n_docs: int = 40, seed: int = 0) -> list[dict]:
     docs = []
     for i in range(n_docs):
         start = rng.randrange(0, 6)
-        words = NUMBERS[start:start + 14] if i % 2 == 0 else rng.sample(NUMBERS, 14)
+        words = NUMBERS[start : start + 14] if i % 2 == 0 else rng.sample(NUMBERS, 14)
         docs.append({"text": " ".join(words), "domain": "prose"})
     return docs
 
@@ -353,7 +484,10 @@ def test_generative_declarations_validate():
     assert {"gsm8k", "gsm8k_platinum", "math", "humaneval", "mbpp", "tiny_gen"} <= set(GENERATIVE)
     assert all(g.requires["gpu"] for g in GENERATIVE.values())
     assert {n for n, g in GENERATIVE.items() if g.executes_code} == {"humaneval", "mbpp"}
-    assert validate_generative(["gsm8k", {"task": "mbpp", "limit": 5}]) == [{"task": "gsm8k"}, {"task": "mbpp", "limit": 5}]
+    assert validate_generative(["gsm8k", {"task": "mbpp", "limit": 5}]) == [
+        {"task": "gsm8k"},
+        {"task": "mbpp", "limit": 5},
+    ]
     cases = [
         (["gsm9k"], f"unknown generative task 'gsm9k'; allowed: {', '.join(GENERATIVE)}"),
         ([{"task": "gsm8k", "shots": 3}], "unknown field"),
@@ -367,13 +501,20 @@ def test_generative_declarations_validate():
         assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="is a generative task: list it under evaluate.generative"):
         validate_suite([{"task": "gsm8k"}])
-    for runs, msg in [([], "non-empty"), ([{"seeds": 1}], "unknown field"), ([{"seed": -1}], "seed must be"),
-                      ([{"limit": 0}], "limit must be"), ([{"seed": 1}, {"seed": 1}], "repeats entry 0")]:
+    for runs, msg in [
+        ([], "non-empty"),
+        ([{"seeds": 1}], "unknown field"),
+        ([{"seed": -1}], "seed must be"),
+        ([{"limit": 0}], "limit must be"),
+        ([{"seed": 1}, {"seed": 1}], "repeats entry 0"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             validate_runs(runs)
     with pytest.raises(ValueError, match="unknown generative task 'gsm9k'"):
         Evaluate(generative=["gsm9k"])
-    assert Evaluate(generative=["tiny_gen"], allow_cpu=True, runs=[{"seed": 0}, {"seed": 1}]).runs[1] == {"seed": 1}
+    assert Evaluate(generative=["tiny_gen"], allow_cpu=True, runs=[{"seed": 0}, {"seed": 1}]).runs[1] == {
+        "seed": 1
+    }
 
 
 def test_unmet_generative_tasks_are_recorded_as_not_run(model, tok, tiny_dir, tmp_path, monkeypatch):
@@ -384,27 +525,75 @@ def test_unmet_generative_tasks_are_recorded_as_not_run(model, tok, tiny_dir, tm
     monkeypatch.setattr(we, "hf_cached", lambda repo, kind: False)
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     gen = ["tiny_gen", "gsm8k", "humaneval", {"task": "mbpp", "data_dir": str(tmp_path / "no-such-folder")}]
-    res = run_suite(model, tok, "tiny", model_key="m", cache_dir=str(tmp_path), tiny_dir=str(tiny_dir), batch_size=4,
-                    backend="hf", limit=2, model_path=None, workdir=str(tmp_path), generative=gen)
+    res = run_suite(
+        model,
+        tok,
+        "tiny",
+        model_key="m",
+        cache_dir=str(tmp_path),
+        tiny_dir=str(tiny_dir),
+        batch_size=4,
+        backend="hf",
+        limit=2,
+        model_path=None,
+        workdir=str(tmp_path),
+        generative=gen,
+    )
     assert set(res["not_run"]) == {"tiny_gen", "gsm8k", "humaneval", "mbpp"}
     assert all(r.startswith("needs a GPU") for r in res["not_run"].values())
     assert [t["task"] for t in res["tasks"]] == ["tiny_mc", "tiny_ppl"], "the suite itself still ran"
-    res = run_suite(model, tok, "tiny", model_key="m", cache_dir=str(tmp_path), tiny_dir=str(tiny_dir), batch_size=4,
-                    backend="hf", limit=2, model_path=None, workdir=str(tmp_path), generative=gen[1:], allow_cpu=True)
+    res = run_suite(
+        model,
+        tok,
+        "tiny",
+        model_key="m",
+        cache_dir=str(tmp_path),
+        tiny_dir=str(tiny_dir),
+        batch_size=4,
+        backend="hf",
+        limit=2,
+        model_path=None,
+        workdir=str(tmp_path),
+        generative=gen[1:],
+        allow_cpu=True,
+    )
     why = res["not_run"]
     assert "needs the dataset openai/gsm8k" in why["gsm8k"] and "offline" in why["gsm8k"]
     assert "allow_code_eval" in why["humaneval"] and "allow_code_eval" in why["mbpp"]
-    assert res["runs"][0]["reused"] == ["tiny_mc", "tiny_ppl"], "the suite's results were stored by the first call"
+    assert res["runs"][0]["reused"] == ["tiny_mc", "tiny_ppl"], (
+        "the suite's results were stored by the first call"
+    )
     monkeypatch.setattr(we, "hf_cached", lambda repo, kind: kind == "module")  # as if code_eval were cached
-    res = run_suite(model, tok, "tiny", model_key="m", cache_dir=str(tmp_path), tiny_dir=str(tiny_dir), batch_size=4,
-                    backend="hf", limit=2, model_path=None, workdir=str(tmp_path), generative=gen[3:], allow_cpu=True,
-                    allow_code_eval=True)
+    res = run_suite(
+        model,
+        tok,
+        "tiny",
+        model_key="m",
+        cache_dir=str(tmp_path),
+        tiny_dir=str(tiny_dir),
+        batch_size=4,
+        backend="hf",
+        limit=2,
+        model_path=None,
+        workdir=str(tmp_path),
+        generative=gen[3:],
+        allow_cpu=True,
+        allow_code_eval=True,
+    )
     assert "no-such-folder is not a folder" in res["not_run"]["mbpp"], "its local data is missing"
     assert all("\n" not in r for r in why.values())
     rows = [m for m in eval_metrics(res, repeated=False) if m["task"] == "mbpp"]
-    assert rows == [{"name": "pass_at_1", "value": None, "stage": "post", "task": "mbpp", "step": -1,
-                     "value_kind": "skipped", "extra": {"backend": "hf", "lm_eval": res["lm_eval_version"],
-                                                        "not_run": res["not_run"]["mbpp"]}}]
+    assert rows == [
+        {
+            "name": "pass_at_1",
+            "value": None,
+            "stage": "post",
+            "task": "mbpp",
+            "step": -1,
+            "value_kind": "skipped",
+            "extra": {"backend": "hf", "lm_eval": res["lm_eval_version"], "not_run": res["not_run"]["mbpp"]},
+        }
+    ]
 
 
 def test_tiny_gen_runs_through_lm_eval_and_matches_a_hand_count(tok, counting_dir, tmp_path):
@@ -413,30 +602,65 @@ def test_tiny_gen_runs_through_lm_eval_and_matches_a_hand_count(tok, counting_di
     docs = counting_corpus()
     model = trained_counter(tok, docs)
     n = 20
-    res = run_suite(model, tok, "tiny", model_key="counter", cache_dir=str(tmp_path), tiny_dir=str(counting_dir),
-                    batch_size=1, backend="hf", limit=n, model_path=None, workdir=str(tmp_path),
-                    generative=["tiny_gen"], allow_cpu=True)
+    res = run_suite(
+        model,
+        tok,
+        "tiny",
+        model_key="counter",
+        cache_dir=str(tmp_path),
+        tiny_dir=str(counting_dir),
+        batch_size=1,
+        backend="hf",
+        limit=n,
+        model_path=None,
+        workdir=str(tmp_path),
+        generative=["tiny_gen"],
+        allow_cpu=True,
+    )
     assert res["not_run"] == {}
     row = next(t for t in res["tasks"] if t["task"] == "tiny_gen")
     assert row["n"] == n and row["score"] == "exact_match:first-word" and row["headline"] is None
     spec = build_generative({"task": "tiny_gen"}, tmp_path, str(counting_dir)).spec
-    assert spec["output_type"] == "generate_until" and spec["generation_kwargs"]["max_gen_toks"] == TINY_GEN_TOKS
-    items = [json.loads(line) for line in Path(spec["dataset_kwargs"]["data_files"]["test"]).read_text().splitlines()]
+    assert (
+        spec["output_type"] == "generate_until" and spec["generation_kwargs"]["max_gen_toks"] == TINY_GEN_TOKS
+    )
+    items = [
+        json.loads(line)
+        for line in Path(spec["dataset_kwargs"]["data_files"]["test"]).read_text().splitlines()
+    ]
     for it in items:
         i, a, b = it["source"]
-        assert docs[i]["text"][a:b] == it["answer"] and docs[i]["text"].startswith(it["context"] + " " + it["answer"])
-    hits = sum(greedy_first_word(model, tok, it["context"], TINY_GEN_TOKS) == it["answer"] for it in items[:n])
+        assert docs[i]["text"][a:b] == it["answer"] and docs[i]["text"].startswith(
+            it["context"] + " " + it["answer"]
+        )
+    hits = sum(
+        greedy_first_word(model, tok, it["context"], TINY_GEN_TOKS) == it["answer"] for it in items[:n]
+    )
     assert 0 < hits < n, "some items right and some wrong, or the comparison could not fail"
     assert row["other"]["exact_match:first-word"] == pytest.approx(hits / n)
-    assert res["average"] == pytest.approx(res["tasks"][0]["acc"]), "a generative score stays out of the average"
+    assert res["average"] == pytest.approx(res["tasks"][0]["acc"]), (
+        "a generative score stays out of the average"
+    )
 
 
 def test_two_runs_of_one_checkpoint_give_two_rows_with_their_n(model, tok, tiny_dir, tmp_path):
     from workers.run.evaluate import eval_metrics
 
     runs = [{"limit": 3}, {"limit": 5, "seed": 1}]
-    res = run_suite(model, tok, "tiny", model_key="m2", cache_dir=str(tmp_path), tiny_dir=str(tiny_dir), batch_size=4,
-                    backend="hf", limit=None, model_path=None, workdir=str(tmp_path), runs=runs)
+    res = run_suite(
+        model,
+        tok,
+        "tiny",
+        model_key="m2",
+        cache_dir=str(tmp_path),
+        tiny_dir=str(tiny_dir),
+        batch_size=4,
+        backend="hf",
+        limit=None,
+        model_path=None,
+        workdir=str(tmp_path),
+        runs=runs,
+    )
     assert [r["settings"] for r in res["runs"]] == runs and [r["reused"] for r in res["runs"]] == [[], []]
     acc = [m for m in eval_metrics(res, repeated=True) if m["name"] == "acc" and m["task"] == "tiny_mc"]
     assert [(m["step"], m["total"], m["extra"]["run"]) for m in acc] == [(0, 3, runs[0]), (1, 5, runs[1])]
@@ -444,13 +668,36 @@ def test_two_runs_of_one_checkpoint_give_two_rows_with_their_n(model, tok, tiny_
     assert all(m["total"] in (3, 5) for m in metrics), "every score carries its n"
     assert len({(m["name"], m["task"], m["step"]) for m in metrics}) == len(metrics), "unique per the DB key"
     # a third run added later: the stored two are read back, not recomputed (no model is needed for them)
-    more = run_suite(None, tok, "tiny", model_key="m2", cache_dir=str(tmp_path), tiny_dir=str(tiny_dir), batch_size=4,
-                     backend="hf", limit=None, model_path=None, workdir=str(tmp_path), runs=runs)
+    more = run_suite(
+        None,
+        tok,
+        "tiny",
+        model_key="m2",
+        cache_dir=str(tmp_path),
+        tiny_dir=str(tiny_dir),
+        batch_size=4,
+        backend="hf",
+        limit=None,
+        model_path=None,
+        workdir=str(tmp_path),
+        runs=runs,
+    )
     assert [r["reused"] for r in more["runs"]] == [["tiny_mc", "tiny_ppl"]] * 2
     assert more["runs"][1]["tasks"] == res["runs"][1]["tasks"]
-    added = run_suite(model, tok, "tiny", model_key="m2", cache_dir=str(tmp_path), tiny_dir=str(tiny_dir),
-                      batch_size=4, backend="hf", limit=None, model_path=None, workdir=str(tmp_path),
-                      runs=[*runs, {"limit": 4}])
+    added = run_suite(
+        model,
+        tok,
+        "tiny",
+        model_key="m2",
+        cache_dir=str(tmp_path),
+        tiny_dir=str(tiny_dir),
+        batch_size=4,
+        backend="hf",
+        limit=None,
+        model_path=None,
+        workdir=str(tmp_path),
+        runs=[*runs, {"limit": 4}],
+    )
     assert [r["reused"] for r in added["runs"]] == [["tiny_mc", "tiny_ppl"]] * 2 + [[]]
     assert [t["n"] for t in added["runs"][2]["tasks"]] == [4, 4]
 
@@ -463,7 +710,10 @@ def test_launch_prints_one_line_per_task_not_run(capsys):
 
     jobs = {ck: JobSpec("evaluate", {"model": ck}, code={"x": "y"}) for ck in ("a", "b", "c")}
     why = "needs a GPU (none here); evaluate.allow_cpu: true runs it on the CPU (small models)"
-    outputs = {jobs["a"].key: {"avg": 0.3, "not_run": {"gsm8k": why}}, jobs["b"].key: {"not_run": {"gsm8k": why}},
-               jobs["c"].key: {"avg": 0.2}}
+    outputs = {
+        jobs["a"].key: {"avg": 0.3, "not_run": {"gsm8k": why}},
+        jobs["b"].key: {"not_run": {"gsm8k": why}},
+        jobs["c"].key: {"avg": 0.2},
+    }
     after(SimpleNamespace(jobs={"evaluate": jobs}, outputs={"evaluate": outputs}))
     assert capsys.readouterr().err.splitlines() == [f"evaluate: gsm8k not run (2 models): {why}"]

@@ -36,8 +36,15 @@ def chatty_job(payload, cache, progress):
 
 
 def _payload(tmp_path: Path, log_path: str, fail: bool) -> dict:
-    return {"key": "k" * 32, "stage": "toy", "run": "tests.test_failures:chatty_job", "params": {"fail": fail},
-            "inputs": {}, "workdir": str(tmp_path / "work"), "log_path": log_path}
+    return {
+        "key": "k" * 32,
+        "stage": "toy",
+        "run": "tests.test_failures:chatty_job",
+        "params": {"fail": fail},
+        "inputs": {},
+        "workdir": str(tmp_path / "work"),
+        "log_path": log_path,
+    }
 
 
 class FullDisk:
@@ -69,8 +76,16 @@ def test_a_job_whose_log_cannot_be_written_still_runs_and_its_error_is_kept(tmp_
 
 def _launch(store: Store, sweep: Path, console: Console | None = None, **kw) -> int:
     spec, path, text = load_spec(str(sweep))
-    return launch(spec, text, store, SerialExecutor(), console=console or Console(quiet=True), show_progress=False,
-                  path=str(path), **kw)
+    return launch(
+        spec,
+        text,
+        store,
+        SerialExecutor(),
+        console=console or Console(quiet=True),
+        show_progress=False,
+        path=str(path),
+        **kw,
+    )
 
 
 def test_a_full_disk_while_a_job_fails_records_it_failed_and_the_launch_goes_on(fake, monkeypatch):  # noqa: F811
@@ -86,7 +101,9 @@ def test_a_full_disk_while_a_job_fails_records_it_failed_and_the_launch_goes_on(
     store = Store(state["db"])
     assert _launch(store, state["sweep"]) == 1  # the deliberately failing conversions, nothing else
     failed = store.query("SELECT stage, error FROM jobs WHERE status = 'failed'")[1]
-    assert len(failed) == 2 and all(s == "convert" and "boom" in e and "No space left" in e for s, e in failed)
+    assert len(failed) == 2 and all(
+        s == "convert" and "boom" in e and "No space left" in e for s, e in failed
+    )
     assert store.query("SELECT COUNT(*) FROM jobs WHERE status IN ('running', 'pending')")[1] == [(0,)]
     assert {s for s, _ in calls} == {"calibrate", "convert", "ppl_pre", "distill", "evaluate"}  # it went on
 
@@ -95,7 +112,9 @@ def _thread(results: dict, name: str, store_url: str, sweep: Path, **kw) -> thre
     def run():
         buf = io.StringIO()
         try:
-            results[name] = _launch(Store(store_url, migrate=False), sweep, Console(file=buf, width=300), **kw)
+            results[name] = _launch(
+                Store(store_url, migrate=False), sweep, Console(file=buf, width=300), **kw
+            )
         finally:
             results[name + "_out"] = buf.getvalue()
             results[name + "_end"] = time.monotonic()
@@ -105,13 +124,18 @@ def _thread(results: dict, name: str, store_url: str, sweep: Path, **kw) -> thre
 
 def _wait_running(store: Store, stage: str, owner: str, timeout: float = 60) -> None:
     t0 = time.monotonic()
-    while not store.query("SELECT 1 FROM jobs WHERE stage = :s AND status = 'running' AND owner = :o",
-                          {"s": stage, "o": owner})[1]:
+    while not store.query(
+        "SELECT 1 FROM jobs WHERE stage = :s AND status = 'running' AND owner = :o", {"s": stage, "o": owner}
+    )[1]:
         assert time.monotonic() - t0 < timeout, f"no {stage} job running for {owner}"
         time.sleep(0.02)
 
 
-def test_a_launch_waiting_on_a_job_that_fails_elsewhere_lists_it_and_exits_non_zero(fake, monkeypatch, tmp_path):  # noqa: F811
+def test_a_launch_waiting_on_a_job_that_fails_elsewhere_lists_it_and_exits_non_zero(
+    fake,  # noqa: F811
+    monkeypatch,
+    tmp_path,
+):
     calls, state = fake
     slow_fail = workers.run.convert.stage_convert
 
@@ -121,8 +145,12 @@ def test_a_launch_waiting_on_a_job_that_fails_elsewhere_lists_it_and_exits_non_z
         return slow_fail(p, cache, progress)
 
     monkeypatch.setattr("workers.run.convert.stage_convert", convert)
-    sweep = fake_sweep(tmp_path, (HERE / "sweeps" / "fake.yaml").read_text().replace(
-        "execution: {retries: 1}", "execution: {retries: 0}"))
+    sweep = fake_sweep(
+        tmp_path,
+        (HERE / "sweeps" / "fake.yaml")
+        .read_text()
+        .replace("execution: {retries: 1}", "execution: {retries: 0}"),
+    )
     store = Store(state["db"])
     res: dict = {}
     a = _thread(res, "a", state["db"], sweep, owner="host-a:1", heartbeat_s=0.2, stale_after_s=30)
@@ -138,7 +166,9 @@ def test_a_launch_waiting_on_a_job_that_fails_elsewhere_lists_it_and_exits_non_z
     assert res["a"] == 1 and res["b"] == 1, (res["a_out"], res["b_out"])
     for name in ("a", "b"):  # whichever launch ran a failing job, both list both failures
         out = res[name + "_out"]
-        assert "2 job(s) failed" in out and all(f"convert {k[:12]}: ValueError: boom" in out for k in failed), out
+        assert "2 job(s) failed" in out and all(
+            f"convert {k[:12]}: ValueError: boom" in out for k in failed
+        ), out
     assert "host-a:1" in owners  # (a ran at least the first one; b waited on it)
     assert len([k for s, k in calls if s == "convert" and k in failed]) == 2  # each failing job ran once
 
@@ -158,10 +188,14 @@ def test_a_long_job_is_heartbeated_so_a_second_launch_waits_instead_of_running_i
     def two_launches(db: str, heartbeat_s: float) -> dict:
         store = Store(db)
         res: dict = {}
-        a = _thread(res, "a", db, state["sweep"], owner="host-a:1", heartbeat_s=heartbeat_s, stale_after_s=1.0)
+        a = _thread(
+            res, "a", db, state["sweep"], owner="host-a:1", heartbeat_s=heartbeat_s, stale_after_s=1.0
+        )
         a.start()
         _wait_running(store, "calibrate", "host-a:1")
-        b = _thread(res, "b", db, state["sweep"], owner="host-b:2", heartbeat_s=heartbeat_s, stale_after_s=1.0)
+        b = _thread(
+            res, "b", db, state["sweep"], owner="host-b:2", heartbeat_s=heartbeat_s, stale_after_s=1.0
+        )
         b.start()
         a.join(120)
         b.join(120)
@@ -189,10 +223,16 @@ def test_status_marks_jobs_of_dead_owners(fake):  # noqa: F811
     keys = [k for (k,) in store.query("SELECT key FROM jobs WHERE stage = 'convert' ORDER BY key")[1]]
     gone_here = f"{socket.gethostname()}:999999"  # this host, a process that has ended
     with store.tx() as c:
-        for key, owner, age in ((keys[0], gone_here, "0 seconds"), (keys[1], "elsewhere:1", "-2 hours"),
-                                (keys[2], "elsewhere:2", "0 seconds")):
-            c.exec_driver_sql("UPDATE jobs SET status = 'running', owner = ?, "
-                              f"heartbeat_at = datetime('now', '{age}') WHERE key = ?", (owner, key))
+        for key, owner, age in (
+            (keys[0], gone_here, "0 seconds"),
+            (keys[1], "elsewhere:1", "-2 hours"),
+            (keys[2], "elsewhere:2", "0 seconds"),
+        ):
+            c.exec_driver_sql(
+                "UPDATE jobs SET status = 'running', owner = ?, "
+                f"heartbeat_at = datetime('now', '{age}') WHERE key = ?",
+                (owner, key),
+            )
     r = CliRunner().invoke(app, ["status", "fake", "--db", state["db"]])
     assert r.exit_code == 0, r.output
     assert "dead = 2 job(s) marked running whose launch is gone" in r.output.replace("\n", " ")

@@ -89,8 +89,9 @@ def shared_term(family: str, block: nn.Module, h: torch.Tensor, gated: bool) -> 
     return out
 
 
-def forced(experts: nn.Module, h: torch.Tensor, ids: list[int], weights: list[float],
-           family: str = "qwen3_moe") -> torch.Tensor:
+def forced(
+    experts: nn.Module, h: torch.Tensor, ids: list[int], weights: list[float], family: str = "qwen3_moe"
+) -> torch.Tensor:
     """The experts module's own forward with every token routed to `ids` with `weights` (Llama-4: on the
     experts' inputs)."""
     t = h.shape[0]
@@ -104,7 +105,9 @@ def weighted(family: str, w: torch.Tensor, f, h: torch.Tensor) -> torch.Tensor:
     return f(w * h) if CASES[family].input_scaled else w * f(h)
 
 
-def merged_experts(family: str, experts: nn.Module, groups: list[list[int]], merge_w: list[list[float]]) -> nn.Module:
+def merged_experts(
+    family: str, experts: nn.Module, groups: list[list[int]], merge_w: list[list[float]]
+) -> nn.Module:
     """A copy of the experts module whose slot g holds Σ_e w_e W_e of group g (raw fused tensors; DBRX's
     [E·I, H] w1/v1/w2 through their [E, I, H] views)."""
     ref = copy.deepcopy(experts)
@@ -143,7 +146,12 @@ class RefMLP(nn.Module):
 def reference_model(family: str, teacher: nn.Module, plans: list[LayerPlan]) -> nn.Module:
     ref = copy.deepcopy(teacher)
     for pl in plans:
-        set_block(family, ref, pl.layer, RefMLP(family, block_of(family, ref, pl.layer), pl, routed_scale(family, ref)))
+        set_block(
+            family,
+            ref,
+            pl.layer,
+            RefMLP(family, block_of(family, ref, pl.layer), pl, routed_scale(family, ref)),
+        )
     return ref
 
 
@@ -163,7 +171,9 @@ def test_structure(fam):
     assert a.routed_scaling(teacher) == routed_scale(family, teacher)
     assert a.num_shared_experts(teacher) == (1 if case.shared else 0)  # one shared expert per MoE layer
     # exact: router_weight is the router's own tensor, detached
-    assert torch.equal(a.router_weight(teacher, layers[0]), router_of(family, block_of(family, teacher, layers[0])).weight)
+    assert torch.equal(
+        a.router_weight(teacher, layers[0]), router_of(family, block_of(family, teacher, layers[0])).weight
+    )
 
 
 def test_unknown_architecture_one_line_error():
@@ -190,8 +200,9 @@ def test_expert_views_match_experts_module(fam):
         storages = {p.untyped_storage().data_ptr() for p in ex.parameters()}
         assert w.gate.untyped_storage().data_ptr() in storages  # views, not copies
         for e in range(w.num_experts):
-            torch.testing.assert_close(ffn_forward(w, h, expert=e), forced(ex, h, [e], [1.0], family), rtol=1e-5,
-                                       atol=1e-5)
+            torch.testing.assert_close(
+                ffn_forward(w, h, expert=e), forced(ex, h, [e], [1.0], family), rtol=1e-5, atol=1e-5
+            )
 
 
 def test_gpt_oss_layout_clamp_and_bias():
@@ -201,8 +212,12 @@ def test_gpt_oss_layout_clamp_and_bias():
     w = a.expert_weights(teacher, 0)
     assert w.act == "gptoss" and (w.act_alpha, w.act_limit) == (ex.alpha, ex.limit)
     # exact: the expert views are strided views of the fused tensors (the same bytes)
-    assert torch.equal(w.gate[3, 5], ex.gate_up_proj[3, :, 10]) and torch.equal(w.up[3, 5], ex.gate_up_proj[3, :, 11])
-    assert torch.equal(w.up_bias[2], ex.gate_up_proj_bias[2, 1::2]) and torch.equal(w.down[1], ex.down_proj[1].T)
+    assert torch.equal(w.gate[3, 5], ex.gate_up_proj[3, :, 10]) and torch.equal(
+        w.up[3, 5], ex.gate_up_proj[3, :, 11]
+    )
+    assert torch.equal(w.up_bias[2], ex.gate_up_proj_bias[2, 1::2]) and torch.equal(
+        w.down[1], ex.down_proj[1].T
+    )
     h = torch.randn(64, 32) * 3
     g = h @ w.gate[0].T + w.gate_bias[0]
     u = h @ w.up[0].T + w.up_bias[0]
@@ -218,11 +233,15 @@ def test_gpt_oss_layout_clamp_and_bias():
     pl = plans[0]
     gate0 = sum(mw * w.gate[e] for e, mw in zip(pl.groups[0], pl.merge_weights[0], strict=True))
     torch.testing.assert_close(sx.gate_up_proj[0, :, 0:16:2].T, gate0[:8])  # interleaved even columns = gate
-    bias = sum(al * sum(mw * w.down_bias[e] for e, mw in zip(g_, ws, strict=True))
-               for al, g_, ws in zip(pl.alpha, pl.groups, pl.merge_weights, strict=True))
+    bias = sum(
+        al * sum(mw * w.down_bias[e] for e, mw in zip(g_, ws, strict=True))
+        for al, g_, ws in zip(pl.alpha, pl.groups, pl.merge_weights, strict=True)
+    )
     torch.testing.assert_close(sx.down_proj_bias[0], bias)
     ref = RefMLP("gpt_oss", teacher.model.layers[0].mlp, pl, 1.0)
-    torch.testing.assert_close(student_mlp("gpt_oss", student, 0, h), ref(h[None])[0][0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        student_mlp("gpt_oss", student, 0, h), ref(h[None])[0][0], rtol=1e-4, atol=1e-4
+    )
 
 
 # ---- router decision --------------------------------------------------------------------------------
@@ -233,8 +252,13 @@ def test_router_decision_is_what_the_block_used(fam):
     for layer in a.moe_layers(teacher):
         rec = seen.setdefault(layer, {})
         handles += a.hook_routing(teacher, layer, lambda x, p, w, idx, rec=rec: rec.update(dec=(p, w, idx)))
-        handles.append(block_of(family, teacher, layer).register_forward_hook(
-            lambda m, i, o, rec=rec: rec.update(h=i[0].reshape(-1, i[0].shape[-1]), y=block_out(family, o))))
+        handles.append(
+            block_of(family, teacher, layer).register_forward_hook(
+                lambda m, i, o, rec=rec: rec.update(
+                    h=i[0].reshape(-1, i[0].shape[-1]), y=block_out(family, o)
+                )
+            )
+        )
     with torch.no_grad():
         teacher(ids())
     for hd in handles:
@@ -251,31 +275,49 @@ def test_router_decision_is_what_the_block_used(fam):
         if CASES[family].router == "topk_sigmoid":  # the chosen logits' sigmoid, not p
             ps = torch.sigmoid(ref_logits(family, block, h)).gather(1, idx)
             # exact: expert indices (integers); random logits have no near-ties for rounding to flip
-            assert torch.equal(idx.sort(-1).values, torch.topk(ref_logits(family, block, h), k, -1).indices.sort(-1).values)
+            assert torch.equal(
+                idx.sort(-1).values, torch.topk(ref_logits(family, block, h), k, -1).indices.sort(-1).values
+            )
         expect_w = ps / ps.sum(-1, keepdim=True) if renormalizes(family, teacher) else ps
         if CASES[family].router == "sparsemixer":
-            expect_w, expect_idx = sparsemixer_ref(ref_logits(family, block, h),
-                                                   teacher.config.router_jitter_noise)
+            expect_w, expect_idx = sparsemixer_ref(
+                ref_logits(family, block, h), teacher.config.router_jitter_noise
+            )
             assert torch.equal(idx, expect_idx)  # exact: expert indices (integers)
             expect_w = expect_w.float()
-            assert (expect_w < 1 - 1e-6).any() and (expect_w.sum(-1) != 1).any()  # the masks hold several experts
+            assert (expect_w < 1 - 1e-6).any() and (
+                expect_w.sum(-1) != 1
+            ).any()  # the masks hold several experts
         torch.testing.assert_close(w.float(), expect_w * scale, rtol=1e-5, atol=1e-6)
         # rebuild the block's output from (indices, weights) and the expert views
         ew = a.expert_weights(teacher, layer)
         y = shared_term(family, block, h, gated=True)
         for j in range(k):
-            y = y + torch.stack([weighted(family, w[i, j], lambda x, m=ew, e=int(idx[i, j]): ffn_forward(m, x, expert=e),
-                                          h[i:i + 1])[0] for i in range(t)])
+            y = y + torch.stack(
+                [
+                    weighted(
+                        family,
+                        w[i, j],
+                        lambda x, m=ew, e=int(idx[i, j]): ffn_forward(m, x, expert=e),
+                        h[i : i + 1],
+                    )[0]
+                    for i in range(t)
+                ]
+            )
         torch.testing.assert_close(y.reshape(rec["y"].shape), rec["y"], rtol=1e-4, atol=1e-5)
 
 
 # ---- expanded teacher routing (paper §4.3, Eq. 6) ---------------------------------------------------
 def _capture_blocks(family, teacher, a, fn):
     seen: dict[int, tuple] = {}
-    hs = [block_of(family, teacher, layer).register_forward_hook(
-        lambda m, i, o, layer=layer: seen.__setitem__(layer, (i[0].reshape(-1, i[0].shape[-1]),
-                                                               block_out(family, o))))
-        for layer in a.moe_layers(teacher)]
+    hs = [
+        block_of(family, teacher, layer).register_forward_hook(
+            lambda m, i, o, layer=layer: seen.__setitem__(
+                layer, (i[0].reshape(-1, i[0].shape[-1]), block_out(family, o))
+            )
+        )
+        for layer in a.moe_layers(teacher)
+    ]
     with torch.no_grad():
         out = fn()
     for hd in hs:
@@ -315,8 +357,12 @@ def test_routing_top_k_expanded(fam, kprime, renorm):
             w = ps / ps.sum(-1, keepdim=True) if renorm else ps
         ew = a.expert_weights(teacher, layer)
         if CASES[family].input_scaled:  # Σ_j f_{e_j}(w_j h), token by token
-            ref = torch.stack([sum(ffn_forward(ew, w[t, j] * h[t:t + 1], expert=int(sel[t, j]))[0]
-                                   for j in range(kk)) for t in range(h.shape[0])])
+            ref = torch.stack(
+                [
+                    sum(ffn_forward(ew, w[t, j] * h[t : t + 1], expert=int(sel[t, j]))[0] for j in range(kk))
+                    for t in range(h.shape[0])
+                ]
+            )
         else:
             every = torch.stack([ffn_forward(ew, h, expert=i) for i in range(e)], 1)  # [T, E, H]
             ref = (w[..., None] * scale * every.gather(1, sel[..., None].expand(-1, -1, h.shape[1]))).sum(1)
@@ -364,9 +410,15 @@ def test_student_ffn_exact(dense_fam, merged):
             if CASES[family].shared_on_layer:  # the decoder layer adds its shared MLP to the block's output
                 want = want + shared_of(family, teacher, pl.layer)(h)
             torch.testing.assert_close(student_mlp(family, student, pl.layer, h), want, rtol=1e-4, atol=1e-5)
-        for layer in set(range(len(layers_of(family, teacher)))) - set(a.moe_layers(teacher)):  # padded dense layers
-            torch.testing.assert_close(student_mlp(family, student, layer, h), block_of(family, teacher, layer)(h),
-                                       rtol=1e-5, atol=1e-6)
+        for layer in set(range(len(layers_of(family, teacher)))) - set(
+            a.moe_layers(teacher)
+        ):  # padded dense layers
+            torch.testing.assert_close(
+                student_mlp(family, student, layer, h),
+                block_of(family, teacher, layer)(h),
+                rtol=1e-5,
+                atol=1e-6,
+            )
 
 
 @pytest.mark.parametrize("share", [False, True])
@@ -407,11 +459,16 @@ def test_student_config_and_width(dense_fam):
     if case.all_dense_student:
         if family == "llama4_text":
             assert cfg.moe_layers == [] and cfg.no_rope_layers == teacher.config.no_rope_layers
-            assert cfg.layer_types == teacher.config.layer_types and cfg.use_qk_norm == teacher.config.use_qk_norm
+            assert (
+                cfg.layer_types == teacher.config.layer_types
+                and cfg.use_qk_norm == teacher.config.use_qk_norm
+            )
             assert cfg.attention_chunk_size == teacher.config.attention_chunk_size
         else:
             assert cfg.first_k_dense_replace == cfg.num_hidden_layers
-        assert not any(hasattr(getattr(layer, case.student_block), "experts") for layer in student.model.layers)
+        assert not any(
+            hasattr(getattr(layer, case.student_block), "experts") for layer in student.model.layers
+        )
     if family == "mixtral":
         assert cfg.rope_parameters == teacher.config.rope_parameters and cfg.sliding_window is None
         assert cfg.head_dim == 8 and cfg.rms_norm_eps == teacher.config.rms_norm_eps
@@ -465,8 +522,10 @@ def test_dense_student_refused_in_one_line(family):
     teacher = make_teacher(family)
     a = get_adapter(teacher)
     assert "dense" in a.refused_outputs and "\n" not in a.refused_outputs["dense"]
-    for build in (lambda: a.student_config(teacher, 16),
-                  lambda: build_student_from_plans(teacher, a, hand_plans(a, teacher, False), share_weights=True)):
+    for build in (
+        lambda: a.student_config(teacher, 16),
+        lambda: build_student_from_plans(teacher, a, hand_plans(a, teacher, False), share_weights=True),
+    ):
         with pytest.raises(ValueError) as err:
             build()
         assert str(err.value) == f"output='dense': {family} {a.refused_outputs['dense']}"

@@ -17,8 +17,10 @@ README = ROOT / "README.md"
 def test_every_moe_model_is_supported_or_left_out_with_a_reason():
     named = left_out(README.read_text())
     missing = [d for d in unsupported() if not covered(d, named)]
-    assert not missing, (f"MoE models neither supported nor in the README's left-out list: {missing} "
-                         "(scripts/moe_coverage.py lists them)")
+    assert not missing, (
+        f"MoE models neither supported nor in the README's left-out list: {missing} "
+        "(scripts/moe_coverage.py lists them)"
+    )
 
 
 def test_no_supported_family_is_also_left_out():
@@ -32,8 +34,11 @@ def test_the_scan_sees_known_moe_models():
 
 
 def test_the_scan_reads_a_models_folder(tmp_path):
-    for name, code in {"toy_moe": "self.num_local_experts = 8", "toy_dense": "self.intermediate_size = 8",
-                       "qwen3_moe": "num_experts"}.items():
+    for name, code in {
+        "toy_moe": "self.num_local_experts = 8",
+        "toy_dense": "self.intermediate_size = 8",
+        "qwen3_moe": "num_experts",
+    }.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / f"modeling_{name}.py").write_text(code)
     assert moe_model_types(tmp_path) == {"toy_moe", "qwen3_moe"}
@@ -41,13 +46,16 @@ def test_the_scan_reads_a_models_folder(tmp_path):
 
 
 def test_left_out_reads_names_but_not_pointers():
-    text = ("Left out of the installed transformers' MoE models, by reason:\n"
-            "- Hybrid: `jamba`, `zaya` (a reason)\n- Multimodal: `llama4` (use `llama4_text`)\n\nNext.")
+    text = (
+        "Left out of the installed transformers' MoE models, by reason:\n"
+        "- Hybrid: `jamba`, `zaya` (a reason)\n- Multimodal: `llama4` (use `llama4_text`)\n\nNext."
+    )
     assert left_out(text) == {"jamba", "zaya", "llama4"}
 
 
 def test_the_script_reports_the_gap():
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "moe_coverage.py")],
-                         capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "moe_coverage.py")], capture_output=True, text=True, cwd=ROOT
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "MoE model types" in out.stdout and "left out" in out.stdout

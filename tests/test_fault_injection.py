@@ -17,8 +17,10 @@ from tests.test_orchestrator import fake  # noqa: F401  (the fake stage function
 
 
 def _results(store: Store) -> list[tuple]:
-    return store.query("SELECT c.config_key, r.ppl_pre, r.selected_for_distill, r.ppl_post, r.avg_acc "
-                       "FROM results r JOIN configurations c ON c.id = r.config_id ORDER BY c.config_key")[1]
+    return store.query(
+        "SELECT c.config_key, r.ppl_pre, r.selected_for_distill, r.ppl_post, r.avg_acc "
+        "FROM results r JOIN configurations c ON c.id = r.config_id ORDER BY c.config_key"
+    )[1]
 
 
 def test_a_failure_that_moved_the_selection_leaves_nothing_behind_once_resumed(fake, monkeypatch, tmp_path):  # noqa: F811
@@ -30,8 +32,9 @@ def test_a_failure_that_moved_the_selection_leaves_nothing_behind_once_resumed(f
 
     def best_at_k4(p, cache, progress):  # CP at K = 4 (the conversions that fail) wins its pairs when it runs
         rec = ppl_pre(p, cache, progress)
-        if p["params"]["student"].get("plan_key", "").startswith("CP|") and p["params"]["student"]["plan_key"] \
-                .endswith("|4"):
+        if p["params"]["student"].get("plan_key", "").startswith("CP|") and p["params"]["student"][
+            "plan_key"
+        ].endswith("|4"):
             rec["outputs"]["ppl"] = rec["metrics"][0]["value"] = 1.0
         return rec
 
@@ -39,8 +42,16 @@ def test_a_failure_that_moved_the_selection_leaves_nothing_behind_once_resumed(f
     spec, path, text = load_spec(str(state["sweep"]))
 
     def run(store: Store, **kw) -> int:
-        return launch(spec, text, store, SerialExecutor(), console=Console(quiet=True), show_progress=False,
-                      path=str(path), **kw)
+        return launch(
+            spec,
+            text,
+            store,
+            SerialExecutor(),
+            console=Console(quiet=True),
+            show_progress=False,
+            path=str(path),
+            **kw,
+        )
 
     state["fail"], db = False, state["db"]
     state["db"] = f"sqlite:///{tmp_path}/reference.db"  # (the fake distillation reads the launch's database)
@@ -48,7 +59,10 @@ def test_a_failure_that_moved_the_selection_leaves_nothing_behind_once_resumed(f
     assert run(ref) == 0
     state["db"] = db
     expected = _results(ref)
-    assert [r[0] for r in expected if r[2] and r[0].startswith("CP|")] == ["CP|RR|uniform|K=4", "CP|WC|uniform|K=4"]
+    assert [r[0] for r in expected if r[2] and r[0].startswith("CP|")] == [
+        "CP|RR|uniform|K=4",
+        "CP|WC|uniform|K=4",
+    ]
 
     state["fail"] = True
     store = Store(state["db"])
@@ -58,11 +72,16 @@ def test_a_failure_that_moved_the_selection_leaves_nothing_behind_once_resumed(f
     assert run(store, retry_failed=True) == 0
     assert _results(store) == expected
     # the distillation of CP at K = 2 is still a job in the database: a later selection may reuse it
-    assert store.query("SELECT COUNT(*) FROM jobs WHERE stage = 'distill'")[1][0][0] > \
-        ref.query("SELECT COUNT(*) FROM jobs WHERE stage = 'distill'")[1][0][0]
+    assert (
+        store.query("SELECT COUNT(*) FROM jobs WHERE stage = 'distill'")[1][0][0]
+        > ref.query("SELECT COUNT(*) FROM jobs WHERE stage = 'distill'")[1][0][0]
+    )
 
 
-def test_a_database_locked_past_the_busy_timeout_stops_the_launch_with_one_line_and_it_resumes(fake, monkeypatch):  # noqa: F811
+def test_a_database_locked_past_the_busy_timeout_stops_the_launch_with_one_line_and_it_resumes(
+    fake,  # noqa: F811
+    monkeypatch,
+):
     """The database stays locked while a job's result is written (another process holds it past the busy
     timeout): the launch stops with one line and exit 2, no traceback; the next launch takes over the jobs
     it held and ends as an undisturbed run does."""
@@ -86,8 +105,16 @@ def test_a_database_locked_past_the_busy_timeout_stops_the_launch_with_one_line_
     monkeypatch.setattr(Store, "fail", lambda self, *a, **kw: locked_after_three(self))
     spec, path, text = load_spec(str(state["sweep"]))
     out = io.StringIO()
-    code = launch(spec, text, store, SerialExecutor(), console=Console(file=out, width=400), show_progress=False,
-                  path=str(path), owner="elsewhere:1")
+    code = launch(
+        spec,
+        text,
+        store,
+        SerialExecutor(),
+        console=Console(file=out, width=400),
+        show_progress=False,
+        path=str(path),
+        owner="elsewhere:1",
+    )
     assert code == 2
     lines = [ln for ln in out.getvalue().splitlines() if ln.strip()]
     assert lines[0].startswith("error: ") and "is locked by another process" in lines[0], out.getvalue()
@@ -97,7 +124,19 @@ def test_a_database_locked_past_the_busy_timeout_stops_the_launch_with_one_line_
     monkeypatch.setattr(Store, "finish", finish)
     monkeypatch.setattr(Store, "fail", fail)
     with store.tx() as c:  # its owner is gone (here: another host's launch whose heartbeat is old)
-        c.exec_driver_sql("UPDATE jobs SET heartbeat_at = datetime('now', '-1 hour') WHERE status = 'running'")
-    assert launch(spec, text, store, SerialExecutor(), console=Console(quiet=True), show_progress=False,
-                  path=str(path)) == 0
+        c.exec_driver_sql(
+            "UPDATE jobs SET heartbeat_at = datetime('now', '-1 hour') WHERE status = 'running'"
+        )
+    assert (
+        launch(
+            spec,
+            text,
+            store,
+            SerialExecutor(),
+            console=Console(quiet=True),
+            show_progress=False,
+            path=str(path),
+        )
+        == 0
+    )
     assert store.query("SELECT COUNT(*) FROM jobs WHERE status <> 'succeeded' OR attempts > 2")[1] == [(0,)]

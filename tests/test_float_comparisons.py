@@ -15,9 +15,10 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 WINDOW = 3  # the marker may sit on the comparison's line or on one of the lines above it
 MARKER = re.compile(r"#.*\bexact:\s*\S")
-BITWISE = re.compile(r"\btorch\.equal\(|\.equal\(|\barray_equal\(|\bassert_array_equal\("
-                     r"|\brtol=0(?:\.0)?\s*,\s*atol=0(?:\.0)?\b(?!\.)|\batol=0(?:\.0)?\s*,\s*rtol=0(?:\.0)?\b(?!\.)")
-
+BITWISE = re.compile(
+    r"\btorch\.equal\(|\.equal\(|\barray_equal\(|\bassert_array_equal\("
+    r"|\brtol=0(?:\.0)?\s*,\s*atol=0(?:\.0)?\b(?!\.)|\batol=0(?:\.0)?\s*,\s*rtol=0(?:\.0)?\b(?!\.)"
+)
 
 
 def unjustified(source: str) -> list[int]:
@@ -43,20 +44,24 @@ def test_every_bitwise_float_comparison_says_why_it_is_exact():
         source = path.read_text()
         for line in unjustified(source):
             offenders.append(f"{path.relative_to(TESTS)}:{line}: {source.splitlines()[line - 1].strip()}")
-    assert not offenders, ("bitwise comparisons without a '# exact: <reason>' comment on the line or the "
-                           f"{WINDOW} above (else compare with a tolerance):\n" + "\n".join(offenders))
+    assert not offenders, (
+        "bitwise comparisons without a '# exact: <reason>' comment on the line or the "
+        f"{WINDOW} above (else compare with a tolerance):\n" + "\n".join(offenders)
+    )
 
 
 def test_the_guard_catches_a_comparison_without_its_reason():
     eq = "torch.equal"
-    ok = (f"def test_a():\n"
-          f"    assert {eq}(a[idx], b)  # exact: a gather copies bytes\n"
-          f"    x = 1\n"
-          f"    y = 2\n"
-          f"    # exact: copied bytes, the three lines below\n"
-          f"    assert {eq}(c, d)\n"
-          f"    assert {eq}(e, f)\n"
-          f"    assert not {eq}(g, h)\n")
+    ok = (
+        f"def test_a():\n"
+        f"    assert {eq}(a[idx], b)  # exact: a gather copies bytes\n"
+        f"    x = 1\n"
+        f"    y = 2\n"
+        f"    # exact: copied bytes, the three lines below\n"
+        f"    assert {eq}(c, d)\n"
+        f"    assert {eq}(e, f)\n"
+        f"    assert not {eq}(g, h)\n"
+    )
     assert unjustified(ok) == []
     assert unjustified(ok.replace("# exact: a gather copies bytes", "# a gather copies bytes")) == [2]
     assert unjustified(ok.replace("exact: copied", "copied")) == [6, 7, 8]

@@ -9,8 +9,18 @@ from workers.training.distill import DistillSpec, distill
 from workers.training.fsdp import FSDPRanks, mixed_precision
 
 V, T = 64, 16
-SETTINGS = dict(steps=3, batch_size=4, grad_accum=2, seq_len=T, lr=3e-3, min_lr=3e-4, warmup=1, eval_every=2,
-                val_windows=5, teacher_top_k=3)
+SETTINGS = dict(
+    steps=3,
+    batch_size=4,
+    grad_accum=2,
+    seq_len=T,
+    lr=3e-3,
+    min_lr=3e-4,
+    warmup=1,
+    eval_every=2,
+    val_windows=5,
+    teacher_top_k=3,
+)
 
 
 @pytest.fixture(scope="module")
@@ -19,10 +29,22 @@ def tiny(tmp_path_factory):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
-                         moe_intermediate_size=16, intermediate_size=16, norm_topk_prob=True,
-                         max_position_embeddings=64, tie_word_embeddings=False, initializer_range=0.3)
+    cfg = Qwen3MoeConfig(
+        vocab_size=V,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        intermediate_size=16,
+        norm_topk_prob=True,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        initializer_range=0.3,
+    )
     teacher = Qwen3MoeForCausalLM(cfg).eval()
     adapter = get_adapter(teacher)
     g = torch.Generator().manual_seed(1)
@@ -38,8 +60,9 @@ def tiny(tmp_path_factory):
     train, val = ids[:24], ids[24:29]  # 5 validation windows: 3 on rank 0, 2 (+1 padding) on rank 1
     torch.save(train, d / "train.pt")
     torch.save(val, d / "val.pt")
-    single = distill(student, teacher, adapter, (train[i:i + 4] for i in range(0, 24, 4)), val,
-                     DistillSpec(**SETTINGS))
+    single = distill(
+        student, teacher, adapter, (train[i : i + 4] for i in range(0, 24, 4)), val, DistillSpec(**SETTINGS)
+    )
     return {"dir": d, "teacher": teacher, "student": student, "single": single}
 
 
@@ -47,9 +70,16 @@ def _launch(tiny, name: str, **extra):
     from workers.training.ddp import launch
 
     d = tiny["dir"]
-    job = {"student": str(d / "student"), "teacher": str(d / "teacher"), "moe_teacher": True,
-           "train": str(d / "train.pt"), "val": str(d / "val.pt"), "out": str(d / name), "sharding": "fsdp",
-           **extra}
+    job = {
+        "student": str(d / "student"),
+        "teacher": str(d / "teacher"),
+        "moe_teacher": True,
+        "train": str(d / "train.pt"),
+        "val": str(d / "val.pt"),
+        "out": str(d / name),
+        "sharding": "fsdp",
+        **extra,
+    }
     job["spec"] = {**SETTINGS, **job.get("spec", {})}
     return launch(job, d / f"{name}_work", nproc=2, timeout=180, env={"OMP_NUM_THREADS": "1"})
 
@@ -67,8 +97,9 @@ def _assert_same_run(multi, tiny, out_dir):
     init = AutoModelForCausalLM.from_pretrained(tiny["dir"] / "student")
     trained = AutoModelForCausalLM.from_pretrained(out_dir / "student")  # a normal HF checkpoint
     moved = 0.0
-    for (n, p), q, p0 in zip(trained.named_parameters(), tiny["student"].parameters(), init.parameters(),
-                             strict=True):
+    for (n, p), q, p0 in zip(
+        trained.named_parameters(), tiny["student"].parameters(), init.parameters(), strict=True
+    ):
         assert torch.allclose(p, q, atol=1e-5), n  # measured: 1.5e-7
         moved = max(moved, float((q - p0).detach().abs().max()))
     assert moved > 1e-3  # training changed the weights 100× more than the tolerance
@@ -108,9 +139,14 @@ def test_a_model_without_base_model_layers_is_one_line():
 
     teacher = make_teacher("dbrx")
     adapter = get_adapter(teacher)
-    first = {i: adapter.expert_weights(teacher, i) for i in adapter.moe_layers(teacher)}  # expert 0 of each layer
-    student = adapter.build_student(teacher, {i: DenseFFN(gate=w.gate[0], up=w.up[0], down=w.down[0])
-                                              for i, w in first.items()}, share_weights=True)
+    first = {
+        i: adapter.expert_weights(teacher, i) for i in adapter.moe_layers(teacher)
+    }  # expert 0 of each layer
+    student = adapter.build_student(
+        teacher,
+        {i: DenseFFN(gate=w.gate[0], up=w.up[0], down=w.down[0]) for i, w in first.items()},
+        share_weights=True,
+    )
     for model in (teacher, student):
         with pytest.raises(ValueError) as e:
             decoder_layers(model)
@@ -147,11 +183,20 @@ def test_sharding_setting_enters_the_job_only_when_set(monkeypatch):
     assert _sharding(None, 1) == "none" and _sharding(None, 2) == "ddp" and _sharding("fsdp", 1) == "fsdp"
 
 
-@pytest.mark.parametrize("section, message", [
-    ({"sharding": "none", "processes": 2}, "sharding: 'none' runs one process; processes must be 1, got 2"),
-    ({"teacher_offload": True, "processes": 2}, "teacher_offload: needs sharding: fsdp, got sharding: None"),
-    ({"sharding": "zero3"}, "Input should be 'none', 'ddp' or 'fsdp'"),
-])
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        (
+            {"sharding": "none", "processes": 2},
+            "sharding: 'none' runs one process; processes must be 1, got 2",
+        ),
+        (
+            {"teacher_offload": True, "processes": 2},
+            "teacher_offload: needs sharding: fsdp, got sharding: None",
+        ),
+        ({"sharding": "zero3"}, "Input should be 'none', 'ddp' or 'fsdp'"),
+    ],
+)
 def test_bad_sharding_settings_are_one_line(section, message):
     from pydantic import ValidationError
 
@@ -188,7 +233,9 @@ def _one_rank_run(tiny, **settings):
     student.model.layers[0].mlp.register_forward_pre_hook(lambda m, a: calls.append(torch.is_grad_enabled()))
     train, val = torch.load(d / "train.pt"), torch.load(d / "val.pt")
     spec = DistillSpec(**{**SETTINGS, "steps": 1, **settings})
-    res = fsdp_worker(student, teacher, get_adapter(teacher), (train[i:i + 4] for i in range(0, 8, 4)), val, spec)
+    res = fsdp_worker(
+        student, teacher, get_adapter(teacher), (train[i : i + 4] for i in range(0, 8, 4)), val, spec
+    )
     return res, calls
 
 
@@ -209,9 +256,17 @@ def test_bf16_mixed_precision_on_one_rank_is_close_to_autocast(tiny, one_rank):
     teacher = AutoModelForCausalLM.from_pretrained(d / "teacher")
     student = AutoModelForCausalLM.from_pretrained(d / "student")
     train, val = torch.load(d / "train.pt"), torch.load(d / "val.pt")
-    ref = distill(student, teacher, get_adapter(teacher), (train[i:i + 4] for i in range(0, 8, 4)), val,
-                  DistillSpec(**{**SETTINGS, "steps": 1, "dtype": "bf16"}))
-    assert res["loss_curve"] == pytest.approx(ref["loss_curve"], rel=5e-3)  # bf16 params vs bf16 autocast: 1e-3
+    ref = distill(
+        student,
+        teacher,
+        get_adapter(teacher),
+        (train[i : i + 4] for i in range(0, 8, 4)),
+        val,
+        DistillSpec(**{**SETTINGS, "steps": 1, "dtype": "bf16"}),
+    )
+    assert res["loss_curve"] == pytest.approx(
+        ref["loss_curve"], rel=5e-3
+    )  # bf16 params vs bf16 autocast: 1e-3
     assert abs(res["loss_curve"][0] - tiny["single"]["loss_curve"][0]) > 1e-3  # and not fp32 (6e-3 away)
 
 
@@ -232,29 +287,55 @@ def test_stage_distill_with_fsdp_matches_one_process(tmp_path):
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     tok = train_tokenizer(texts, 300, tmp_path / "teacher")
     torch.manual_seed(0)
-    Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                       num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-                                       moe_intermediate_size=16, max_position_embeddings=64,
-                                       tie_word_embeddings=False)).save_pretrained(tmp_path / "teacher")
+    Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            vocab_size=len(tok),
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+        )
+    ).save_pretrained(tmp_path / "teacher")
     settings = dict(steps=2, batch_size=2, seq_len=16, lr=3e-3, warmup=1, eval_every=1, val_windows=3)
 
     def run(name: str, settings: dict, **extra) -> dict:
-        params = {"teacher": {"source": "local", "dtype": "float32"}, "student": {"type": "random_ffn", "seed": 0},
-                  "settings": settings, "data": {"source": "jsonl", "path": str(data)},
-                  "val_data": {"source": "jsonl", "path": str(data)}, **extra}
-        payload = {"params": params, "inputs": {"teacher": {"path": str(tmp_path / "teacher")}},
-                   "workdir": str(tmp_path / name), "home": str(tmp_path)}
+        params = {
+            "teacher": {"source": "local", "dtype": "float32"},
+            "student": {"type": "random_ffn", "seed": 0},
+            "settings": settings,
+            "data": {"source": "jsonl", "path": str(data)},
+            "val_data": {"source": "jsonl", "path": str(data)},
+            **extra,
+        }
+        payload = {
+            "params": params,
+            "inputs": {"teacher": {"path": str(tmp_path / "teacher")}},
+            "workdir": str(tmp_path / name),
+            "home": str(tmp_path),
+        }
         (tmp_path / name).mkdir()
         return stage_distill(payload, {}, None)
 
     one = run("one", settings, processes=1)
-    two = run("two", {**settings, "grad_checkpoint": True}, processes=2, sharding="fsdp", teacher_offload=True)
+    two = run(
+        "two", {**settings, "grad_checkpoint": True}, processes=2, sharding="fsdp", teacher_offload=True
+    )
     curve = [(m["name"], m.get("who"), m.get("step")) for m in one["metrics"]]
     assert curve == [(m["name"], m.get("who"), m.get("step")) for m in two["metrics"]]
-    assert [m["value"] for m in two["metrics"]] == pytest.approx([m["value"] for m in one["metrics"]], rel=1e-5)
+    assert [m["value"] for m in two["metrics"]] == pytest.approx(
+        [m["value"] for m in one["metrics"]], rel=1e-5
+    )
     assert two["metrics"][-1]["extra"] == {**one["metrics"][-1]["extra"], "processes": 2, "sharding": "fsdp"}
     student_ce = [m["value"] for m in one["metrics"] if m["name"] == "val_ce" and m.get("who") == "student"]
-    assert len(student_ce) == 3 and abs(student_ce[-1] - student_ce[0]) > 1e-2  # the curve moves: the check can fail
+    assert (
+        len(student_ce) == 3 and abs(student_ce[-1] - student_ce[0]) > 1e-2
+    )  # the curve moves: the check can fail
     a = AutoModelForCausalLM.from_pretrained(one["outputs"]["path"])
     b = AutoModelForCausalLM.from_pretrained(two["outputs"]["path"])
     assert all(torch.allclose(p, q, atol=1e-5) for p, q in zip(a.parameters(), b.parameters(), strict=True))
@@ -271,8 +352,14 @@ def test_benchmark_smoke_mode_runs(tmp_path):
     from tests.test_benchmarks import smoke_env
 
     root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_fsdp.py"), "--smoke"], cwd=tmp_path,
-                       env=smoke_env(tmp_path), capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "bench_fsdp.py"), "--smoke"],
+        cwd=tmp_path,
+        env=smoke_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     line = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("{")))
     assert line["ranks"] == 1 and line["tokens_per_s"] > 0 and len(line["loss_curve"]) == 4

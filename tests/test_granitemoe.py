@@ -12,17 +12,28 @@ from workers.families import get_adapter, teacher_shape
 from workers.models.convert import build_student_from_plans
 from workers.training.distill import lm_head
 
-CARRIED = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling", "rope_parameters",
-           "tie_word_embeddings", "rms_norm_eps", "num_key_value_heads")
+CARRIED = (
+    "embedding_multiplier",
+    "residual_multiplier",
+    "attention_multiplier",
+    "logits_scaling",
+    "rope_parameters",
+    "tie_word_embeddings",
+    "rms_norm_eps",
+    "num_key_value_heads",
+)
 
 
 @pytest.mark.parametrize("family", ["granitemoe", "granitemoeshared", "granitemoe_swa"])
 def test_student_carries_the_multipliers_and_the_attention_layout(family):
     teacher = make_teacher(family)
-    student = build_student_from_plans(teacher, get_adapter(teacher), hand_plans(get_adapter(teacher), teacher, True),
-                                       share_weights=True)
+    student = build_student_from_plans(
+        teacher, get_adapter(teacher), hand_plans(get_adapter(teacher), teacher, True), share_weights=True
+    )
     tc, sc = teacher.config, student.config
-    for name in CARRIED + (("layer_types", "layer_rope_theta", "sliding_window") if family == "granitemoe_swa" else ()):
+    for name in CARRIED + (
+        ("layer_types", "layer_rope_theta", "sliding_window") if family == "granitemoe_swa" else ()
+    ):
         assert getattr(sc, name) == getattr(tc, name), name
     assert all(getattr(tc, m) != 1.0 for m in CARRIED[:4])  # the tiny teacher moves every multiplier
     assert not sc.mlp_bias and not any(hasattr(layer, "shared_mlp") for layer in student.model.layers)
@@ -45,8 +56,9 @@ def test_softmax_over_the_top_k_logits_is_p_renormalized():
 
 def test_logits_scaling_is_folded_into_the_kd_head():
     teacher = make_teacher("granitemoeshared")
-    student = build_student_from_plans(teacher, get_adapter(teacher), hand_plans(get_adapter(teacher), teacher, False),
-                                       share_weights=True)
+    student = build_student_from_plans(
+        teacher, get_adapter(teacher), hand_plans(get_adapter(teacher), teacher, False), share_weights=True
+    )
     x = ids(seed=2)
     with torch.no_grad():
         for model in (teacher, student):
@@ -56,7 +68,10 @@ def test_logits_scaling_is_folded_into_the_kd_head():
 
 def test_a_shared_mlp_of_width_zero_is_none():
     cfg = tiny_config("granitemoeshared", shared_intermediate_size=0)
-    assert teacher_shape(cfg).shared_experts == 0 and teacher_shape(tiny_config("granitemoeshared")).shared_experts == 1
+    assert (
+        teacher_shape(cfg).shared_experts == 0
+        and teacher_shape(tiny_config("granitemoeshared")).shared_experts == 1
+    )
     teacher = make_teacher("granitemoeshared", shared_intermediate_size=0)
     a = get_adapter(teacher)
     assert a.num_shared_experts(teacher) == 0 and a.shared_ffn(teacher, 0) is None
@@ -74,8 +89,12 @@ def test_a_checkpoint_in_the_released_layout_loads_fused(tmp_path):
     teacher = make_teacher("granitemoeshared")
     teacher.save_pretrained(tmp_path)
     (f,) = tmp_path.glob("*.safetensors")
-    legacy = {k.replace("experts.gate_up_proj", "input_linear.weight").replace("experts.down_proj", "output_linear.weight")
-              .replace("router.weight", "router.layer.weight"): v for k, v in load_file(f).items()}
+    legacy = {
+        k.replace("experts.gate_up_proj", "input_linear.weight")
+        .replace("experts.down_proj", "output_linear.weight")
+        .replace("router.weight", "router.layer.weight"): v
+        for k, v in load_file(f).items()
+    }
     assert any("input_linear" in k for k in legacy) and not any("gate_up_proj" in k for k in legacy)
     save_file(legacy, f, metadata={"format": "pt"})
     back = AutoModelForCausalLM.from_pretrained(tmp_path)
@@ -84,7 +103,9 @@ def test_a_checkpoint_in_the_released_layout_loads_fused(tmp_path):
     for name, t in saved.items():
         assert torch.equal(loaded[name], t), name  # exact: the renamed tensors' bytes, loaded unchanged
     a = get_adapter(back)
-    assert torch.equal(a.expert_weights(back, 1).gate, a.expert_weights(teacher, 1).gate)  # exact: copied bytes
+    assert torch.equal(
+        a.expert_weights(back, 1).gate, a.expert_weights(teacher, 1).gate
+    )  # exact: copied bytes
     x = ids(seed=3)
     with torch.no_grad():
         # float32 forwards of the in-memory and the reloaded model: equal tensors, but the kernels may take other

@@ -19,8 +19,16 @@ from workers.methods.grouping import (
 )
 
 
-def make_ctx(E: int = 10, k: int = 2, H: int = 6, inter: int = 5, N: int = 64, d: int = 6, seed: int = 0,
-             families: int | None = None) -> LayerContext:
+def make_ctx(
+    E: int = 10,
+    k: int = 2,
+    H: int = 6,
+    inter: int = 5,
+    N: int = 64,
+    d: int = 6,
+    seed: int = 0,
+    families: int | None = None,
+) -> LayerContext:
     """Random layer. With `families`, expert e's weights, router row and outputs are its family's plus small noise."""
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
@@ -33,8 +41,13 @@ def make_ctx(E: int = 10, k: int = 2, H: int = 6, inter: int = 5, N: int = 64, d
     p = rnd(N, E).softmax(-1)
     routed = torch.zeros(N, E, dtype=torch.bool).scatter_(1, p.topk(k, dim=1).indices, True)
     stats = stats_from_tokens(p, routed, p * routed, f)
-    return LayerContext(stats=stats, experts=ExpertWeights(gate=gate, up=up, down=down), router_weight=router,
-                        top_k=k, renormalized=True)
+    return LayerContext(
+        stats=stats,
+        experts=ExpertWeights(gate=gate, up=up, down=down),
+        router_weight=router,
+        top_k=k,
+        renormalized=True,
+    )
 
 
 def scores_for(E: int, seed: int = 1) -> torch.Tensor:
@@ -68,7 +81,10 @@ def test_round_robin_matches_appendix_g_by_hand():
     # ranks: 1(.9) 5(.8) 3(.7) 2(.5) 4(.3) 6(.2) 0(.1); rank r → group r mod 3
     assert GROUPINGS["RR"](make_ctx(E=7), list(range(7)), s, 3) == [[1, 2, 0], [5, 4], [3, 6]]
     # Equal scores: ties by lower id.
-    assert GROUPINGS["RR"](make_ctx(E=7), [6, 2, 4, 0], torch.ones(7, dtype=torch.float64), 2) == [[0, 4], [2, 6]]
+    assert GROUPINGS["RR"](make_ctx(E=7), [6, 2, 4, 0], torch.ones(7, dtype=torch.float64), 2) == [
+        [0, 4],
+        [2, 6],
+    ]
 
 
 def test_k_equal_K_gives_identical_singletons_for_every_grouping():

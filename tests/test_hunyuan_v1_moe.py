@@ -16,8 +16,13 @@ FAMILY = "hunyuan_v1_moe"
 def test_equal_per_layer_k_list_is_that_k():
     cfg = tiny_config(FAMILY, moe_topk=[2, 2])
     shape = teacher_shape(cfg)
-    assert (shape.num_experts, shape.top_k, shape.renormalize, shape.shared_experts, shape.moe_layers) == (6, 2, True,
-                                                                                                         1, 2)
+    assert (shape.num_experts, shape.top_k, shape.renormalize, shape.shared_experts, shape.moe_layers) == (
+        6,
+        2,
+        True,
+        1,
+        2,
+    )
     assert cfg.moe_topk == [2, 2]  # the config is not changed
     model = make_teacher(FAMILY, moe_topk=[2, 2])
     assert get_adapter(model).top_k(model) == 2
@@ -25,7 +30,9 @@ def test_equal_per_layer_k_list_is_that_k():
 
 @pytest.mark.parametrize("topk", [[2, 1], [2]])
 def test_differing_or_short_per_layer_k_list_is_refused(topk):
-    with pytest.raises(ValueError, match=r"^hunyuan_v1_moe config: moe_topk=\[.*only one k per model is supported$"):
+    with pytest.raises(
+        ValueError, match=r"^hunyuan_v1_moe config: moe_topk=\[.*only one k per model is supported$"
+    ):
         teacher_shape(tiny_config(FAMILY, moe_topk=topk))
 
 

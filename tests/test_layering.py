@@ -46,8 +46,9 @@ def test_no_worker_module_imports_the_orchestrator_or_the_database():
     bad = {}
     for f in files:
         rel = f.relative_to(ROOT).with_suffix("").parts
-        found = sorted(m for m in imported_modules(f.read_text(), rel[:-1])
-                       if m.split(".")[0] in ("orchestrator", "db"))
+        found = sorted(
+            m for m in imported_modules(f.read_text(), rel[:-1]) if m.split(".")[0] in ("orchestrator", "db")
+        )
         if found:
             bad[f.relative_to(ROOT).as_posix()] = found
     assert bad == {}
@@ -70,8 +71,18 @@ def test_the_check_sees_every_import_form():
 
 # ---- the wings of workers/ ------------------------------------------------------------------------------
 # a wing may import only wings of a lower rank (never one of its own rank: those are siblings)
-WING_RANK = {"core": 0, "methods": 1, "families": 2, "models": 3,
-             "calibration": 4, "training": 4, "evaluation": 4, "baselines": 4, "tiny": 5, "run": 6}
+WING_RANK = {
+    "core": 0,
+    "methods": 1,
+    "families": 2,
+    "models": 3,
+    "calibration": 4,
+    "training": 4,
+    "evaluation": 4,
+    "baselines": 4,
+    "tiny": 5,
+    "run": 6,
+}
 PACKAGES = ("orchestrator", "workers", "db", "analysis", "dashboard", "sweeps")
 
 
@@ -109,9 +120,14 @@ def test_the_wings_import_one_way():
 def test_the_wing_check_sees_a_back_up_and_a_sideways_import():
     assert wing_violations(("workers", "methods", "scoring"), ["workers.core.types", "torch"]) == []
     assert wing_violations(("workers", "methods", "scoring"), ["workers.calibration.calibrate"]) == [
-        "workers.calibration.calibrate"]
-    assert wing_violations(("workers", "training", "distill"), ["workers.evaluation.ppl"]) == ["workers.evaluation.ppl"]
-    assert wing_violations(("workers", "run", "convert"), ["workers.models.plans", "workers.run.common"]) == []
+        "workers.calibration.calibrate"
+    ]
+    assert wing_violations(("workers", "training", "distill"), ["workers.evaluation.ppl"]) == [
+        "workers.evaluation.ppl"
+    ]
+    assert (
+        wing_violations(("workers", "run", "convert"), ["workers.models.plans", "workers.run.common"]) == []
+    )
 
 
 # ---- no circles ------------------------------------------------------------------------------------------

@@ -53,14 +53,23 @@ def _gone(pid: int) -> bool:
 def test_a_killed_launch_leaves_no_ray_process_behind(tmp_path, group):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MOESWEEP_"))}
     env.update(PYTHONPATH=str(ROOT), MOESWEEP_HOME=str(tmp_path), OMP_NUM_THREADS="1")
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     try:
         watchdog = int(driver.stdout.readline())
         environ = Path(f"/proc/{watchdog}/cmdline").read_bytes().split(b"\0")
         token = next(a for a in environ if a.startswith(b"MOESWEEP_LOCAL_RAY="))
         ray_procs = _marked(token)
-        names = {Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].rsplit(b"/", 1)[-1] for p in ray_procs}
+        names = {
+            Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].rsplit(b"/", 1)[-1] for p in ray_procs
+        }
         assert {b"raylet", b"gcs_server"} <= names and b"ray::JobWorker" in {n.strip() for n in names}, names
     finally:
         if group:

@@ -49,7 +49,9 @@ def project() -> dict:
 
 def declared(extras=("dev", "postgres")) -> list[Requirement]:
     p = project()
-    return [Requirement(r) for r in p["dependencies"] + [r for e in extras for r in p["optional-dependencies"][e]]]
+    return [
+        Requirement(r) for r in p["dependencies"] + [r for e in extras for r in p["optional-dependencies"][e]]
+    ]
 
 
 def test_the_lock_was_solved_from_the_current_ranges():
@@ -58,7 +60,8 @@ def test_the_lock_was_solved_from_the_current_ranges():
         got = re.search(r"^# pyproject-ranges-sha256: (\w+)$", (REQ / name).read_text(), re.M)
         assert got and got.group(1) == want, (
             f"requirements/{name} was solved from other ranges than pyproject.toml's: run `make lock`, "
-            "then `make test`, and commit both")
+            "then `make test`, and commit both"
+        )
 
 
 def test_the_ranges_hash_moves_with_a_range(tmp_path):
@@ -81,7 +84,8 @@ def test_every_declared_dependency_is_pinned_within_its_range():
         name = canonicalize_name(req.name)
         assert name in locked, f"{req} is declared in pyproject.toml but not in the lock: run `make lock`"
         assert req.specifier.contains(locked[name], prereleases=True), (
-            f"the lock pins {name}=={locked[name]} outside pyproject's range {req}: run `make lock`")
+            f"the lock pins {name}=={locked[name]} outside pyproject's range {req}: run `make lock`"
+        )
 
 
 def test_every_pin_is_exact_and_hashed_and_the_files_name_no_index():
@@ -138,8 +142,10 @@ def _imported_top_levels() -> dict[str, str]:
 def test_every_imported_distribution_is_declared():
     dists = md.packages_distributions()
     p = project()
-    names = {canonicalize_name(Requirement(r).name)
-             for r in p["dependencies"] + [r for e in p["optional-dependencies"].values() for r in e]}
+    names = {
+        canonicalize_name(Requirement(r).name)
+        for r in p["dependencies"] + [r for e in p["optional-dependencies"].values() for r in e]
+    }
     undeclared = []
     for mod, where in _imported_top_levels().items():
         if mod in sys.stdlib_module_names or mod in PACKAGES or mod == "vllm":  # vllm: the [gpu] extra
@@ -155,7 +161,9 @@ def test_rays_extras_are_the_ones_the_code_uses():
     used = set()
     for pkg in PACKAGES:
         for f in (ROOT / pkg).rglob("*.py"):
-            used |= set(re.findall(r"^\s*(?:from|import) ray\.(tune|train|serve|data)\b", f.read_text(), re.M))
+            used |= set(
+                re.findall(r"^\s*(?:from|import) ray\.(tune|train|serve|data)\b", f.read_text(), re.M)
+            )
     assert set(ray.extras) == used, f"ray extras {sorted(ray.extras)} declared, {sorted(used)} imported"
 
 

@@ -42,9 +42,12 @@ def test_zero_when_student_equals_teacher():
 def test_known_values_two_and_three_classes():
     p_t, p_s = [0.5, 0.5], [0.25, 0.75]
     # forward = 0.5 ln 2 + 0.5 ln(2/3) = 0.5 ln(4/3); reverse = 0.25 ln 0.5 + 0.75 ln 1.5
-    assert forward_kl(logits_of(p_t)[None], logits_of(p_s)[None]).item() == pytest.approx(0.5 * math.log(4 / 3), 1e-5)
+    assert forward_kl(logits_of(p_t)[None], logits_of(p_s)[None]).item() == pytest.approx(
+        0.5 * math.log(4 / 3), 1e-5
+    )
     assert reverse_kl(logits_of(p_t)[None], logits_of(p_s)[None]).item() == pytest.approx(
-        0.25 * math.log(0.5) + 0.75 * math.log(1.5), 1e-5)
+        0.25 * math.log(0.5) + 0.75 * math.log(1.5), 1e-5
+    )
     p_t, p_s = [0.2, 0.3, 0.5], [0.6, 0.3, 0.1]
     assert forward_kl(logits_of(p_t)[None], logits_of(p_s)[None]).item() == pytest.approx(kl(p_t, p_s), 1e-5)
     assert reverse_kl(logits_of(p_t)[None], logits_of(p_s)[None]).item() == pytest.approx(kl(p_s, p_t), 1e-5)
@@ -95,7 +98,9 @@ def test_masked_mean_over_tokens():
     expected = per_tok[mask.reshape(-1).bool()].mean()
     assert forward_kl(t, s, mask=mask).item() == pytest.approx(expected.item(), 1e-6)
     per_tok = token_reverse_kl(t.reshape(-1, 9), s.reshape(-1, 9))
-    assert reverse_kl(t, s, mask=mask).item() == pytest.approx(per_tok[mask.reshape(-1).bool()].mean().item(), 1e-6)
+    assert reverse_kl(t, s, mask=mask).item() == pytest.approx(
+        per_tok[mask.reshape(-1).bool()].mean().item(), 1e-6
+    )
 
 
 @pytest.mark.parametrize("fn", [forward_kl, reverse_kl])
@@ -136,9 +141,12 @@ def test_head_weighted_divergence_is_the_weighted_sum_of_token_divergences():
     wt, ws = torch.randn(13, 8), torch.randn(13, 8)
     bt, bs = torch.randn(13), torch.randn(13)
     w = torch.rand(2, 6)
-    a = head_weighted_divergence(LOSSES["forward_kl"].token_loss, ht, wt, hs, ws, w, tau=2.0, chunk=5,
-                                 teacher_bias=bt, student_bias=bs)
-    per_token = token_forward_kl(F.linear(ht, wt, bt).reshape(-1, 13), F.linear(hs, ws, bs).reshape(-1, 13), 2.0)
+    a = head_weighted_divergence(
+        LOSSES["forward_kl"].token_loss, ht, wt, hs, ws, w, tau=2.0, chunk=5, teacher_bias=bt, student_bias=bs
+    )
+    per_token = token_forward_kl(
+        F.linear(ht, wt, bt).reshape(-1, 13), F.linear(hs, ws, bs).reshape(-1, 13), 2.0
+    )
     b = (per_token * w.reshape(-1)).sum()
     assert a.item() == pytest.approx(b.item(), 1e-5)
     (ga,) = torch.autograd.grad(a, hs)
@@ -154,8 +162,9 @@ def test_head_cross_entropy():
     y = torch.randint(0, 17, (2, 5))
     s, n = head_cross_entropy(h, w, y, chunk=3)
     assert n == 10
-    assert s.item() == pytest.approx(F.cross_entropy(F.linear(h, w).reshape(-1, 17), y.reshape(-1),
-                                                     reduction="sum").item(), 1e-5)
+    assert s.item() == pytest.approx(
+        F.cross_entropy(F.linear(h, w).reshape(-1, 17), y.reshape(-1), reduction="sum").item(), 1e-5
+    )
 
 
 def test_hidden_mse_and_intermediate_values():
@@ -167,7 +176,8 @@ def test_hidden_mse_and_intermediate_values():
     assert hidden_mse(t, s_masked, mask).item() == pytest.approx(1.0)  # the masked token is ignored
     z_t, z_s = logits_of([0.5, 0.5])[None, None], logits_of([0.25, 0.75])[None, None]
     assert intermediate(z_t, z_s, t[:1], s[:1], hidden_weight=0.5).item() == pytest.approx(
-        0.5 * math.log(4 / 3) + 0.5 * 1.0, 1e-5)
+        0.5 * math.log(4 / 3) + 0.5 * 1.0, 1e-5
+    )
     with pytest.raises(ValueError, match="same non-zero number of layers"):
         hidden_mse(t, s[:1])
     with pytest.raises(ValueError, match="shape"):

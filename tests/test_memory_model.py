@@ -20,12 +20,26 @@ def test_parameter_counts_equal_the_hf_models():
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     t, s = QWEN3_30B_A3B, STUDENT_3B
-    common = dict(hidden_size=t.hidden, num_hidden_layers=t.layers, num_attention_heads=t.heads,
-                  num_key_value_heads=t.kv_heads, head_dim=t.head_dim, vocab_size=t.vocab, tie_word_embeddings=False)
+    common = dict(
+        hidden_size=t.hidden,
+        num_hidden_layers=t.layers,
+        num_attention_heads=t.heads,
+        num_key_value_heads=t.kv_heads,
+        head_dim=t.head_dim,
+        vocab_size=t.vocab,
+        tie_word_embeddings=False,
+    )
     with torch.device("meta"):
-        teacher = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, num_experts=t.experts, num_experts_per_tok=t.top_k,
-                                                     moe_intermediate_size=t.ffn, decoder_sparse_step=1,
-                                                     mlp_only_layers=[]))
+        teacher = Qwen3MoeForCausalLM(
+            Qwen3MoeConfig(
+                **common,
+                num_experts=t.experts,
+                num_experts_per_tok=t.top_k,
+                moe_intermediate_size=t.ffn,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+            )
+        )
         student = Qwen3ForCausalLM(Qwen3Config(**common, intermediate_size=s.ffn))
     assert t.params() == sum(p.numel() for p in teacher.parameters()) == 30_532_122_624
     assert s.params() == sum(p.numel() for p in student.parameters()) == 3_340_449_792
@@ -38,9 +52,16 @@ def test_layer_activations_equal_what_torch_saves(fp32_weights):
 
     s = Shapes(layers=1, hidden=48, vocab=32, heads=4, kv_heads=2, head_dim=16, ffn=80)
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=1, num_attention_heads=s.heads,
-                      num_key_value_heads=s.kv_heads, head_dim=s.head_dim, intermediate_size=s.ffn,
-                      attn_implementation="sdpa")
+    cfg = Qwen3Config(
+        vocab_size=s.vocab,
+        hidden_size=s.hidden,
+        num_hidden_layers=1,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        head_dim=s.head_dim,
+        intermediate_size=s.ffn,
+        attn_implementation="sdpa",
+    )
     model = Qwen3ForCausalLM(cfg)
     if not fp32_weights:
         model.to(torch.bfloat16)  # FSDP's gathered bf16 parameters
@@ -56,12 +77,15 @@ def test_layer_activations_equal_what_torch_saves(fp32_weights):
             saved[st.data_ptr()] = st.nbytes()  # weights and autocast's casts of them are not activations
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            torch.autocast("cpu", dtype=torch.bfloat16, enabled=fp32_weights):
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        torch.autocast("cpu", dtype=torch.bfloat16, enabled=fp32_weights),
+    ):
         h = model.model.embed_tokens(ids)
         pos = torch.arange(tokens)[None]
-        model.model.layers[0](h, position_embeddings=model.model.rotary_emb(h, pos), attention_mask=None,
-                              position_ids=pos)
+        model.model.layers[0](
+            h, position_embeddings=model.model.rotary_emb(h, pos), attention_mask=None, position_ids=pos
+        )
     assert sum(saved.values()) == layer_activation_bytes(s, fp32_weights) * tokens
 
 

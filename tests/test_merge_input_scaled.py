@@ -38,8 +38,14 @@ def hand_expert(ex: ExpertWeights, members: list[int], mw: list[float], h: torch
     return y
 
 
-PLAN = LayerPlan(layer=0, selected=[1, 3, 0, 4], scores=[1.0] * E, groups=[[1, 3], [0, 4]],
-                 merge_weights=[[0.3, 0.7], [0.6, 0.4]], alpha=[0.7, 0.45])
+PLAN = LayerPlan(
+    layer=0,
+    selected=[1, 3, 0, 4],
+    scores=[1.0] * E,
+    groups=[[1, 3], [0, 4]],
+    merge_weights=[[0.3, 0.7], [0.6, 0.4]],
+    alpha=[0.7, 0.45],
+)
 
 
 @pytest.mark.parametrize("biases", [False, True])
@@ -47,12 +53,16 @@ def test_input_scaled_dense_ffn_is_the_sum_of_groups_on_scaled_inputs(biases):
     ex = experts(True, biases)
     h = torch.randn(9, H, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * 2
     ffn = build_dense_ffn(ex, PLAN)
-    want = sum(hand_expert(ex, g, mw, a * h) for g, mw, a in zip(PLAN.groups, PLAN.merge_weights, PLAN.alpha,
-                                                                   strict=True))
+    want = sum(
+        hand_expert(ex, g, mw, a * h)
+        for g, mw, a in zip(PLAN.groups, PLAN.merge_weights, PLAN.alpha, strict=True)
+    )
     torch.testing.assert_close(ffn_forward(ffn, h), want, rtol=1e-10, atol=1e-10)
     # and it is not the output-scaled combination: the two conventions really differ here
-    out_scaled = sum(a * hand_expert(ex, g, mw, h) for g, mw, a in zip(PLAN.groups, PLAN.merge_weights,
-                                                                      PLAN.alpha, strict=True))
+    out_scaled = sum(
+        a * hand_expert(ex, g, mw, h)
+        for g, mw, a in zip(PLAN.groups, PLAN.merge_weights, PLAN.alpha, strict=True)
+    )
     assert not torch.allclose(ffn_forward(ffn, h), out_scaled, atol=1e-3)
 
 
@@ -60,8 +70,10 @@ def test_output_scaled_experts_keep_alpha_on_the_down_projection():
     ex = experts(False, biases=True)
     h = torch.randn(9, H, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     ffn = build_dense_ffn(ex, PLAN)
-    want = sum(a * hand_expert(ex, g, mw, h) for g, mw, a in zip(PLAN.groups, PLAN.merge_weights, PLAN.alpha,
-                                                                 strict=True))
+    want = sum(
+        a * hand_expert(ex, g, mw, h)
+        for g, mw, a in zip(PLAN.groups, PLAN.merge_weights, PLAN.alpha, strict=True)
+    )
     torch.testing.assert_close(ffn_forward(ffn, h), want, rtol=1e-10, atol=1e-10)
 
 
@@ -71,8 +83,9 @@ def test_singleton_groups_reproduce_the_routed_combination():
     ex = experts(True)
     h = torch.randn(7, H, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     idx, w = [4, 1], [0.8, 0.35]
-    plan = LayerPlan(layer=0, selected=idx, scores=[1.0] * E, groups=[[4], [1]], merge_weights=[[1.0], [1.0]],
-                     alpha=w)
+    plan = LayerPlan(
+        layer=0, selected=idx, scores=[1.0] * E, groups=[[4], [1]], merge_weights=[[1.0], [1.0]], alpha=w
+    )
     routed = routed_forward(ex, h, torch.tensor([w] * 7, dtype=torch.float64), torch.tensor([idx] * 7))
     want = sum(hand_expert(ex, [e], [1.0], a * h) for e, a in zip(idx, w, strict=True))
     torch.testing.assert_close(routed, want, rtol=1e-10, atol=1e-10)

@@ -51,19 +51,37 @@ def moe_blocks(family: str, model) -> dict[int, torch.nn.Module]:
     return {i: b for i, b in blocks.items() if hasattr(b, "experts")}
 
 
-def hand_ctx(count: list[float], sum_out: torch.Tensor | None = None, gram_p: torch.Tensor | None = None,
-             n_tokens: int = 10, k: int = 2) -> LayerContext:
+def hand_ctx(
+    count: list[float],
+    sum_out: torch.Tensor | None = None,
+    gram_p: torch.Tensor | None = None,
+    n_tokens: int = 10,
+    k: int = 2,
+) -> LayerContext:
     """A LayerContext with hand-built counts / representatives / router Gram; the rest zeros."""
     E = len(count)
     z = torch.zeros(E, dtype=torch.float64)
-    stats = LayerStats(n_tokens=n_tokens, count=torch.tensor(count, dtype=torch.float64), sum_p=z,
-                       sum_p_sel=z, sum_sq=z, sum_gnorm_sel=z, sum_norm_sel=z,
-                       gram=torch.zeros(E, E, dtype=torch.float64), sum_out=sum_out, gram_p=gram_p)
+    stats = LayerStats(
+        n_tokens=n_tokens,
+        count=torch.tensor(count, dtype=torch.float64),
+        sum_p=z,
+        sum_p_sel=z,
+        sum_sq=z,
+        sum_gnorm_sel=z,
+        sum_norm_sel=z,
+        gram=torch.zeros(E, E, dtype=torch.float64),
+        sum_out=sum_out,
+        gram_p=gram_p,
+    )
     g = torch.Generator().manual_seed(0)
-    ex = ExpertWeights(gate=torch.randn(E, 4, 3, generator=g), up=torch.randn(E, 4, 3, generator=g),
-                       down=torch.randn(E, 3, 4, generator=g))
-    return LayerContext(stats=stats, experts=ex, router_weight=torch.randn(E, 3, generator=g), top_k=k,
-                        renormalized=True)
+    ex = ExpertWeights(
+        gate=torch.randn(E, 4, 3, generator=g),
+        up=torch.randn(E, 4, 3, generator=g),
+        down=torch.randn(E, 3, 4, generator=g),
+    )
+    return LayerContext(
+        stats=stats, experts=ex, router_weight=torch.randn(E, 3, generator=g), top_k=k, renormalized=True
+    )
 
 
 # ---- HC-SMoE: agglomerative clustering -------------------------------------------------------------
@@ -102,8 +120,12 @@ def test_average_linkage_is_the_mean_of_original_distances():
     d = torch.cdist(x, x)
     clusters = [[e] for e in range(9)]
     for M in range(8, 0, -1):
-        pairs = [(float(d[a][:, b].mean()), i, j)
-                 for i, a in enumerate(clusters) for j, b in enumerate(clusters) if i < j]
+        pairs = [
+            (float(d[a][:, b].mean()), i, j)
+            for i, a in enumerate(clusters)
+            for j, b in enumerate(clusters)
+            if i < j
+        ]
         _, i, j = min(pairs)
         rest = [c for t, c in enumerate(clusters) if t not in (i, j)]
         clusters = sorted([sorted(clusters[i] + clusters[j])] + rest)
@@ -117,7 +139,9 @@ def test_degenerate_representatives_have_defined_distances():
     assert d[0, 1] == 0 and d[0, 2] == 1 and d[2, 3] == 0 and torch.equal(d, d.T)
     g = torch.tensor([[1.0, 0.5, 0.0], [0.5, 1.0, 0.0], [0.0, 0.0, 0.0]])  # expert 2: no gate mass at all
     r = router_gate_distance(g)
-    assert float(r[0, 1]) == pytest.approx(0.5) and r[2, 0] == 1 and r[2, 2] == 0  # exact: set entries (S = 0, diagonal)
+    assert (
+        float(r[0, 1]) == pytest.approx(0.5) and r[2, 0] == 1 and r[2, 2] == 0
+    )  # exact: set entries (S = 0, diagonal)
 
 
 def test_hc_smoe_plan():
@@ -153,8 +177,9 @@ def test_hc_smoe_plan():
 def test_m_smoe_plan():
     """ν = [3, 9, 3, 1, 0], K=2: dominant 1 and (tie at 3) 0. By router gates, e3 goes with e0, e2 with
     e1; e4 never has gate mass (D = 1 to both dominants) → the lower dominant id, 0."""
-    P = torch.tensor([[0.5, 0.0, 0.0, 0.5, 0.0], [0.0, 0.6, 0.4, 0.0, 0.0], [0.1, 0.5, 0.3, 0.1, 0.0]],
-                     dtype=torch.float64)
+    P = torch.tensor(
+        [[0.5, 0.0, 0.0, 0.5, 0.0], [0.0, 0.6, 0.4, 0.0, 0.0], [0.1, 0.5, 0.3, 0.1, 0.0]], dtype=torch.float64
+    )
     ctx = hand_ctx([3, 9, 3, 1, 0], gram_p=P.T @ P)
     plan = merge_layer(1, ctx, "M-SMoE", 2)
     assert plan.groups == [[0, 3, 4], [1, 2]]
@@ -170,14 +195,20 @@ def test_m_smoe_plan():
 
 
 def test_registry_and_bad_inputs_give_one_line_errors():
-    assert registry_names("workers.methods.moe_merging", "MERGINGS") == list(MERGINGS) == ["HC-SMoE", "M-SMoE"]
+    assert (
+        registry_names("workers.methods.moe_merging", "MERGINGS") == list(MERGINGS) == ["HC-SMoE", "M-SMoE"]
+    )
     P = torch.eye(4, dtype=torch.float64)
     ctx = hand_ctx([1, 2, 3, 4], sum_out=torch.randn(4, 3, dtype=torch.float64), gram_p=P)
-    cases = [(("HC-SMoE", 1, None), "K=1"), (("M-SMoE", 5, None), "K=5"),
-             (("HC-SMoE", 2, {"linkage": "ward"}), "linkage='ward'"),
-             (("HC-SMoE", 2, {"size": 3}), "allowed: distance, linkage, permute, router_rows"),
-             (("M-SMoE", 2, {"distance": "cosine"}), "allowed: permute, router_rows"),
-             (("M-SMoE", 2, {"permute": 1}), "permute=1"), (("X", 2, None), "unknown merging")]
+    cases = [
+        (("HC-SMoE", 1, None), "K=1"),
+        (("M-SMoE", 5, None), "K=5"),
+        (("HC-SMoE", 2, {"linkage": "ward"}), "linkage='ward'"),
+        (("HC-SMoE", 2, {"size": 3}), "allowed: distance, linkage, permute, router_rows"),
+        (("M-SMoE", 2, {"distance": "cosine"}), "allowed: permute, router_rows"),
+        (("M-SMoE", 2, {"permute": 1}), "permute=1"),
+        (("X", 2, None), "unknown merging"),
+    ]
     for (method, K, settings), msg in cases:
         with pytest.raises(ValueError, match=msg) as e:
             merge_layer(0, ctx, method, K, settings)
@@ -195,9 +226,15 @@ def test_weight_matching_recovers_a_known_permutation():
     down = torch.randn(H, n_units, generator=g)
     gb, ub = torch.randn(n_units, generator=g), torch.randn(n_units, generator=g)
     sigma = torch.randperm(n_units, generator=g)  # the copy's unit u is the original's unit sigma[u]
-    ex = ExpertWeights(gate=torch.stack([gate, gate[sigma]]), up=torch.stack([up, up[sigma]]),
-                       down=torch.stack([down, down[:, sigma]]), gate_bias=torch.stack([gb, gb[sigma]]),
-                       up_bias=torch.stack([ub, ub[sigma]]), down_bias=torch.zeros(2, H), act="gptoss")
+    ex = ExpertWeights(
+        gate=torch.stack([gate, gate[sigma]]),
+        up=torch.stack([up, up[sigma]]),
+        down=torch.stack([down, down[:, sigma]]),
+        gate_bias=torch.stack([gb, gb[sigma]]),
+        up_bias=torch.stack([ub, ub[sigma]]),
+        down_bias=torch.zeros(2, H),
+        act="gptoss",
+    )
     pi = match_units(ex, 0, 1)
     # exact: unit indices (integers), and gathers of the same rows / columns (copied bytes)
     assert torch.equal(sigma[pi], torch.arange(n_units))  # the aligned copy is the original, unit by unit
@@ -206,11 +243,21 @@ def test_weight_matching_recovers_a_known_permutation():
 
 
 # ---- merged checkpoints ----------------------------------------------------------------------------
-def singletons(ids_per_layer: dict[int, list[int]], perms: dict[int, dict[int, torch.Tensor]] | None = None,
-               rule: str = "weighted") -> dict[int, MergedLayer]:
-    return {layer: MergedLayer(groups=[[e] for e in sorted(v)], weights=[[1.0] for _ in v], router_rows=rule,
-                               dominant=sorted(v), perms=(perms or {}).get(layer, {}))
-            for layer, v in ids_per_layer.items()}
+def singletons(
+    ids_per_layer: dict[int, list[int]],
+    perms: dict[int, dict[int, torch.Tensor]] | None = None,
+    rule: str = "weighted",
+) -> dict[int, MergedLayer]:
+    return {
+        layer: MergedLayer(
+            groups=[[e] for e in sorted(v)],
+            weights=[[1.0] for _ in v],
+            router_rows=rule,
+            dominant=sorted(v),
+            perms=(perms or {}).get(layer, {}),
+        )
+        for layer, v in ids_per_layer.items()
+    }
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -240,10 +287,14 @@ def kept_subset(family: str, model) -> dict[int, list[int]]:
     adapter = get_adapter(model)
     E = adapter.num_experts(model)
     if CASES[family].groups:
-        return {layer: [0, 2, 5, 7] if i % 2 else [1, 3, 4, 6]
-                for i, layer in enumerate(adapter.moe_layers(model))}
-    return {layer: [e for e in range(E) if e not in (i % E, (i + 2) % E)]
-            for i, layer in enumerate(adapter.moe_layers(model))}
+        return {
+            layer: [0, 2, 5, 7] if i % 2 else [1, 3, 4, 6]
+            for i, layer in enumerate(adapter.moe_layers(model))
+        }
+    return {
+        layer: [e for e in range(E) if e not in (i % E, (i + 2) % E)]
+        for i, layer in enumerate(adapter.moe_layers(model))
+    }
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -327,8 +378,12 @@ def test_deepseek_keeps_the_group_limit_only_for_clusters_inside_groups():
     layers = adapter.moe_layers(model)
 
     def build(groups: list[list[int]]):
-        merged = {layer: MergedLayer(groups, [[1 / len(c)] * len(c) for c in groups], "weighted",
-                                     [c[0] for c in groups]) for layer in layers}
+        merged = {
+            layer: MergedLayer(
+                groups, [[1 / len(c)] * len(c) for c in groups], "weighted", [c[0] for c in groups]
+            )
+            for layer in layers
+        }
         return adapter.merged_moe_student(model, merged).config
 
     assert build([[0, 1], [2, 3], [4, 5], [6, 7]]).n_group == 2
@@ -344,21 +399,29 @@ def test_bad_merged_layers_give_one_line_errors():
     layers, E = adapter.moe_layers(model), adapter.num_experts(model)
 
     def ml(groups, weights=None, rule="weighted", dominant=None, perms=None):
-        return MergedLayer(groups, weights or [[1 / len(g)] * len(g) for g in groups], rule,
-                           dominant or [g[0] for g in groups], perms or {})
+        return MergedLayer(
+            groups,
+            weights or [[1 / len(g)] * len(g) for g in groups],
+            rule,
+            dominant or [g[0] for g in groups],
+            perms or {},
+        )
 
     good = ml([[0, 1], [2, 3], [4, 5]])
-    cases = [({layer: ml([[0, 1, 2, 3, 4, 5]]) for layer in layers}, "need M >= k"),
-             ({layers[0]: good, layers[1]: ml([[0], [1], [2], [3, 4, 5]])}, "differ in expert count"),
-             ({layers[0]: good, layers[1]: ml([[0, 1], [1, 2], [3, 4]])}, "distinct expert ids"),
-             ({layers[0]: good, layers[1]: ml([[0, E], [2, 3], [4, 5]])}, "distinct expert ids"),
-             ({layers[0]: good, layers[1]: ml([[0, 1], [2, 3], [4, 5]], [[0.5, 0.6], [1, 0], [1, 0]])},
-              "summing"),
-             ({layers[0]: good, layers[1]: ml([[0, 1], [2, 3], [4, 5]], rule="sum")}, "router_rows"),
-             ({layers[0]: good, layers[1]: ml([[0, 1], [2, 3], [4, 5]], dominant=[0, 1, 4])}, "dominant"),
-             ({layers[0]: good, layers[1]: ml([[0, 1], [2, 3], [4, 5]], perms={1: torch.zeros(16).long()})},
-              "perms"),
-             ({layers[0]: good}, "MoE layers are")]
+    cases = [
+        ({layer: ml([[0, 1, 2, 3, 4, 5]]) for layer in layers}, "need M >= k"),
+        ({layers[0]: good, layers[1]: ml([[0], [1], [2], [3, 4, 5]])}, "differ in expert count"),
+        ({layers[0]: good, layers[1]: ml([[0, 1], [1, 2], [3, 4]])}, "distinct expert ids"),
+        ({layers[0]: good, layers[1]: ml([[0, E], [2, 3], [4, 5]])}, "distinct expert ids"),
+        ({layers[0]: good, layers[1]: ml([[0, 1], [2, 3], [4, 5]], [[0.5, 0.6], [1, 0], [1, 0]])}, "summing"),
+        ({layers[0]: good, layers[1]: ml([[0, 1], [2, 3], [4, 5]], rule="sum")}, "router_rows"),
+        ({layers[0]: good, layers[1]: ml([[0, 1], [2, 3], [4, 5]], dominant=[0, 1, 4])}, "dominant"),
+        (
+            {layers[0]: good, layers[1]: ml([[0, 1], [2, 3], [4, 5]], perms={1: torch.zeros(16).long()})},
+            "perms",
+        ),
+        ({layers[0]: good}, "MoE layers are"),
+    ]
     for merged, msg in cases:
         with pytest.raises(ValueError, match=msg) as e:
             adapter.merged_moe_student(model, merged)
@@ -384,8 +447,10 @@ def test_calibrate_merge_save_reload(family, method, tmp_path):
     E, k, H = adapter.num_experts(model), adapter.top_k(model), model.config.hidden_size
     M = max(k, E // 2)
     plans = [merge_layer(layer, c, method, M) for layer, c in ctxs.items()]
-    assert all(isinstance(p, LayerPlan) and len(p.groups) == M and sorted(p.selected) == list(range(E))
-               for p in plans)
+    assert all(
+        isinstance(p, LayerPlan) and len(p.groups) == M and sorted(p.selected) == list(range(E))
+        for p in plans
+    )
     merged = merged_layers(plans, {layer: c.experts for layer, c in ctxs.items()})
     assert bool(merged[plans[0].layer].perms) == (method == "M-SMoE")
     student = adapter.merged_moe_student(model, merged)
@@ -400,8 +465,9 @@ def test_calibrate_merge_save_reload(family, method, tmp_path):
             assert expert_params(family, blk.experts)[name].shape == (M, *t.shape[1:]), name
     for i in range(len(layers_of(family, back))):  # dense teacher layers unchanged
         if i not in moe_blocks(family, back):
-            for a, b in zip(block_of(family, model, i).parameters(), block_of(family, back, i).parameters(),
-                            strict=True):
+            for a, b in zip(
+                block_of(family, model, i).parameters(), block_of(family, back, i).parameters(), strict=True
+            ):
                 assert torch.equal(a, b)  # exact: copied bytes, through safetensors
     y = ids(2, 8, seed=8)
     out = logits(back, y)

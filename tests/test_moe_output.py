@@ -13,8 +13,10 @@ from orchestrator.axes import config_key
 from orchestrator.spec import SpecError, load_spec
 from tests.test_orchestrator import HERE, _launch, fake, fake_sweep  # noqa: F401
 
-GRID = [{"scoring": ["SF", "CP"], "grouping": ["RR", "WC"], "K": [2, 4]},
-        {"output": ["moe"], "scoring": ["SF", "REAP"], "K": [2, 4], "recovery": ["none", "router_kd"]}]
+GRID = [
+    {"scoring": ["SF", "CP"], "grouping": ["RR", "WC"], "K": [2, 4]},
+    {"output": ["moe"], "scoring": ["SF", "REAP"], "K": [2, 4], "recovery": ["none", "router_kd"]},
+]
 
 
 def _sweep(tmp_path, grid=GRID):
@@ -24,10 +26,32 @@ def _sweep(tmp_path, grid=GRID):
 
 
 def test_configuration_keys_stay_those_of_dense_students():
-    assert config_key({"output": "dense", "scoring": "SF", "grouping": "RR", "dp_scaling": "uniform", "K": 8,
-                       "recovery": None}) == "SF|RR|uniform|K=8"
-    assert config_key({"output": "moe", "scoring": "REAP", "grouping": None, "dp_scaling": None, "K": 16,
-                       "recovery": "router_kd"}) == "moe|REAP|K=16|recovery=router_kd"
+    assert (
+        config_key(
+            {
+                "output": "dense",
+                "scoring": "SF",
+                "grouping": "RR",
+                "dp_scaling": "uniform",
+                "K": 8,
+                "recovery": None,
+            }
+        )
+        == "SF|RR|uniform|K=8"
+    )
+    assert (
+        config_key(
+            {
+                "output": "moe",
+                "scoring": "REAP",
+                "grouping": None,
+                "dp_scaling": None,
+                "K": 16,
+                "recovery": "router_kd",
+            }
+        )
+        == "moe|REAP|K=16|recovery=router_kd"
+    )
 
 
 def test_dense_and_moe_outputs_in_one_sweep(fake, tmp_path):  # noqa: F811
@@ -36,9 +60,11 @@ def test_dense_and_moe_outputs_in_one_sweep(fake, tmp_path):  # noqa: F811
     sweep = _sweep(tmp_path)
     store = Store(state["db"])
     assert _launch(store, sweep) == 0
-    rows = store.query("SELECT config_key, output, grouping, dp_scaling, recovery, selected_for_distill, "
-                       "duplicate_of IS NOT NULL, avg_acc IS NOT NULL FROM results WHERE sweep = 'fake' "
-                       "AND kind = 'moe2dense' ORDER BY config_id")[1]
+    rows = store.query(
+        "SELECT config_key, output, grouping, dp_scaling, recovery, selected_for_distill, "
+        "duplicate_of IS NOT NULL, avg_acc IS NOT NULL FROM results WHERE sweep = 'fake' "
+        "AND kind = 'moe2dense' ORDER BY config_id"
+    )[1]
     dense = [r for r in rows if r[1] == "dense"]
     moe = [r for r in rows if r[1] == "moe"]
     assert len(dense) == 8 and len(moe) == 8
@@ -60,15 +86,27 @@ def test_dense_and_moe_outputs_in_one_sweep(fake, tmp_path):  # noqa: F811
     assert "8 smaller MoEs" in rows["evaluate"]["note"]
 
 
-@pytest.mark.parametrize("grid, expect", [
-    ([{"output": ["moe"], "scoring": ["SF"], "grouping": ["RR"], "K": [2]}],
-     "grid.0: grouping does not apply to output moe; it applies to dense"),
-    ([{"scoring": ["SF"], "K": [2], "recovery": ["router_kd"]}],
-     "grid.0: recovery does not apply to output dense; it applies to moe"),
-    ({"output": ["moe"], "scoring": ["SF"], "K": [2], "recovery": ["full"]},
-     "grid.recovery: unknown recovery 'full'; allowed: none, router_kd"),
-    ({"output": ["sparse"], "scoring": ["SF"], "K": [2]}, "grid.output: unknown output 'sparse'; allowed: dense, moe"),
-])
+@pytest.mark.parametrize(
+    "grid, expect",
+    [
+        (
+            [{"output": ["moe"], "scoring": ["SF"], "grouping": ["RR"], "K": [2]}],
+            "grid.0: grouping does not apply to output moe; it applies to dense",
+        ),
+        (
+            [{"scoring": ["SF"], "K": [2], "recovery": ["router_kd"]}],
+            "grid.0: recovery does not apply to output dense; it applies to moe",
+        ),
+        (
+            {"output": ["moe"], "scoring": ["SF"], "K": [2], "recovery": ["full"]},
+            "grid.recovery: unknown recovery 'full'; allowed: none, router_kd",
+        ),
+        (
+            {"output": ["sparse"], "scoring": ["SF"], "K": [2]},
+            "grid.output: unknown output 'sparse'; allowed: dense, moe",
+        ),
+    ],
+)
 def test_axes_that_do_not_apply_to_an_output_are_errors(tmp_path, grid, expect):
     with pytest.raises(SpecError) as e:
         load_spec(str(_sweep(tmp_path, grid)))
@@ -96,27 +134,47 @@ def test_a_real_sweep_writes_smaller_moes_that_reload_with_fewer_experts(tmp_pat
     monkeypatch.setenv("MOESWEEP_HOME", str(tmp_path / "home"))
     spec, path, text = load_spec(str(HERE / "sweeps" / "moe.yaml"))
     store = Store(f"sqlite:///{tmp_path}/r.db")
-    assert launch(spec, text, store, SerialExecutor(), console=Console(quiet=True), show_progress=False,
-                  path=str(path)) == 0
-    rows = store.query("SELECT config_id, config_key, K, recovery, params, ppl_pre, ppl_post, avg_acc, output "
-                       "FROM results WHERE output IN ('moe', 'merged', 'edited') ORDER BY config_id")[1]
+    assert (
+        launch(
+            spec,
+            text,
+            store,
+            SerialExecutor(),
+            console=Console(quiet=True),
+            show_progress=False,
+            path=str(path),
+        )
+        == 0
+    )
+    rows = store.query(
+        "SELECT config_id, config_key, K, recovery, params, ppl_pre, ppl_post, avg_acc, output "
+        "FROM results WHERE output IN ('moe', 'merged', 'edited') ORDER BY config_id"
+    )[1]
     assert [r[8] for r in rows].count("moe") == 9 and [r[8] for r in rows].count("merged") == 5
     assert [r[8] for r in rows].count("edited") == 4
     assert all(r[5] is not None and r[6] is not None and r[7] is not None for r in rows)
     teacher_params = store.query("SELECT params FROM results WHERE kind = 'teacher'")[1][0][0]
     assert all(r[4] < teacher_params for r in rows)
     params = {r[1]: r[4] for r in rows}
-    assert params["moe|REAP|K=2|recovery=none"] < params["moe|REAP|K=4|recovery=none"]  # measured, not from flags
+    assert (
+        params["moe|REAP|K=2|recovery=none"] < params["moe|REAP|K=4|recovery=none"]
+    )  # measured, not from flags
     for method in ("MoBE", "TD-MoE"):  # an edit stays within the budget of pruning to the same K
         assert params[f"edited|{method}|K=4|recovery=none"] <= params["moe|REAP|K=4|recovery=none"]
     # Router KD ran for the router_kd configurations and recorded its loss curve
-    n_kd = store.query("SELECT COUNT(DISTINCT j.id) FROM jobs j WHERE j.stage = 'router_kd' AND j.status = "
-                       "'succeeded'")[1][0][0]
+    n_kd = store.query(
+        "SELECT COUNT(DISTINCT j.id) FROM jobs j WHERE j.stage = 'router_kd' AND j.status = 'succeeded'"
+    )[1][0][0]
     assert n_kd == 8
-    saved = dict(store.query(  # evaluate writes each student built from its plan; distill writes its own
-        "SELECT cj.config_id, a.path FROM config_jobs cj JOIN artifacts a ON a.job_id = cj.job_id "
-        "WHERE cj.stage IN ('evaluate', 'distill') AND a.kind = 'student'")[1])
-    teacher_dir = json.loads(store.query("SELECT outputs_json FROM jobs WHERE stage = 'teacher'")[1][0][0])["path"]
+    saved = dict(
+        store.query(  # evaluate writes each student built from its plan; distill writes its own
+            "SELECT cj.config_id, a.path FROM config_jobs cj JOIN artifacts a ON a.job_id = cj.job_id "
+            "WHERE cj.stage IN ('evaluate', 'distill') AND a.kind = 'student'"
+        )[1]
+    )
+    teacher_dir = json.loads(store.query("SELECT outputs_json FROM jobs WHERE stage = 'teacher'")[1][0][0])[
+        "path"
+    ]
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir)
     E = teacher.config.num_experts
     by_id = {r[0]: r for r in rows}
@@ -137,23 +195,37 @@ def test_a_real_sweep_writes_smaller_moes_that_reload_with_fewer_experts(tmp_pat
         students[by_id[cid][1]] = m
     assert len(students) == 18
     # Router KD changed the routers and nothing else, whatever made the smaller MoE
-    for plain_key in ("moe|REAP|K=4|recovery=none", "merged|HC-SMoE|K=4|recovery=none",
-                      "edited|TD-MoE|K=4|recovery=none"):
+    for plain_key in (
+        "moe|REAP|K=4|recovery=none",
+        "merged|HC-SMoE|K=4|recovery=none",
+        "edited|TD-MoE|K=4|recovery=none",
+    ):
         plain, kd = students[plain_key], students[plain_key.replace("none", "router_kd")]
         # exact: both are one recipe's student (the same ops on the same teacher bytes); router KD writes the routers only
-        changed = {n for (n, a), (_, b) in zip(plain.state_dict().items(), kd.state_dict().items(), strict=True)
-                   if not torch.equal(a, b)}
+        changed = {
+            n
+            for (n, a), (_, b) in zip(plain.state_dict().items(), kd.state_dict().items(), strict=True)
+            if not torch.equal(a, b)
+        }
         assert changed and all(n.endswith("mlp.gate.weight") for n in changed), (plain_key, changed)
     # long jobs wrote their step, loss and throughput to their logs
-    logs = dict(store.query("SELECT stage, log_path FROM jobs WHERE stage IN ('teacher', 'distill', 'router_kd')")[1])
+    logs = dict(
+        store.query("SELECT stage, log_path FROM jobs WHERE stage IN ('teacher', 'distill', 'router_kd')")[1]
+    )
     for stage, what in (("teacher", "teacher"), ("distill", "distill"), ("router_kd", "router_kd")):
         text = Path(logs[stage]).read_text()
         assert f"{what}: step " in text and " loss " in text and "tokens/s" in text, (stage, text[-500:])
     # full KD trains the experts too (its own settings: single linkage)
     full = students["merged|HC-SMoE|K=4|recovery=full_kd"]
     # exact: a distinctness check: training moved some expert tensor
-    assert any("experts" in n and not torch.equal(a, b) for (n, a), (_, b) in zip(
-        full.state_dict().items(), students["merged|HC-SMoE|K=4|recovery=none"].state_dict().items(), strict=True))
+    assert any(
+        "experts" in n and not torch.equal(a, b)
+        for (n, a), (_, b) in zip(
+            full.state_dict().items(),
+            students["merged|HC-SMoE|K=4|recovery=none"].state_dict().items(),
+            strict=True,
+        )
+    )
 
 
 @pytest.mark.parametrize("grid", [GRID, GRID[1:]], ids=["dense and moe", "moe only"])

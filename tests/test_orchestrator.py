@@ -20,7 +20,9 @@ HERE = Path(__file__).parent
 
 
 def _num(*parts) -> float:
-    return 10 + int(hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:6], 16) % 1000 / 10
+    return (
+        10 + int(hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:6], 16) % 1000 / 10
+    )
 
 
 @pytest.fixture
@@ -37,9 +39,20 @@ def fake(monkeypatch, tmp_path):
         if state["fail"] and q["scoring"] == "CP" and q["K"] == 4:
             raise ValueError("boom: a deliberately failing method")
         g = "*" if q["K"] == 2 else q.get("grouping")
-        return {"outputs": {"plan_key": f"{q.get('output')}|{q['scoring']}|{g}|{q.get('dp_scaling')}|{q['K']}"},
-                "plan_rows": [{"layer": 0, "expert": 1, "score": 0.5, "selected_rank": 0, "group_idx": 0,
-                               "merge_weight": 1.0, "alpha": 0.5}]}
+        return {
+            "outputs": {"plan_key": f"{q.get('output')}|{q['scoring']}|{g}|{q.get('dp_scaling')}|{q['K']}"},
+            "plan_rows": [
+                {
+                    "layer": 0,
+                    "expert": 1,
+                    "score": 0.5,
+                    "selected_rank": 0,
+                    "group_idx": 0,
+                    "merge_weight": 1.0,
+                    "alpha": 0.5,
+                }
+            ],
+        }
 
     def ppl_pre(p, cache, progress):
         s = p["params"]["student"]
@@ -48,31 +61,57 @@ def fake(monkeypatch, tmp_path):
 
     def distill(p, cache, progress):
         # validation CE reported while the job runs is in the DB before the job ends (Figure 5 live)
-        progress(1, 2, "distill", metrics=[{"name": "val_ce", "stage": "train", "who": "student", "step": 0,
-                                            "value": 4.0}])
+        progress(
+            1,
+            2,
+            "distill",
+            metrics=[{"name": "val_ce", "stage": "train", "who": "student", "step": 0, "value": 4.0}],
+        )
         seen = Store(state["db"], migrate=False).query(
             "SELECT m.value FROM metrics m JOIN jobs j ON j.id = m.job_id WHERE j.key = :k AND m.name = 'val_ce'",
-            {"k": p["key"]})[1]
+            {"k": p["key"]},
+        )[1]
         state["live"].append(seen)
-        return {"outputs": {"path": "nowhere"}, "metrics": [
-            {"name": "val_ce", "stage": "train", "who": "student", "step": 0, "value": 3.0}]}
+        return {
+            "outputs": {"path": "nowhere"},
+            "metrics": [{"name": "val_ce", "stage": "train", "who": "student", "step": 0, "value": 3.0}],
+        }
 
     def evaluate(p, cache, progress):
         v = _num(p["params"]["student"], p["key"]) / 1000
-        return {"outputs": {}, "metrics": [{"name": "ppl", "stage": "post", "value": 5.0},
-                                           {"name": "acc", "stage": "post", "task": "t", "value": v, "headline": 1}]}
+        return {
+            "outputs": {},
+            "metrics": [
+                {"name": "ppl", "stage": "post", "value": 5.0},
+                {"name": "acc", "stage": "post", "task": "t", "value": v, "headline": 1},
+            ],
+        }
 
     def router_kd(p, cache, progress):
-        return {"outputs": {"delta": "nowhere"}, "metrics": [{"name": "train_loss", "stage": "router_kd",
-                                                             "who": "student", "step": 0, "value": 1.0}]}
+        return {
+            "outputs": {"delta": "nowhere"},
+            "metrics": [
+                {"name": "train_loss", "stage": "router_kd", "who": "student", "step": 0, "value": 1.0}
+            ],
+        }
 
-    fns = dict(calibrate=calibrate, convert=convert, ppl_pre=ppl_pre, distill=distill, evaluate=evaluate,
-               router_kd=router_kd)
+    fns = dict(
+        calibrate=calibrate,
+        convert=convert,
+        ppl_pre=ppl_pre,
+        distill=distill,
+        evaluate=evaluate,
+        router_kd=router_kd,
+    )
     for name, fn in fns.items():
+
         def wrapped(p, cache, progress, fn=fn, name=name):
             calls.append((name, p["key"]))
             return fn(p, cache, progress)
-        monkeypatch.setattr(f"workers.run.{name}.stage_{name}", wrapped)  # what the registry's run references resolve to
+
+        monkeypatch.setattr(
+            f"workers.run.{name}.stage_{name}", wrapped
+        )  # what the registry's run references resolve to
     monkeypatch.setenv("MOESWEEP_HOME", str(tmp_path / "home"))
     state["sweep"] = fake_sweep(tmp_path)
     return calls, state
@@ -84,9 +123,18 @@ def fake_sweep(tmp_path: Path, text: str | None = None) -> Path:
 
     teacher = tmp_path / "teacher"
     if not teacher.exists():
-        Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=16, moe_intermediate_size=8,
-                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, num_experts=8,
-                       num_experts_per_tok=2, norm_topk_prob=True).save_pretrained(teacher)
+        Qwen3MoeConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=16,
+            moe_intermediate_size=8,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+        ).save_pretrained(teacher)
     f = tmp_path / "fake.yaml"
     f.write_text((text or (HERE / "sweeps" / "fake.yaml").read_text()).replace("fake/teacher", str(teacher)))
     return f
@@ -94,13 +142,23 @@ def fake_sweep(tmp_path: Path, text: str | None = None) -> Path:
 
 def _launch(store: Store, sweep: Path, **kw) -> int:
     spec, path, text = load_spec(str(sweep))
-    return launch(spec, text, store, SerialExecutor(), console=Console(quiet=not os.environ.get("MOESWEEP_TEST_VERBOSE")),
-                  show_progress=False, path=str(path), **kw)
+    return launch(
+        spec,
+        text,
+        store,
+        SerialExecutor(),
+        console=Console(quiet=not os.environ.get("MOESWEEP_TEST_VERBOSE")),
+        show_progress=False,
+        path=str(path),
+        **kw,
+    )
 
 
 def _results(store: Store) -> list[tuple]:
-    return store.query("SELECT scoring, grouping, \"K\", kind, baseline, ppl_pre, ppl_pre_kind, selected_for_distill, "
-                       "duplicate_of IS NOT NULL, avg_acc FROM results WHERE sweep = 'fake' ORDER BY config_id")[1]
+    return store.query(
+        'SELECT scoring, grouping, "K", kind, baseline, ppl_pre, ppl_pre_kind, selected_for_distill, '
+        "duplicate_of IS NOT NULL, avg_acc FROM results WHERE sweep = 'fake' ORDER BY config_id"
+    )[1]
 
 
 def test_failures_dedupe_resume_and_retry(fake, tmp_path):
@@ -125,8 +183,9 @@ def test_failures_dedupe_resume_and_retry(fake, tmp_path):
     assert state["live"] and all(seen == [(4.0,)] for seen in state["live"])
     # the final record replaced the early one: one row per (job, name, who, step)
     assert store.query("SELECT DISTINCT value FROM metrics WHERE name = 'val_ce'")[1] == [(3.0,)]
-    assert store.query("SELECT DISTINCT distill_tokens, distill_loss FROM configurations "
-                       "WHERE selected_for_distill = 1")[1] == [("8", None)]  # loss/k' mark variants only
+    assert store.query(
+        "SELECT DISTINCT distill_tokens, distill_loss FROM configurations WHERE selected_for_distill = 1"
+    )[1] == [("8", None)]  # loss/k' mark variants only
     distilled = {r[4] or f"{r[0]}{r[1]}" for r in rows if r[9] is not None}
     assert "random_ffn" in distilled and len(distilled) >= 4
 
@@ -175,25 +234,41 @@ def test_dry_run_of_the_paper_sweep_plans_350_35_35():
 def test_variants_and_the_selection_rule_are_stored_as_identities(fake, tmp_path):
     calls, state = fake
     state["fail"] = False
-    text = (HERE / "sweeps" / "fake.yaml").read_text().replace(
-        "  settings: {steps: 1, batch_size: 1, seq_len: 8}",
-        "  settings: {steps: 1, batch_size: 1, seq_len: 8}\n"
-        "  variants: [{loss: reverse_kl}, {steps: 2, teacher_top_k: 4}]\n"
-        "  variants_on: {scoring: SF, grouping: RR}")
+    text = (
+        (HERE / "sweeps" / "fake.yaml")
+        .read_text()
+        .replace(
+            "  settings: {steps: 1, batch_size: 1, seq_len: 8}",
+            "  settings: {steps: 1, batch_size: 1, seq_len: 8}\n"
+            "  variants: [{loss: reverse_kl}, {steps: 2, teacher_top_k: 4}]\n"
+            "  variants_on: {scoring: SF, grouping: RR}",
+        )
+    )
     store = Store(state["db"])
     assert _launch(store, fake_sweep(tmp_path, text)) == 0
-    rows = store.query("SELECT v.config_key, v.variant, m.config_key, v.distill_loss, v.teacher_top_k, "
-                       "v.distill_tokens FROM configurations v JOIN configurations m ON m.id = v.variant_of "
-                       "ORDER BY v.config_key")[1]
-    main = store.query("SELECT config_key FROM configurations WHERE scoring = 'SF' AND grouping = 'RR' "
-                       "AND selected_for_distill = 1 AND variant_of IS NULL")[1][0][0]
-    assert rows == [(f"{main}|variant=0", "loss=reverse_kl", main, "reverse_kl", None, "8"),
-                    (f"{main}|variant=1", "steps=2,teacher_top_k=4", main, None, 4, "16")]
+    rows = store.query(
+        "SELECT v.config_key, v.variant, m.config_key, v.distill_loss, v.teacher_top_k, "
+        "v.distill_tokens FROM configurations v JOIN configurations m ON m.id = v.variant_of "
+        "ORDER BY v.config_key"
+    )[1]
+    main = store.query(
+        "SELECT config_key FROM configurations WHERE scoring = 'SF' AND grouping = 'RR' "
+        "AND selected_for_distill = 1 AND variant_of IS NULL"
+    )[1][0][0]
+    assert rows == [
+        (f"{main}|variant=0", "loss=reverse_kl", main, "reverse_kl", None, "8"),
+        (f"{main}|variant=1", "steps=2,teacher_top_k=4", main, None, 4, "16"),
+    ]
     # the results view carries them, and each variant was distilled and evaluated on its own
-    res = store.query("SELECT variant, avg_acc IS NOT NULL FROM results WHERE variant_of IS NOT NULL "
-                      "ORDER BY variant")[1]
+    res = store.query(
+        "SELECT variant, avg_acc IS NOT NULL FROM results WHERE variant_of IS NOT NULL ORDER BY variant"
+    )[1]
     assert res == [("loss=reverse_kl", 1), ("steps=2,teacher_top_k=4", 1)]
     rule = store.query("SELECT select_json FROM sweep_info WHERE sweep = 'fake'")[1][0][0]
-    assert json.loads(rule) == {"best_by": "ppl_pre", "per": ["scoring", "grouping"], "over": ["K", "dp_scaling"]}
+    assert json.loads(rule) == {
+        "best_by": "ppl_pre",
+        "per": ["scoring", "grouping"],
+        "over": ["K", "dp_scaling"],
+    }
     n = len(calls)
     assert _launch(store, fake_sweep(tmp_path, text)) == 0 and len(calls) == n  # a relaunch reuses all of it

@@ -19,8 +19,9 @@ from workers.methods.scaling import SCALINGS, merge_weights
 from workers.methods.scoring import SCORINGS, Scoring, cp
 
 
-def make_ctx(E: int = 10, k: int = 2, H: int = 6, inter: int = 4, N: int = 96, seed: int = 0,
-             renormalized: bool = True) -> LayerContext:
+def make_ctx(
+    E: int = 10, k: int = 2, H: int = 6, inter: int = 4, N: int = 96, seed: int = 0, renormalized: bool = True
+) -> LayerContext:
     """A real (tiny) MoE layer: hidden states → router softmax → top-k → every expert's output."""
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
@@ -35,7 +36,9 @@ def make_ctx(E: int = 10, k: int = 2, H: int = 6, inter: int = 4, N: int = 96, s
     f = torch.stack([ffn_forward(experts, h, expert=e) for e in range(E)], dim=1)
     stats = stats_from_tokens(p, routed, g, f)
     stats.sample = {"x": h, "p": p}  # the tokens themselves, for reconstruction-loss scorings
-    return LayerContext(stats=stats, experts=experts, router_weight=router, top_k=k, renormalized=renormalized)
+    return LayerContext(
+        stats=stats, experts=experts, router_weight=router, top_k=k, renormalized=renormalized
+    )
 
 
 @pytest.mark.parametrize("scoring_name", list(SCORINGS))
@@ -69,7 +72,9 @@ def test_alpha_rules():
     assert uni.alpha == [1 / 3] * 3  # Eq. 155
     prop = plan_layer(0, ctx, "PS", "RR", "proportional", 9)
     sel_total = sum(float(s[e]) for e in prop.selected)
-    assert prop.alpha == pytest.approx([sum(float(s[e]) for e in g) / sel_total for g in prop.groups])  # Eq. 156
+    assert prop.alpha == pytest.approx(
+        [sum(float(s[e]) for e in g) / sel_total for g in prop.groups]
+    )  # Eq. 156
     assert math.isclose(sum(prop.alpha), 1.0, rel_tol=1e-12)
     # avg_cp (§4.6): each group's mean CP, whatever the scoring (here SF, whose scores differ from CP).
     c = cp(ctx)
@@ -121,7 +126,11 @@ def test_plan_signature_equal_iff_plans_equal_and_ignores_layer_order():
     # the order of the groups (the dense FFN's blocks) does not change the student; α stays with its group
     c_sig = plan_signature(c)
     d = copy.deepcopy(c)
-    d[0].groups, d[0].merge_weights, d[0].alpha = d[0].groups[::-1], d[0].merge_weights[::-1], d[0].alpha[::-1]
+    d[0].groups, d[0].merge_weights, d[0].alpha = (
+        d[0].groups[::-1],
+        d[0].merge_weights[::-1],
+        d[0].alpha[::-1],
+    )
     assert plan_signature(d) == c_sig
     assert c[0].alpha[0] != c[0].alpha[1]
     d[0].alpha = d[0].alpha[::-1]
@@ -140,7 +149,9 @@ def test_plan_builds_the_dense_ffn_it_describes():
     ctx = make_ctx(E=8, k=2)
     plan = plan_layer(0, ctx, "ACP", "RR", "proportional", 2)
     h = torch.randn(5, 6, dtype=torch.float64)
-    want = sum(a * ffn_forward(ctx.experts, h, expert=g[0]) for a, g in zip(plan.alpha, plan.groups, strict=True))
+    want = sum(
+        a * ffn_forward(ctx.experts, h, expert=g[0]) for a, g in zip(plan.alpha, plan.groups, strict=True)
+    )
     torch.testing.assert_close(ffn_forward(build_dense_ffn(ctx.experts, plan), h), want)
 
 
@@ -155,7 +166,9 @@ def test_effective_rank_extra_and_do_lambda():
     ev = torch.linalg.eigvalsh(kernel[idx][:, idx]).clamp_min(0)
     prob = ev / ev.sum()
     prob = prob[prob > 0]
-    assert math.isclose(pl.extras["effective_rank"], math.exp(float(-(prob * prob.log()).sum())), rel_tol=1e-9)
+    assert math.isclose(
+        pl.extras["effective_rank"], math.exp(float(-(prob * prob.log()).sum())), rel_tol=1e-9
+    )
     assert 1.0 <= pl.extras["effective_rank"] <= 4.0
 
 
@@ -172,11 +185,13 @@ def test_adding_a_scoring_is_one_function_and_one_registry_line(monkeypatch):
 
 def test_bad_K_and_names_give_one_line_errors(monkeypatch):
     ctx = make_ctx(E=6, k=2)
-    cases = [(dict(K=1), r"K=1 out of range; allowed k <= K <= E: 2\.\.6"),
-             (dict(K=7), r"K=7 out of range; allowed k <= K <= E: 2\.\.6"),
-             (dict(scoring="XX"), r"unknown scoring 'XX'; allowed: SF, PP, PS, CP, ACP, DO-CP, DO-ACP"),
-             (dict(grouping="XX"), r"unknown grouping 'XX'; allowed: RR, WC, RC, AB, OC"),
-             (dict(scaling="XX"), r"unknown dp_scaling 'XX'; allowed: uniform, proportional, avg_cp")]
+    cases = [
+        (dict(K=1), r"K=1 out of range; allowed k <= K <= E: 2\.\.6"),
+        (dict(K=7), r"K=7 out of range; allowed k <= K <= E: 2\.\.6"),
+        (dict(scoring="XX"), r"unknown scoring 'XX'; allowed: SF, PP, PS, CP, ACP, DO-CP, DO-ACP"),
+        (dict(grouping="XX"), r"unknown grouping 'XX'; allowed: RR, WC, RC, AB, OC"),
+        (dict(scaling="XX"), r"unknown dp_scaling 'XX'; allowed: uniform, proportional, avg_cp"),
+    ]
     for bad, msg in cases:
         kw = dict(scoring="CP", grouping="RR", scaling="uniform", K=3) | bad
         with pytest.raises(ValueError, match=msg) as e:
@@ -204,5 +219,7 @@ def test_bf16_experts_are_merged_in_fp32():
     # Rounded once: within half a bf16 ulp (2^-8 relative) of the exact average, plus 1e-6 for fp32's own rounding
     # (whose last bit BLAS may set differently; not bitwise). Rounding each product to bf16 misses this by far.
     torch.testing.assert_close(merged.gate.double(), exact, rtol=2.0**-8, atol=1e-6)
-    per_product = sum((wi * ex.gate[e].double()).to(torch.bfloat16) for wi, e in zip(w, [0, 1, 2, 4], strict=True))
+    per_product = sum(
+        (wi * ex.gate[e].double()).to(torch.bfloat16) for wi, e in zip(w, [0, 1, 2, 4], strict=True)
+    )
     assert not torch.allclose(per_product.double(), exact, rtol=2.0**-8, atol=1e-6)

@@ -21,8 +21,10 @@ from tests import test_migrations, test_store
 from tests.test_orchestrator import _launch, fake  # noqa: F401  (the fake stage functions fixture)
 
 runner = CliRunner()
-RESULTS = ('SELECT scoring, grouping, "K", dp_scaling, kind, baseline, ppl_pre, selected_for_distill, avg_acc, '
-           "ppl_pre_kind FROM results WHERE sweep = 'fake'")  # ppl_pre_kind: the diverged student's 'inf'
+RESULTS = (
+    'SELECT scoring, grouping, "K", dp_scaling, kind, baseline, ppl_pre, selected_for_distill, avg_acc, '
+    "ppl_pre_kind FROM results WHERE sweep = 'fake'"
+)  # ppl_pre_kind: the diverged student's 'inf'
 
 
 def results(store: Store) -> list[tuple]:
@@ -80,8 +82,10 @@ def test_a_fake_launch_writes_the_same_results_and_report_into_postgresql(fake, 
     for url in urls.values():
         r = runner.invoke(app, ["import-paper", "--db", url])
         assert r.exit_code == 0, r.output
-    reports = {kind: report_files(url, tmp_path / f"compare-{kind}", "--compare", "paper")
-               for kind, url in urls.items()}
+    reports = {
+        kind: report_files(url, tmp_path / f"compare-{kind}", "--compare", "paper")
+        for kind, url in urls.items()
+    }
     assert sorted(reports["postgresql"]) == sorted(reports["sqlite"])
     for name in reports["sqlite"]:
         assert reports["postgresql"][name] == reports["sqlite"][name], name
@@ -118,12 +122,29 @@ def test_store_reference_import_and_stale_release_on_postgresql(pg_database):
     """test_store's reference-import and stale-release checks, in SQL that PostgreSQL takes too (its
     ROUND has no double-precision form; its driver's parameters are not `?`)."""
     s = Store(pg_database("store_more"))
-    recs = [{"name": "paper-x", "source": "paper:000", "configs": [
-        {"model": "M", "kind": "moe2dense", "scoring": "SF", "grouping": "RR", "dp_scaling": "uniform",
-         "K": 8, "top_k": 8, "table": "table10_11",
-         "metrics": [{"name": "ppl", "stage": "pre", "value": 20633.0},
-                     {"name": "acc", "stage": "post", "task": "winogrande", "value": 0.53, "headline": 1},
-                     {"name": "acc", "stage": "post", "task": "mmlu", "value": 0.27, "headline": 1}]}]}]
+    recs = [
+        {
+            "name": "paper-x",
+            "source": "paper:000",
+            "configs": [
+                {
+                    "model": "M",
+                    "kind": "moe2dense",
+                    "scoring": "SF",
+                    "grouping": "RR",
+                    "dp_scaling": "uniform",
+                    "K": 8,
+                    "top_k": 8,
+                    "table": "table10_11",
+                    "metrics": [
+                        {"name": "ppl", "stage": "pre", "value": 20633.0},
+                        {"name": "acc", "stage": "post", "task": "winogrande", "value": 0.53, "headline": 1},
+                        {"name": "acc", "stage": "post", "task": "mmlu", "value": 0.27, "headline": 1},
+                    ],
+                }
+            ],
+        }
+    ]
     s.import_reference(recs)
     s.import_reference(recs)
     _, rows = s.query("SELECT sweep_kind, ppl_pre, avg_acc FROM results WHERE sweep = 'paper-x'")
@@ -138,7 +159,9 @@ def test_store_reference_import_and_stale_release_on_postgresql(pg_database):
     s.heartbeat(["j1"], "b")
     assert s.release_stale() == 0  # its owner is a name, not a process of this host: not stale yet
     with s.tx() as c:  # an owner on this host whose process is gone
-        c.execute(text("UPDATE jobs SET owner = :o WHERE key = 'j1'"), {"o": f"{socket.gethostname()}:999999"})
+        c.execute(
+            text("UPDATE jobs SET owner = :o WHERE key = 'j1'"), {"o": f"{socket.gethostname()}:999999"}
+        )
     assert s.release_stale() == 1
     assert s.jobs(["j1"])["j1"]["status"] == "pending"
     s.engine.dispose()
@@ -172,13 +195,24 @@ def test_upgrade_from_0001_keeps_every_row_on_postgresql(pg_database):
     for table, rows in test_migrations.ROWS_0001.items():
         got = test_migrations._rows(store, table, list(rows[0]))
         assert [{k: _plain(v) for k, v in r.items()} for r in got] == rows, table
-    _, res = store.query("SELECT config_id, ppl_pre, ppl_pre_tokens, avg_acc, variant, variant_of, duplicate_of "
-                         "FROM results WHERE sweep = 'old' ORDER BY config_id")
+    _, res = store.query(
+        "SELECT config_id, ppl_pre, ppl_pre_tokens, avg_acc, variant, variant_of, duplicate_of "
+        "FROM results WHERE sweep = 'old' ORDER BY config_id"
+    )
     assert res == [(1, 12.5, 10, None, None, None, None), (2, 12.5, 10, 0.5, None, None, 1)]
-    for view, n in (("task_scores", 1), ("selections", 0), ("layer_diagnostics", 0), ("curves", 0),
-                    ("job_status", 1), ("config_metrics", 3), ("config_code", 2)):
+    for view, n in (
+        ("task_scores", 1),
+        ("selections", 0),
+        ("layer_diagnostics", 0),
+        ("curves", 0),
+        ("job_status", 1),
+        ("config_metrics", 3),
+        ("config_code", 2),
+    ):
         assert store.query(f"SELECT COUNT(*) FROM {view}")[1] == [(n,)], view
-    assert {"variant", "variant_of"} <= {c["name"] for c in inspect(store.engine).get_columns("configurations")}
+    assert {"variant", "variant_of"} <= {
+        c["name"] for c in inspect(store.engine).get_columns("configurations")
+    }
     with pytest.raises(Exception, match="foreign key"), store.tx() as c:
         c.execute(text("UPDATE configurations SET variant_of = 99 WHERE id = 2"))
     store.engine.dispose()

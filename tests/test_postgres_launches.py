@@ -19,23 +19,37 @@ from tests.ray_cluster import SWEEP, launch
 from tests.test_orchestrator import fake, fake_sweep  # noqa: F401  (the fake stage functions fixture)
 
 
-def test_a_launch_waiting_on_a_job_that_fails_elsewhere_on_postgresql(fake, monkeypatch, tmp_path, pg_database):  # noqa: F811
+def test_a_launch_waiting_on_a_job_that_fails_elsewhere_on_postgresql(
+    fake,  # noqa: F811
+    monkeypatch,
+    tmp_path,
+    pg_database,
+):
     """test_failures' two concurrent launches (one waits on the other's failing job), on PostgreSQL."""
     calls, state = fake
     state["db"] = pg_database("waiting")
     test_failures.test_a_launch_waiting_on_a_job_that_fails_elsewhere_lists_it_and_exits_non_zero(
-        fake, monkeypatch, tmp_path)
+        fake, monkeypatch, tmp_path
+    )
 
 
-RESULTS = ("SELECT c.config_key, r.ppl_pre FROM results r JOIN configurations c ON c.id = r.config_id "
-           "WHERE r.sweep = 'cluster' ORDER BY c.config_key")
-PER_JOB = ("SELECT j.stage, j.status, COUNT(m.id) FROM jobs j LEFT JOIN metrics m ON m.job_id = j.id "
-           "GROUP BY j.id, j.stage, j.status")
+RESULTS = (
+    "SELECT c.config_key, r.ppl_pre FROM results r JOIN configurations c ON c.id = r.config_id "
+    "WHERE r.sweep = 'cluster' ORDER BY c.config_key"
+)
+PER_JOB = (
+    "SELECT j.stage, j.status, COUNT(m.id) FROM jobs j LEFT JOIN metrics m ON m.job_id = j.id "
+    "GROUP BY j.id, j.stage, j.status"
+)
 
 
 def _done(store: Store) -> dict[str, tuple]:
-    return {k: (a, str(f)) for k, a, f in
-            store.query("SELECT key, attempts, finished_at FROM jobs WHERE status = 'succeeded'")[1]}
+    return {
+        k: (a, str(f))
+        for k, a, f in store.query("SELECT key, attempts, finished_at FROM jobs WHERE status = 'succeeded'")[
+            1
+        ]
+    }
 
 
 def _run(sweep: Path, db: str, home: Path, kill_at: int | None = None) -> bool:
@@ -82,7 +96,11 @@ def uninterrupted(tmp_path_factory):
 def test_kill_9_then_resume_equals_an_uninterrupted_run(backend, uninterrupted, tmp_path, request):
     sweep, home = fake_sweep(tmp_path, SWEEP), tmp_path / "home"
     home.mkdir()
-    db = f"sqlite:///{tmp_path}/k.db" if backend == "sqlite" else request.getfixturevalue("pg_database")("kill9")
+    db = (
+        f"sqlite:///{tmp_path}/k.db"
+        if backend == "sqlite"
+        else request.getfixturevalue("pg_database")("kill9")
+    )
     seen: dict[str, tuple] = {}
     for point in (1, 5):  # after the calibration; among the conversions and perplexities
         assert _run(sweep, db, home, kill_at=point), "the launch ended before it was killed"

@@ -22,7 +22,9 @@ from workers.tiny.tokenizer import train_tokenizer
 
 
 def corpus() -> list[str]:
-    return [inspect.getdoc(m) for m in (json, math, textwrap, inspect, json.dumps, textwrap.wrap, inspect.getdoc)]
+    return [
+        inspect.getdoc(m) for m in (json, math, textwrap, inspect, json.dumps, textwrap.wrap, inspect.getdoc)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +34,19 @@ def tok(tmp_path_factory):
 
 def dense(tok, seed: int = 0):
     torch.manual_seed(seed)
-    return Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)).eval()
+    return Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=128,
+            tie_word_embeddings=False,
+        )
+    ).eval()
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +77,7 @@ def hand_nll(model, seqs: list[list[int]], n_scored: list[int]) -> float:
 def test_disjoint_without_bos_scores_every_token_after_the_first_of_each_window(tok, model, texts):
     ids = ids_of(tok, texts)
     L = 32
-    wins = [ids[s:s + L] for s in range(0, len(ids), L)]
+    wins = [ids[s : s + L] for s in range(0, len(ids), L)]
     wins = [w for w in wins if len(w) >= 2]
     assert len(ids) % L >= 2, "the text should end in a partial window (it is kept)"
     r = perplexity(model, tok, texts, seq_len=L, batch_size=3, add_bos=False, device="cpu")
@@ -82,7 +94,7 @@ def test_disjoint_with_bos_scores_every_text_token_and_never_bos(tok, model, tex
     ids = ids_of(tok, texts)
     L = 32
     bos = tok.bos_token_id
-    wins = [[bos, *ids[s:s + L - 1]] for s in range(0, len(ids), L - 1)]
+    wins = [[bos, *ids[s : s + L - 1]] for s in range(0, len(ids), L - 1)]
     r = perplexity(model, tok, texts, seq_len=L, batch_size=4, add_bos=True, device="cpu")
     assert r["n_tokens"] == len(ids)
     assert r["sum_nll"] == pytest.approx(hand_nll(model, wins, [len(w) - 1 for w in wins]), rel=1e-6)
@@ -97,15 +109,21 @@ def test_rolling_equals_lm_eval_loglikelihood_rolling(tok, model, texts):
     doc = "\n\n".join(texts)
     for L, bs in ((32, 5), (57, 2)):
         lm = HFLM(pretrained=model, tokenizer=tok, max_length=L, batch_size=bs)
-        (ll,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (doc,), 0)], disable_tqdm=True)
-        r = perplexity(model, tok, [doc], seq_len=L, batch_size=3, add_bos=True, device="cpu", windows="rolling")
+        (ll,) = lm.loglikelihood_rolling(
+            [Instance("loglikelihood_rolling", {}, (doc,), 0)], disable_tqdm=True
+        )
+        r = perplexity(
+            model, tok, [doc], seq_len=L, batch_size=3, add_bos=True, device="cpu", windows="rolling"
+        )
         assert r["n_tokens"] == len(ids_of(tok, texts))  # every token once, the first from the prefix
         assert r["sum_nll"] == pytest.approx(-ll, rel=1e-6, abs=1e-3)
     # a text shorter than one window: one window, prefix + all tokens
     short = texts[0][:60]
     lm = HFLM(pretrained=model, tokenizer=tok, max_length=128, batch_size=1)
     (ll,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (short,), 0)], disable_tqdm=True)
-    r = perplexity(model, tok, [short], seq_len=128, batch_size=1, add_bos=True, device="cpu", windows="rolling")
+    r = perplexity(
+        model, tok, [short], seq_len=128, batch_size=1, add_bos=True, device="cpu", windows="rolling"
+    )
     assert r["protocol"]["n_windows"] == 1 and r["sum_nll"] == pytest.approx(-ll, rel=1e-6)
 
 
@@ -113,7 +131,9 @@ def test_rolling_windows_cover_each_token_once_with_lm_eval_inputs():
     ids = list(range(100, 123))  # 23 tokens, seq_len 5 -> blocks 5,5,5,5,3
     wins = make_windows(ids, 5, prefix=0, windows="rolling")
     assert [n for _, n in wins] == [5, 5, 5, 5, 3]
-    assert wins[0][0] == [0, *ids[:5]] and wins[1][0] == ids[4:10]  # previous block's last token starts the input
+    assert (
+        wins[0][0] == [0, *ids[:5]] and wins[1][0] == ids[4:10]
+    )  # previous block's last token starts the input
     assert wins[-1][0] == ids[-6:]  # the partial block keeps a full-length input
     scored = [t for seq, n in wins for t in seq[-n:]]
     assert scored == ids
@@ -130,16 +150,29 @@ def test_batch_size_and_max_windows(tok, model, texts):
 
 def test_moe_teacher_and_training_flag(tok, texts):
     torch.manual_seed(1)
-    moe = Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
-        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        max_position_embeddings=128, decoder_sparse_step=1, mlp_only_layers=[]))
+    moe = Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=128,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    )
     moe.train()
     r = perplexity(moe, tok, texts, seq_len=40, batch_size=4, add_bos=True, device="cpu")
     assert moe.training, "the caller's training flag is restored"
     moe.eval()
     ids = ids_of(tok, texts)
-    wins = [[tok.bos_token_id, *ids[s:s + 39]] for s in range(0, len(ids), 39)]
+    wins = [[tok.bos_token_id, *ids[s : s + 39]] for s in range(0, len(ids), 39)]
     assert r["sum_nll"] == pytest.approx(hand_nll(moe, wins, [len(w) - 1 for w in wins]), rel=1e-6)
     # an untrained model with vocab V sits near ln V nats per token
     assert abs(r["sum_nll"] / r["n_tokens"] - math.log(len(tok))) < 0.5
@@ -167,10 +200,19 @@ def test_non_finite_values_are_kept_explicit(tok, texts):
         logits[:, -1, 0] = 0.0  # keep the unscored last position finite
         return logits
 
-    r = perplexity(Fixed(minus_inf_on_targets), tok, texts, seq_len=16, batch_size=4, add_bos=False, device="cpu")
+    r = perplexity(
+        Fixed(minus_inf_on_targets), tok, texts, seq_len=16, batch_size=4, add_bos=False, device="cpu"
+    )
     assert r["value_kind"] == "inf" and math.isinf(r["ppl"]) and math.isinf(r["sum_nll"])
-    r = perplexity(Fixed(lambda ids: torch.full((*ids.shape, V), math.nan)), tok, texts, seq_len=16, batch_size=4,
-                   add_bos=False, device="cpu")
+    r = perplexity(
+        Fixed(lambda ids: torch.full((*ids.shape, V), math.nan)),
+        tok,
+        texts,
+        seq_len=16,
+        batch_size=4,
+        add_bos=False,
+        device="cpu",
+    )
     assert r["value_kind"] == "nan" and math.isnan(r["ppl"])
 
     def confident_and_wrong(ids):  # NLL ~ 2000 nats per token: exp overflows although Σ NLL is finite
@@ -178,10 +220,19 @@ def test_non_finite_values_are_kept_explicit(tok, texts):
         logits[..., 1] = 2000.0
         return logits
 
-    r = perplexity(Fixed(confident_and_wrong), tok, texts, seq_len=16, batch_size=4, add_bos=False, device="cpu")
+    r = perplexity(
+        Fixed(confident_and_wrong), tok, texts, seq_len=16, batch_size=4, add_bos=False, device="cpu"
+    )
     assert math.isfinite(r["sum_nll"]) and r["value_kind"] == "inf" and r["ppl"] == math.inf
-    uniform = perplexity(Fixed(lambda ids: torch.zeros(*ids.shape, V)), tok, texts, seq_len=16, batch_size=4,
-                         add_bos=False, device="cpu")
+    uniform = perplexity(
+        Fixed(lambda ids: torch.zeros(*ids.shape, V)),
+        tok,
+        texts,
+        seq_len=16,
+        batch_size=4,
+        add_bos=False,
+        device="cpu",
+    )
     assert uniform["ppl"] == pytest.approx(V, rel=1e-5)  # uniform prediction: PPL = vocabulary size
 
 

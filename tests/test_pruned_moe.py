@@ -59,11 +59,13 @@ def _softmax_router_forward(router, dropped: torch.Tensor, always_renorm: bool, 
         if always_renorm or getattr(module, "norm_topk_prob", True):
             w = w / w.sum(dim=-1, keepdim=True)
         return logits, (w if always_renorm else w.to(logits.dtype)), idx
+
     return forward
 
 
 def _deepseek_v2_router_forward(router, dropped: torch.Tensor):
     """DeepseekV2 router (greedy or group-limited over the teacher's groups) with dropped logits at -inf."""
+
     def forward(hidden_states):
         h = hidden_states.view(-1, router.hidden_dim)
         logits = F.linear(h.float(), router.weight.float()).masked_fill(dropped, float("-inf"))
@@ -76,58 +78,72 @@ def _deepseek_v2_router_forward(router, dropped: torch.Tensor):
             scores = scores.masked_fill(~chosen.repeat_interleave(E // n, dim=1).bool(), 0.0)
         w, idx = torch.topk(scores, router.top_k, dim=-1)
         return logits, w * router.routed_scaling_factor, idx
+
     return forward
 
 
 def _softmax_bias_router_forward(router, dropped: torch.Tensor):
     """ERNIE-4.5 router (top-k of softmax p + correction bias, p of the k renormalized) with the dropped
     experts' logits and biases at -inf: the softmax runs over the kept experts only."""
+
     def forward(hidden_states):
         logits = F.linear(hidden_states.float(), router.weight.float()).masked_fill(dropped, float("-inf"))
         p = torch.softmax(logits, dim=-1)
-        bias = router.moe_statics.e_score_correction_bias.float().reshape(-1).masked_fill(dropped, float("-inf"))
+        bias = (
+            router.moe_statics.e_score_correction_bias.float().reshape(-1).masked_fill(dropped, float("-inf"))
+        )
         idx = torch.topk(p + bias, router.top_k, dim=-1).indices
         w = p.gather(1, idx)
         w = w / w.sum(dim=-1, keepdim=True).clamp(min=router.norm_min)
         return logits, w.to(hidden_states.dtype), idx
+
     return forward
 
 
 def _sigmoid_router_forward(router, dropped: torch.Tensor, renorm: bool):
     """A sigmoid router without correction bias (Flint) with the dropped experts' logits at -inf (score 0, never
     chosen while k experts are kept): top-k of the scores, renormalized over the k iff `renorm`."""
+
     def forward(hidden_states):
         logits = F.linear(hidden_states.float(), router.weight.float()).masked_fill(dropped, float("-inf"))
         w, idx = torch.topk(torch.sigmoid(logits), router.top_k, dim=-1)
         return logits, (w / w.sum(dim=-1, keepdim=True) if renorm else w), idx
+
     return forward
 
 
 def _topk_sigmoid_router_forward(router, dropped: torch.Tensor):
     """Llama-4's router with the dropped experts' logits at -inf: top-k of the logits, their sigmoid as scores."""
+
     def forward(hidden_states):
         logits = F.linear(hidden_states, router.weight).masked_fill(dropped, float("-inf"))
         top, idx = torch.topk(logits, router.top_k, dim=1)
         scores = torch.zeros_like(logits).scatter(1, idx, torch.sigmoid(top.float()).to(logits.dtype))
         return scores, logits
+
     return forward
 
 
 def _sparsemixer_router_forward(router, dropped: torch.Tensor):
     """PhiMoE router (SparseMixer, eval mode) with the dropped experts' logits at -inf, its two picks and
     weights from the independent sparsemixer_ref."""
+
     def forward(hidden_states):
         logits = F.linear(hidden_states, router.weight).masked_fill(dropped, float("-inf"))
         w, idx = sparsemixer_ref(logits, router.router_jitter_noise)
         return logits, w.to(logits.dtype), idx
+
     return forward
 
 
 def _logits_router_forward(router, dropped: torch.Tensor):
     """DBRX's router (the logits alone; the block takes their softmax top-k) with the dropped logits at -inf."""
+
     def forward(hidden_states):
-        return F.linear(hidden_states.reshape(-1, router.weight.shape[1]), router.weight).masked_fill(dropped,
-                                                                                                     float("-inf"))
+        return F.linear(hidden_states.reshape(-1, router.weight.shape[1]), router.weight).masked_fill(
+            dropped, float("-inf")
+        )
+
     return forward
 
 
@@ -162,8 +178,12 @@ def masked_teacher(family: str, model, kept: dict[int, list[int]], groups: bool 
                 router.forward = _sparsemixer_router_forward(router, dropped)
             else:
                 module = router_module_of(family, block)  # the router module, not its inner linear map
-                module.forward = _softmax_router_forward(router, dropped, module=module,
-                                                         always_renorm=family == "mixtral" or family.startswith("granite"))
+                module.forward = _softmax_router_forward(
+                    router,
+                    dropped,
+                    module=module,
+                    always_renorm=family == "mixtral" or family.startswith("granite"),
+                )
     return ref
 
 
@@ -187,8 +207,11 @@ def balanced_kept(model, per_group: int, seed: int = 0) -> dict[int, list[int]]:
     g = torch.Generator().manual_seed(seed)
     out = {}
     for layer in adapter.moe_layers(model):
-        out[layer] = [grp * (E // n) + int(i) for grp in range(n)
-                      for i in torch.randperm(E // n, generator=g)[:per_group]]
+        out[layer] = [
+            grp * (E // n) + int(i)
+            for grp in range(n)
+            for i in torch.randperm(E // n, generator=g)[:per_group]
+        ]
     return out
 
 
@@ -222,13 +245,19 @@ def check_pruned_checkpoint(family, model, kept, pruned, tmp_path):
         if case.shared_gate:  # exact: copied
             assert torch.equal(getattr(blk, case.shared_gate).weight, getattr(src, case.shared_gate).weight)
         if case.shared:
-            for (n1, a), (n2, b) in zip(shared_of(family, model, layer).named_parameters(),
-                                        shared_of(family, back, layer).named_parameters(), strict=True):
+            for (n1, a), (n2, b) in zip(
+                shared_of(family, model, layer).named_parameters(),
+                shared_of(family, back, layer).named_parameters(),
+                strict=True,
+            ):
                 assert n1 == n2 and torch.equal(a, b)  # exact: the shared experts, copied
     for i in range(len(layers_of(family, back))):  # dense teacher layers unchanged
         if i not in b_blocks:
-            for (n1, a), (n2, b) in zip(block_of(family, model, i).named_parameters(),
-                                        block_of(family, back, i).named_parameters(), strict=True):
+            for (n1, a), (n2, b) in zip(
+                block_of(family, model, i).named_parameters(),
+                block_of(family, back, i).named_parameters(),
+                strict=True,
+            ):
                 assert n1 == n2 and torch.equal(a, b)  # exact: copied
     # nothing shared with the teacher
     t_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -253,7 +282,10 @@ def test_pruned_checkpoint_routes_as_the_teacher_without_the_dropped_experts(fam
     pruned = adapter.pruned_moe_student(model, kept)
     back = check_pruned_checkpoint(family, model, kept, pruned, tmp_path)
     if CASES[family].groups:  # balanced across the groups: the group limit is kept
-        assert (back.config.n_group, back.config.topk_group) == (model.config.n_group, model.config.topk_group)
+        assert (back.config.n_group, back.config.topk_group) == (
+            model.config.n_group,
+            model.config.topk_group,
+        )
     x = ids(3, 12, seed=4)
     want = logits(masked_teacher(family, model, kept), x)
     tol = TOL.get(family, 1e-5)
@@ -277,7 +309,9 @@ def test_sparsemixer_over_the_kept_logits_is_the_teacher_with_the_dropped_logits
     for eps in (0.01, 0.2, 0.5):
         w_all, i_all = sparsemixer(z.masked_fill(dropped, float("-inf")), jitter_eps=eps, training=False)
         w_kept, i_kept = sparsemixer(z[:, kept], jitter_eps=eps, training=False)
-        assert torch.equal(i_all, torch.tensor(kept)[i_kept])  # exact: integer indices (picked from z, not softmax)
+        assert torch.equal(
+            i_all, torch.tensor(kept)[i_kept]
+        )  # exact: integer indices (picked from z, not softmax)
         # not bitwise: a softmax over 6 entries (2 at -inf) and one over the 4 kept add the same exp values in a
         # different order, which depends on the CPU's SIMD width (equal under AVX-512, not under AVX2)
         torch.testing.assert_close(w_all, w_kept, rtol=1e-12, atol=0)
@@ -300,7 +334,9 @@ def test_pruning_to_all_experts_reproduces_the_teacher_exactly(family, tmp_path)
     assert torch.equal(logits(pruned, x), logits(model, x))
     back = check_pruned_checkpoint(family, model, kept, pruned, tmp_path)
     want = logits(model, x)
-    torch.testing.assert_close(logits(back, x), want, rtol=ROUNDTRIP_TOL, atol=ROUNDTRIP_TOL * float(want.abs().max()))
+    torch.testing.assert_close(
+        logits(back, x), want, rtol=ROUNDTRIP_TOL, atol=ROUNDTRIP_TOL * float(want.abs().max())
+    )
 
 
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
@@ -313,8 +349,11 @@ def test_deepseek_drops_the_group_limit_when_the_groups_cannot_survive(family, c
     model = teacher(family, seed=1)
     adapter = get_adapter(model)
     layers = adapter.moe_layers(model)
-    first, last = {"uneven": ([0, 2, 3, 6], [5, 6, 7, 1]), "indivisible": ([1, 2, 4, 5, 7], [0, 3, 4, 5, 6]),
-                   "one_per_group": ([1, 6], [3, 4])}[case]
+    first, last = {
+        "uneven": ([0, 2, 3, 6], [5, 6, 7, 1]),
+        "indivisible": ([1, 2, 4, 5, 7], [0, 3, 4, 5, 6]),
+        "one_per_group": ([1, 6], [3, 4]),
+    }[case]
     kept = {layer: first for layer in layers}
     kept[layers[-1]] = last
     pruned = adapter.pruned_moe_student(model, kept)

@@ -24,16 +24,30 @@ def stats(max_norm: list[float], count: list[float], reap_mean: list[float], see
     a = torch.randn(E, 3 * E, generator=torch.Generator().manual_seed(seed), **F64)
     gram = a @ a.T
     z = torch.zeros(E, **F64)
-    return LayerStats(n_tokens=100, count=c, sum_p=z, sum_p_sel=z, sum_sq=gram.diagonal().clone(),
-                      sum_gnorm_sel=torch.tensor(reap_mean, **F64) * c, sum_norm_sel=c, gram=gram,
-                      sum_pnorm_sel=z, max_norm_sel=torch.tensor(max_norm, **F64))
+    return LayerStats(
+        n_tokens=100,
+        count=c,
+        sum_p=z,
+        sum_p_sel=z,
+        sum_sq=gram.diagonal().clone(),
+        sum_gnorm_sel=torch.tensor(reap_mean, **F64) * c,
+        sum_norm_sel=c,
+        gram=gram,
+        sum_pnorm_sel=z,
+        max_norm_sel=torch.tensor(max_norm, **F64),
+    )
 
 
 def ctx(st: LayerStats, k: int = 2) -> LayerContext:
     E, H = st.num_experts, 4
     w = torch.zeros(E, 3, H, **F64)
-    return LayerContext(stats=st, experts=ExpertWeights(gate=w, up=w, down=w.transpose(1, 2)),
-                        router_weight=torch.zeros(E, H, **F64), top_k=k, renormalized=True)
+    return LayerContext(
+        stats=st,
+        experts=ExpertWeights(gate=w, up=w, down=w.transpose(1, 2)),
+        router_weight=torch.zeros(E, H, **F64),
+        top_k=k,
+        renormalized=True,
+    )
 
 
 # experts 3 and 5 are outliers (30 and 15 against a median of 1.15 over the routed experts); 6 is never

@@ -18,8 +18,11 @@ from orchestrator.spec import load_spec
 from tests.ray_cluster import SWEEP, LocalCluster, launch, marked
 from tests.test_orchestrator import fake_sweep
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the clean-up reads /proc")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the clean-up reads /proc"),
+]
+
 
 @pytest.fixture(scope="module")
 def cluster():
@@ -51,7 +54,8 @@ def _outputs(*procs, timeout: float = 240) -> list[str]:
 
 
 def test_two_launches_on_a_cluster_run_each_job_once_on_a_node_that_has_what_it_declared(
-        cluster, tmp_path, pg_database):
+    cluster, tmp_path, pg_database
+):
     """Two `moesweep launch --address` of one sweep, the first driver on the head, the second on the worker
     node, one PostgreSQL database: every job ran once, on a node with the resources it declared."""
     sweep, home = _sweep(tmp_path), tmp_path / "home"
@@ -70,7 +74,9 @@ def test_two_launches_on_a_cluster_run_each_job_once_on_a_node_that_has_what_it_
     assert rows and all(status == "succeeded" and n == 1 for _, _, status, n, _ in rows), rows
     runs = Counter(r["key"] for r in _runs(home))
     assert set(runs) == {k for k, *_ in rows} and max(runs.values()) == 1  # every job ran, none twice
-    assert store.query("SELECT COUNT(*) FROM results WHERE sweep = 'cluster' AND ppl_pre IS NOT NULL")[1] == [(4,)]
+    assert store.query("SELECT COUNT(*) FROM results WHERE sweep = 'cluster' AND ppl_pre IS NOT NULL")[1] == [
+        (4,)
+    ]
     store.engine.dispose()
 
     spec = load_spec(str(sweep))[0]

@@ -30,9 +30,22 @@ def master(tmp_path_factory):
     s.import_reference(reference_sweeps())
     sid = s.upsert_sweep("mine", spec_yaml="name: mine")
     ids = s.register_jobs(sid, [{"key": f"j{i}", "stage": "ppl_pre", "params": {"i": i}} for i in range(3)])
-    cids = s.upsert_configs(sid, [{"config_key": f"c{i}", "model": "m", "kind": "moe2dense", "scoring": "SF",
-                                   "grouping": "RR", "dp_scaling": "uniform", "K": 4, "top_k": 2}
-                                  for i in range(3)])
+    cids = s.upsert_configs(
+        sid,
+        [
+            {
+                "config_key": f"c{i}",
+                "model": "m",
+                "kind": "moe2dense",
+                "scoring": "SF",
+                "grouping": "RR",
+                "dp_scaling": "uniform",
+                "K": 4,
+                "top_k": 2,
+            }
+            for i in range(3)
+        ],
+    )
     s.link([(cids[f"c{i}"], "ppl_pre", ids[f"j{i}"]) for i in range(3)])
     assert s.claim("j0", "me")
     s.finish("j0", "me", {"metrics": [{"name": "ppl", "stage": "pre", "value": 12.5}]}, 1.0)
@@ -55,14 +68,23 @@ def snapshot(path) -> dict:
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
         objects = conn.execute("SELECT type, name, sql FROM sqlite_master ORDER BY type, name").fetchall()
-        counts = {name: conn.execute(f'SELECT COUNT(*) FROM "{name}"').fetchone()[0]
-                  for kind, name, _ in objects if kind in ("table", "view")}
+        counts = {
+            name: conn.execute(f'SELECT COUNT(*) FROM "{name}"').fetchone()[0]
+            for kind, name, _ in objects
+            if kind in ("table", "view")
+        }
         version = conn.execute("SELECT version_num FROM moesweep_alembic_version").fetchall()
         pragmas = {p: conn.execute(f"PRAGMA {p}").fetchone()[0] for p in ("journal_mode", "user_version")}
     finally:
         conn.close()
-    return {"sha": digest, "files": files, "objects": objects, "counts": counts, "version": version,
-            "pragmas": pragmas}
+    return {
+        "sha": digest,
+        "files": files,
+        "objects": objects,
+        "counts": counts,
+        "version": version,
+        "pragmas": pragmas,
+    }
 
 
 def sql(path, query, *extra):
@@ -103,8 +125,11 @@ REFUSED = [
 def test_sql_refuses_every_change_and_changes_nothing(dbfile, query):
     before = snapshot(dbfile)
     line = one_error_line(sql(dbfile, query))
-    assert ("refused" in line and "read-only" in line) or "one statement at a time" in line \
-        or "not authorized" in line, line
+    assert (
+        ("refused" in line and "read-only" in line)
+        or "one statement at a time" in line
+        or "not authorized" in line
+    ), line
     assert snapshot(dbfile) == before
 
 
@@ -140,11 +165,19 @@ def test_selects_with_queries_and_reporting_pragmas_still_work(dbfile):
     assert json.loads(r.stdout) == [{"n": before["counts"]["metrics"]}]
     r = sql(dbfile, "WITH s AS (SELECT name FROM sweeps) SELECT name FROM s WHERE name = 'mine'", "-f", "csv")
     assert r.exit_code == 0 and r.stdout.splitlines() == ["name", "mine"]
-    r = sql(dbfile, "SELECT c.config_key, ppl_pre FROM results r JOIN configurations c ON c.id = r.config_id "
-                    "WHERE c.config_key = 'c0'")
+    r = sql(
+        dbfile,
+        "SELECT c.config_key, ppl_pre FROM results r JOIN configurations c ON c.id = r.config_id "
+        "WHERE c.config_key = 'c0'",
+    )
     assert r.exit_code == 0 and "c0" in r.stdout and "12.5" in r.stdout
-    r = sql(dbfile, "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 3) "
-                    "SELECT SUM(i) AS s FROM n", "-f", "csv")
+    r = sql(
+        dbfile,
+        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 3) "
+        "SELECT SUM(i) AS s FROM n",
+        "-f",
+        "csv",
+    )
     assert r.exit_code == 0 and r.stdout.splitlines() == ["s", "6"]
     r = sql(dbfile, "PRAGMA table_info(jobs)", "-f", "csv")
     assert r.exit_code == 0 and ",key," in r.stdout
@@ -159,7 +192,8 @@ def test_sql_errors_are_one_line(dbfile):
     assert "--format 'xml': allowed: table, csv, json" in one_error_line(sql(dbfile, "SELECT 1", "-f", "xml"))
     assert one_error_line(sql(dbfile, "SELECT * FROM jobs WHERE key = :k")) == (
         "error: A value is required for bind parameter 'k' (write the value into the query: a :name is a "
-        "parameter)")
+        "parameter)"
+    )
 
 
 def test_status_reads_only(dbfile):
@@ -201,7 +235,9 @@ def test_schema_revision_is_checked(dbfile, monkeypatch):
     current = store_mod.head_revision()
     monkeypatch.setattr(store_mod, "head_revision", lambda: "9000")  # as if this moesweep were newer
     line = one_error_line(runner.invoke(app, ["sql", "SELECT 1", "--db", url]))
-    assert f"revision {current}, this moesweep needs 9000" in line and f"moesweep migrate --db '{url}'" in line
+    assert (
+        f"revision {current}, this moesweep needs 9000" in line and f"moesweep migrate --db '{url}'" in line
+    )
     monkeypatch.undo()
 
     conn = sqlite3.connect(dbfile)
@@ -243,26 +279,31 @@ def pg_url(pg_database):
 
 def pg_counts(url) -> dict:
     s = Store(url, read_only=True)
-    out = {t: s.query(f"SELECT COUNT(*) FROM {t}")[1][0][0]
-           for t in ("sweeps", "configurations", "metrics", "moesweep_alembic_version")}
+    out = {
+        t: s.query(f"SELECT COUNT(*) FROM {t}")[1][0][0]
+        for t in ("sweeps", "configurations", "metrics", "moesweep_alembic_version")
+    }
     out["views"] = s.query("SELECT COUNT(*) FROM information_schema.views WHERE table_name = 'results'")[1]
     s.engine.dispose()
     return out
 
 
-@pytest.mark.parametrize("query", [
-    "DELETE FROM metrics",
-    "UPDATE metrics SET value=1.0",
-    "DROP TABLE jobs",
-    "DROP VIEW results",
-    "DROP TABLE moesweep_alembic_version",
-    "CREATE TABLE evil (x INTEGER)",
-    "SELECT 1; DELETE FROM metrics",
-    "COMMIT; SET SESSION CHARACTERISTICS AS TRANSACTION READ WRITE; DELETE FROM metrics",
-    "SET TRANSACTION READ WRITE",
-    "SELECT set_config('transaction_read_only', 'off', true)",
-    "VACUUM",
-])
+@pytest.mark.parametrize(
+    "query",
+    [
+        "DELETE FROM metrics",
+        "UPDATE metrics SET value=1.0",
+        "DROP TABLE jobs",
+        "DROP VIEW results",
+        "DROP TABLE moesweep_alembic_version",
+        "CREATE TABLE evil (x INTEGER)",
+        "SELECT 1; DELETE FROM metrics",
+        "COMMIT; SET SESSION CHARACTERISTICS AS TRANSACTION READ WRITE; DELETE FROM metrics",
+        "SET TRANSACTION READ WRITE",
+        "SELECT set_config('transaction_read_only', 'off', true)",
+        "VACUUM",
+    ],
+)
 def test_postgres_sql_is_read_only(pg_url, query):
     before = pg_counts(pg_url)
     one_error_line(runner.invoke(app, ["sql", query, "--db", pg_url]))

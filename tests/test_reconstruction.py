@@ -25,8 +25,17 @@ from workers.models.plans import convert_plans
 RL = ("RL-exhaustive", "RL-greedy", "CFES")
 
 
-def synthetic(E: int, T: int = 16, H: int = 8, inter: int = 4, k: int = 2, seed: int = 0, renormalized: bool = True,
-              twins: int = 0, settings: dict | None = None) -> LayerContext:
+def synthetic(
+    E: int,
+    T: int = 16,
+    H: int = 8,
+    inter: int = 4,
+    k: int = 2,
+    seed: int = 0,
+    renormalized: bool = True,
+    twins: int = 0,
+    settings: dict | None = None,
+) -> LayerContext:
     """A random layer whose token sample is T random tokens; with `twins`, experts E−twins.. are copies of
     experts 0.. (weights and router probabilities alike)."""
     g = torch.Generator().manual_seed(seed)
@@ -37,11 +46,25 @@ def synthetic(E: int, T: int = 16, H: int = 8, inter: int = 4, k: int = 2, seed:
             t[E - twins + j] = t[j]
         logits[:, E - twins + j] = logits[:, j]
     z = torch.zeros(E, dtype=torch.float64)
-    stats = LayerStats(n_tokens=T, count=z + 1, sum_p=z + 1, sum_p_sel=z + 1, sum_sq=z + 1, sum_gnorm_sel=z,
-                       sum_norm_sel=z, gram=torch.eye(E, dtype=torch.float64),
-                       sample={"x": r(T, H), "p": torch.softmax(logits, 1)})
-    return LayerContext(stats=stats, experts=ExpertWeights(gate=gate, up=up, down=down), router_weight=r(E, H),
-                        top_k=k, renormalized=renormalized, settings=settings)
+    stats = LayerStats(
+        n_tokens=T,
+        count=z + 1,
+        sum_p=z + 1,
+        sum_p_sel=z + 1,
+        sum_sq=z + 1,
+        sum_gnorm_sel=z,
+        sum_norm_sel=z,
+        gram=torch.eye(E, dtype=torch.float64),
+        sample={"x": r(T, H), "p": torch.softmax(logits, 1)},
+    )
+    return LayerContext(
+        stats=stats,
+        experts=ExpertWeights(gate=gate, up=up, down=down),
+        router_weight=r(E, H),
+        top_k=k,
+        renormalized=renormalized,
+        settings=settings,
+    )
 
 
 def select(name: str, ctx: LayerContext, K: int, forced: tuple[int, ...] = ()):
@@ -55,7 +78,7 @@ def naive_pruned(ctx: LayerContext, kept: list[int]) -> torch.Tensor:
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         q = {e: float(p[t, e]) / sum(float(p[t, j]) for j in kept) for e in kept}
-        top = sorted(kept, key=lambda e: (-q[e], e))[:min(ctx.top_k, len(kept))]
+        top = sorted(kept, key=lambda e: (-q[e], e))[: min(ctx.top_k, len(kept))]
         total = sum(q[e] for e in top) if ctx.renormalized else 1.0
         for e in top:
             out[t] += q[e] / total * ffn_forward(ctx.experts, x[t], expert=e)
@@ -67,7 +90,9 @@ def naive_pruned(ctx: LayerContext, kept: list[int]) -> torch.Tensor:
 def test_routed_subset_loss_is_the_pruned_moe_and_zero_for_the_full_set(renormalized):
     ctx = synthetic(6, renormalized=renormalized)
     loss = LayerLoss(ctx, "routed_subset")
-    assert loss(list(range(6))) == 0.0  # exact: the reference is routed(all E): the same ops on the same tensors
+    assert (
+        loss(list(range(6))) == 0.0
+    )  # exact: the reference is routed(all E): the same ops on the same tensors
     full = naive_pruned(ctx, list(range(6)))
     for kept in ([0, 2, 5], [1], [3, 4]):
         d = float(torch.linalg.vector_norm(full - naive_pruned(ctx, kept)))
@@ -88,7 +113,10 @@ def test_input_scaled_experts_are_refused_in_one_line(name):
 def test_exhaustive_finds_the_true_optimum():
     ctx = synthetic(7, seed=3)
     full = naive_pruned(ctx, list(range(7)))
-    brute = min(combinations(range(7), 3), key=lambda c: float(torch.linalg.vector_norm(full - naive_pruned(ctx, list(c)))))
+    brute = min(
+        combinations(range(7), 3),
+        key=lambda c: float(torch.linalg.vector_norm(full - naive_pruned(ctx, list(c)))),
+    )
     sel = select("RL-exhaustive", ctx, 3)
     assert sorted(sel.selected) == list(brute)
     assert sel.extras["recon_evals"] == math.comb(7, 3)
@@ -161,9 +189,11 @@ def test_greedy_and_coarse_to_fine_evaluation_counts_grow_as_the_paper_states():
 
 
 def test_settings_are_checked_in_one_line():
-    for raw, msg in [({"targte": "x"}, "settings targte: reconstruction-loss selection takes"),
-                     ({"target": "dense"}, "settings.target='dense'; allowed: routed_subset, dense_proxy"),
-                     ({"group_size": 0}, "settings.group_size=0; must be an integer >= 1")]:
+    for raw, msg in [
+        ({"targte": "x"}, "settings targte: reconstruction-loss selection takes"),
+        ({"target": "dense"}, "settings.target='dense'; allowed: routed_subset, dense_proxy"),
+        ({"group_size": 0}, "settings.group_size=0; must be an integer >= 1"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             ReconSettings.parse(raw)
     with pytest.raises(ValueError, match="no token sample: .*calibration.sample_tokens > 0"):
@@ -182,7 +212,9 @@ def _calibrated(family: str, sample_tokens: int = 40, seed: int = 0, tmp_path=No
     adapter = get_adapter(model)
     ids = torch.randint(3, V, (6, 10), generator=torch.Generator().manual_seed(1))
     batches = [(ids[:4], torch.ones(4, 10, dtype=torch.long)), (ids[4:], torch.ones(2, 10, dtype=torch.long))]
-    stats = collect_stats(model, adapter, batches, chunk_tokens=16, sample_tokens=sample_tokens, sample_seed=seed)
+    stats = collect_stats(
+        model, adapter, batches, chunk_tokens=16, sample_tokens=sample_tokens, sample_seed=seed
+    )
     if tmp_path is not None:
         save_stats(stats, tmp_path / "stats.safetensors")
         stats = load_stats(tmp_path / "stats.safetensors")
@@ -223,7 +255,9 @@ def test_samples_are_real_tokens_and_seeded():
     assert len(shared["pos"]) == int(mask.sum())  # all real tokens, capped at what there is
     assert bool((shared["mask"][shared["window"], shared["pos"]] == 1).all())
     a, b = sample_plan(batches, 10, seed=4)[1], sample_plan(batches, 10, seed=4)[1]
-    assert torch.equal(a["pos"], b["pos"]) and torch.equal(a["ids"], b["ids"])  # exact: integers, the same seed
+    assert torch.equal(a["pos"], b["pos"]) and torch.equal(
+        a["ids"], b["ids"]
+    )  # exact: integers, the same seed
     assert "sample_tokens" not in Calibration().model_dump()
     assert Calibration(sample_tokens=512).model_dump()["sample_tokens"] == 512
 
@@ -268,11 +302,14 @@ def test_sequential_inputs_equal_original_on_the_first_layer_and_differ_after_it
     first, second = adapter.moe_layers(model)
     cached = ctxs[second].stats.sample
     same = sequential_sample(model, adapter, cached, second, {first: list(range(6))}, "routed_subset")
-    assert torch.allclose(same["x"], cached["x"], atol=1e-6) and torch.allclose(same["p"], cached["p"], atol=1e-6)
+    assert torch.allclose(same["x"], cached["x"], atol=1e-6) and torch.allclose(
+        same["p"], cached["p"], atol=1e-6
+    )
     p = {"output": "dense", "K": 3, "scoring": "CFES", "grouping": "RR", "dp_scaling": "uniform"}
     orig, _ = convert_plans(ctxs, {**p, "settings": {"target": target}})
-    seq, _ = convert_plans(ctxs, {**p, "settings": {"target": target, "input": "sequential"}},
-                           teacher=(model, adapter))
+    seq, _ = convert_plans(
+        ctxs, {**p, "settings": {"target": target, "input": "sequential"}}, teacher=(model, adapter)
+    )
     assert orig[0].selected == seq[0].selected and orig[0].extras["recon_loss"] == seq[0].extras["recon_loss"]
     assert "recon_input_seconds" not in seq[0].extras and seq[1].extras["recon_input_seconds"] > 0
     moved = sequential_sample(model, adapter, cached, second, {first: seq[0].selected}, target)
@@ -292,9 +329,12 @@ def test_settings_reach_reconstruction_scorings_of_both_outputs_and_no_other():
     assert all(pl.groups == [[e] for e in sorted(pl.selected)] for pl in moe)
     with pytest.raises(ValueError, match="a pruned MoE takes super_experts"):
         convert_plans(ctxs, {**base, "output": "moe", "scoring": "REAP"})
-    protected, _ = convert_plans(ctxs, {"K": 4, "output": "moe", "scoring": "RL-greedy",
-                                        "settings": {"super_experts": 1.0}})
-    assert all(pl.selected[:len(pl.extras["protected_ids"])] == pl.extras["protected_ids"] for pl in protected)
+    protected, _ = convert_plans(
+        ctxs, {"K": 4, "output": "moe", "scoring": "RL-greedy", "settings": {"super_experts": 1.0}}
+    )
+    assert all(
+        pl.selected[: len(pl.extras["protected_ids"])] == pl.extras["protected_ids"] for pl in protected
+    )
 
 
 # ---- through launch --------------------------------------------------------------------------------------------
@@ -313,12 +353,27 @@ def test_a_sweep_selects_by_reconstruction_for_a_dense_student_and_a_pruned_moe(
     monkeypatch.setenv("MOESWEEP_HOME", str(tmp_path / "home"))
     spec, path, text = load_spec(str(HERE / "sweeps" / "recon.yaml"))
     store = Store(f"sqlite:///{tmp_path}/r.db")
-    assert launch(spec, text, store, SerialExecutor(), console=Console(quiet=True), show_progress=False,
-                  path=str(path)) == 0
-    rows = store.query("SELECT config_key, output, ppl_pre FROM results WHERE kind = 'moe2dense' "
-                       "ORDER BY config_id")[1]
-    assert {r[0] for r in rows} == {"CFES|RR|uniform|K=2", "CFES|RR|uniform|K=4", "moe|CFES|K=4|recovery=none",
-                                    "moe|RL-greedy|K=4|recovery=none"}
+    assert (
+        launch(
+            spec,
+            text,
+            store,
+            SerialExecutor(),
+            console=Console(quiet=True),
+            show_progress=False,
+            path=str(path),
+        )
+        == 0
+    )
+    rows = store.query(
+        "SELECT config_key, output, ppl_pre FROM results WHERE kind = 'moe2dense' ORDER BY config_id"
+    )[1]
+    assert {r[0] for r in rows} == {
+        "CFES|RR|uniform|K=2",
+        "CFES|RR|uniform|K=4",
+        "moe|CFES|K=4|recovery=none",
+        "moe|RL-greedy|K=4|recovery=none",
+    }
     assert all(r[2] is not None for r in rows)
     names = {r[0] for r in store.query("SELECT DISTINCT name FROM layer_diag")[1]}  # numeric extras
     assert {"recon_evals", "recon_seconds", "recon_loss", "c2f_group_size", "recon_input_seconds"} <= names

@@ -189,8 +189,11 @@ def test_axes_are_our_axes():
             assert c.get("grouping") is None and c.get("dp_scaling") is None
     rkd = {c["config_key"] for c in SWEEPS[RKD]["configs"]}
     assert {"moe|REAP|K=80|recovery=router_kd", "edited|MoBE|K=80|recovery=none"} <= rkd
-    reap = {(c.get("scoring") or c.get("merging"), c["K"]) for c in SWEEPS[REAP_QWEN]["configs"]
-            if c["kind"] != "teacher"}
+    reap = {
+        (c.get("scoring") or c.get("merging"), c["K"])
+        for c in SWEEPS[REAP_QWEN]["configs"]
+        if c["kind"] != "teacher"
+    }
     assert reap == {(m, K) for m in ("frequency", "EAN", "REAP", "HC-SMoE", "M-SMoE") for K in (96, 64)}
     assert {c["model"] for c in SWEEPS[RKD]["configs"]} == {"Qwen3-30B-A3B-Instruct-2507"}
 
@@ -405,9 +408,12 @@ def test_report_shows_smaller_moes_beside_the_paper(store, tmp_path):
     # ours (WinoGrande 0.60, ARC-C 0.40, PIQA 0.50) beside the Router KD paper's Table 2 REAP columns:
     # "| Multi-Choice | WinoGrande | 0.5683 | 0.5683 | 0.5841 |", "| ARC-challenge | 0.4787 | 0.4215 | 0.4181 |",
     # "| PIQA | 0.7258 | 0.7203 | 0.7247 |"
-    assert r"& Teacher &  &  & 80.00 & 60.00 & 70.00 & 70.00 & 56.83 & 47.87 & 72.58 & 55.05 & 59.09 \\" in rows
     assert (
-        r"prune & REAP & 80 & none & 60.00 & 40.00 & 50.00 & 50.00 & 56.83 & 42.15 & 72.03 & 51.11 & 57.00 \\" in rows
+        r"& Teacher &  &  & 80.00 & 60.00 & 70.00 & 70.00 & 56.83 & 47.87 & 72.58 & 55.05 & 59.09 \\" in rows
+    )
+    assert (
+        r"prune & REAP & 80 & none & 60.00 & 40.00 & 50.00 & 50.00 & 56.83 & 42.15 & 72.03 & 51.11 & 57.00 \\"
+        in rows
     )
     assert (
         r"prune & REAP & 80 & Router KD & 61.00 & 41.00 & 51.00 & 51.00 & 58.41 & 41.81 & 72.47 & 51.53 & 57.56 \\"
@@ -472,11 +478,21 @@ def test_every_c2f_and_dot_moe_value_round_trips(store):
             key = "teacher"
         else:
             out, method = {"HC-SMoE": ("merged", "HC-SMoE"), "Weights": ("moe", "Weights")}.get(
-                r["method"], ("moe", "CFES"))
+                r["method"], ("moe", "CFES")
+            )
             key = f"{out}|{method}|K=64|recovery=none" + (
-                "" if r["calibration"] == "fixed" else f"|calibration={r['calibration']}")
-        for col, task in (("mmlu", "mmlu"), ("math500", "math500"), ("aime25", "aime25"), ("lcb", "livecodebench")):
-            assert _value(store, C2F_SWEEP, key, "acc" if col == "mmlu" else "score", task) == float(r[col]) / 100
+                "" if r["calibration"] == "fixed" else f"|calibration={r['calibration']}"
+            )
+        for col, task in (
+            ("mmlu", "mmlu"),
+            ("math500", "math500"),
+            ("aime25", "aime25"),
+            ("lcb", "livecodebench"),
+        ):
+            assert (
+                _value(store, C2F_SWEEP, key, "acc" if col == "mmlu" else "score", task)
+                == float(r[col]) / 100
+            )
             n += 1
         assert _value(store, C2F_SWEEP, key, "avg_published") == float(r["average"]) / 100
     assert n == 13 * 4
@@ -484,8 +500,11 @@ def test_every_c2f_and_dot_moe_value_round_trips(store):
         key = f"dense2moe|{_slug(r['method'])}|{_slug(r['model'])}|active={r['active_params_b']}B"
         assert _value(store, DOT_SWEEP, key, "avg_published") == float(r["avg"]) / 100, key
         assert _value(store, DOT_SWEEP, key, "acc_norm", "hellaswag") == float(r["hellaswag"]) / 100
-    _, rows = store.query("SELECT COUNT(*) FROM configurations c JOIN sweeps s ON s.id = c.sweep_id "
-                          "WHERE s.name = :s AND c.kind = 'dense2moe'", {"s": DOT_SWEEP})
+    _, rows = store.query(
+        "SELECT COUNT(*) FROM configurations c JOIN sweeps s ON s.id = c.sweep_id "
+        "WHERE s.name = :s AND c.kind = 'dense2moe'",
+        {"s": DOT_SWEEP},
+    )
     assert rows[0][0] == 16 + 8
 
 
@@ -499,10 +518,16 @@ def test_c2f_keys_are_those_our_seed003_sweep_writes():
 
     spec, _, _ = load_spec("seed003-c2f-qwen3-30b-a3b-thinking")
     ours = {c["config_key"]: c for c in grid_configs(spec, "Qwen3-30B-A3B-Thinking-2507", 8)}
-    ours |= {m["config_key"]: m for m in (mixture_config(c) for c in list(ours.values()) if c["scoring"] == "CFES")}
+    ours |= {
+        m["config_key"]: m for m in (mixture_config(c) for c in list(ours.values()) if c["scoring"] == "CFES")
+    }
     ref = {c["config_key"]: c for c in c2f()["configs"]}
-    assert {"moe|CFES|K=64|recovery=none", "moe|CFES|K=64|recovery=none|calibration=dcdm"} <= set(ours) & set(ref)
-    assert ref["moe|CFES|K=64|recovery=none|calibration=dcdm"]["variant_of_key"] == "moe|CFES|K=64|recovery=none"
+    assert {"moe|CFES|K=64|recovery=none", "moe|CFES|K=64|recovery=none|calibration=dcdm"} <= set(ours) & set(
+        ref
+    )
+    assert (
+        ref["moe|CFES|K=64|recovery=none|calibration=dcdm"]["variant_of_key"] == "moe|CFES|K=64|recovery=none"
+    )
     assert c2f()["name"] == C2F_SWEEP
 
 
@@ -512,18 +537,31 @@ def test_report_shows_a_dcdm_variant_beside_the_paper(store, tmp_path):
     from analysis.report import write_report
 
     sid = store.upsert_sweep("own-c2f", spec_yaml="name: own-c2f")
-    base = {"model": C2F_MODEL, "kind": "moe2dense", "output": "moe", "scoring": "CFES", "K": 64,
-            "recovery": "none", "top_k": 8}
-    cfgs = [{**base, "config_key": "moe|CFES|K=64|recovery=none"},
-            {**base, "config_key": "moe|CFES|K=64|recovery=none|calibration=dcdm", "variant": "calibration=dcdm"}]
+    base = {
+        "model": C2F_MODEL,
+        "kind": "moe2dense",
+        "output": "moe",
+        "scoring": "CFES",
+        "K": 64,
+        "recovery": "none",
+        "top_k": 8,
+    }
+    cfgs = [
+        {**base, "config_key": "moe|CFES|K=64|recovery=none"},
+        {**base, "config_key": "moe|CFES|K=64|recovery=none|calibration=dcdm", "variant": "calibration=dcdm"},
+    ]
     ids = store.upsert_configs(sid, cfgs)
     links = []
     for (key, cid), acc in zip(ids.items(), (0.40, 0.45), strict=True):
         job = f"own-c2f:{key}"
         store.register_jobs(sid, [{"key": job, "stage": "evaluate", "params": {"k": job}}])
         assert store.claim(job, "t")
-        store.finish(job, "t", {"metrics": [{"name": "acc", "stage": "post", "task": "mmlu", "value": acc,
-                                             "headline": 1}]}, 0.1)
+        store.finish(
+            job,
+            "t",
+            {"metrics": [{"name": "acc", "stage": "post", "task": "mmlu", "value": acc, "headline": 1}]},
+            0.1,
+        )
         links.append((cid, "evaluate", store.jobs([job])[job]["id"]))
     store.link(links)
     refs = load_frames(store.engine, list(SWEEPS))
@@ -532,6 +570,8 @@ def test_report_shows_a_dcdm_variant_beside_the_paper(store, tmp_path):
     rows = _table_rows(tex)
     # ours (MMLU 40.00 / 45.00) beside the paper's Table 3 (Fixed 50.58, DCDM 52.56; its Avg over 4 tasks)
     assert any(r.startswith("prune & CFES & 64 & none & 40.00 & 40.00 & 50.58") for r in rows), rows
-    assert any(r.startswith("prune & CFES (calibration=dcdm) & 64 & none & 45.00 & 45.00 & 52.56") for r in rows)
+    assert any(
+        r.startswith("prune & CFES (calibration=dcdm) & 64 & none & 45.00 & 45.00 & 52.56") for r in rows
+    )
     assert any(r.startswith("merge & HC-SMoE (calibration=c4) & 64 & none &  &  & 39.42") for r in rows), rows
     assert C2F_SWEEP in tex

@@ -25,7 +25,9 @@ def test_a_sweep_asking_a_refused_output_is_a_one_line_error(no_dense_qwen3):
     with pytest.raises(SpecError) as e:
         build_configs(spec, shape)
     msg = str(e.value)
-    assert "\n" not in msg and msg.startswith("grid.output: dense: qwen3_moe cannot write a dense student (test)")
+    assert "\n" not in msg and msg.startswith(
+        "grid.output: dense: qwen3_moe cannot write a dense student (test)"
+    )
     assert msg.endswith("allowed for qwen3_moe: moe, merged, edited")
 
 
@@ -37,7 +39,9 @@ def test_the_sweep_without_it_is_accepted():
 
 def test_the_conversion_refuses_it_too(no_dense_qwen3):
     teacher = make_teacher("qwen3_moe")
-    with pytest.raises(ValueError, match=r"^output='dense': qwen3_moe cannot write a dense student \(test\)$"):
+    with pytest.raises(
+        ValueError, match=r"^output='dense': qwen3_moe cannot write a dense student \(test\)$"
+    ):
         write_student("dense", teacher, get_adapter(teacher), [], share_weights=True)
     with pytest.raises(ValueError, match="output='dens'; allowed: dense, moe, merged, edited"):
         write_student("dens", teacher, get_adapter(teacher), [], share_weights=True)
@@ -53,26 +57,44 @@ def test_families_lists_a_refused_output(no_dense_qwen3):
     assert "  refused output dense: cannot write a dense student (test)" in out.output
 
 
-GRIDS = {"dense": {"scoring": ["SF"], "grouping": ["RR"]}, "moe": {"output": ["moe"], "scoring": ["REAP"]},
-         "merged": {"output": ["merged"], "merging": ["HC-SMoE"]}, "edited": {"output": ["edited"], "editing": ["TD-MoE"]}}
+GRIDS = {
+    "dense": {"scoring": ["SF"], "grouping": ["RR"]},
+    "moe": {"output": ["moe"], "scoring": ["REAP"]},
+    "merged": {"output": ["merged"], "merging": ["HC-SMoE"]},
+    "edited": {"output": ["edited"], "editing": ["TD-MoE"]},
+}
 REFUSED = [(f, out) for f in FAMILIES for out in adapter_named(f).refused_outputs]
 
 
 def test_the_families_that_refuse_an_output():
-    assert REFUSED == [("phimoe", "dense"), ("dbrx", "edited"), ("llama4_text", "edited"), ("aria_text", "edited")]
+    assert REFUSED == [
+        ("phimoe", "dense"),
+        ("dbrx", "edited"),
+        ("llama4_text", "edited"),
+        ("aria_text", "edited"),
+    ]
 
 
 @pytest.mark.parametrize("family,output", REFUSED)
-def test_every_refused_output_is_refused_in_one_line_by_the_sweep_and_the_conversion(family, output, tmp_path):
+def test_every_refused_output_is_refused_in_one_line_by_the_sweep_and_the_conversion(
+    family, output, tmp_path
+):
     import yaml
     from families_cases import CASES, tiny_config
 
     reason = adapter_named(family).refused_outputs[output]
     tiny_config(family).save_pretrained(tmp_path / family)
     f = tmp_path / "sweep.yaml"
-    f.write_text(yaml.safe_dump({"name": "refused", "teacher": {"source": "hf", "model": str(tmp_path / family)},
-                                 "calibration": {"n_samples": 4, "seq_len": 8},
-                                 "grid": [{**GRIDS[output], "K": [CASES[family].experts]}]}))
+    f.write_text(
+        yaml.safe_dump(
+            {
+                "name": "refused",
+                "teacher": {"source": "hf", "model": str(tmp_path / family)},
+                "calibration": {"n_samples": 4, "seq_len": 8},
+                "grid": [{**GRIDS[output], "K": [CASES[family].experts]}],
+            }
+        )
+    )
     spec, path, _ = load_spec(str(f))
     with pytest.raises(SpecError) as e:
         build_configs(spec, model_shape(spec, str(path)))

@@ -45,13 +45,25 @@ def toy_jobs(ctx: SweepContext) -> dict[str, JobSpec]:
     out = {}
     for ck, conv in ctx.jobs.get("convert", {}).items():
         if ctx.succeeded("convert", ck) is not None:
-            out[ck] = ctx.job("toy", {"factor": ctx.spec.toy.factor, "scoring": ctx.config(ck)["scoring"]},
-                              {"convert": conv.key})
+            out[ck] = ctx.job(
+                "toy",
+                {"factor": ctx.spec.toy.factor, "scoring": ctx.config(ck)["scoring"]},
+                {"convert": conv.key},
+            )
     return out
 
 
-TOY = Stage(name="toy", run=toy_run, jobs=toy_jobs, section="toy", params=ToyParams, section_default="default",
-            upstream=("convert",), records=frozenset({"outputs", "metrics"}), summary="a toy stage")
+TOY = Stage(
+    name="toy",
+    run=toy_run,
+    jobs=toy_jobs,
+    section="toy",
+    params=ToyParams,
+    section_default="default",
+    upstream=("convert",),
+    records=frozenset({"outputs", "metrics"}),
+    summary="a toy stage",
+)
 
 
 @pytest.fixture
@@ -70,14 +82,26 @@ def test_a_stage_declared_in_one_module_runs_in_a_sweep(fake, toy, tmp_path):  #
     assert spec.toy.factor == 2  # its section is part of the sweep schema
     store = Store(state["db"])
     state["fail"] = False
-    assert launch(spec, text, store, SerialExecutor(), console=Console(quiet=True), show_progress=False,
-                  path=str(path)) == 0
+    assert (
+        launch(
+            spec,
+            text,
+            store,
+            SerialExecutor(),
+            console=Console(quiet=True),
+            show_progress=False,
+            path=str(path),
+        )
+        == 0
+    )
     # one toy job per distinct conversion, each linked to its configurations, its metric in the DB
     n_convert = store.query("SELECT COUNT(*) FROM jobs WHERE stage = 'convert'")[1][0][0]
     rows = store.query("SELECT j.status, j.code_json FROM jobs j WHERE j.stage = 'toy'")[1]
     assert len(rows) == n_convert == 8 and all(s == "succeeded" for s, _ in rows)
-    assert all(set(json.loads(c)) == {"stage:toy", f"scoring:{sc}"} for (_, c), sc in
-               zip(rows, ["SF"] * 4 + ["CP"] * 4, strict=True))
+    assert all(
+        set(json.loads(c)) == {"stage:toy", f"scoring:{sc}"}
+        for (_, c), sc in zip(rows, ["SF"] * 4 + ["CP"] * 4, strict=True)
+    )
     linked = store.query("SELECT COUNT(*) FROM config_jobs WHERE stage = 'toy'")[1][0][0]
     assert linked == 8
     assert store.query("SELECT COUNT(*) FROM metrics WHERE name = 'toy_metric'")[1][0][0] == 8
@@ -96,15 +120,33 @@ def test_a_section_key_of_an_unknown_stage_is_an_error(tmp_path):
 
 def test_a_record_the_stage_does_not_declare_fails_the_job(fake, tmp_path):  # noqa: F811
     calls, state = fake
-    register(Stage(name="toy2", run=_bad_record, jobs=lambda ctx: {
-        ck: ctx.job("toy2", {"n": 1}, {"convert": j.key}) for ck, j in ctx.jobs["convert"].items()},
-        upstream=("convert",), records=frozenset({"outputs"})))
+    register(
+        Stage(
+            name="toy2",
+            run=_bad_record,
+            jobs=lambda ctx: {
+                ck: ctx.job("toy2", {"n": 1}, {"convert": j.key}) for ck, j in ctx.jobs["convert"].items()
+            },
+            upstream=("convert",),
+            records=frozenset({"outputs"}),
+        )
+    )
     try:
         spec, path, text = load_spec(str(state["sweep"]))
         state["fail"] = False
         store = Store(state["db"])
-        assert launch(spec, text, store, SerialExecutor(), console=Console(quiet=True), show_progress=False,
-                      path=str(path)) == 1
+        assert (
+            launch(
+                spec,
+                text,
+                store,
+                SerialExecutor(),
+                console=Console(quiet=True),
+                show_progress=False,
+                path=str(path),
+            )
+            == 1
+        )
         errors = store.query("SELECT error FROM jobs WHERE stage = 'toy2'")[1]
         assert errors and all("returned ['plan_rows']" in e for (e,) in errors)
     finally:
@@ -117,8 +159,20 @@ def _bad_record(payload: dict, cache: dict, progress) -> dict:
 
 def test_stage_order_follows_upstream_and_rejects_unknown_inputs():
     names = [s.name for s in stages()]
-    assert names == ["teacher", "dense_teacher", "calibrate", "dcdm", "convert", "ppl_pre", "seed_convert",
-                     "seed_ppl", "distill", "router_kd", "evaluate", "dot_moe"]
+    assert names == [
+        "teacher",
+        "dense_teacher",
+        "calibrate",
+        "dcdm",
+        "convert",
+        "ppl_pre",
+        "seed_convert",
+        "seed_ppl",
+        "distill",
+        "router_kd",
+        "evaluate",
+        "dot_moe",
+    ]
     for s in stages():
         assert all(names.index(u) < names.index(s.name) for u in s.upstream)
     register(Stage(name="orphan", run=_bad_record, jobs=lambda ctx: {}, upstream=("nowhere",)))
@@ -143,19 +197,25 @@ def test_every_axis_is_a_typed_column_of_configurations_and_results(tmp_path):
     import workers.methods.scaling
     import workers.methods.scoring
 
-    runtime = {"scoring": workers.methods.scoring.SCORINGS, "grouping": workers.methods.grouping.GROUPINGS,
-               "dp_scaling": workers.methods.scaling.SCALINGS}
+    runtime = {
+        "scoring": workers.methods.scoring.SCORINGS,
+        "grouping": workers.methods.grouping.GROUPINGS,
+        "dp_scaling": workers.methods.scaling.SCALINGS,
+    }
     for name, registry in runtime.items():
         assert AXES[name].allowed() == list(registry), name
 
 
-@pytest.mark.parametrize("patch, expect", [
-    ("K: ['4']", "grid.K.0: Input should be a valid integer"),
-    ("K: [4.0]", "grid.K.0: Input should be a valid integer"),
-    ("K: [true, 4]", "grid.K.0: Input should be a valid integer"),
-    ("K: [2, 2, 4]", "grid.K: K 2 is listed twice"),
-    ("K: [0]", "grid.K: K must be positive integers"),
-])
+@pytest.mark.parametrize(
+    "patch, expect",
+    [
+        ("K: ['4']", "grid.K.0: Input should be a valid integer"),
+        ("K: [4.0]", "grid.K.0: Input should be a valid integer"),
+        ("K: [true, 4]", "grid.K.0: Input should be a valid integer"),
+        ("K: [2, 2, 4]", "grid.K: K 2 is listed twice"),
+        ("K: [0]", "grid.K: K must be positive integers"),
+    ],
+)
 def test_grid_values_are_strict(tmp_path, patch, expect):
     text = (ROOT / "tests" / "sweeps" / "fake.yaml").read_text().replace("K: [2, 4]", patch)
     with pytest.raises(SpecError) as e:
@@ -165,38 +225,59 @@ def test_grid_values_are_strict(tmp_path, patch, expect):
 
 def test_the_teacher_shape_comes_from_its_config(fake, tmp_path):  # noqa: F811
     calls, state = fake
-    for stated, expect in (({"num_experts": 16}, "teacher.num_experts: 16, but the model's config says 8"),
-                           ({"top_k": 4}, "teacher.top_k: 4, but the model's config says 2"),
-                           ({"renormalize": False}, "teacher.renormalize: False, but the model's config says True")):
+    for stated, expect in (
+        ({"num_experts": 16}, "teacher.num_experts: 16, but the model's config says 8"),
+        ({"top_k": 4}, "teacher.top_k: 4, but the model's config says 2"),
+        ({"renormalize": False}, "teacher.renormalize: False, but the model's config says True"),
+    ):
         raw = yaml.safe_load((ROOT / "tests" / "sweeps" / "fake.yaml").read_text())
         raw["teacher"].update(stated)
         sweep = fake_sweep(tmp_path, yaml.safe_dump(raw))
         db = tmp_path / "never.db"
-        res = CliRunner().invoke(app, ["launch", str(sweep), "--db", f"sqlite:///{db}", "--executor", "serial"])
+        res = CliRunner().invoke(
+            app, ["launch", str(sweep), "--db", f"sqlite:///{db}", "--executor", "serial"]
+        )
         assert res.exit_code == 2 and expect in res.output, res.output
         assert not db.exists()  # nothing is created for a sweep that cannot run
 
 
 def test_dry_run_and_sweeps_import_no_torch():
-    code = ("import sys, time\n"
-            "from typer.testing import CliRunner\n"
-            "from orchestrator.cli import app\n"
-            "t = time.perf_counter()\n"
-            "r = CliRunner().invoke(app, ['launch', 'paper-qwen3-30b-a3b', '--dry-run'])\n"
-            "assert r.exit_code == 0, r.output\n"
-            "assert '350' in r.output and '35' in r.output, r.output\n"
-            "r = CliRunner().invoke(app, ['sweeps'])\n"
-            "assert r.exit_code == 0 and 'tiny' in r.output, r.output\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'ray')))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
-                         env={**os.environ, "MOESWEEP_HOME": "/nonexistent-moesweep-home"})
+    code = (
+        "import sys, time\n"
+        "from typer.testing import CliRunner\n"
+        "from orchestrator.cli import app\n"
+        "t = time.perf_counter()\n"
+        "r = CliRunner().invoke(app, ['launch', 'paper-qwen3-30b-a3b', '--dry-run'])\n"
+        "assert r.exit_code == 0, r.output\n"
+        "assert '350' in r.output and '35' in r.output, r.output\n"
+        "r = CliRunner().invoke(app, ['sweeps'])\n"
+        "assert r.exit_code == 0 and 'tiny' in r.output, r.output\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'ray')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env={**os.environ, "MOESWEEP_HOME": "/nonexistent-moesweep-home"},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "paper-qwen3-30b-a3b", "paper-deepseek-v2-lite",
-                                  "paper-gpt-oss-20b", "seed002-reap-qwen3-30b-a3b",
-                                  "seed001-router-kd-qwen3-30b-a3b"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tiny",
+        "tiny-moe",
+        "paper-qwen3-30b-a3b",
+        "paper-deepseek-v2-lite",
+        "paper-gpt-oss-20b",
+        "seed002-reap-qwen3-30b-a3b",
+        "seed001-router-kd-qwen3-30b-a3b",
+    ],
+)
 def test_every_named_sweep_is_planned_by_the_dry_run(name):
     from orchestrator.spec import list_sweeps
 

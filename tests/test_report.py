@@ -777,8 +777,10 @@ def test_latex_tables_are_standalone_documents(paper_report, own_report):
 
 def test_latex_compiles_alone_and_when_input(paper_report, own_report, tmp_path):
     if shutil.which("pdflatex") is None:
-        pytest.skip("pdflatex not installed: the tables' compilation (alone and \\input into a document) "
-                    "was not checked")
+        pytest.skip(
+            "pdflatex not installed: the tables' compilation (alone and \\input into a document) "
+            "was not checked"
+        )
     out, _ = paper_report
     own, _ = own_report
     for which, name in LATEX_TABLES:
@@ -809,22 +811,48 @@ SEED_NOISE = {"SF": (0.12, 0.0), "CP": (0.005, -0.005), "ACP": (-0.005, 0.005), 
 def add_seed_repeats(store: Store) -> None:
     """Seeds 2 and 3 of every selected student, written as the seed stages write them (variant seed=<s>)."""
     sid = store.upsert_sweep(OWN, spec_yaml=f"name: {OWN}", select_json=RULE)
-    _, rows = store.query("SELECT config_id, config_key, scoring, grouping, dp_scaling, \"K\" FROM results WHERE "
-                          "sweep = :s AND selected_for_distill = 1 AND kind = 'moe2dense' AND variant_of IS NULL",
-                          {"s": OWN})
+    _, rows = store.query(
+        'SELECT config_id, config_key, scoring, grouping, dp_scaling, "K" FROM results WHERE '
+        "sweep = :s AND selected_for_distill = 1 AND kind = 'moe2dense' AND variant_of IS NULL",
+        {"s": OWN},
+    )
     links = []
     for cid, ck, s, g, dp, K in rows:
         for i, seed in enumerate((2, 3)):
             rk = f"{ck}|seed={seed}"
-            rid = store.upsert_configs(sid, [{"config_key": rk, "model": "tiny-moe", "kind": "moe2dense", "scoring": s,
-                                              "grouping": g, "dp_scaling": dp, "K": K, "top_k": TOP_K,
-                                              "variant": f"seed={seed}", "selected_for_distill": 1}])[rk]
+            rid = store.upsert_configs(
+                sid,
+                [
+                    {
+                        "config_key": rk,
+                        "model": "tiny-moe",
+                        "kind": "moe2dense",
+                        "scoring": s,
+                        "grouping": g,
+                        "dp_scaling": dp,
+                        "K": K,
+                        "top_k": TOP_K,
+                        "variant": f"seed={seed}",
+                        "selected_for_distill": 1,
+                    }
+                ],
+            )[rk]
             store.set_config_fields({rid: {"variant_of": cid}})
             acc, p = ACC[s] + SEED_NOISE[s][i], ppl_of(s, g, dp, K) * (1 + 0.01 * seed)
-            pre = {"metrics": [{"name": "ppl", "stage": "pre", "value": p}], "item_scores": _window_items(p, rk, "pre")}
-            links += [(rid, "seed_ppl", _run(store, sid, "ppl_pre", _key("ppl", rk), pre)),
-                      (rid, "evaluate", _run(store, sid, "evaluate", _key("evaluate", rk),
-                                             _eval_record(acc, 20.0 - 10 * acc, rk)))]
+            pre = {
+                "metrics": [{"name": "ppl", "stage": "pre", "value": p}],
+                "item_scores": _window_items(p, rk, "pre"),
+            }
+            links += [
+                (rid, "seed_ppl", _run(store, sid, "ppl_pre", _key("ppl", rk), pre)),
+                (
+                    rid,
+                    "evaluate",
+                    _run(
+                        store, sid, "evaluate", _key("evaluate", rk), _eval_record(acc, 20.0 - 10 * acc, rk)
+                    ),
+                ),
+            ]
     store.link(links)
 
 
@@ -844,8 +872,12 @@ def test_report_pools_seeds_beside_the_item_level_intervals(seeded_report):
     assert len(students) == 12  # every pick, none of the variants or baselines
     do = students[("DO-ACP", "RR")]
     assert do["avg"]["seeds"] == ["main", "seed=2", "seed=3"]
-    assert do["avg"]["values"] == pytest.approx([47.5, 48.5, 46.5]) and do["avg"]["mean"] == pytest.approx(47.5)
-    assert do["avg"]["sd"] == pytest.approx(1.0) and do["avg"]["item_se"] == pytest.approx(100 * math.sqrt(2e-4) / 2, abs=1e-4)
+    assert do["avg"]["values"] == pytest.approx([47.5, 48.5, 46.5]) and do["avg"]["mean"] == pytest.approx(
+        47.5
+    )
+    assert do["avg"]["sd"] == pytest.approx(1.0) and do["avg"]["item_se"] == pytest.approx(
+        100 * math.sqrt(2e-4) / 2, abs=1e-4
+    )
     assert do["ppl_pre"]["sd"] > 0 and "ppl_post" in do
     # the scoring spread (DO-ACP − SF, +10 pp) is clear on the items, but SF's second seed overtakes DO-ACP
     sp = f["spread"]["scoring"]["interval"]
@@ -856,7 +888,10 @@ def test_report_pools_seeds_beside_the_item_level_intervals(seeded_report):
     assert st["diffs"] == pytest.approx([5.0, 6.5, 3.5]) and st["survives"]
     assert st["ci"][0] == pytest.approx(5.0 - 4.302653 * 1.5 / math.sqrt(3), abs=1e-3)
     assert f["intervals"]["gain_over_random_ffn"].get("seeds") is None  # the baseline was not repeated
-    assert len(f["ablations"]) == 1 and set(f["ablations"][0]) >= {"routing", "loss"}  # repeats are no ablation
+    assert len(f["ablations"]) == 1 and set(f["ablations"][0]) >= {
+        "routing",
+        "loss",
+    }  # repeats are no ablation
     index = (out / "index.md").read_text()
     assert "spread 10.00 pp — not distinguishable across seeds (95% CI [" in index
     assert "over 3 seeds +6.00 ± 6.08 sd" in index and "Seed repeats (ours)" in index

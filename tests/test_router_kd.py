@@ -58,7 +58,7 @@ def padded(n: int, t: int, lengths: list[int], seed: int) -> tuple[torch.Tensor,
     x = ids(n, t, seed=seed)
     mask = torch.zeros_like(x)
     for r in range(n):
-        mask[r, :lengths[r % len(lengths)]] = 1
+        mask[r, : lengths[r % len(lengths)]] = 1
     return x * mask, mask
 
 
@@ -77,15 +77,37 @@ def fam(request):
 # ---- settings -----------------------------------------------------------------------------------
 def test_spec_defaults_are_the_papers_and_bad_values_name_their_field():
     s = RouterKDSpec()
-    assert (s.epochs, s.batch_size, s.grad_accum, s.lr, s.max_len, s.tau, s.max_samples, s.seed) == \
-        (1, 2, 4, 5e-5, 512, 1.0, 3000, 42)
+    assert (s.epochs, s.batch_size, s.grad_accum, s.lr, s.max_len, s.tau, s.max_samples, s.seed) == (
+        1,
+        2,
+        4,
+        5e-5,
+        512,
+        1.0,
+        3000,
+        42,
+    )
     assert (s.betas, s.weight_decay, s.eps, s.kd_loss_norm) == ((0.9, 0.999), 0.0, 1e-8, "per_sequence")
     assert s.steps(3000) == 375 and s.steps(10_000) == 375 and s.steps(9) == 2  # 5 micro-batches → 4 + 1
     assert RouterKDSpec(betas=[0.8, 0.9]).betas == (0.8, 0.9)
-    for field, value in [("epochs", 0), ("batch_size", 1.5), ("grad_accum", True), ("lr", 0), ("max_len", 1),
-                         ("tau", -1.0), ("max_samples", 0), ("seed", "42"), ("betas", (0.9, 1.0)),
-                         ("betas", "ab"), ("weight_decay", -0.1), ("eps", 0.0), ("norm_eps", 0),
-                         ("kd_loss_norm", "mean"), ("grad_clip", -1.0), ("logit_chunk", 0)]:
+    for field, value in [
+        ("epochs", 0),
+        ("batch_size", 1.5),
+        ("grad_accum", True),
+        ("lr", 0),
+        ("max_len", 1),
+        ("tau", -1.0),
+        ("max_samples", 0),
+        ("seed", "42"),
+        ("betas", (0.9, 1.0)),
+        ("betas", "ab"),
+        ("weight_decay", -0.1),
+        ("eps", 0.0),
+        ("norm_eps", 0),
+        ("kd_loss_norm", "mean"),
+        ("grad_clip", -1.0),
+        ("logit_chunk", 0),
+    ]:
         with pytest.raises(ValueError, match=f"^RouterKDSpec.{field}: "):
             RouterKDSpec(**{field: value})
 
@@ -101,7 +123,9 @@ def test_calibration_batches_cap_truncate_drop_and_trim():
     x, mask = padded(7, 10, [10, 1, 3, 8, 2, 10, 10], seed=5)  # row 1 has a single token: no target
     out = calibration_batches(x, spec, mask)
     assert [tuple(b[0].shape) for b in out] == [(2, 6), (2, 6)]  # rows 0, 2 | 3, 4 (row 1 dropped, cap 4)
-    assert torch.equal(out[0][0], x[[0, 2], :6]) and torch.equal(out[1][1], mask[[3, 4], :6])  # exact: integers
+    assert torch.equal(out[0][0], x[[0, 2], :6]) and torch.equal(
+        out[1][1], mask[[3, 4], :6]
+    )  # exact: integers
     short = calibration_batches(x[[2, 4]], RouterKDSpec(batch_size=2), mask[[2, 4]])
     assert tuple(short[0][0].shape) == (2, 3)  # columns that are padding in every row are dropped
 
@@ -133,7 +157,7 @@ def trained(fam):
     parent = perturbed(teacher, adapter)
     student = copy.deepcopy(parent)
     x, mask = padded(10, 12, [12, 9, 5, 12, 2], seed=3)
-    batches = [(x[i:i + 2], mask[i:i + 2]) for i in range(0, 10, 2)]
+    batches = [(x[i : i + 2], mask[i : i + 2]) for i in range(0, 10, 2)]
     spec = RouterKDSpec(batch_size=2, grad_accum=2, lr=1e-2, max_len=12)
     teacher_before = state(teacher)
     calls = []
@@ -157,7 +181,9 @@ def test_only_router_parameters_change(trained):
     params = dict(student.named_parameters())
     assert rec["trainable_params"] == sum(params[n].numel() for n in names)
     assert set(rec["router_delta"]) == set(names)
-    assert all(torch.equal(rec["router_delta"][n], after[n]) for n in names)  # exact: the delta copies the routers
+    assert all(
+        torch.equal(rec["router_delta"][n], after[n]) for n in names
+    )  # exact: the delta copies the routers
     assert rec["steps"] == 3 == len(rec["loss_curve"]) and calls == [(1, 3), (2, 3), (3, 3)]
     assert (rec["micro_batches"], rec["sequences"]) == (5, 10)
     assert rec["tokens"] == int(mask.sum()) and rec["kd_targets"] == int(mask[:, 1:].sum())
@@ -174,10 +200,16 @@ def test_saved_delta_on_a_fresh_parent_copy_reproduces_the_student_exactly(train
     path = tmp_path / "router_delta.safetensors"
     save_router_delta(path, rec["router_delta"], parent_hash="parent-sha", metadata={"steps": rec["steps"]})
     delta, meta = load_router_delta(path, parent_hash="parent-sha")
-    assert meta["parent_hash"] == "parent-sha" and meta["steps"] == "3" and set(delta) == set(rec["router_delta"])
+    assert (
+        meta["parent_hash"] == "parent-sha"
+        and meta["steps"] == "3"
+        and set(delta) == set(rec["router_delta"])
+    )
     fresh = copy.deepcopy(parent)
     x = ids(3, 12, seed=9)
-    with torch.no_grad():  # exact: the delta's bytes on a copy of the parent: the student's weights, the same ops
+    with (
+        torch.no_grad()
+    ):  # exact: the delta's bytes on a copy of the parent: the student's weights, the same ops
         assert not torch.equal(fresh(x).logits, student(x).logits)
         assert apply_router_delta(fresh, delta) == rec["router_params"]
         assert torch.equal(fresh(x).logits, student(x).logits)
@@ -196,7 +228,7 @@ def naive_losses(student, teacher, x, mask, tau, eps):
     per_seq, kl_sum, n_tok = [], 0.0, 0
     for r in range(x.shape[0]):
         n = int(mask[r].sum())
-        seq = x[r:r + 1, :n]
+        seq = x[r : r + 1, :n]
         with torch.no_grad():
             zt = teacher(seq).logits[0, :-1].double()
         zs = student(seq).logits[0, :-1].double()
@@ -236,10 +268,20 @@ def test_accumulation_is_the_mean_over_the_steps_sequences_or_tokens(norm):
     adapter = get_adapter(teacher)
     x, mask = padded(4, 10, [10, 4, 7, 2], seed=4)
     a, b = perturbed(teacher, adapter), perturbed(teacher, adapter)
-    ra = router_kd(a, teacher, adapter, [(x[:3], mask[:3]), (x[3:], mask[3:])],
-                   RouterKDSpec(batch_size=3, grad_accum=2, lr=1e-2, max_len=10, kd_loss_norm=norm))
-    rb = router_kd(b, teacher, adapter, [(x, mask)],
-                   RouterKDSpec(batch_size=4, grad_accum=1, lr=1e-2, max_len=10, kd_loss_norm=norm))
+    ra = router_kd(
+        a,
+        teacher,
+        adapter,
+        [(x[:3], mask[:3]), (x[3:], mask[3:])],
+        RouterKDSpec(batch_size=3, grad_accum=2, lr=1e-2, max_len=10, kd_loss_norm=norm),
+    )
+    rb = router_kd(
+        b,
+        teacher,
+        adapter,
+        [(x, mask)],
+        RouterKDSpec(batch_size=4, grad_accum=1, lr=1e-2, max_len=10, kd_loss_norm=norm),
+    )
     assert ra["steps"] == rb["steps"] == 1
     assert ra["loss_curve"][0] == pytest.approx(rb["loss_curve"][0], rel=1e-5)
     for n, t in ra["router_delta"].items():
@@ -256,9 +298,14 @@ def test_bf16_student_keeps_fp32_master_weights():
     student = perturbed(teacher, adapter).to(torch.bfloat16)
     before = state(student)
     x, mask = padded(40, 8, [8, 6], seed=6)
-    batches = [(x[i:i + 1], mask[i:i + 1]) for i in range(40)]
-    rec = router_kd(student, teacher, adapter, batches,
-                    RouterKDSpec(batch_size=1, grad_accum=1, lr=1e-4, max_len=8, max_samples=40))
+    batches = [(x[i : i + 1], mask[i : i + 1]) for i in range(40)]
+    rec = router_kd(
+        student,
+        teacher,
+        adapter,
+        batches,
+        RouterKDSpec(batch_size=1, grad_accum=1, lr=1e-4, max_len=8, max_samples=40),
+    )
     after = state(student)
     assert rec["steps"] == 40 and all(torch.isfinite(torch.tensor(rec["loss_curve"])))
     moved_large = 0
@@ -318,10 +365,10 @@ def test_deepseek_v3_recovers_without_the_group_limit():
     assert after <= 0.65 * before, (before, after)
 
 
-
 # ---- a pruned student: fewer experts than its teacher --------------------------------------------------
-@pytest.mark.parametrize("family,key", [("mixtral", "num_local_experts"), ("qwen3_moe", "num_experts"),
-                                        ("olmoe", "num_experts")])
+@pytest.mark.parametrize(
+    "family,key", [("mixtral", "num_local_experts"), ("qwen3_moe", "num_experts"), ("olmoe", "num_experts")]
+)
 def test_pruned_student_with_fewer_experts_trains_its_narrower_routers(family, key):
     """Experts 1 and 4 of 6 dropped (every expert tensor and router row sliced along E): the routers are
     found by role at E = 4, and the KL to the 6-expert teacher on the calibration windows goes down
@@ -331,8 +378,12 @@ def test_pruned_student_with_fewer_experts_trains_its_narrower_routers(family, k
     teacher = make_teacher(family)
     student = make_teacher(family, **{key: len(keep)})
     full = teacher.state_dict()
-    student.load_state_dict({n: (full[n] if full[n].shape == t.shape else full[n][keep]).clone()
-                             for n, t in student.state_dict().items()})
+    student.load_state_dict(
+        {
+            n: (full[n] if full[n].shape == t.shape else full[n][keep]).clone()
+            for n, t in student.state_dict().items()
+        }
+    )
     adapter = get_adapter(student)
     before = state(student)
     spec = RouterKDSpec(batch_size=4, grad_accum=1, lr=1e-2, max_len=16, epochs=5)
@@ -355,8 +406,11 @@ def test_router_parameters_refuse_what_they_cannot_place(fam):
     with pytest.raises(ValueError, match=f"layer {layer}: router parameter of shape \\(3,\\)"):
         adapter.router_parameters(model)
     del router.temperature
-    router = router.get_submodule(CASES[family].router_attr.partition(".")[2]) if "." in CASES[family].router_attr \
-        else router  # AFMoE: the router's linear map is router.gate
+    router = (
+        router.get_submodule(CASES[family].router_attr.partition(".")[2])
+        if "." in CASES[family].router_attr
+        else router
+    )  # AFMoE: the router's linear map is router.gate
     router.weight = torch.nn.Parameter(router.weight.detach()[:, :-1].clone())
     with pytest.raises(ValueError, match=f"layer {layer}: router weight .* is not the linear map"):
         adapter.router_parameters(model)

@@ -30,30 +30,53 @@ from workers.methods.selection import d_optimal_greedy, importance_kernel, top_k
 def ctx_from_stats(stats: LayerStats, k: int, H: int = 4, inter: int = 3, seed: int = 0) -> LayerContext:
     gen = torch.Generator().manual_seed(seed)
     E = stats.num_experts
-    experts = ExpertWeights(gate=torch.randn(E, inter, H, generator=gen), up=torch.randn(E, inter, H, generator=gen),
-                            down=torch.randn(E, H, inter, generator=gen))
-    return LayerContext(stats=stats, experts=experts, router_weight=torch.randn(E, H, generator=gen),
-                        top_k=k, renormalized=True)
+    experts = ExpertWeights(
+        gate=torch.randn(E, inter, H, generator=gen),
+        up=torch.randn(E, inter, H, generator=gen),
+        down=torch.randn(E, H, inter, generator=gen),
+    )
+    return LayerContext(
+        stats=stats,
+        experts=experts,
+        router_weight=torch.randn(E, H, generator=gen),
+        top_k=k,
+        renormalized=True,
+    )
 
 
 def hand_ctx() -> LayerContext:
     """4 tokens, 4 experts, top-2; expert 3 is never selected. Outputs are 1-d so norms are |f|."""
-    p = torch.tensor([[0.5, 0.3, 0.2, 0.0],
-                      [0.2, 0.5, 0.3, 0.0],
-                      [0.6, 0.1, 0.3, 0.0],
-                      [0.4, 0.4, 0.2, 0.0]], dtype=torch.float64)
+    p = torch.tensor(
+        [[0.5, 0.3, 0.2, 0.0], [0.2, 0.5, 0.3, 0.0], [0.6, 0.1, 0.3, 0.0], [0.4, 0.4, 0.2, 0.0]],
+        dtype=torch.float64,
+    )
     routed = torch.tensor([[1, 1, 0, 0], [0, 1, 1, 0], [1, 0, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
     g = routed * p / (routed * p).sum(1, keepdim=True)  # renormalized top-k
-    f = torch.tensor([[2.0, 1.0, 0.0, 1.0],
-                      [2.0, 1.0, 4.0, 1.0],
-                      [2.0, 1.0, 0.0, 1.0],
-                      [2.0, 1.0, 0.0, 1.0]], dtype=torch.float64)[..., None]
+    f = torch.tensor(
+        [[2.0, 1.0, 0.0, 1.0], [2.0, 1.0, 4.0, 1.0], [2.0, 1.0, 0.0, 1.0], [2.0, 1.0, 0.0, 1.0]],
+        dtype=torch.float64,
+    )[..., None]
     return ctx_from_stats(stats_from_tokens(p, routed, g, f), k=2)
 
 
 def test_registry_names_are_exactly_the_papers_plus_reap_family():
-    assert set(SCORINGS) == {"SF", "PP", "PS", "CP", "ACP", "DO-CP", "DO-ACP", "REAP", "REAP-p", "DO-REAP", "EAN",
-                             "frequency", "RL-exhaustive", "RL-greedy", "CFES"}
+    assert set(SCORINGS) == {
+        "SF",
+        "PP",
+        "PS",
+        "CP",
+        "ACP",
+        "DO-CP",
+        "DO-ACP",
+        "REAP",
+        "REAP-p",
+        "DO-REAP",
+        "EAN",
+        "frequency",
+        "RL-exhaustive",
+        "RL-greedy",
+        "CFES",
+    }
     assert all(isinstance(s, Scoring) for s in SCORINGS.values())
 
 
@@ -66,16 +89,35 @@ def test_each_scoring_matches_hand_computed_values():
     close(cp(ctx), [0.5, 0.4, 0.3, 0.0])  # 1.5/3, 1.2/3, 0.6/2, never selected → 0
     close(acp(ctx), [0.5 * 2.0, 0.4 * 1.0, 0.3 * 2.0, 0.0])  # CP · sqrt(mean f²): RMS 2, 1, sqrt(16/4)=2
     # REAP: mean over routed tokens of g·|f|; g = p renormalized over the token's two experts.
-    close(reap(ctx), [(0.5 / 0.8 * 2 + 0.6 / 0.9 * 2 + 0.5 * 2) / 3,
-                      (0.3 / 0.8 + 0.5 / 0.8 + 0.5) / 3,
-                      (0.3 / 0.8 * 4 + 0.3 / 0.9 * 0) / 2, 0.0])
+    close(
+        reap(ctx),
+        [
+            (0.5 / 0.8 * 2 + 0.6 / 0.9 * 2 + 0.5 * 2) / 3,
+            (0.3 / 0.8 + 0.5 / 0.8 + 0.5) / 3,
+            (0.3 / 0.8 * 4 + 0.3 / 0.9 * 0) / 2,
+            0.0,
+        ],
+    )
     # REAP-p: the same mean with the raw softmax p (not renormalized over the token's two experts)
-    close(reap_p(ctx), [(0.5 * 2 + 0.6 * 2 + 0.4 * 2) / 3, (0.3 + 0.5 + 0.4) / 3, (0.3 * 4 + 0.3 * 0) / 2, 0.0])
+    close(
+        reap_p(ctx), [(0.5 * 2 + 0.6 * 2 + 0.4 * 2) / 3, (0.3 + 0.5 + 0.4) / 3, (0.3 * 4 + 0.3 * 0) / 2, 0.0]
+    )
     close(ean(ctx), [6.0, 3.0, 4.0, 0.0])  # Σ over routed tokens of |f|
     # The registry wires the same functions.
-    for name, fn in [("SF", sf), ("PP", pp), ("PS", ps), ("CP", cp), ("ACP", acp), ("DO-CP", cp),
-                     ("DO-ACP", acp), ("REAP", reap), ("REAP-p", reap_p), ("DO-REAP", reap), ("EAN", ean),
-                     ("frequency", sf)]:
+    for name, fn in [
+        ("SF", sf),
+        ("PP", pp),
+        ("PS", ps),
+        ("CP", cp),
+        ("ACP", acp),
+        ("DO-CP", cp),
+        ("DO-ACP", acp),
+        ("REAP", reap),
+        ("REAP-p", reap_p),
+        ("DO-REAP", reap),
+        ("EAN", ean),
+        ("frequency", sf),
+    ]:
         torch.testing.assert_close(SCORINGS[name].score(ctx), fn(ctx))
         assert SCORINGS[name].score(ctx).dtype == torch.float64
 
@@ -111,7 +153,9 @@ def test_never_selected_experts_score_zero_not_nan():
     ctx = hand_ctx()
     for name in SCORINGS:
         s = SCORINGS[name].score(ctx)
-        assert torch.isfinite(s).all() and float(s[3]) == 0.0, name  # exact: its sums are 0; a 0 set, or 0 times a finite
+        assert torch.isfinite(s).all() and float(s[3]) == 0.0, (
+            name
+        )  # exact: its sums are 0; a 0 set, or 0 times a finite
 
 
 def test_top_k_breaks_ties_by_lower_id():
@@ -155,7 +199,12 @@ def test_reap_ties_go_to_the_lower_expert_id():
     gnorm = torch.tensor([1.0, 2.0, 0.25, 0.75], dtype=torch.float64)  # REAP = 0.5, 0.5, 0.25, 0.25
     tied = dataclasses.replace(s, count=count, sum_gnorm_sel=gnorm)
     ctx = dataclasses.replace(ctx, stats=tied)
-    assert reap(ctx).tolist() == [0.5, 0.5, 0.25, 0.25]  # exact: one division each, the quotients representable
+    assert reap(ctx).tolist() == [
+        0.5,
+        0.5,
+        0.25,
+        0.25,
+    ]  # exact: one division each, the quotients representable
     for K, want in ((1, [0]), (2, [0, 1]), (3, [0, 1, 2])):
         assert SCORINGS["REAP"].select(ctx, reap(ctx), K).selected == want
 
@@ -171,9 +220,16 @@ def test_bad_inputs_give_one_line_errors():
     with pytest.raises(ValueError, match=r"unknown scoring 'XX'; allowed: SF, PP") as e:
         get_scoring("XX")
     assert "\n" not in str(e.value)
-    empty = LayerStats(n_tokens=0, count=torch.zeros(3), sum_p=torch.zeros(3), sum_p_sel=torch.zeros(3),
-                       sum_sq=torch.zeros(3), sum_gnorm_sel=torch.zeros(3), sum_norm_sel=torch.zeros(3),
-                       gram=torch.zeros(3, 3))
+    empty = LayerStats(
+        n_tokens=0,
+        count=torch.zeros(3),
+        sum_p=torch.zeros(3),
+        sum_p_sel=torch.zeros(3),
+        sum_sq=torch.zeros(3),
+        sum_gnorm_sel=torch.zeros(3),
+        sum_norm_sel=torch.zeros(3),
+        gram=torch.zeros(3, 3),
+    )
     with pytest.raises(ValueError, match="n_tokens=0"):
         sf(ctx_from_stats(empty, k=1))
     with pytest.raises(ValueError, match="K=4 out of range"):

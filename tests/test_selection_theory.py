@@ -71,11 +71,19 @@ def test_greedy_equals_slow_reference(seed):
                 ref_sel, ref_gains = slow_greedy(kernel, K, lam_used)
                 assert res.selected == ref_sel, (E, K, lam)
                 assert res.extras["lambda"] == lam_used
-                torch.testing.assert_close(torch.tensor(res.extras["log_gains"], dtype=torch.float64),
-                                           torch.tensor(ref_gains, dtype=torch.float64), rtol=1e-9, atol=1e-9)
+                torch.testing.assert_close(
+                    torch.tensor(res.extras["log_gains"], dtype=torch.float64),
+                    torch.tensor(ref_gains, dtype=torch.float64),
+                    rtol=1e-9,
+                    atol=1e-9,
+                )
                 # The recorded objective is F̃(S) = log det(I + 𝒦_S/λ) (Eq. 11).
-                assert math.isclose(res.extras["log_det"], log_det_objective(kernel, ref_sel, lam_used),
-                                    rel_tol=1e-8, abs_tol=1e-8)
+                assert math.isclose(
+                    res.extras["log_det"],
+                    log_det_objective(kernel, ref_sel, lam_used),
+                    rel_tol=1e-8,
+                    abs_tol=1e-8,
+                )
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -113,7 +121,9 @@ def test_greedy_is_within_1_minus_1_over_e_of_brute_force(seed):
         for lam in (None, 0.01, 1.0):
             res = d_optimal_greedy(kernel, K, lam)
             lam_used = res.extras["lambda"]
-            best = max(log_det_objective(kernel, list(S), lam_used) for S in itertools.combinations(range(E), K))
+            best = max(
+                log_det_objective(kernel, list(S), lam_used) for S in itertools.combinations(range(E), K)
+            )
             got = log_det_objective(kernel, res.selected, lam_used)
             assert got >= (1 - 1 / math.e) * best - 1e-12
             assert got <= best + 1e-9
@@ -141,8 +151,9 @@ def test_incoherence_bound_for_the_diagonal_proxy():
     E, K, lam = 9, 3, 0.05
     q, _ = torch.linalg.qr(torch.randn(E, E, generator=gen, dtype=torch.float64))
     f = q + 0.08 * torch.randn(E, E, generator=gen, dtype=torch.float64)  # nearly orthogonal outputs
-    kernel = (f * torch.rand(E, 1, generator=gen, dtype=torch.float64).add(0.5)) @ \
-        (f * torch.rand(E, 1, generator=gen, dtype=torch.float64).add(0.5)).T
+    kernel = (f * torch.rand(E, 1, generator=gen, dtype=torch.float64).add(0.5)) @ (
+        f * torch.rand(E, 1, generator=gen, dtype=torch.float64).add(0.5)
+    ).T
     kernel = 0.5 * (kernel + kernel.T) + 0.5 * torch.eye(E, dtype=torch.float64)
     d = torch.diagonal(kernel)
     rho = kernel / (d[:, None] * d[None, :]).sqrt()
@@ -171,7 +182,9 @@ def redundancy_context(K: int) -> LayerContext:
     p = torch.nn.functional.one_hot(route, E).to(torch.float64)
     stats = stats_from_tokens(p, p.bool(), p, f)
     experts = ExpertWeights(gate=torch.randn(E, 2, 3), up=torch.randn(E, 2, 3), down=torch.randn(E, 3, 2))
-    return LayerContext(stats=stats, experts=experts, router_weight=torch.randn(E, 3), top_k=1, renormalized=True)
+    return LayerContext(
+        stats=stats, experts=experts, router_weight=torch.randn(E, 3), top_k=1, renormalized=True
+    )
 
 
 def reconstruction_error(ctx: LayerContext, S: list[int], K: int) -> float:
@@ -252,15 +265,19 @@ def test_effective_rank_and_jaccard_known_values():
     v = torch.tensor([1.0, 2.0, -1.0], dtype=torch.float64)
     assert math.isclose(effective_rank(torch.outer(v, v)), 1.0, rel_tol=1e-9)
     # diag(2,1,1): p = (1/2, 1/4, 1/4), H = 1.5 ln 2, erank = 2^{1.5}.
-    assert math.isclose(effective_rank(torch.diag(torch.tensor([2.0, 1.0, 1.0]))), 2 ** 1.5, rel_tol=1e-9)
+    assert math.isclose(effective_rank(torch.diag(torch.tensor([2.0, 1.0, 1.0]))), 2**1.5, rel_tol=1e-9)
     assert effective_rank(torch.zeros(3, 3)) == 0.0  # exact: the all-zero matrix returns 0.0 by definition
     assert jaccard([1, 2, 3], [2, 3, 4]) == 0.5 and jaccard([], []) == 1.0 and jaccard([1], [2]) == 0.0
 
 
 def test_selector_input_errors():
     kernel = random_psd(5, 0)
-    for bad, msg in [(dict(K=0), "K=0 out of range"), (dict(K=6), "K=6 out of range"),
-                     (dict(K=2, lam=0.0), "lambda=0.0"), (dict(K=2, lam=-1.0), "lambda=-1.0")]:
+    for bad, msg in [
+        (dict(K=0), "K=0 out of range"),
+        (dict(K=6), "K=6 out of range"),
+        (dict(K=2, lam=0.0), "lambda=0.0"),
+        (dict(K=2, lam=-1.0), "lambda=-1.0"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             d_optimal_greedy(kernel, **bad)
     with pytest.raises(ValueError, match="importance must be finite and >= 0"):

@@ -29,9 +29,13 @@ def naive_gate_sums(model, data) -> dict[int, float]:
     cur: dict[str, torch.Tensor] = {}
     hooks = []
     for i, layer in enumerate(model.model.layers):
+
         def pre(m, args, i=i):
             h = args[0].reshape(-1, args[0].shape[-1])[cur["mask"]]
-            sums[i] = sums.get(i, 0.0) + float(torch.sigmoid(h @ m.shared_expert_gate.weight.T).double().sum())
+            sums[i] = sums.get(i, 0.0) + float(
+                torch.sigmoid(h @ m.shared_expert_gate.weight.T).double().sum()
+            )
+
         hooks.append(layer.mlp.register_forward_pre_hook(pre))
     with torch.no_grad():
         for ids, mask in data:

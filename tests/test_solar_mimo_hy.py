@@ -14,7 +14,9 @@ from workers.models.convert import build_student_from_plans
 def test_solar_open_refuses_partial_rope():
     rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
     teacher = make_teacher("solar_open", rope_parameters=rope)
-    with pytest.raises(ValueError, match=r"^solar_open config: rope_parameters.partial_rotary_factor=0.5; only 1.0"):
+    with pytest.raises(
+        ValueError, match=r"^solar_open config: rope_parameters.partial_rotary_factor=0.5; only 1.0"
+    ):
         get_adapter(teacher).student_config(teacher, 32)
 
 
@@ -29,7 +31,9 @@ def test_solar_open_student_is_llama_with_a_zero_o_proj_bias():
     t_attn = teacher.model.layers[0].self_attn
     assert t_attn.o_proj.bias is None and t_attn.q_proj.bias is not None
     # exact: the teacher's q_proj bias, copied
-    torch.testing.assert_close(student.model.layers[0].self_attn.q_proj.bias, t_attn.q_proj.bias, rtol=0, atol=0)
+    torch.testing.assert_close(
+        student.model.layers[0].self_attn.q_proj.bias, t_attn.q_proj.bias, rtol=0, atol=0
+    )
     with torch.no_grad():
         assert torch.isfinite(student(ids()).logits).all()
 

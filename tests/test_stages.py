@@ -8,9 +8,17 @@ from workers.run.students import moe_student_params
 
 
 def test_d2d_target_of_a_real_moe_comes_from_its_config_alone(tmp_path):
-    cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, num_experts=8, num_experts_per_tok=2,
-                         head_dim=16)
+    cfg = Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=32,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=8,
+        num_experts_per_tok=2,
+        head_dim=16,
+    )
     teacher = Qwen3MoeForCausalLM(cfg)
     teacher.save_pretrained(tmp_path)
     n = moe_student_params({"params": {"moe_teacher": {"source": "hf", "model": str(tmp_path)}}})

@@ -14,7 +14,11 @@ def test_a_line_per_interval_and_at_the_last_step(capsys):
         lines.append(log(step, loss=1.0 / step, tokens=step * 512))
     written = [x for x in lines if x is not None]
     # at 6 s (step 3), 12 s (step 6), 18 s (step 9) and the last step (20 s)
-    assert [x.split("  ")[0] for x in written] == ["distill: step 3/10", "distill: step 6/10", "distill: step 9/10",
-                                                  "distill: step 10/10"]
+    assert [x.split("  ")[0] for x in written] == [
+        "distill: step 3/10",
+        "distill: step 6/10",
+        "distill: step 9/10",
+        "distill: step 10/10",
+    ]
     assert written[-1] == "distill: step 10/10  loss 0.1000  0.50 steps/s  256 tokens/s"
     assert capsys.readouterr().out.splitlines() == written  # printed: the job's stdout is its log

@@ -19,7 +19,9 @@ def test_migration_creates_schema_views_and_own_version_table(tmp_path):
     tables = set(insp.get_table_names())
     assert {"sweeps", "jobs", "configurations", "metrics", "artifacts", "plan_rows"} <= tables
     assert "moesweep_alembic_version" in tables and "alembic_version" not in tables
-    assert {"results", "task_scores", "selections", "curves", "layer_diagnostics"} <= set(insp.get_view_names())
+    assert {"results", "task_scores", "selections", "curves", "layer_diagnostics"} <= set(
+        insp.get_view_names()
+    )
     Store(s.url)  # migrating again is a no-op
     _, rows = s.query("SELECT version_num FROM moesweep_alembic_version")
     assert rows == [(head_revision(),)]
@@ -35,10 +37,31 @@ def test_sqlite_pragmas(tmp_path):
 def _setup(s: Store):
     sid = s.upsert_sweep("x", spec_yaml="name: x")
     ids = s.register_jobs(sid, [{"key": "j1", "stage": "ppl_pre", "params": {"a": 1}}])
-    cids = s.upsert_configs(sid, [{"config_key": "c1", "model": "m", "kind": "moe2dense", "scoring": "SF",
-                                   "grouping": "RR", "dp_scaling": "uniform", "K": 4, "top_k": 2},
-                                  {"config_key": "c2", "model": "m", "kind": "moe2dense", "scoring": "SF",
-                                   "grouping": "WC", "dp_scaling": "uniform", "K": 4, "top_k": 2}])
+    cids = s.upsert_configs(
+        sid,
+        [
+            {
+                "config_key": "c1",
+                "model": "m",
+                "kind": "moe2dense",
+                "scoring": "SF",
+                "grouping": "RR",
+                "dp_scaling": "uniform",
+                "K": 4,
+                "top_k": 2,
+            },
+            {
+                "config_key": "c2",
+                "model": "m",
+                "kind": "moe2dense",
+                "scoring": "SF",
+                "grouping": "WC",
+                "dp_scaling": "uniform",
+                "K": 4,
+                "top_k": 2,
+            },
+        ],
+    )
     s.link([(cids["c1"], "ppl_pre", ids["j1"]), (cids["c2"], "ppl_pre", ids["j1"])])
     return sid, ids, cids
 
@@ -61,8 +84,17 @@ def test_non_finite_values_are_explicit(tmp_path):
     s = make_store(tmp_path)
     _setup(s)
     s.claim("j1", "a")
-    s.finish("j1", "a", {"metrics": [{"name": "ppl", "stage": "pre", "value": float("inf")},
-                                     {"name": "ppl", "stage": "post", "value": float("nan")}]}, 1.0)
+    s.finish(
+        "j1",
+        "a",
+        {
+            "metrics": [
+                {"name": "ppl", "stage": "pre", "value": float("inf")},
+                {"name": "ppl", "stage": "post", "value": float("nan")},
+            ]
+        },
+        1.0,
+    )
     _, rows = s.query("SELECT ppl_pre, ppl_pre_kind, ppl_post, ppl_post_kind FROM results LIMIT 1")
     assert rows == [(None, "inf", None, "nan")]
 
@@ -78,7 +110,9 @@ def test_failure_then_retry_and_stale_release(tmp_path):
     # an owner on this host whose process is gone: its running job goes back to pending
     s.heartbeat(["j1"], "b")
     with s.tx() as c:
-        c.exec_driver_sql("UPDATE jobs SET owner = ? WHERE key = 'j1'", (f"{__import__('socket').gethostname()}:999999",))
+        c.exec_driver_sql(
+            "UPDATE jobs SET owner = ? WHERE key = 'j1'", (f"{__import__('socket').gethostname()}:999999",)
+        )
     assert s.release_stale() == 1
     assert s.jobs(["j1"])["j1"]["status"] == "pending"
 
@@ -108,12 +142,29 @@ def test_concurrent_claims_never_double_run(tmp_path):
 
 def test_reference_import_is_idempotent(tmp_path):
     s = make_store(tmp_path)
-    recs = [{"name": "paper-x", "source": "paper:000", "configs": [
-        {"model": "M", "kind": "moe2dense", "scoring": "SF", "grouping": "RR", "dp_scaling": "uniform",
-         "K": 8, "top_k": 8, "table": "table10_11",
-         "metrics": [{"name": "ppl", "stage": "pre", "value": 20633.0},
-                     {"name": "acc", "stage": "post", "task": "winogrande", "value": 0.53, "headline": 1},
-                     {"name": "acc", "stage": "post", "task": "mmlu", "value": 0.27, "headline": 1}]}]}]
+    recs = [
+        {
+            "name": "paper-x",
+            "source": "paper:000",
+            "configs": [
+                {
+                    "model": "M",
+                    "kind": "moe2dense",
+                    "scoring": "SF",
+                    "grouping": "RR",
+                    "dp_scaling": "uniform",
+                    "K": 8,
+                    "top_k": 8,
+                    "table": "table10_11",
+                    "metrics": [
+                        {"name": "ppl", "stage": "pre", "value": 20633.0},
+                        {"name": "acc", "stage": "post", "task": "winogrande", "value": 0.53, "headline": 1},
+                        {"name": "acc", "stage": "post", "task": "mmlu", "value": 0.27, "headline": 1},
+                    ],
+                }
+            ],
+        }
+    ]
     s.import_reference(recs)
     s.import_reference(recs)
     _, rows = s.query("SELECT sweep_kind, ppl_pre, ROUND(avg_acc, 4) FROM results WHERE sweep = 'paper-x'")

@@ -39,7 +39,7 @@ def assert_same_stats(got, want, rtol: float) -> None:
             assert a.dtype == torch.float64 and a.shape == b.shape, name
             torch.testing.assert_close(a, b.cpu(), rtol=rtol, atol=rtol * float(b.abs().max()), msg=name)
         assert (g.sample is None) == (w.sample is None)
-        for key in (w.sample or {}):
+        for key in w.sample or {}:
             a, b = g.sample[key], w.sample[key].cpu()
             if a.is_floating_point():  # activations of two forward passes: rounding, as the statistics
                 torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * float(b.abs().max()), msg=key)
@@ -56,13 +56,17 @@ def test_dbrx_is_refused_in_one_line(tmp_path):
     make_teacher("dbrx").save_pretrained(tmp_path, max_shard_size="20KB")
     with pytest.raises(ValueError) as e:
         StreamedTeacher(tmp_path, torch.float32)
-    assert str(e.value) == ("model_type='dbrx': decoder layers at transformer.blocks, not transformer.layers; "
-                            "streamed calibration needs model.layers")
+    assert str(e.value) == (
+        "model_type='dbrx': decoder layers at transformer.blocks, not transformer.layers; "
+        "streamed calibration needs model.layers"
+    )
 
 
 def layer_bytes(model, layer: int) -> int:
-    return sum(t.numel() * t.element_size() for t in [*model.model.layers[layer].parameters(),
-                                                      *model.model.layers[layer].buffers()])
+    return sum(
+        t.numel() * t.element_size()
+        for t in [*model.model.layers[layer].parameters(), *model.model.layers[layer].buffers()]
+    )
 
 
 @pytest.mark.parametrize("family", STREAMED)
@@ -74,8 +78,15 @@ def test_streamed_stats_equal_the_whole_model_pass(family, tmp_path):
     teacher = StreamedTeacher(tmp_path, torch.float64, experts_implementation="eager")
     assert not teacher.materialised()  # a skeleton: nothing read yet
     seen = []
-    got = streamed_stats(teacher, get_adapter(teacher.model), batches, chunk_tokens=5, sample_tokens=7,
-                         sample_seed=3, progress=lambda i, n: seen.append((i, n)))
+    got = streamed_stats(
+        teacher,
+        get_adapter(teacher.model),
+        batches,
+        chunk_tokens=5,
+        sample_tokens=7,
+        sample_seed=3,
+        progress=lambda i, n: seen.append((i, n)),
+    )
     assert_same_stats(got, want, rtol=1e-12)
     n = max(adapter.moe_layers(full)) + 1
     assert seen == [(i, n) for i in range(1, n + 1)]
@@ -129,12 +140,24 @@ def test_streamed_calibrate_stage_writes_the_resident_statistics(tmp_path):
     teacher_dir = tmp_path / "teacher"
     make_teacher("qwen3_moe", vocab_size=320).save_pretrained(teacher_dir, max_shard_size="20KB")
     train_tokenizer(texts, 300, teacher_dir)
-    params = {"teacher": {"source": "tiny", "dtype": "float32"}, "data": {"source": "jsonl", "path": str(data)},
-              "n_samples": 6, "seq_len": 12, "seed": 1, "batch_size": 4, "chunk_tokens": 16, "sample_tokens": 9}
+    params = {
+        "teacher": {"source": "tiny", "dtype": "float32"},
+        "data": {"source": "jsonl", "path": str(data)},
+        "n_samples": 6,
+        "seq_len": 12,
+        "seed": 1,
+        "batch_size": 4,
+        "chunk_tokens": 16,
+        "sample_tokens": 9,
+    }
     out = {}
     for mode, extra in (("resident", {}), ("streamed", {"streamed": True, "offload_hidden": True})):
-        payload = {"params": {**params, **extra}, "inputs": {"teacher": {"path": str(teacher_dir)}},
-                   "workdir": str(tmp_path / mode), "home": str(tmp_path)}
+        payload = {
+            "params": {**params, **extra},
+            "inputs": {"teacher": {"path": str(teacher_dir)}},
+            "workdir": str(tmp_path / mode),
+            "home": str(tmp_path),
+        }
         (tmp_path / mode).mkdir()
         rec = stage_calibrate(payload, {}, None)
         out[mode] = (rec, load_stats(rec["outputs"]["stats"]))
@@ -157,9 +180,18 @@ def qwen3_moe_config(hidden: int, heads: int, moe_intermediate: int):
     """One decoder layer of a Qwen3-MoE checkpoint's published shape (128 experts, 4 KV heads of 128)."""
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(vocab_size=151936, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=4,
-                          head_dim=128, num_experts=128, num_experts_per_tok=8,
-                          moe_intermediate_size=moe_intermediate, num_hidden_layers=1, tie_word_embeddings=False)
+    return Qwen3MoeConfig(
+        vocab_size=151936,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=moe_intermediate,
+        num_hidden_layers=1,
+        tie_word_embeddings=False,
+    )
 
 
 def test_memory_needed_for_qwen3_30b_and_235b_by_hand():
@@ -230,17 +262,27 @@ def test_streamed_convert_stage_writes_the_resident_plans(tmp_path):
     from workers.run.convert import stage_convert
 
     full = saved_teacher(tmp_path, "qwen3_moe", torch.float32)
-    save_stats(collect_stats(full, get_adapter(full), padded_batches(), chunk_tokens=8), tmp_path / "s.safetensors")
+    save_stats(
+        collect_stats(full, get_adapter(full), padded_batches(), chunk_tokens=8), tmp_path / "s.safetensors"
+    )
     teacher = {"source": "tiny", "dtype": "float32"}
-    for params in ({"output": "moe", "scoring": "REAP", "K": 4},
-                   {"scoring": "CP", "grouping": "RR", "dp_scaling": "uniform", "K": 3}):
+    for params in (
+        {"output": "moe", "scoring": "REAP", "K": 4},
+        {"scoring": "CP", "grouping": "RR", "dp_scaling": "uniform", "K": 3},
+    ):
         plans = {}
         for mode, calib in (("resident", {}), ("streamed", {"streamed": True})):
             work = tmp_path / f"{mode}-{params['K']}"
             work.mkdir()
-            payload = {"params": {"teacher": teacher, **params}, "workdir": str(work), "home": str(tmp_path),
-                       "inputs": {"teacher": {"path": str(tmp_path)},
-                                  "calibrate": {"stats": str(tmp_path / "s.safetensors"), **calib}}}
+            payload = {
+                "params": {"teacher": teacher, **params},
+                "workdir": str(work),
+                "home": str(tmp_path),
+                "inputs": {
+                    "teacher": {"path": str(tmp_path)},
+                    "calibrate": {"stats": str(tmp_path / "s.safetensors"), **calib},
+                },
+            }
             rec = stage_convert(payload, {}, None)
             plans[mode] = (rec["outputs"]["plan_key"], json.loads((work / "plan.json").read_text()))
         assert plans["streamed"] == plans["resident"]
@@ -254,6 +296,8 @@ def test_layer_parameters_of_every_family(family):
 
     model = make_teacher(family)
     layers = model.model.layers
-    want = (max(sum(p.numel() for p in layer.parameters()) for layer in layers),
-            model.get_input_embeddings().weight.numel())
+    want = (
+        max(sum(p.numel() for p in layer.parameters()) for layer in layers),
+        model.get_input_embeddings().weight.numel(),
+    )
     assert layer_parameters(tiny_config(family)) == want

@@ -35,7 +35,11 @@ CASES = [
     ("not YAML", "grid: [SF\n", "not valid YAML at line 2, column 1"),
     ("a list at the top", "- a\n- b\n", "expected a mapping at the top level"),
     ("an empty file", "", "expected a mapping at the top level"),
-    ("a key given twice", "name: a\nname: b\n", "not valid YAML: key 'name' appears twice in one mapping (line 2"),
+    (
+        "a key given twice",
+        "name: a\nname: b\n",
+        "not valid YAML: key 'name' appears twice in one mapping (line 2",
+    ),
     ("an axis given twice", None, "key 'K' appears twice in one mapping"),
     ("no name", ("name", DROP), "name: required"),
     ("a name with a path separator", ("name", "../x"), "name: '../x' is not a sweep name; allowed: letters"),
@@ -43,7 +47,11 @@ CASES = [
     ("no teacher section", ("teacher", DROP), "teacher: required"),
     ("no grid", ("grid", DROP), "grid: required"),
     ("an unknown section", ("colour", "red"), "colour: unknown key"),
-    ("an unknown scoring", ("grid.scoring", ["SF", "NOPE"]), "grid.scoring: unknown scoring 'NOPE'; allowed: SF, PP"),
+    (
+        "an unknown scoring",
+        ("grid.scoring", ["SF", "NOPE"]),
+        "grid.scoring: unknown scoring 'NOPE'; allowed: SF, PP",
+    ),
     ("no scoring", ("grid.scoring", []), "grid.scoring: scoring must be a non-empty list"),
     ("a scoring twice", ("grid.scoring", ["SF", "SF"]), "grid.scoring: scoring 'SF' is listed twice"),
     ("K as a string", ("grid.K", ["4"]), "grid.K.0: Input should be a valid integer"),
@@ -53,51 +61,156 @@ CASES = [
     ("K zero", ("grid.K", [0]), "grid.K: K must be positive integers"),
     ("K above E", ("grid.K", [16]), "grid.K: 16 exceeds the number of experts (8); allowed: 2 ≤ K ≤ 8"),
     ("K below k", ("grid.K", [1]), "grid.K: 1 is below the router's top-k (2); allowed: 2 ≤ K ≤ 8"),
-    ("an unknown dp_scaling", ("grid.dp_scaling", ["sqrt"]), "grid.dp_scaling: unknown dp_scaling 'sqrt'; allowed:"),
+    (
+        "an unknown dp_scaling",
+        ("grid.dp_scaling", ["sqrt"]),
+        "grid.dp_scaling: unknown dp_scaling 'sqrt'; allowed:",
+    ),
     ("an unknown axis", ("grid.colour", ["red"]), "grid.colour: unknown key"),
     ("an unknown teacher source", ("teacher.source", "s3"), "teacher.source: Input should be 'tiny' or 'hf'"),
-    ("an HF teacher without a model", ("teacher.model", DROP), "teacher: source 'hf' needs model (a Hugging Face id or a local path)"),
-    ("E that is not the model's", ("teacher.num_experts", 16), "teacher.num_experts: 16, but the model's config says 8"),
-    ("a local teacher folder that is missing", ("teacher.model", "./nowhere/teacher"),
-     "teacher.model: no such directory './nowhere/teacher'"),
-    ("zero calibration samples", ("calibration.n_samples", 0), "calibration.n_samples: Input should be greater than 0"),
-    ("a number as a string", ("calibration.n_samples", "4"), "calibration.n_samples: Input should be a valid integer"),
+    (
+        "an HF teacher without a model",
+        ("teacher.model", DROP),
+        "teacher: source 'hf' needs model (a Hugging Face id or a local path)",
+    ),
+    (
+        "E that is not the model's",
+        ("teacher.num_experts", 16),
+        "teacher.num_experts: 16, but the model's config says 8",
+    ),
+    (
+        "a local teacher folder that is missing",
+        ("teacher.model", "./nowhere/teacher"),
+        "teacher.model: no such directory './nowhere/teacher'",
+    ),
+    (
+        "zero calibration samples",
+        ("calibration.n_samples", 0),
+        "calibration.n_samples: Input should be greater than 0",
+    ),
+    (
+        "a number as a string",
+        ("calibration.n_samples", "4"),
+        "calibration.n_samples: Input should be a valid integer",
+    ),
     ("JSONL data without a path", ("calibration.data", {"source": "jsonl"}), "source 'jsonl' needs a path"),
-    ("a JSONL file that is missing", ("calibration.data", {"source": "jsonl", "path": "/nonexistent/c.jsonl"}),
-     "calibration.data.path: no such file '/nonexistent/c.jsonl'"),
-    ("calibration data and sources", ("calibration", {"data": {"source": "tiny"}, "sources": {"web": {
-        "data": {"source": "tiny"}, "weight": 1.0}}}), "calibration: data and sources are mutually exclusive"),
+    (
+        "a JSONL file that is missing",
+        ("calibration.data", {"source": "jsonl", "path": "/nonexistent/c.jsonl"}),
+        "calibration.data.path: no such file '/nonexistent/c.jsonl'",
+    ),
+    (
+        "calibration data and sources",
+        (
+            "calibration",
+            {"data": {"source": "tiny"}, "sources": {"web": {"data": {"source": "tiny"}, "weight": 1.0}}},
+        ),
+        "calibration: data and sources are mutually exclusive",
+    ),
     ("no calibration source", ("calibration.sources", {}), "calibration.sources: name at least one source"),
-    ("a source name with a dot", ("calibration.sources", {"a.b": {"data": {}, "weight": 1.0}}),
-     "calibration.sources: 'a.b' is not a source name; allowed: letters, digits, '_', '-'"),
-    ("a source weight of zero", ("calibration.sources", {"web": {"data": {}, "weight": 0}}),
-     "calibration.sources.web.weight: Input should be greater than 0"),
-    ("a source without data", ("calibration.sources", {"web": {"weight": 1.0}}), "calibration.sources.web.data: required"),
-    ("a source file that is missing", ("calibration.sources", {"web": {"data": {"source": "jsonl", "path":
-     "/nonexistent/w.jsonl"}, "weight": 1.0}}), "calibration.sources.web.data.path: no such file '/nonexistent/w.jsonl'"),
-    ("chat data without its fields", ("calibration.data", {"source": "hf", "path": "org/chat", "format": "chat"}),
-     "calibration.data: messages_field: format 'chat' needs messages_field (a list of {role, content}) or prompt_field"),
-    ("a chat template file that is missing", ("calibration.data", {"source": "hf", "path": "org/chat", "format": "chat",
-     "messages_field": "messages", "chat_template": "/nonexistent/t.jinja"}),
-     "calibration.data.chat_template: no such file '/nonexistent/t.jinja'"),
-    ("chat data outside calibration", ("ppl", {"data": {"source": "hf", "path": "org/chat", "format": "chat",
-     "messages_field": "messages"}}), "ppl.data.format: 'chat' is read with the teacher's tokenizer only in"),
-    ("an unknown selection axis", ("select.per", ["colour"]), "select.per: unknown axis 'colour'; allowed: output, scoring"),
-    ("an unknown selection metric", ("select.best_by", "accuracy"), "select.best_by: Input should be 'ppl_pre'"),
-    ("zero distillation steps", ("distill.settings.steps", 0), "distill.settings: DistillSpec.steps: 0 is not allowed"),
-    ("an unknown distillation setting", ("distill.settings.lr_schedule", "linear"),
-     "distill.settings: lr_schedule: unknown key; allowed: batch_size"),
-    ("an unknown KD loss", ("distill.settings.loss", "mse"), "DistillSpec.loss: 'mse' is not allowed; allowed: forward_kl"),
-    ("a variant with an unknown setting", ("distill.variants", [{"temperature": 2}]),
-     "distill: variants.0.temperature: unknown key"),
-    ("zero distillation processes", ("distill.processes", 0), "distill.processes: must be >= 1 or 'gpus', got 0"),
+    (
+        "a source name with a dot",
+        ("calibration.sources", {"a.b": {"data": {}, "weight": 1.0}}),
+        "calibration.sources: 'a.b' is not a source name; allowed: letters, digits, '_', '-'",
+    ),
+    (
+        "a source weight of zero",
+        ("calibration.sources", {"web": {"data": {}, "weight": 0}}),
+        "calibration.sources.web.weight: Input should be greater than 0",
+    ),
+    (
+        "a source without data",
+        ("calibration.sources", {"web": {"weight": 1.0}}),
+        "calibration.sources.web.data: required",
+    ),
+    (
+        "a source file that is missing",
+        (
+            "calibration.sources",
+            {"web": {"data": {"source": "jsonl", "path": "/nonexistent/w.jsonl"}, "weight": 1.0}},
+        ),
+        "calibration.sources.web.data.path: no such file '/nonexistent/w.jsonl'",
+    ),
+    (
+        "chat data without its fields",
+        ("calibration.data", {"source": "hf", "path": "org/chat", "format": "chat"}),
+        "calibration.data: messages_field: format 'chat' needs messages_field (a list of {role, content}) or prompt_field",
+    ),
+    (
+        "a chat template file that is missing",
+        (
+            "calibration.data",
+            {
+                "source": "hf",
+                "path": "org/chat",
+                "format": "chat",
+                "messages_field": "messages",
+                "chat_template": "/nonexistent/t.jinja",
+            },
+        ),
+        "calibration.data.chat_template: no such file '/nonexistent/t.jinja'",
+    ),
+    (
+        "chat data outside calibration",
+        (
+            "ppl",
+            {"data": {"source": "hf", "path": "org/chat", "format": "chat", "messages_field": "messages"}},
+        ),
+        "ppl.data.format: 'chat' is read with the teacher's tokenizer only in",
+    ),
+    (
+        "an unknown selection axis",
+        ("select.per", ["colour"]),
+        "select.per: unknown axis 'colour'; allowed: output, scoring",
+    ),
+    (
+        "an unknown selection metric",
+        ("select.best_by", "accuracy"),
+        "select.best_by: Input should be 'ppl_pre'",
+    ),
+    (
+        "zero distillation steps",
+        ("distill.settings.steps", 0),
+        "distill.settings: DistillSpec.steps: 0 is not allowed",
+    ),
+    (
+        "an unknown distillation setting",
+        ("distill.settings.lr_schedule", "linear"),
+        "distill.settings: lr_schedule: unknown key; allowed: batch_size",
+    ),
+    (
+        "an unknown KD loss",
+        ("distill.settings.loss", "mse"),
+        "DistillSpec.loss: 'mse' is not allowed; allowed: forward_kl",
+    ),
+    (
+        "a variant with an unknown setting",
+        ("distill.variants", [{"temperature": 2}]),
+        "distill: variants.0.temperature: unknown key",
+    ),
+    (
+        "zero distillation processes",
+        ("distill.processes", 0),
+        "distill.processes: must be >= 1 or 'gpus', got 0",
+    ),
     ("an unknown suite", ("evaluate.suite", "superglue"), "unknown suite 'superglue': allowed tiny, paper"),
     ("an unknown backend", ("evaluate.backend", "tpu"), "evaluate.backend: Input should be 'hf' or 'vllm'"),
-    ("an unknown baseline", ("baselines", ["teacher", "oracle"]), "baselines: unknown baseline 'oracle'; allowed:"),
+    (
+        "an unknown baseline",
+        ("baselines", ["teacher", "oracle"]),
+        "baselines: unknown baseline 'oracle'; allowed:",
+    ),
     ("d2d without a dense teacher", ("baselines", ["d2d"]), "baseline 'd2d' needs a dense_teacher section"),
-    ("resources of an unknown stage", ("execution.resources", {"train": {"cpus": 2}}),
-     "execution.resources: unknown stage 'train'; allowed: teacher"),
-    ("negative retries", ("execution.retries", -1), "execution.retries: Input should be greater than or equal to 0"),
+    (
+        "resources of an unknown stage",
+        ("execution.resources", {"train": {"cpus": 2}}),
+        "execution.resources: unknown stage 'train'; allowed: teacher",
+    ),
+    (
+        "negative retries",
+        ("execution.retries", -1),
+        "execution.retries: Input should be greater than or equal to 0",
+    ),
 ]
 
 
@@ -107,7 +220,11 @@ def _file(tmp_path: Path, change) -> Path:
         f.write_text(change)
         return f
     if change is None:  # an axis given twice: only raw text can say it
-        text = (ROOT / "tests" / "sweeps" / "fake.yaml").read_text().replace("  K: [2, 4]", "  K: [2, 4]\n  K: [8]")
+        text = (
+            (ROOT / "tests" / "sweeps" / "fake.yaml")
+            .read_text()
+            .replace("  K: [2, 4]", "  K: [2, 4]\n  K: [8]")
+        )
         return fake_sweep(tmp_path, text)
     field, value = change
     raw = _set(field, None, drop=True) if value is DROP else _set(field, value)
@@ -148,11 +265,30 @@ def test_a_multimodal_llama4_teacher_is_one_line_naming_its_text_model(tmp_path,
     from transformers import Llama4Config
 
     monkeypatch.chdir(tmp_path)
-    text = dict(vocab_size=64, hidden_size=16, intermediate_size=8, intermediate_size_mlp=16, num_hidden_layers=2,
-                num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_local_experts=4,
-                num_experts_per_tok=1, interleave_moe_layer_step=1)
-    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=14, projector_input_dim=16, projector_output_dim=16, vision_output_dim=16)
+    text = dict(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=8,
+        intermediate_size_mlp=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=1,
+    )
+    vision = dict(
+        hidden_size=16,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+        projector_input_dim=16,
+        projector_output_dim=16,
+        vision_output_dim=16,
+    )
     Llama4Config(text_config=text, vision_config=vision).save_pretrained(tmp_path / "llama4")
     raw = _set("teacher", {"source": "hf", "model": str(tmp_path / "llama4")})
     sweep = tmp_path / "llama4.yaml"
@@ -162,5 +298,6 @@ def test_a_multimodal_llama4_teacher_is_one_line_naming_its_text_model(tmp_path,
     assert res.exit_code == 2, res.output
     assert res.stderr.strip().splitlines() == [
         f"error: {sweep}: teacher.model: model_type='llama4' is the multimodal Llama4ForConditionalGeneration: "
-        "convert its text model (model_type llama4_text, Llama4ForCausalLM built from config.text_config) instead"]
+        "convert its text model (model_type llama4_text, Llama4ForCausalLM built from config.text_config) instead"
+    ]
     assert not (tmp_path / "db").exists()

@@ -17,19 +17,32 @@ from workers.families import ADAPTERS, adapter_for_config, get_adapter, teacher_
 
 # (family, config overrides): every family as the shared fixture builds it, then variants
 CASES = [(f, {}) for f in FAMILIES] + [
-    ("qwen3_moe", {"norm_topk_prob": False, "mlp_only_layers": [], "decoder_sparse_step": 2, "num_hidden_layers": 4}),
+    (
+        "qwen3_moe",
+        {"norm_topk_prob": False, "mlp_only_layers": [], "decoder_sparse_step": 2, "num_hidden_layers": 4},
+    ),
     ("qwen2_moe", {"norm_topk_prob": True, "mlp_only_layers": [1], "num_hidden_layers": 3}),
     ("olmoe", {"norm_topk_prob": True, "num_experts": 5, "num_experts_per_tok": 3}),
     ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 1}),
-    ("deepseek_v2", {"norm_topk_prob": True, "n_shared_experts": 2, "first_k_dense_replace": 2,
-                     "topk_method": "greedy"}),
+    (
+        "deepseek_v2",
+        {"norm_topk_prob": True, "n_shared_experts": 2, "first_k_dense_replace": 2, "topk_method": "greedy"},
+    ),
     ("deepseek_v3", {"norm_topk_prob": False, "n_shared_experts": 2, "first_k_dense_replace": 0}),
     ("gpt_oss", {"num_local_experts": 5, "num_experts_per_tok": 3}),
-    ("dbrx", {"ffn_config": {"moe_num_experts": 5, "moe_top_k": 3, "moe_normalize_expert_weights": None},
-              "n_layers": 3}),
+    (
+        "dbrx",
+        {
+            "ffn_config": {"moe_num_experts": 5, "moe_top_k": 3, "moe_normalize_expert_weights": None},
+            "n_layers": 3,
+        },
+    ),
     ("solar_open", {"norm_topk_prob": False, "n_shared_experts": 2, "num_experts_per_tok": 3}),
     ("mimo_v2_flash", {"norm_topk_prob": False, "mlp_layer_types": ["sparse", "sparse", "dense"]}),
-    ("hy_v3", {"num_shared_experts": 2, "mlp_layer_types": ["sparse", "dense", "sparse"], "num_experts_per_tok": 3}),
+    (
+        "hy_v3",
+        {"num_shared_experts": 2, "mlp_layer_types": ["sparse", "dense", "sparse"], "num_experts_per_tok": 3},
+    ),
     ("flint", {"norm_topk_prob": False, "mlp_only_layers": [2], "shared_expert_intermediate_size": 0}),
     ("aria_text", {"moe_num_shared_experts": 2, "moe_num_experts": 5, "moe_topk": 3}),
 ]
@@ -61,18 +74,26 @@ def built_shape(family: str, model, adapter) -> TeacherShape:
     assert renorm == adapter.renormalized(model)
     if not renorm:
         assert bool(((sums - 1).abs() > 1e-3).all())  # no token's weights happen to sum to 1
-    return TeacherShape(family=adapter.name, model_type=model.config.model_type,
-                        num_experts=adapter.expert_weights(model, layers[0]).num_experts, top_k=k,
-                        renormalize=renorm, shared_experts=adapter.num_shared_experts(model),
-                        moe_layers=len(layers))
+    return TeacherShape(
+        family=adapter.name,
+        model_type=model.config.model_type,
+        num_experts=adapter.expert_weights(model, layers[0]).num_experts,
+        top_k=k,
+        renormalize=renorm,
+        shared_experts=adapter.num_shared_experts(model),
+        moe_layers=len(layers),
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_shape_from_config_equals_the_built_model(case):
     family, over = case
     config = tiny_config(family, **over)
-    with mock.patch.object(transformers.AutoModelForCausalLM, "from_config",
-                           side_effect=AssertionError("teacher_shape built a model")):
+    with mock.patch.object(
+        transformers.AutoModelForCausalLM,
+        "from_config",
+        side_effect=AssertionError("teacher_shape built a model"),
+    ):
         shape = teacher_shape(config)
     model = make_teacher(family, **over)
     assert shape == built_shape(family, model, get_adapter(model))
@@ -84,7 +105,7 @@ def test_variants_move_every_field():
     above would not show the config is read)."""
     base = {f: teacher_shape(tiny_config(f)) for f in FAMILIES}
     moved = {name: False for name in ("num_experts", "top_k", "renormalize", "shared_experts", "moe_layers")}
-    for family, over in CASES[len(FAMILIES):]:
+    for family, over in CASES[len(FAMILIES) :]:
         shape = teacher_shape(tiny_config(family, **over))
         for name in moved:
             moved[name] |= getattr(shape, name) != getattr(base[family], name)
@@ -95,10 +116,24 @@ def test_variants_move_every_field():
 
 def test_plain_attribute_object_no_torch_model():
     """Only attributes are read: a plain namespace with a supported model_type is enough."""
-    cfg = SimpleNamespace(model_type="deepseek_v3", num_hidden_layers=61, first_k_dense_replace=3,
-                          n_routed_experts=256, num_experts_per_tok=8, norm_topk_prob=True, n_shared_experts=1)
-    assert teacher_shape(cfg) == TeacherShape(family="deepseek_v3", model_type="deepseek_v3", num_experts=256,
-                                              top_k=8, renormalize=True, shared_experts=1, moe_layers=58)
+    cfg = SimpleNamespace(
+        model_type="deepseek_v3",
+        num_hidden_layers=61,
+        first_k_dense_replace=3,
+        n_routed_experts=256,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        n_shared_experts=1,
+    )
+    assert teacher_shape(cfg) == TeacherShape(
+        family="deepseek_v3",
+        model_type="deepseek_v3",
+        num_experts=256,
+        top_k=8,
+        renormalize=True,
+        shared_experts=1,
+        moe_layers=58,
+    )
 
 
 def test_shape_from_a_saved_config(tmp_path):
@@ -136,8 +171,10 @@ def test_phimoe_refuses_a_k_sparsemixer_does_not_route(k):
         model(ids())
     handle.remove()
     assert seen[0].shape[1] == 2
-    for call in (lambda: teacher_shape(tiny_config("phimoe", num_experts_per_tok=k)),
-                 lambda: get_adapter(model).top_k(model)):
+    for call in (
+        lambda: teacher_shape(tiny_config("phimoe", num_experts_per_tok=k)),
+        lambda: get_adapter(model).top_k(model),
+    ):
         with pytest.raises(ValueError, match=f"num_experts_per_tok={k}; SparseMixer always routes 2") as err:
             call()
         assert "\n" not in str(err.value)
@@ -149,7 +186,9 @@ def test_a_multimodal_aria_config_is_one_line_naming_its_text_model():
     config = transformers.AriaConfig(text_config=tiny_config("aria_text").to_dict())
     with pytest.raises(ValueError) as err:
         teacher_shape(config)
-    assert str(err.value) == ("model_type='aria' is the multimodal AriaForConditionalGeneration: convert its text "
-                              "model (model_type aria_text, AriaTextForCausalLM built from config.text_config) "
-                              "instead")
+    assert str(err.value) == (
+        "model_type='aria' is the multimodal AriaForConditionalGeneration: convert its text "
+        "model (model_type aria_text, AriaTextForCausalLM built from config.text_config) "
+        "instead"
+    )
     assert teacher_shape(config.text_config).family == "aria_text"

@@ -19,8 +19,23 @@ from workers.tiny.teacher import (
 )
 from workers.tiny.tokenizer import train_tokenizer
 
-SMALL = dict(experts=4, top_k=2, hidden=32, layers=2, heads=2, kv_heads=1, moe_intermediate=32, vocab=512,
-             steps=30, batch_size=8, seq_len=32, lr=5e-3, warmup=3, corpus_chars=200_000, eval_windows=16)
+SMALL = dict(
+    experts=4,
+    top_k=2,
+    hidden=32,
+    layers=2,
+    heads=2,
+    kv_heads=1,
+    moe_intermediate=32,
+    vocab=512,
+    steps=30,
+    batch_size=8,
+    seq_len=32,
+    lr=5e-3,
+    warmup=3,
+    corpus_chars=200_000,
+    eval_windows=16,
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +47,18 @@ def cache(tmp_path_factory):
 def teacher(cache, tmp_path_factory):
     out = tmp_path_factory.mktemp("teacher") / "model"
     calls = []
-    rec = train_tiny_teacher(TinyTeacherSpec(**SMALL), out, progress=lambda i, n: calls.append((i, n)),
-                             cache_dir=cache)
+    rec = train_tiny_teacher(
+        TinyTeacherSpec(**SMALL), out, progress=lambda i, n: calls.append((i, n)), cache_dir=cache
+    )
     return out, rec, calls
 
 
 # ---- corpus --------------------------------------------------------------------------------------
 def test_file_documents_split_docstrings_from_code():
-    src = ('"""Module doc.\n\n    More text."""\nimport os\n\n\nclass A:\n    """Class doc."""\n\n'
-           '    def f(self):\n        """Method\n        doc."""\n        return os.sep  # comment\n')
+    src = (
+        '"""Module doc.\n\n    More text."""\nimport os\n\n\nclass A:\n    """Class doc."""\n\n'
+        '    def f(self):\n        """Method\n        doc."""\n        return os.sep  # comment\n'
+    )
     docs = file_documents(src)
     assert docs["prose"] == ["Module doc.\n\nMore text.\n\nClass doc.\n\nMethod\ndoc."]  # cleandoc'ed, packed
     code = "\n\n".join(docs["code"])
@@ -82,7 +100,9 @@ def test_tokenizer_round_trip_and_determinism(tmp_path, cache):
     texts = [r["text"] for r in read_split(data["corpus_dir"], "train")]
     tok = train_tokenizer(texts, 512, tmp_path / "tok")
     assert len(tok) == 512 and tok.eos_token_id == tok.bos_token_id == 0 and tok.pad_token_id == 1
-    assert (tmp_path / "tok" / "tokenizer.json").read_bytes() == (data["tokenizer_dir"] / "tokenizer.json").read_bytes()
+    assert (tmp_path / "tok" / "tokenizer.json").read_bytes() == (
+        data["tokenizer_dir"] / "tokenizer.json"
+    ).read_bytes()
     from transformers import AutoTokenizer
 
     loaded = AutoTokenizer.from_pretrained(tmp_path / "tok")
@@ -107,7 +127,9 @@ def test_balance_loss_is_per_layer():
     # layer 0 always routes to experts {0,1}, layer 1 to {2,3}: each layer is collapsed ...
     a = torch.tensor([10.0, 10.0, -10.0, -10.0]).repeat(T, 1)
     b = a.flip(-1)
-    assert per_layer_balance_loss([a, b], k).item() == pytest.approx(E * 1.0, rel=1e-4)  # f=(1,1,0,0), P=(.5,.5,0,0)
+    assert per_layer_balance_loss([a, b], k).item() == pytest.approx(
+        E * 1.0, rel=1e-4
+    )  # f=(1,1,0,0), P=(.5,.5,0,0)
     # ... but pooled over the layers (what HF's aux loss sees) it looks perfectly balanced
     assert per_layer_balance_loss([torch.cat([a, b])], k).item() == pytest.approx(k, rel=1e-4)
 
@@ -119,10 +141,19 @@ def test_lr_schedule():
     assert all(x >= y for x, y in zip(lrs[9:], lrs[10:], strict=False))
 
 
-@pytest.mark.parametrize("bad, field", [({"top_k": 5, "experts": 4}, "top_k"), ({"kv_heads": 3}, "kv_heads"),
-                                        ({"lr": -1.0}, "lr"), ({"steps": 0}, "steps"),
-                                        ({"corpus_chars": 10}, "corpus_chars"), ({"experts": True}, "experts"),
-                                        ({"warmup": 2000}, "warmup"), ({"vocab": 100}, "vocab")])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({"top_k": 5, "experts": 4}, "top_k"),
+        ({"kv_heads": 3}, "kv_heads"),
+        ({"lr": -1.0}, "lr"),
+        ({"steps": 0}, "steps"),
+        ({"corpus_chars": 10}, "corpus_chars"),
+        ({"experts": True}, "experts"),
+        ({"warmup": 2000}, "warmup"),
+        ({"vocab": 100}, "vocab"),
+    ],
+)
 def test_bad_spec_one_line(bad, field):
     with pytest.raises(ValueError) as err:
         TinyTeacherSpec(**{**SMALL, **bad})
@@ -144,7 +175,11 @@ def test_teacher_trained_saved_and_loadable(teacher):
 
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     tok = AutoTokenizer.from_pretrained(out)
-    assert model.config.num_experts == 4 and model.config.num_experts_per_tok == 2 and model.config.norm_topk_prob
+    assert (
+        model.config.num_experts == 4
+        and model.config.num_experts_per_tok == 2
+        and model.config.norm_topk_prob
+    )
     assert sum(p.numel() for p in model.parameters()) == rec["params"]
     meta = json.loads((out / "tiny_meta.json").read_text())
     assert meta["spec"]["experts"] == 4 and meta["corpus_hash"] == rec["corpus_hash"]
@@ -163,14 +198,16 @@ def test_second_call_hits_cache(teacher, cache, tmp_path):
     cached_model = cache / "model" / rec["cache_key"] / "model.safetensors"
     mtime = cached_model.stat().st_mtime_ns
     calls = []
-    rec2 = train_tiny_teacher(TinyTeacherSpec(**SMALL), tmp_path / "again", progress=lambda i, n: calls.append(i),
-                              cache_dir=cache)
+    rec2 = train_tiny_teacher(
+        TinyTeacherSpec(**SMALL), tmp_path / "again", progress=lambda i, n: calls.append(i), cache_dir=cache
+    )
     assert rec2["cached"] is True and rec2["cache_key"] == rec["cache_key"]
     assert cached_model.stat().st_mtime_ns == mtime
     assert (tmp_path / "again" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
     assert rec2["valid_ppl_teacher"] == rec["valid_ppl_teacher"]
-    rec3 = train_tiny_teacher(TinyTeacherSpec(**{**SMALL, "seed": 1, "steps": 1, "warmup": 1}),
-                              tmp_path / "other", cache_dir=cache)
+    rec3 = train_tiny_teacher(
+        TinyTeacherSpec(**{**SMALL, "seed": 1, "steps": 1, "warmup": 1}), tmp_path / "other", cache_dir=cache
+    )
     assert rec3["cached"] is False and rec3["corpus_hash"] == rec["corpus_hash"]  # new model, same corpus
 
 
@@ -181,7 +218,9 @@ def test_training_is_deterministic(cache, tmp_path):
     data = prepare_data(spec, cache)
     _train("moe", spec, tmp_path / "a", data, "k", None)
     _train("moe", spec, tmp_path / "b", data, "k", None)
-    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (
+        tmp_path / "b" / "model.safetensors"
+    ).read_bytes()
 
 
 def test_dense_teacher_matches_params(teacher, cache, tmp_path):

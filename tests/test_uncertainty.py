@@ -59,7 +59,9 @@ def test_paired_bootstrap_covers_a_known_difference():
 
 def test_unrelated_students_of_equal_accuracy_are_not_distinguishable():
     rng = np.random.default_rng(3)
-    inside = sum(not paired_diff(*(rng.random((2, 300)) < 0.5).astype(float))["distinguishable"] for _ in range(40))
+    inside = sum(
+        not paired_diff(*(rng.random((2, 300)) < 0.5).astype(float))["distinguishable"] for _ in range(40)
+    )
     assert inside >= 34
 
 
@@ -70,10 +72,29 @@ def _items_frame(students: dict[int, dict[str, np.ndarray]], reverse: frozenset[
             ids = np.arange(len(vals))
             if cid in reverse:  # stored in another order: alignment is by doc_id
                 ids, vals = ids[::-1], vals[::-1]
-            rows.append({"config_id": cid, "stage": "post", "task": task, "subtask": task, "step": -1,
-                         "name": "acc", "n": len(vals), "ids": ids, "vals": vals.astype(float)})
-            tasks.append({"config_id": cid, "stage": "post", "task": task, "metric": "acc", "headline": 1,
-                          "value": float(vals.mean())})
+            rows.append(
+                {
+                    "config_id": cid,
+                    "stage": "post",
+                    "task": task,
+                    "subtask": task,
+                    "step": -1,
+                    "name": "acc",
+                    "n": len(vals),
+                    "ids": ids,
+                    "vals": vals.astype(float),
+                }
+            )
+            tasks.append(
+                {
+                    "config_id": cid,
+                    "stage": "post",
+                    "task": task,
+                    "metric": "acc",
+                    "headline": 1,
+                    "value": float(vals.mean()),
+                }
+            )
     return pd.DataFrame(rows), pd.DataFrame(tasks)
 
 
@@ -99,24 +120,42 @@ def test_perplexity_replicates_and_window_standard_error():
     rng = np.random.default_rng(5)
     tok = np.full(50, 128.0)
     base = rng.normal(3.0, 0.3, 50) * tok
-    rows = [{"config_id": c, "stage": "pre", "task": "", "subtask": "", "step": -1, "name": name, "n": 50,
-             "ids": np.arange(50), "vals": vals}
-            for c, nll in ((1, base), (2, base + 0.05 * tok)) for name, vals in (("nll", nll), ("tokens", tok))]
+    rows = [
+        {
+            "config_id": c,
+            "stage": "pre",
+            "task": "",
+            "subtask": "",
+            "step": -1,
+            "name": name,
+            "n": 50,
+            "ids": np.arange(50),
+            "vals": vals,
+        }
+        for c, nll in ((1, base), (2, base + 0.05 * tok))
+        for name, vals in (("nll", nll), ("tokens", tok))
+    ]
     rep = ppl_replicates(pd.DataFrame(rows), [1, 2])
     assert rep.point[1] == pytest.approx(math.exp(base.sum() / tok.sum()))
     d = Uncertainty(None, rep).ppl_diff([2], [1], rep.point[2] - rep.point[1])
     assert d["distinguishable"] and d["ci"][0] > 0, "a uniform shift of every window is told apart"
     se, n = window_stats(list(base), list(tok))
-    assert n == 50 and se == pytest.approx(rep.point[1] * np.std(base / tok, ddof=1) / math.sqrt(50), rel=1e-9)
+    assert n == 50 and se == pytest.approx(
+        rep.point[1] * np.std(base / tok, ddof=1) / math.sqrt(50), rel=1e-9
+    )
     assert window_stats([1.0], [3]) == (None, 1)
 
 
 def test_binomial_standard_error_from_published_sizes():
     sizes = benchmark_sizes()
     assert sizes["winogrande"] == 1267 and sizes["mmlu"] == 14042 and sizes["rte"] == 277
-    tasks = pd.DataFrame([{"config_id": 1, "stage": "post", "task": "winogrande", "headline": 1, "value": 0.5},
-                          {"config_id": 1, "stage": "post", "task": "arc_easy", "headline": 1, "value": 0.7},
-                          {"config_id": 2, "stage": "post", "task": "unknown", "headline": 1, "value": 0.5}])
+    tasks = pd.DataFrame(
+        [
+            {"config_id": 1, "stage": "post", "task": "winogrande", "headline": 1, "value": 0.5},
+            {"config_id": 1, "stage": "post", "task": "arc_easy", "headline": 1, "value": 0.7},
+            {"config_id": 2, "stage": "post", "task": "unknown", "headline": 1, "value": 0.5},
+        ]
+    )
     se = binomial_se(tasks, [1, 2])
     assert set(se) == {1}
     assert se[1][0] == pytest.approx(math.sqrt(0.25 / 1267 + 0.21 / 2376) / 2) and se[1][1] == 1267 + 2376
@@ -126,27 +165,57 @@ def test_binomial_standard_error_from_published_sizes():
 
 # ---- per-item scores from lm-eval's logged samples --------------------------------------------------
 def _sample(doc_id: int, acc: float, lls: list[float]) -> dict:
-    return {"doc_id": doc_id, "metrics": ["acc", "acc_norm"], "acc": acc, "acc_norm": 1.0 - acc,
-            "filtered_resps": [[ll, False] for ll in lls], "doc_hash": "", "prompt_hash": "", "target_hash": ""}
+    return {
+        "doc_id": doc_id,
+        "metrics": ["acc", "acc_norm"],
+        "acc": acc,
+        "acc_norm": 1.0 - acc,
+        "filtered_resps": [[ll, False] for ll in lls],
+        "doc_hash": "",
+        "prompt_hash": "",
+        "target_hash": "",
+    }
 
 
 def test_item_scores_from_samples_and_their_records():
-    samples = [_sample(2, 1.0, [-1.0, -2.0]), _sample(0, 0.0, [-3.0, -1.0, -2.5]), _sample(1, 1.0, [-0.5, -4.0])]
+    samples = [
+        _sample(2, 1.0, [-1.0, -2.0]),
+        _sample(0, 0.0, [-3.0, -1.0, -2.5]),
+        _sample(1, 1.0, [-0.5, -4.0]),
+    ]
     it = item_scores("leaf", samples)
-    assert it["doc_ids"] == [0, 1, 2] and it["metrics"] == {"acc": [0.0, 1.0, 1.0], "acc_norm": [1.0, 0.0, 0.0]}
-    assert it["loglik_doc"] == [0, 0, 0, 1, 1, 2, 2] and it["loglik"] == [-3.0, -1.0, -2.5, -0.5, -4.0, -1.0, -2.0]
+    assert it["doc_ids"] == [0, 1, 2] and it["metrics"] == {
+        "acc": [0.0, 1.0, 1.0],
+        "acc_norm": [1.0, 0.0, 0.0],
+    }
+    assert it["loglik_doc"] == [0, 0, 0, 1, 1, 2, 2] and it["loglik"] == [
+        -3.0,
+        -1.0,
+        -2.5,
+        -0.5,
+        -4.0,
+        -1.0,
+        -2.0,
+    ]
     with pytest.raises(ValueError, match="doc_id twice"):
         item_scores("leaf", [*samples, _sample(1, 0.0, [-1.0])])
     # lm-eval's stderr: sample sd / sqrt(n)
     assert item_stderr([it], "acc", 2 / 3) == pytest.approx(np.std([0, 1, 1], ddof=1) / math.sqrt(3))
     other = item_scores("leaf2", [_sample(0, 1.0, [-1.0]), _sample(1, 1.0, [-1.0])])
-    assert item_stderr([it, other], "acc", 0.8) == pytest.approx(np.std([0, 1, 1, 1, 1], ddof=1) / math.sqrt(5))
+    assert item_stderr([it, other], "acc", 0.8) == pytest.approx(
+        np.std([0, 1, 1, 1, 1], ddof=1) / math.sqrt(5)
+    )
     macro = (2 / 3 + 1.0) / 2  # a group's unweighted mean: the leaves' SEs combine
-    assert item_stderr([it, other], "acc", macro) == pytest.approx(np.std([0, 1, 1], ddof=1) / math.sqrt(3) / 2)
+    assert item_stderr([it, other], "acc", macro) == pytest.approx(
+        np.std([0, 1, 1], ddof=1) / math.sqrt(3) / 2
+    )
     res = {"runs": [{"tasks": [{"task": "suite_task", "items": [it]}]}]}
     recs = eval_items(res, repeated=False)
-    assert [(r["name"], r["step"], len(r["doc_ids"])) for r in recs] == [("acc", -1, 3), ("acc_norm", -1, 3),
-                                                                          ("loglik", -1, 7)]
+    assert [(r["name"], r["step"], len(r["doc_ids"])) for r in recs] == [
+        ("acc", -1, 3),
+        ("acc_norm", -1, 3),
+        ("loglik", -1, 7),
+    ]
 
 
 # ---- stored packed, read back, and in the results view ---------------------------------------------
@@ -162,9 +231,13 @@ def test_item_scores_are_stored_packed_and_read_back(tmp_path):
     tok = [100.0, 100.0, 100.0]
     se, n = window_stats(nll, tok)
     ppl = math.exp(sum(nll) / 300)
-    result = {"metrics": [{"name": "ppl", "stage": "pre", "value": ppl, "stderr": se, "total": n}],
-              "item_scores": [{"stage": "pre", "name": "nll", "doc_ids": [0, 1, 2], "values": nll},
-                              {"stage": "pre", "name": "tokens", "doc_ids": [0, 1, 2], "values": tok}]}
+    result = {
+        "metrics": [{"name": "ppl", "stage": "pre", "value": ppl, "stderr": se, "total": n}],
+        "item_scores": [
+            {"stage": "pre", "name": "nll", "doc_ids": [0, 1, 2], "values": nll},
+            {"stage": "pre", "name": "tokens", "doc_ids": [0, 1, 2], "values": tok},
+        ],
+    }
     assert store.finish("j" * 64, "me", result, 0.1)
     store.link([(ids["a"], "ppl_pre", store.jobs(["j" * 64])["j" * 64]["id"])])
     items = load_items(store.engine, ["s"])
@@ -173,8 +246,9 @@ def test_item_scores_are_stored_packed_and_read_back(tmp_path):
     _, rows = store.query("SELECT ppl_pre, ppl_pre_se, ppl_pre_n FROM results")
     assert rows == [(pytest.approx(ppl), pytest.approx(se), 3)]
     with pytest.raises(Exception, match="3 ids but 2 values"):
-        store._write_records(None, {"item_scores": [{"name": "nll", "doc_ids": [0, 1, 2], "values": [1.0, 2.0]}]},
-                             job_id=1)
+        store._write_records(
+            None, {"item_scores": [{"name": "nll", "doc_ids": [0, 1, 2], "values": [1.0, 2.0]}]}, job_id=1
+        )
 
 
 def test_migration_0006_down_and_up(tmp_path):
@@ -210,5 +284,8 @@ def test_lm_eval_items_match_its_scores_and_survive_reuse(tmp_path):
     again = te.run(model, tok, "tiny", tmp_path / "cache", tiny_dir=tmp_path / "tiny", limit=n)  # read back
     assert again["runs"][0]["reused"] and again["tasks"][0]["items"] == mc["items"]
     recs = eval_items(again, repeated=False)
-    assert {(r["task"], r["name"]) for r in recs} >= {("tiny_mc", "acc"), ("tiny_mc", "acc_norm"),
-                                                      ("tiny_mc", "loglik")}
+    assert {(r["task"], r["name"]) for r in recs} >= {
+        ("tiny_mc", "acc"),
+        ("tiny_mc", "acc_norm"),
+        ("tiny_mc", "loglik"),
+    }

@@ -16,8 +16,9 @@ def test_version_prints_the_package_the_commit_and_the_locked_libraries():
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert lines[0].startswith(f"moesweep {md.version('moesweep')}")
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"],
-                          capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     assert f"(git {head}" in lines[0]
     assert [ln.split()[0] for ln in lines[1:]] == ["torch", "transformers", "lm-eval"]
     assert lines[2] == f"transformers {md.version('transformers')} (locked)"  # the suite runs in the lock
@@ -26,8 +27,11 @@ def test_version_prints_the_package_the_commit_and_the_locked_libraries():
 def test_a_library_away_from_its_pin_is_named(tmp_path):
     (tmp_path / "requirements").mkdir()
     (tmp_path / "requirements" / "lock.txt").write_text(
-        "transformers==0.0.1 \\\n    --hash=sha256:00\nlm-eval==" + md.version("lm_eval") + "\n")
-    (tmp_path / "requirements" / "torch-cpu.txt").write_text("torch==" + md.version("torch").split("+")[0] + "\n")
+        "transformers==0.0.1 \\\n    --hash=sha256:00\nlm-eval==" + md.version("lm_eval") + "\n"
+    )
+    (tmp_path / "requirements" / "torch-cpu.txt").write_text(
+        "torch==" + md.version("torch").split("+")[0] + "\n"
+    )
     assert locked_versions(tmp_path)["transformers"] == "0.0.1"
     text = version_text(tmp_path)
     assert f"transformers {md.version('transformers')} (the lock pins 0.0.1)" in text

@@ -30,9 +30,11 @@ from sqlalchemy.engine import URL, make_url
 ENV_URL = "MOESWEEP_TEST_PG_URL"
 ENV_BINDIR = "MOESWEEP_TEST_PG_BINDIR"
 PROGRAMS = ("initdb", "pg_ctl", "postgres")
-HOW = (f"install the PostgreSQL server (Debian/Ubuntu: apt-get install postgresql; .ci/run does) so the "
-       f"tests start a throwaway one, or set {ENV_URL}=postgresql+psycopg://USER@HOST/DB (a user who may "
-       "CREATE DATABASE)")
+HOW = (
+    f"install the PostgreSQL server (Debian/Ubuntu: apt-get install postgresql; .ci/run does) so the "
+    f"tests start a throwaway one, or set {ENV_URL}=postgresql+psycopg://USER@HOST/DB (a user who may "
+    "CREATE DATABASE)"
+)
 
 
 class NoPostgres(Exception):
@@ -47,6 +49,7 @@ def _version(bindir: str) -> tuple[int, ...]:
 def find_bindir() -> Path:
     """The folder of initdb, pg_ctl and postgres: $MOESWEEP_TEST_PG_BINDIR, else Debian's newest
     /usr/lib/postgresql/*/bin, else the folder of pg_ctl on PATH."""
+
     def complete(d: str | os.PathLike) -> bool:
         return all(os.access(Path(d) / p, os.X_OK) for p in PROGRAMS)
 
@@ -61,8 +64,10 @@ def find_bindir() -> Path:
     on_path = shutil.which("pg_ctl")
     if on_path and complete(Path(on_path).resolve().parent):
         return Path(on_path).resolve().parent
-    raise NoPostgres(f"the PostgreSQL tests found no server: {ENV_URL} is not set and no PostgreSQL server "
-                     f"programs ({', '.join(PROGRAMS)}) are installed; {HOW}")
+    raise NoPostgres(
+        f"the PostgreSQL tests found no server: {ENV_URL} is not set and no PostgreSQL server "
+        f"programs ({', '.join(PROGRAMS)}) are installed; {HOW}"
+    )
 
 
 def _server_user() -> pwd.struct_passwd | None:
@@ -72,8 +77,10 @@ def _server_user() -> pwd.struct_passwd | None:
     for name in ("postgres", "nobody"):
         with contextlib.suppress(KeyError):
             return pwd.getpwnam(name)
-    raise NoPostgres("running as root, and there is no user postgres or nobody to run the PostgreSQL "
-                     f"server as (it refuses root): create one, or set {ENV_URL}")
+    raise NoPostgres(
+        "running as root, and there is no user postgres or nobody to run the PostgreSQL "
+        f"server as (it refuses root): create one, or set {ENV_URL}"
+    )
 
 
 class PgServer:
@@ -98,8 +105,10 @@ class PgServer:
         try:
             self._admin(f'CREATE DATABASE "{name}"')
         except Exception as e:
-            raise NoPostgres(f"cannot create a test database on {make_url(self.admin_url).render_as_string()}: "
-                             f"{' '.join(str(e).split())} (the user must be allowed to CREATE DATABASE)") from None
+            raise NoPostgres(
+                f"cannot create a test database on {make_url(self.admin_url).render_as_string()}: "
+                f"{' '.join(str(e).split())} (the user must be allowed to CREATE DATABASE)"
+            ) from None
         self.created.append(name)
         return make_url(self.admin_url).set(database=name).render_as_string(hide_password=False)
 
@@ -113,8 +122,13 @@ class PgServer:
 def _connect_args(u: URL) -> dict:
     """psycopg.connect() keywords for a postgresql+psycopg:// URL (host may be a socket folder)."""
     args = {k: v for k, v in dict(u.query).items()}
-    for key, value in (("host", u.host), ("port", u.port), ("user", u.username), ("password", u.password),
-                       ("dbname", u.database)):
+    for key, value in (
+        ("host", u.host),
+        ("port", u.port),
+        ("user", u.username),
+        ("password", u.password),
+        ("dbname", u.database),
+    ):
         if value is not None:
             args.setdefault(key, value)
     return args
@@ -151,31 +165,57 @@ def throwaway_server():
 
     def run(*args: str, timeout: float = 120) -> None:
         try:
-            r = subprocess.run([str(bindir / args[0]), *args[1:]], capture_output=True, text=True, env=env,
-                               cwd=top, timeout=timeout, **as_user)
+            r = subprocess.run(
+                [str(bindir / args[0]), *args[1:]],
+                capture_output=True,
+                text=True,
+                env=env,
+                cwd=top,
+                timeout=timeout,
+                **as_user,
+            )
         except (OSError, subprocess.TimeoutExpired) as e:
             raise NoPostgres(f"{args[0]} failed: {e}") from None
         if r.returncode != 0:
             tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-            raise NoPostgres(f"{' '.join(args[:2])} failed (exit {r.returncode}): "
-                             f"{' '.join((r.stderr + r.stdout + tail).split())[-1500:]}")
+            raise NoPostgres(
+                f"{' '.join(args[:2])} failed (exit {r.returncode}): "
+                f"{' '.join((r.stderr + r.stdout + tail).split())[-1500:]}"
+            )
 
     started = False
     try:
-        run("initdb", "-D", str(data), "-U", "moesweep", "--auth=trust", "-E", "UTF8", "--locale=C", "--no-sync")
-        options = " ".join([
-            "-c listen_addresses=''",  # no TCP at all: the unix socket below is the only way in
-            f"-c unix_socket_directories='{top}'",
-            "-c port=5432",  # only names the socket file, .s.PGSQL.5432 in our folder
-            "-c max_connections=200",  # tests open many short-lived engines
-            "-c shared_buffers=16MB",
-            "-c fsync=off -c synchronous_commit=off -c full_page_writes=off",  # a throwaway cluster
-        ])
+        run(
+            "initdb",
+            "-D",
+            str(data),
+            "-U",
+            "moesweep",
+            "--auth=trust",
+            "-E",
+            "UTF8",
+            "--locale=C",
+            "--no-sync",
+        )
+        options = " ".join(
+            [
+                "-c listen_addresses=''",  # no TCP at all: the unix socket below is the only way in
+                f"-c unix_socket_directories='{top}'",
+                "-c port=5432",  # only names the socket file, .s.PGSQL.5432 in our folder
+                "-c max_connections=200",  # tests open many short-lived engines
+                "-c shared_buffers=16MB",
+                "-c fsync=off -c synchronous_commit=off -c full_page_writes=off",  # a throwaway cluster
+            ]
+        )
         run("pg_ctl", "-D", str(data), "-l", str(log), "-o", options, "-w", "-t", "60", "start")
         started = True
         _watchdog(data, top)
-        admin = URL.create("postgresql+psycopg", username="moesweep", database="postgres",
-                           query={"host": str(top), "port": "5432"})
+        admin = URL.create(
+            "postgresql+psycopg",
+            username="moesweep",
+            database="postgres",
+            query={"host": str(top), "port": "5432"},
+        )
         yield PgServer(admin.render_as_string(hide_password=False), owned=True)
     finally:
         if started:
@@ -194,6 +234,10 @@ rm -rf "$3"
 def _watchdog(data: Path, top: Path) -> None:
     """Should this process die without its clean-up (SIGKILL, SIGTERM), a detached shell stops the server
     (SIGQUIT: immediate shutdown) and deletes its folder."""
-    subprocess.Popen(["sh", "-c", WATCHDOG, "moesweep-pg-watchdog", str(os.getpid()), str(data), str(top)],
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                     start_new_session=True)
+    subprocess.Popen(
+        ["sh", "-c", WATCHDOG, "moesweep-pg-watchdog", str(os.getpid()), str(data), str(top)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )

@@ -22,8 +22,9 @@ def run() -> None:
 
 
 def _migrate(conn) -> None:
-    context.configure(connection=conn, target_metadata=Base.metadata, version_table=VERSION_TABLE,
-                      render_as_batch=True)
+    context.configure(
+        connection=conn, target_metadata=Base.metadata, version_table=VERSION_TABLE, render_as_batch=True
+    )
     with context.begin_transaction():
         context.run_migrations()
 

@@ -14,6 +14,18 @@ from orchestrator.stages import (
     teacher,
 )
 
-for _stage in (teacher.STAGE, teacher.DENSE, calibrate.STAGE, dcdm.STAGE, convert.STAGE, ppl_pre.STAGE,
-               seeds.CONVERT, seeds.PPL, distill.STAGE, router_kd.STAGE, evaluate.STAGE, dot_moe.STAGE):
+for _stage in (
+    teacher.STAGE,
+    teacher.DENSE,
+    calibrate.STAGE,
+    dcdm.STAGE,
+    convert.STAGE,
+    ppl_pre.STAGE,
+    seeds.CONVERT,
+    seeds.PPL,
+    distill.STAGE,
+    router_kd.STAGE,
+    evaluate.STAGE,
+    dot_moe.STAGE,
+):
     register(_stage)

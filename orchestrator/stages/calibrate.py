@@ -65,8 +65,10 @@ class Calibration(Strict):
             raise ValueError("name at least one source (name: {data, weight})")
         for name in v:
             if not SOURCE_NAME.match(name):
-                raise ValueError(f"{name!r} is not a source name; allowed: letters, digits, '_', '-' "
-                                 "(starting with a letter or digit, at most 64)")
+                raise ValueError(
+                    f"{name!r} is not a source name; allowed: letters, digits, '_', '-' "
+                    "(starting with a letter or digit, at most 64)"
+                )
         return v
 
     @model_validator(mode="after")
@@ -87,8 +89,13 @@ def calibration_params(c: Calibration) -> dict[str, Any]:
     if c.sources is None:
         return {**base, "data": c.data.model_dump()}
     del base["n_samples"]
-    return {**base, "sources": {name: {"data": s.data.model_dump(), "weight": s.weight,
-                                       "n_samples": s.n_samples or c.n_samples} for name, s in c.sources.items()}}
+    return {
+        **base,
+        "sources": {
+            name: {"data": s.data.model_dump(), "weight": s.weight, "n_samples": s.n_samples or c.n_samples}
+            for name, s in c.sources.items()
+        },
+    }
 
 
 def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
@@ -104,7 +111,14 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
 
 
 STAGE = Stage(
-    name="calibrate", run="workers.run.calibrate:stage_calibrate", jobs=jobs, section="calibration", params=Calibration,
-    section_default="default", upstream=("teacher",), shared=True,
+    name="calibrate",
+    run="workers.run.calibrate:stage_calibrate",
+    jobs=jobs,
+    section="calibration",
+    params=Calibration,
+    section_default="default",
+    upstream=("teacher",),
+    shared=True,
     records=frozenset({"outputs", "metrics", "artifacts"}),
-    summary="one pass per calibration source, shared by every configuration")
+    summary="one pass per calibration source, shared by every configuration",
+)

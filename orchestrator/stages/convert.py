@@ -53,8 +53,10 @@ class SubGrid(Strict):
         for name, axis in AXES.items():
             if not all(axis.applies(o) for o in outputs):
                 if getattr(self, name) is not None:
-                    raise ValueError(f"{name} does not apply to output {', '.join(outputs)}; it applies to "
-                                     f"{', '.join(axis.outputs or ())}: give it in a sub-grid of its own")
+                    raise ValueError(
+                        f"{name} does not apply to output {', '.join(outputs)}; it applies to "
+                        f"{', '.join(axis.outputs or ())}: give it in a sub-grid of its own"
+                    )
             elif getattr(self, name) is None:
                 if axis.default is None:
                     raise ValueError(f"{name} is required")
@@ -62,8 +64,10 @@ class SubGrid(Strict):
         named = [*outputs, *(m for a in METHOD_AXES for m in (getattr(self, a) or []))]
         unknown = sorted(set(self.settings or {}) - set(named))
         if unknown:
-            raise ValueError(f"settings: {', '.join(unknown)} is not a method or output of this sub-grid; "
-                             f"allowed: {', '.join(named)}")
+            raise ValueError(
+                f"settings: {', '.join(unknown)} is not a method or output of this sub-grid; "
+                f"allowed: {', '.join(named)}"
+            )
         return self
 
     def config_settings(self, values: dict[str, Any]) -> str | None:
@@ -75,7 +79,8 @@ class SubGrid(Strict):
 
 
 Grid = create_model(
-    "Grid", __base__=SubGrid,
+    "Grid",
+    __base__=SubGrid,
     __validators__={f"_{n}": _axis_validator(n) for n in AXES},
     **{n: (list[a.kind if a.kind is str else StrictInt] | None, None) for n, a in AXES.items()},
 )
@@ -83,8 +88,10 @@ Grid = create_model(
 
 # `grid:` is one sub-grid or a list of them; the discriminator validates only the form given, so an error
 # names the field that is wrong (the tags are left out of error locations: see spec._one_line)
-GridSection = Annotated[Annotated[Grid, Tag("__one__")] | Annotated[list[Grid], Tag("__many__")],
-                        Discriminator(lambda v: "__many__" if isinstance(v, list) else "__one__")]
+GridSection = Annotated[
+    Annotated[Grid, Tag("__one__")] | Annotated[list[Grid], Tag("__many__")],
+    Discriminator(lambda v: "__many__" if isinstance(v, list) else "__one__"),
+]
 
 
 def subgrids(spec) -> list:
@@ -101,11 +108,23 @@ def grid_configs(spec, model: str, top_k: int | None) -> list[dict[str, Any]]:
             axes = {n: None for n in AXES} | dict(zip(names, values, strict=True))
             key = config_key(axes)
             settings = grid.config_settings(axes)
-            c = out.setdefault(key, {"config_key": key, "model": model, "kind": "moe2dense", "settings": settings,
-                                     "teacher_variant": spec.teacher.variant, "top_k": top_k, **axes})
+            c = out.setdefault(
+                key,
+                {
+                    "config_key": key,
+                    "model": model,
+                    "kind": "moe2dense",
+                    "settings": settings,
+                    "teacher_variant": spec.teacher.variant,
+                    "top_k": top_k,
+                    **axes,
+                },
+            )
             if c["settings"] != settings:
-                raise ValueError(f"grid: configuration {key} is in two sub-grids with different settings "
-                                 f"({c['settings']} and {settings}); give each configuration one set")
+                raise ValueError(
+                    f"grid: configuration {key} is in two sub-grids with different settings "
+                    f"({c['settings']} and {settings}); give each configuration one set"
+                )
     return list(out.values())
 
 
@@ -118,7 +137,10 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
         calib = ctx.jobs.get("calibrate", {}).get(c.get("dcdm_of") or c["config_key"])
         if c["kind"] != "moe2dense" or calib is None:
             continue
-        params = {"teacher": tparams, **{n: c[n] for n in AXES if c[n] is not None and not AXES[n].after_student}}
+        params = {
+            "teacher": tparams,
+            **{n: c[n] for n in AXES if c[n] is not None and not AXES[n].after_student},
+        }
         if c.get("settings"):
             params["settings"] = json.loads(c["settings"])
         deps = {**tdeps, "calibrate": calib.key}
@@ -128,15 +150,22 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
                 continue  # its DCDM did not succeed: nothing downstream of it runs
             params["calibration_weights"], dcdm = mix
             # keyed by the weights (in params), not by the job that found them
-            out[c["config_key"]] = ctx.job("convert", params, {**deps, "dcdm": dcdm.key}, resident=resident,
-                                           key_deps=deps)
+            out[c["config_key"]] = ctx.job(
+                "convert", params, {**deps, "dcdm": dcdm.key}, resident=resident, key_deps=deps
+            )
             continue
         out[c["config_key"]] = ctx.job("convert", params, deps, resident=resident)
     return out
 
 
 STAGE = Stage(
-    name="convert", run="workers.run.convert:stage_convert", jobs=jobs, section="grid", params=GridSection,
-    section_default="required", upstream=("calibrate", "dcdm"),
+    name="convert",
+    run="workers.run.convert:stage_convert",
+    jobs=jobs,
+    section="grid",
+    params=GridSection,
+    section_default="required",
+    upstream=("calibrate", "dcdm"),
     records=frozenset({"outputs", "plan_rows", "layer_diag", "artifacts"}),
-    summary="a conversion plan per configuration; equal plans are one student")
+    summary="a conversion plan per configuration; equal plans are one student",
+)

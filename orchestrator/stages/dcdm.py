@@ -90,8 +90,10 @@ def _with_calibration(v: DCDM, info: ValidationInfo) -> DCDM:
         raise ValueError("needs calibration.sources with at least 2 named sources (DCDM mixes domains)")
     unknown = sorted(set(v.held_out or {}) - set(sources))
     if unknown:
-        raise ValueError(f"held_out: {', '.join(map(repr, unknown))} is not a calibration source; "
-                         f"allowed: {', '.join(sources)}")
+        raise ValueError(
+            f"held_out: {', '.join(map(repr, unknown))} is not a calibration source; "
+            f"allowed: {', '.join(sources)}"
+        )
     return v
 
 
@@ -123,16 +125,24 @@ def dcdm_params(ctx: SweepContext, cfg: dict[str, Any]) -> dict[str, Any]:
     settings = d.model_dump(exclude={"held_out", "apply_to"})
     settings["seq_len"] = d.seq_len or calibration.seq_len
     given = d.held_out or {}
-    held = {name: (given[name].model_dump() if name in given else held_out_data(src.data))
-            for name, src in calibration.sources.items()}
+    held = {
+        name: (given[name].model_dump() if name in given else held_out_data(src.data))
+        for name, src in calibration.sources.items()
+    }
     return {"convert": convert, "dcdm": settings, "held_out": held, "n_samples": calibration.n_samples}
 
 
 def mixture_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The configuration of a DCDM mixture: its base's axes, a key and variant label of its own."""
     base = cfg["config_key"]
-    return {**cfg, "config_key": f"{base}|{SUFFIX}", "variant": SUFFIX, "variant_of": base, "dcdm_of": base,
-            "note": f"calibration mixed by DCDM (the dcdm job of {base})"}
+    return {
+        **cfg,
+        "config_key": f"{base}|{SUFFIX}",
+        "variant": SUFFIX,
+        "variant_of": base,
+        "dcdm_of": base,
+        "note": f"calibration mixed by DCDM (the dcdm job of {base})",
+    }
 
 
 def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
@@ -141,14 +151,22 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
         return {}
     tparams, tdeps, resident = teacher_ref(ctx)
     calib = ctx.jobs.get("calibrate", {})
-    chosen = [c for c in ctx.configs if c["kind"] == "moe2dense" and c.get("dcdm_of") is None
-              and c["config_key"] in calib and matches(c, d.apply_to)]
+    chosen = [
+        c
+        for c in ctx.configs
+        if c["kind"] == "moe2dense"
+        and c.get("dcdm_of") is None
+        and c["config_key"] in calib
+        and matches(c, d.apply_to)
+    ]
     if not chosen:
         raise SpecError(f"dcdm.apply_to: {d.apply_to} matches no configuration of the grid")
     out = {}
     for c in chosen:
         deps = {**tdeps, "calibrate": calib[c["config_key"]].key}
-        out[c["config_key"]] = ctx.job("dcdm", {"teacher": tparams, **dcdm_params(ctx, c)}, deps, resident=resident)
+        out[c["config_key"]] = ctx.job(
+            "dcdm", {"teacher": tparams, **dcdm_params(ctx, c)}, deps, resident=resident
+        )
     if ctx.add_configs is not None:  # a dry run adds none: they are planned once DCDM ran
         ctx.add_configs([mixture_config(c) for c in chosen])
     return out
@@ -168,13 +186,22 @@ def after(ctx: SweepContext) -> None:
         out = ctx.outputs.get("dcdm", {}).get(job.key)
         if out is not None:
             w = ", ".join(f"{name}={v:.3f}" for name, v in out["weights"].items())
-            notes[f"{base}|{SUFFIX}"] = {"note": f"calibration mixed by DCDM of {base}: {w} "
-                                                 f"(stop: {out['stop']} after {out['rounds']} rounds)"}
+            notes[f"{base}|{SUFFIX}"] = {
+                "note": f"calibration mixed by DCDM of {base}: {w} "
+                f"(stop: {out['stop']} after {out['rounds']} rounds)"
+            }
     if notes and ctx.set_fields is not None:
         ctx.set_fields(notes)
 
 
 STAGE = Stage(
-    name="dcdm", run="workers.run.dcdm:stage_dcdm", jobs=jobs, section="dcdm", params=DCDMSection,
-    upstream=("calibrate",), records=frozenset({"outputs", "metrics", "artifacts"}), after=after,
-    summary="dynamic calibration mixing per configuration; each adds a configuration <key>|calibration=dcdm")
+    name="dcdm",
+    run="workers.run.dcdm:stage_dcdm",
+    jobs=jobs,
+    section="dcdm",
+    params=DCDMSection,
+    upstream=("calibrate",),
+    records=frozenset({"outputs", "metrics", "artifacts"}),
+    after=after,
+    summary="dynamic calibration mixing per configuration; each adds a configuration <key>|calibration=dcdm",
+)

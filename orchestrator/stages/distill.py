@@ -58,7 +58,9 @@ class Distill(Strict):
     @model_validator(mode="after")
     def _sharding(self) -> Distill:
         if self.sharding == "none" and self.processes != 1:
-            raise ValueError(f"sharding: 'none' runs one process; processes must be 1, got {self.processes!r}")
+            raise ValueError(
+                f"sharding: 'none' runs one process; processes must be 1, got {self.processes!r}"
+            )
         if self.teacher_offload and self.sharding != "fsdp":
             raise ValueError(f"teacher_offload: needs sharding: fsdp, got sharding: {self.sharding}")
         return self
@@ -84,11 +86,19 @@ def distill_job(ctx: SweepContext, ppl: JobSpec, overrides: dict[str, Any]) -> J
     tparams, tdeps, resident = teacher_ref(ctx, which)
     d = ctx.spec.distill
     deps = {**ppl.deps, **tdeps}
-    params = {"teacher": tparams, "student": student, "teacher_of_student": ppl.params["teacher"],
-              "settings": {**d.settings, **overrides}, "data": d.data.model_dump(),
-              "val_data": d.val_data.model_dump(), "processes": d.processes, **d.sharding_params()}
-    return ctx.job("distill", params, deps, resident=resident,
-                   key_deps={k: v for k, v in deps.items() if k != "convert"})
+    params = {
+        "teacher": tparams,
+        "student": student,
+        "teacher_of_student": ppl.params["teacher"],
+        "settings": {**d.settings, **overrides},
+        "data": d.data.model_dump(),
+        "val_data": d.val_data.model_dump(),
+        "processes": d.processes,
+        **d.sharding_params(),
+    }
+    return ctx.job(
+        "distill", params, deps, resident=resident, key_deps={k: v for k, v in deps.items() if k != "convert"}
+    )
 
 
 def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
@@ -109,12 +119,25 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
             if not all(cfg.get(a) == v for a, v in d.variants_on.items()):
                 continue
             vk = f"{ck}|variant={i}"
-            variants.append({**cfg, "config_key": vk, "selected_for_distill": 1, "variant": variant_label(over),
-                             "variant_of": ck, "distill_loss": over.get("loss"),
-                             "teacher_top_k": over.get("teacher_top_k")})
+            variants.append(
+                {
+                    **cfg,
+                    "config_key": vk,
+                    "selected_for_distill": 1,
+                    "variant": variant_label(over),
+                    "variant_of": ck,
+                    "distill_loss": over.get("loss"),
+                    "teacher_top_k": over.get("teacher_top_k"),
+                }
+            )
             out[vk] = distill_job(ctx, ppl[ck], over)
-    full = [c["config_key"] for c in ctx.configs if c.get("recovery") == "full_kd" and c["config_key"] in ppl
-            and ctx.succeeded("ppl_pre", c["config_key"]) is not None]
+    full = [
+        c["config_key"]
+        for c in ctx.configs
+        if c.get("recovery") == "full_kd"
+        and c["config_key"] in ppl
+        and ctx.succeeded("ppl_pre", c["config_key"]) is not None
+    ]
     for ck in full:  # a smaller MoE recovered by full KD: every one, whatever the selection rule
         out[ck] = distill_job(ctx, ppl[ck], {})
     seed = d.settings.get("seed", 0)
@@ -122,8 +145,15 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
         out[ck] = distill_job(ctx, job, {"seed": seed + ctx.config(ck)["seed_offset"]})
     if variants:
         ctx.add_configs(variants)
-    ctx.set_fields({ck: {"distill_tokens": distill_tokens(j.params["settings"]),
-                         **({"selected_for_distill": 1} if ck in full else {})} for ck, j in out.items()})
+    ctx.set_fields(
+        {
+            ck: {
+                "distill_tokens": distill_tokens(j.params["settings"]),
+                **({"selected_for_distill": 1} if ck in full else {}),
+            }
+            for ck, j in out.items()
+        }
+    )
     return out
 
 
@@ -144,15 +174,28 @@ def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, An
     repeats = max(len(getattr(spec, "seeds", None) or []) - 1, 0)
     rule = f"best {sel.best_by} per {'×'.join(sel.per)} over {', '.join(sel.over)}" if sel else "all"
     n = groups + base + d2d + full
-    return [{"stage": "select", "named": len(moe), "distinct": groups, "note": rule},
-            {"stage": "distill", "named": n + variants, "distinct": n + variants,
-             "note": f"{groups} selected + {base + d2d} baselines"
-                     + (f" + {full} smaller MoEs (full_kd)" if full else "")
-                     + (f" + up to {variants} variant runs" if variants else "")
-                     + (f" + {repeats} seed repeats of each selected student" if repeats else "")}]
+    return [
+        {"stage": "select", "named": len(moe), "distinct": groups, "note": rule},
+        {
+            "stage": "distill",
+            "named": n + variants,
+            "distinct": n + variants,
+            "note": f"{groups} selected + {base + d2d} baselines"
+            + (f" + {full} smaller MoEs (full_kd)" if full else "")
+            + (f" + up to {variants} variant runs" if variants else "")
+            + (f" + {repeats} seed repeats of each selected student" if repeats else ""),
+        },
+    ]
 
 
 STAGE = Stage(
-    name="distill", run="workers.run.distill:stage_distill", jobs=jobs, section="distill", params=Distill,
-    upstream=("ppl_pre", "seed_ppl"), records=frozenset({"outputs", "metrics", "artifacts"}), estimate=estimate,
-    summary="distill the selected students (and baselines) from their teacher")
+    name="distill",
+    run="workers.run.distill:stage_distill",
+    jobs=jobs,
+    section="distill",
+    params=Distill,
+    upstream=("ppl_pre", "seed_ppl"),
+    records=frozenset({"outputs", "metrics", "artifacts"}),
+    estimate=estimate,
+    summary="distill the selected students (and baselines) from their teacher",
+)

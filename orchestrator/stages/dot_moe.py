@@ -71,9 +71,16 @@ def _dense_source(ctx: SweepContext) -> list[dict[str, Any]]:
         raise SpecError("dot_moe.dense_models: dense_teacher needs a dense_teacher section")
     tparams, tdeps, resident = teacher_ref(ctx, "dense_teacher")
     label = t.label or (t.model.rstrip("/").split("/")[-1] if t.model else "tiny-dense")
-    return [{"name": "dense_teacher", "params": {"type": "dense_teacher", "teacher": tparams,
-                                                  "dense_teacher": tparams},
-             "deps": tdeps, "resident": resident, "model": label, "of": None}]
+    return [
+        {
+            "name": "dense_teacher",
+            "params": {"type": "dense_teacher", "teacher": tparams, "dense_teacher": tparams},
+            "deps": tdeps,
+            "resident": resident,
+            "model": label,
+            "of": None,
+        }
+    ]
 
 
 def _distilled_sources(ctx: SweepContext) -> list[dict[str, Any]]:
@@ -90,9 +97,16 @@ def _distilled_sources(ctx: SweepContext) -> list[dict[str, Any]]:
         seen.add(job.key)
         which = "dense_teacher" if student["type"] == "d2d" else "teacher"
         tparams, tdeps, _ = teacher_ref(ctx, which)  # its dtype; a tiny corpus is read beside the teacher
-        out.append({"name": f"distilled:{ck}", "params": {"type": "distilled", "teacher": tparams},
-                    "deps": {"distill": job.key, **tdeps},
-                    "resident": None, "model": teacher_label(ctx.spec), "of": ck})
+        out.append(
+            {
+                "name": f"distilled:{ck}",
+                "params": {"type": "distilled", "teacher": tparams},
+                "deps": {"distill": job.key, **tdeps},
+                "resident": None,
+                "model": teacher_label(ctx.spec),
+                "of": ck,
+            }
+        )
     return out
 
 
@@ -100,8 +114,9 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
     d = getattr(ctx.spec, "dot_moe", None)
     if d is None:
         return {}
-    sources = (_dense_source(ctx) if "dense_teacher" in d.dense_models else []) + \
-        (_distilled_sources(ctx) if "distilled" in d.dense_models else [])
+    sources = (_dense_source(ctx) if "dense_teacher" in d.dense_models else []) + (
+        _distilled_sources(ctx) if "distilled" in d.dense_models else []
+    )
     out: dict[str, JobSpec] = {}
     configs = []
     for src in sources:
@@ -109,10 +124,17 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
             for e in d.experts:
                 for k in d.top_k:
                     ks = sorted({k, *(x for x in d.eval_top_k if x <= e)})
-                    params = {**{kk: v for kk, v in src["params"].items() if kk != "type"},
-                              "source": src["params"]["type"], "method": method, "experts": e, "top_k": k,
-                              "eval_top_k": ks, "settings": d.settings, "data": d.data.model_dump(),
-                              "ppl": ctx.spec.ppl.model_dump()}
+                    params = {
+                        **{kk: v for kk, v in src["params"].items() if kk != "type"},
+                        "source": src["params"]["type"],
+                        "method": method,
+                        "experts": e,
+                        "top_k": k,
+                        "eval_top_k": ks,
+                        "settings": d.settings,
+                        "data": d.data.model_dump(),
+                        "ppl": ctx.spec.ppl.model_dump(),
+                    }
                     ck = config_key(method, src["name"], e, k)
                     out[ck] = ctx.job("dot_moe", params, src["deps"], resident=src["resident"])
                     configs.append(_config(ck, src, method, e, k, ks, d.settings))
@@ -121,17 +143,32 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
     return out
 
 
-def _config(ck: str, src: dict[str, Any], method: str, e: int, k: int, ks: list[int],
-            settings: dict[str, Any]) -> dict[str, Any]:
+def _config(
+    ck: str, src: dict[str, Any], method: str, e: int, k: int, ks: list[int], settings: dict[str, Any]
+) -> dict[str, Any]:
     """A dense2moe configuration: K = E experts, top_k = the trained k; the rest in `settings`."""
     from workers.baselines.dot_moe_spec import DotMoeSpec
 
     combine = DotMoeSpec(**settings).combine
-    meta = {"method": method, "source": src["name"].split(":")[0], "source_config": src["of"], "experts": e,
-            "top_k": k, "eval_top_k": ks, "combine": combine, "settings": settings}
-    return {"config_key": ck, "model": src["model"], "kind": "dense2moe", "K": e, "top_k": k,
-            "settings": json.dumps(meta, sort_keys=True),
-            "note": f"DOT-MoE ({method}) of {src['name']}: {e} experts, top-{k}, {combine} combine"}
+    meta = {
+        "method": method,
+        "source": src["name"].split(":")[0],
+        "source_config": src["of"],
+        "experts": e,
+        "top_k": k,
+        "eval_top_k": ks,
+        "combine": combine,
+        "settings": settings,
+    }
+    return {
+        "config_key": ck,
+        "model": src["model"],
+        "kind": "dense2moe",
+        "K": e,
+        "top_k": k,
+        "settings": json.dumps(meta, sort_keys=True),
+        "note": f"DOT-MoE ({method}) of {src['name']}: {e} experts, top-{k}, {combine} combine",
+    }
 
 
 def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -142,15 +179,27 @@ def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, An
     n_dense = per if "dense_teacher" in d.dense_models else 0
     if n_dense and ctx.spec.dense_teacher is None:
         raise SpecError("dot_moe.dense_models: dense_teacher needs a dense_teacher section")
-    distilled = next((r["named"] for r in rows if r["stage"] == "distill"), 0) if "distilled" in d.dense_models else 0
+    distilled = (
+        next((r["named"] for r in rows if r["stage"] == "distill"), 0) if "distilled" in d.dense_models else 0
+    )
     n = n_dense + per * distilled
-    note = (f"{per} per dense model (methods × E × k)" + (" on the dense teacher" if n_dense else "")
-            + (f" and at most {distilled} distilled dense students" if distilled else ""))
+    note = (
+        f"{per} per dense model (methods × E × k)"
+        + (" on the dense teacher" if n_dense else "")
+        + (f" and at most {distilled} distilled dense students" if distilled else "")
+    )
     return [{"stage": "dot_moe", "named": n, "distinct": n, "note": note}] if n else []
 
 
 STAGE = Stage(
-    name="dot_moe", run="workers.run.dot_moe:stage_dot_moe", jobs=jobs, section="dot_moe", params=DotMoe,
-    upstream=("distill", "dense_teacher"), records=frozenset({"outputs", "metrics", "artifacts"}),
-    estimate=estimate, summary="dense → MoE by DOT-MoE (learned balanced neuron → expert assignment), "
-                               "perplexity at several top-k")
+    name="dot_moe",
+    run="workers.run.dot_moe:stage_dot_moe",
+    jobs=jobs,
+    section="dot_moe",
+    params=DotMoe,
+    upstream=("distill", "dense_teacher"),
+    records=frozenset({"outputs", "metrics", "artifacts"}),
+    estimate=estimate,
+    summary="dense → MoE by DOT-MoE (learned balanced neuron → expert assignment), "
+    "perplexity at several top-k",
+)

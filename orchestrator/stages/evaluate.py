@@ -64,7 +64,11 @@ def evaluate_job(ctx: SweepContext, upstream: JobSpec, seed_offset: int = 0) -> 
     (upstream = its router_kd job), or a student as converted, and the teacher (upstream = its ppl job).
     A seed repeat (`seed_offset` > 0) shifts lm-eval's seeds; the items it scores stay the same."""
     tparams, tdeps, resident = teacher_ref(ctx)
-    params = {"evaluate": ctx.spec.evaluate.model_dump(), "ppl": ctx.spec.ppl.model_dump(), "teacher": tparams}
+    params = {
+        "evaluate": ctx.spec.evaluate.model_dump(),
+        "ppl": ctx.spec.ppl.model_dump(),
+        "teacher": tparams,
+    }
     if seed_offset:
         params["evaluate"]["runs"] = seeded_runs(params["evaluate"]["runs"], seed_offset)
     deps = dict(tdeps)
@@ -79,8 +83,13 @@ def evaluate_job(ctx: SweepContext, upstream: JobSpec, seed_offset: int = 0) -> 
         params["student"] = upstream.params["student"]
     if "convert" in upstream.deps:  # a student built from its plan: keyed by the plan's content
         deps["convert"] = upstream.deps["convert"]
-    return ctx.job("evaluate", params, deps, resident=resident,
-                   key_deps={k: v for k, v in deps.items() if k != "convert"})
+    return ctx.job(
+        "evaluate",
+        params,
+        deps,
+        resident=resident,
+        key_deps={k: v for k, v in deps.items() if k != "convert"},
+    )
 
 
 def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
@@ -88,12 +97,17 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
         return {}
     done = ctx.outputs.get("distill", {})
     known = {c["config_key"] for c in ctx.configs}
-    out = {ck: evaluate_job(ctx, j, ctx.config(ck).get("seed_offset", 0) if ck in known else 0)
-           for ck, j in ctx.jobs.get("distill", {}).items() if j.key in done}
+    out = {
+        ck: evaluate_job(ctx, j, ctx.config(ck).get("seed_offset", 0) if ck in known else 0)
+        for ck, j in ctx.jobs.get("distill", {}).items()
+        if j.key in done
+    }
     teacher = ctx.jobs.get("ppl_pre", {}).get("teacher")
     if teacher is not None:
         out["teacher"] = evaluate_job(ctx, teacher)
-    for c in ctx.configs:  # every smaller MoE is evaluated: as converted, routers retrained, or distilled (above)
+    for (
+        c
+    ) in ctx.configs:  # every smaller MoE is evaluated: as converted, routers retrained, or distilled (above)
         ck, recovery = c["config_key"], c.get("recovery")
         if recovery == "none" and ctx.succeeded("ppl_pre", ck) is not None:
             out[ck] = evaluate_job(ctx, ctx.jobs["ppl_pre"][ck])
@@ -112,8 +126,13 @@ def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, An
     n = dist["named"] + teacher + moe
     suite = ev.suite if isinstance(ev.suite, str) else "custom"
     gen = [e if isinstance(e, str) else e["task"] for e in ev.generative]
-    note = (f"suite {suite}" + (f" + {', '.join(gen)}" if gen else "") + (f", {len(ev.runs)} runs each" if ev.runs else "")
-            + (" + teacher" if teacher else "") + (f" + {moe} smaller MoEs" if moe else ""))
+    note = (
+        f"suite {suite}"
+        + (f" + {', '.join(gen)}" if gen else "")
+        + (f", {len(ev.runs)} runs each" if ev.runs else "")
+        + (" + teacher" if teacher else "")
+        + (f" + {moe} smaller MoEs" if moe else "")
+    )
     return [{"stage": "evaluate", "named": n, "distinct": n, "note": note}]
 
 
@@ -123,8 +142,10 @@ def not_run_lines(ctx: SweepContext) -> list[str]:
     for job in unique(ctx.jobs.get("evaluate", {}).values()):
         for task, reason in (ctx.outputs.get("evaluate", {}).get(job.key) or {}).get("not_run", {}).items():
             seen[(task, reason)] = seen.get((task, reason), 0) + 1
-    return [f"evaluate: {task} not run ({n} model{'s' if n > 1 else ''}): {reason}"
-            for (task, reason), n in sorted(seen.items())]
+    return [
+        f"evaluate: {task} not run ({n} model{'s' if n > 1 else ''}): {reason}"
+        for (task, reason), n in sorted(seen.items())
+    ]
 
 
 def after(ctx: SweepContext) -> None:
@@ -134,6 +155,14 @@ def after(ctx: SweepContext) -> None:
 
 
 STAGE = Stage(
-    name="evaluate", run="workers.run.evaluate:stage_evaluate", jobs=jobs, section="evaluate", params=Evaluate,
-    upstream=("distill", "router_kd"), records=frozenset({"outputs", "metrics", "artifacts", "item_scores"}),
-    estimate=estimate, summary="lm-eval suite, generative tasks and post-distillation perplexity", after=after)
+    name="evaluate",
+    run="workers.run.evaluate:stage_evaluate",
+    jobs=jobs,
+    section="evaluate",
+    params=Evaluate,
+    upstream=("distill", "router_kd"),
+    records=frozenset({"outputs", "metrics", "artifacts", "item_scores"}),
+    estimate=estimate,
+    summary="lm-eval suite, generative tasks and post-distillation perplexity",
+    after=after,
+)

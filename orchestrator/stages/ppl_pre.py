@@ -41,8 +41,9 @@ def student_recipe(cfg: dict[str, Any], plan_out: dict[str, Any] | None) -> dict
     return {"type": "plan", "plan_key": plan_out["plan_key"], "output": cfg.get("output") or "dense"}
 
 
-def ppl_job(ctx: SweepContext, cfg: dict[str, Any], stage: str = "ppl_pre",
-            convert_stage: str = "convert") -> JobSpec:
+def ppl_job(
+    ctx: SweepContext, cfg: dict[str, Any], stage: str = "ppl_pre", convert_stage: str = "convert"
+) -> JobSpec:
     """`convert_stage`: the stage whose job wrote the configuration's plan (seed_convert for a seed repeat)."""
     convert = ctx.jobs.get(convert_stage, {}).get(cfg["config_key"])
     recipe = student_recipe(cfg, ctx.succeeded(convert_stage, cfg["config_key"]))
@@ -69,8 +70,13 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
 
 def after(ctx: SweepContext) -> None:
     """Each configuration records the content key of its conversion plan."""
-    ctx.set_fields({ck: {"plan_key": ctx.succeeded("convert", ck)["plan_key"]}
-                    for ck in ctx.jobs.get("ppl_pre", {}) if ctx.succeeded("convert", ck)})
+    ctx.set_fields(
+        {
+            ck: {"plan_key": ctx.succeeded("convert", ck)["plan_key"]}
+            for ck in ctx.jobs.get("ppl_pre", {})
+            if ctx.succeeded("convert", ck)
+        }
+    )
 
 
 def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -82,12 +88,29 @@ def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, An
         if g.grouping:  # K = k: every grouping of a dense sub-grid gives one student
             at_k = sum(1 for K in g.K if K == k) * len(g.scoring) * len(g.dp_scaling) * len(g.grouping)
             collapse += at_k - at_k // len(g.grouping)
-    return [{"stage": "ppl_pre", "named": len(ctx.configs), "distinct": len(plans) + len(others) - collapse,
-             "note": "at most" + (f"; {collapse} collapse at K = k (grouping irrelevant)" if collapse else "")
-                     + ", fewer where plans coincide"}]
+    return [
+        {
+            "stage": "ppl_pre",
+            "named": len(ctx.configs),
+            "distinct": len(plans) + len(others) - collapse,
+            "note": "at most"
+            + (f"; {collapse} collapse at K = k (grouping irrelevant)" if collapse else "")
+            + ", fewer where plans coincide",
+        }
+    ]
 
 
 STAGE = Stage(
-    name="ppl_pre", run="workers.run.ppl_pre:stage_ppl_pre", jobs=jobs, section="ppl", params=Perplexity,
-    section_default="default", upstream=("convert", "dense_teacher"), identity=True, after=after,
-    records=frozenset({"outputs", "metrics", "item_scores"}), estimate=estimate, summary="perplexity of each distinct student before distillation")
+    name="ppl_pre",
+    run="workers.run.ppl_pre:stage_ppl_pre",
+    jobs=jobs,
+    section="ppl",
+    params=Perplexity,
+    section_default="default",
+    upstream=("convert", "dense_teacher"),
+    identity=True,
+    after=after,
+    records=frozenset({"outputs", "metrics", "item_scores"}),
+    estimate=estimate,
+    summary="perplexity of each distinct student before distillation",
+)

@@ -24,8 +24,10 @@ from orchestrator.stages.ppl_pre import ppl_job
 
 def _increasing(v: list[int]) -> list[int]:
     if not v or any(x < 0 for x in v) or any(b <= a for a, b in zip(v, v[1:], strict=False)):
-        raise ValueError(f"must be a non-empty list of increasing integers >= 0 (the first is the sweep as "
-                         f"written), got {v}")
+        raise ValueError(
+            f"must be a non-empty list of increasing integers >= 0 (the first is the sweep as "
+            f"written), got {v}"
+        )
     return v
 
 
@@ -43,26 +45,41 @@ def label(seed: int) -> str:
     return f"seed={seed}"
 
 
-def seeded_calibrations(ctx: SweepContext, params: dict[str, Any], deps: dict[str, str],
-                        resident: str | None) -> dict[str, JobSpec]:
+def seeded_calibrations(
+    ctx: SweepContext, params: dict[str, Any], deps: dict[str, str], resident: str | None
+) -> dict[str, JobSpec]:
     """{`seed=<s>`: the calibrate job of seed s}: the sweep's calibration with its seed shifted."""
-    return {label(s): ctx.job("calibrate", {**params, "seed": params["seed"] + o}, deps, resident=resident)
-            for s, o in offsets(ctx.spec).items()}
+    return {
+        label(s): ctx.job("calibrate", {**params, "seed": params["seed"] + o}, deps, resident=resident)
+        for s, o in offsets(ctx.spec).items()
+    }
 
 
 def repeat_config(cfg: dict[str, Any], seed: int, offset: int) -> dict[str, Any]:
     """A selected configuration's repeat with another seed: its axes, a key and variant label of its own."""
     base = cfg["config_key"]
-    return {**cfg, "config_key": f"{base}|{label(seed)}", "variant": label(seed), "variant_of": base,
-            "selected_for_distill": 1, "seed_offset": offset,
-            "note": f"seed repeat of {base}: every seed of its chain + {offset}"}
+    return {
+        **cfg,
+        "config_key": f"{base}|{label(seed)}",
+        "variant": label(seed),
+        "variant_of": base,
+        "selected_for_distill": 1,
+        "seed_offset": offset,
+        "note": f"seed repeat of {base}: every seed of its chain + {offset}",
+    }
 
 
 def _picked(ctx: SweepContext) -> list[dict[str, Any]]:
     """The dense students the selection rule picked (not baselines, variants or DCDM mixtures)."""
     chosen = set(ctx.select())
-    return [c for c in ctx.configs if c["config_key"] in chosen and c["kind"] == "moe2dense"
-            and c.get("output") in (None, "dense") and c.get("variant_of") is None]
+    return [
+        c
+        for c in ctx.configs
+        if c["config_key"] in chosen
+        and c["kind"] == "moe2dense"
+        and c.get("output") in (None, "dense")
+        and c.get("variant_of") is None
+    ]
 
 
 def convert_jobs(ctx: SweepContext) -> dict[str, JobSpec]:
@@ -88,34 +105,60 @@ def convert_jobs(ctx: SweepContext) -> dict[str, JobSpec]:
 
 def ppl_jobs(ctx: SweepContext) -> dict[str, JobSpec]:
     """The pre-distillation perplexity of each repeat whose conversion succeeded."""
-    return {ck: ppl_job(ctx, ctx.config(ck), convert_stage="seed_convert")
-            for ck in ctx.jobs.get("seed_convert", {}) if ctx.succeeded("seed_convert", ck) is not None}
+    return {
+        ck: ppl_job(ctx, ctx.config(ck), convert_stage="seed_convert")
+        for ck in ctx.jobs.get("seed_convert", {})
+        if ctx.succeeded("seed_convert", ck) is not None
+    }
 
 
 def after_ppl(ctx: SweepContext) -> None:
     """Each repeat records the content key of its conversion plan (equal to its main's when the calibration
     seed did not change the plan)."""
-    ctx.set_fields({ck: {"plan_key": ctx.succeeded("seed_convert", ck)["plan_key"]}
-                    for ck in ctx.jobs.get("seed_ppl", {})})
+    ctx.set_fields(
+        {
+            ck: {"plan_key": ctx.succeeded("seed_convert", ck)["plan_key"]}
+            for ck in ctx.jobs.get("seed_ppl", {})
+        }
+    )
 
 
 def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     n = len(offsets(ctx.spec))
     if not n:
         return []
-    return [{"stage": "seed_convert", "named": "–", "distinct": "–",
-             "note": f"{n} more seed(s) of each selected student (conversion, perplexity, distillation, "
-                     "evaluation), planned once the selection is known"}]
+    return [
+        {
+            "stage": "seed_convert",
+            "named": "–",
+            "distinct": "–",
+            "note": f"{n} more seed(s) of each selected student (conversion, perplexity, distillation, "
+            "evaluation), planned once the selection is known",
+        }
+    ]
 
 
 CONVERT = Stage(
-    name="seed_convert", run="workers.run.convert:stage_convert", jobs=convert_jobs, section="seeds", params=Seeds,
-    upstream=("ppl_pre",), records=frozenset({"outputs", "plan_rows", "layer_diag", "artifacts"}),
-    estimate=estimate, summary="the selected students' conversions on each further seed's calibration")
+    name="seed_convert",
+    run="workers.run.convert:stage_convert",
+    jobs=convert_jobs,
+    section="seeds",
+    params=Seeds,
+    upstream=("ppl_pre",),
+    records=frozenset({"outputs", "plan_rows", "layer_diag", "artifacts"}),
+    estimate=estimate,
+    summary="the selected students' conversions on each further seed's calibration",
+)
 
 PPL = Stage(
     # not an identity stage: two seeds of a pick whose plan the calibration seed did not change share this job,
     # yet are distilled with different seeds, so neither is the other's duplicate
-    name="seed_ppl", run="workers.run.ppl_pre:stage_ppl_pre", jobs=ppl_jobs, upstream=("seed_convert",),
-    records=frozenset({"outputs", "metrics", "item_scores"}), after=after_ppl,
-    estimate=lambda ctx, rows: [], summary="perplexity of each seed repeat before distillation")
+    name="seed_ppl",
+    run="workers.run.ppl_pre:stage_ppl_pre",
+    jobs=ppl_jobs,
+    upstream=("seed_convert",),
+    records=frozenset({"outputs", "metrics", "item_scores"}),
+    after=after_ppl,
+    estimate=lambda ctx, rows: [],
+    summary="perplexity of each seed repeat before distillation",
+)

@@ -41,18 +41,36 @@ def _jobs(which: str):
         if job is None:
             return {}
         d2d = [c["config_key"] for c in ctx.configs if (c.get("baseline") or "").startswith("d2d:")]
-        users = d2d if which == "dense_teacher" else [c["config_key"] for c in ctx.configs if c["config_key"] not in d2d]
+        users = (
+            d2d
+            if which == "dense_teacher"
+            else [c["config_key"] for c in ctx.configs if c["config_key"] not in d2d]
+        )
         return {ck: job for ck in users} or {which: job}
+
     return jobs
 
 
 STAGE = Stage(
-    name="teacher", run="workers.run.teacher:stage_teacher", jobs=_jobs("teacher"), section="teacher", params=Teacher,
-    section_default="required", resources=Resources(cpus=1), shared=True,
+    name="teacher",
+    run="workers.run.teacher:stage_teacher",
+    jobs=_jobs("teacher"),
+    section="teacher",
+    params=Teacher,
+    section_default="required",
+    resources=Resources(cpus=1),
+    shared=True,
     records=frozenset({"outputs", "metrics", "artifacts"}),
-    summary="train the embedded tiny MoE teacher (an HF teacher is loaded where it is used)")
+    summary="train the embedded tiny MoE teacher (an HF teacher is loaded where it is used)",
+)
 
 DENSE = Stage(
-    name="dense_teacher", run="workers.run.teacher:stage_teacher", jobs=_jobs("dense_teacher"), section="dense_teacher",
-    params=Teacher, shared=True, records=frozenset({"outputs", "metrics", "artifacts"}),
-    summary="train the dense teacher of the dense-to-dense baseline")
+    name="dense_teacher",
+    run="workers.run.teacher:stage_teacher",
+    jobs=_jobs("dense_teacher"),
+    section="dense_teacher",
+    params=Teacher,
+    shared=True,
+    records=frozenset({"outputs", "metrics", "artifacts"}),
+    summary="train the dense teacher of the dense-to-dense baseline",
+)

@@ -28,9 +28,11 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     layers = getattr(decoder_of(model), "layers", None)
     if not isinstance(layers, nn.ModuleList):
         found = [n for n, m in decoder_of(model).named_children() if isinstance(m, nn.ModuleList)]
-        raise ValueError(f"model_type={model.config.model_type!r}: decoder layers at base_model."
-                         f"{', base_model.'.join(found) or '(none)'}, not base_model.layers; the baselines need "
-                         "base_model.layers")
+        raise ValueError(
+            f"model_type={model.config.model_type!r}: decoder layers at base_model."
+            f"{', base_model.'.join(found) or '(none)'}, not base_model.layers; the baselines need "
+            "base_model.layers"
+        )
     return layers
 
 
@@ -53,11 +55,17 @@ def random_ffn_student(teacher: nn.Module, adapter: Any, seed: int) -> nn.Module
         def z(*shape: int, ref: torch.Tensor = ew.gate) -> torch.Tensor:
             return ref.new_zeros(shape)
 
-        ffns[layer] = DenseFFN(gate=z(width, hidden), up=z(width, hidden), down=z(hidden, width),
-                               gate_bias=None if ew.gate_bias is None else z(width),
-                               up_bias=None if ew.up_bias is None else z(width),
-                               down_bias=None if ew.down_bias is None else z(hidden),
-                               act=ew.act, act_alpha=ew.act_alpha, act_limit=ew.act_limit)
+        ffns[layer] = DenseFFN(
+            gate=z(width, hidden),
+            up=z(width, hidden),
+            down=z(hidden, width),
+            gate_bias=None if ew.gate_bias is None else z(width),
+            up_bias=None if ew.up_bias is None else z(width),
+            down_bias=None if ew.down_bias is None else z(hidden),
+            act=ew.act,
+            act_alpha=ew.act_alpha,
+            act_limit=ew.act_limit,
+        )
     student = adapter.build_student(teacher, ffns, share_weights=False)
     ref = next(student.parameters())
     gen = torch.Generator(device=ref.device).manual_seed(seed)
@@ -106,10 +114,14 @@ def d2d_candidate_names() -> list[str]:
 
 def _dims(config: Any) -> dict[str, int]:
     heads = int(config.num_attention_heads)
-    return {"layers": int(config.num_hidden_layers), "hidden": int(config.hidden_size),
-            "ffn": int(config.intermediate_size), "heads": heads,
-            "kv_heads": int(getattr(config, "num_key_value_heads", None) or heads),
-            "head_dim": int(getattr(config, "head_dim", None) or config.hidden_size // heads)}
+    return {
+        "layers": int(config.num_hidden_layers),
+        "hidden": int(config.hidden_size),
+        "ffn": int(config.intermediate_size),
+        "heads": heads,
+        "kv_heads": int(getattr(config, "num_key_value_heads", None) or heads),
+        "head_dim": int(getattr(config, "head_dim", None) or config.hidden_size // heads),
+    }
 
 
 def _config_for(config: Any, dims: dict[str, int], keep_layers: list[int] | None = None) -> Any:
@@ -158,7 +170,9 @@ def _solve_ffn(config: Any, dims: dict[str, int], target: int, max_ffn: int) -> 
 def _shrink(config: Any, base: dict[str, int], axes: tuple[str, ...], s: float) -> dict[str, int]:
     d = dict(base)
     if "hidden" in axes:
-        d["hidden"] = max(8, int(round(base["hidden"] * s / 8)) * 8) if base["hidden"] >= 16 else base["hidden"]
+        d["hidden"] = (
+            max(8, int(round(base["hidden"] * s / 8)) * 8) if base["hidden"] >= 16 else base["hidden"]
+        )
     if "heads" in axes:
         group = base["heads"] // base["kv_heads"]
         d["kv_heads"] = max(1, round(base["kv_heads"] * s))
@@ -177,8 +191,10 @@ def d2d_target(dense_model: nn.Module) -> int:
     dense teacher needs the number from its MoE counterpart (`d2d_candidates(..., target_params=)`)."""
     path = Path(str(getattr(dense_model.config, "_name_or_path", "") or "")) / "tiny_meta.json"
     if not path.is_file():
-        raise ValueError("d2d_candidates: target_params is required (the MoE→dense student's parameter count) "
-                         "unless the dense teacher is moesweep's tiny twin (a directory with tiny_meta.json)")
+        raise ValueError(
+            "d2d_candidates: target_params is required (the MoE→dense student's parameter count) "
+            "unless the dense teacher is moesweep's tiny twin (a directory with tiny_meta.json)"
+        )
     spec = json.loads(path.read_text())["spec"]
     dims = _dims(dense_model.config)
     return _n_params(dense_model.config, {**dims, "ffn": int(spec["top_k"]) * int(spec["moe_intermediate"])})
@@ -198,8 +214,9 @@ def d2d_candidates(dense_model: nn.Module, target_params: int | None = None) -> 
     """
     config = dense_model.config
     if config.model_type not in D2D_TYPES:
-        raise ValueError(f"d2d: dense model_type {config.model_type!r} is not supported; allowed: "
-                         f"{', '.join(D2D_TYPES)}")
+        raise ValueError(
+            f"d2d: dense model_type {config.model_type!r} is not supported; allowed: {', '.join(D2D_TYPES)}"
+        )
     target = int(target_params) if target_params is not None else d2d_target(dense_model)
     base = _dims(config)
     out = []
@@ -219,8 +236,15 @@ def d2d_candidates(dense_model: nn.Module, target_params: int | None = None) -> 
             options = [_shrink(config, dims, axes, max(lo, 1e-6)), _shrink(config, dims, axes, hi)]
         solved = [_solve_ffn(config, d, target, base["ffn"]) for d in options]
         best = min(solved, key=lambda d: abs(_n_params(config, d) - target))
-        out.append({"name": name, "strategy": strategy, **best, "params": _n_params(config, best),
-                    "target_params": target})
+        out.append(
+            {
+                "name": name,
+                "strategy": strategy,
+                **best,
+                "params": _n_params(config, best),
+                "target_params": target,
+            }
+        )
     return out
 
 
@@ -270,6 +294,7 @@ class _Importance:
     def _ffn_hook(self, i: int):
         def hook(mod: nn.Module, args: tuple) -> None:
             self.ffn[i] += self._agg(args[0])
+
         return hook
 
     def _head_hook(self, i: int):
@@ -277,6 +302,7 @@ class _Importance:
             x = args[0]
             per_head = x.reshape(*x.shape[:2], self.d["heads"], self.d["head_dim"]).double().norm(dim=-1)
             self.heads[i] += self._agg(per_head)
+
         return hook
 
     def _norm_hook(self, mod: nn.Module, args: tuple, out: Any) -> None:
@@ -285,12 +311,14 @@ class _Importance:
     def _block_in(self, i: int):
         def hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
             self._inputs[i] = args[0] if args else kwargs["hidden_states"]
+
         return hook
 
     def _block_out(self, i: int):
         def hook(mod: nn.Module, args: tuple, out: Any) -> None:
             x_in, x_out = self._inputs.pop(i).double(), _hidden_of(out).double()
             self.block_cos[i] += torch.nn.functional.cosine_similarity(x_in, x_out, dim=-1).sum()
+
         return hook
 
     @torch.no_grad()
@@ -305,8 +333,12 @@ class _Importance:
                 h.remove()
         if self.tokens == 0:
             raise ValueError("prune_dense: batches are empty; activation importance needs calibration tokens")
-        return {"ffn": [x.sqrt() for x in self.ffn], "heads": [x.sqrt() for x in self.heads],
-                "channels": self.channels.sqrt(), "blocks": 1.0 - self.block_cos / self.tokens}
+        return {
+            "ffn": [x.sqrt() for x in self.ffn],
+            "heads": [x.sqrt() for x in self.heads],
+            "channels": self.channels.sqrt(),
+            "blocks": 1.0 - self.block_cos / self.tokens,
+        }
 
 
 def _top(scores: torch.Tensor, n: int) -> torch.Tensor:
@@ -321,18 +353,23 @@ def prune_dense(dense_model: nn.Module, candidate: dict[str, Any], batches: list
     original untouched), loadable after save_pretrained."""
     config = dense_model.config
     if config.model_type not in D2D_TYPES:
-        raise ValueError(f"d2d: dense model_type {config.model_type!r} is not supported; allowed: "
-                         f"{', '.join(D2D_TYPES)}")
+        raise ValueError(
+            f"d2d: dense model_type {config.model_type!r} is not supported; allowed: {', '.join(D2D_TYPES)}"
+        )
     base = _dims(config)
     dims = {k: int(candidate[k]) for k in ("layers", "hidden", "ffn", "heads", "kv_heads")}
     dims["head_dim"] = base["head_dim"]
     for k, v in dims.items():
         if not 1 <= v <= base[k]:
-            raise ValueError(f"candidate {candidate.get('name')!r}: {k}={v} is not allowed; allowed: 1..{base[k]}")
+            raise ValueError(
+                f"candidate {candidate.get('name')!r}: {k}={v} is not allowed; allowed: 1..{base[k]}"
+            )
     group = base["heads"] // base["kv_heads"]
     if dims["heads"] != dims["kv_heads"] * group:
-        raise ValueError(f"candidate {candidate.get('name')!r}: heads={dims['heads']} is not allowed; allowed: "
-                         f"kv_heads × {group} (whole KV groups are pruned)")
+        raise ValueError(
+            f"candidate {candidate.get('name')!r}: heads={dims['heads']} is not allowed; allowed: "
+            f"kv_heads × {group} (whole KV groups are pruned)"
+        )
     imp = _Importance(dense_model).run(batches)
     keep_layers = _top(imp["blocks"], dims["layers"]).tolist()
     ch = _top(imp["channels"], dims["hidden"])
@@ -342,9 +379,12 @@ def prune_dense(dense_model: nn.Module, candidate: dict[str, Any], batches: list
         groups = imp["heads"][old].reshape(base["kv_heads"], group).sum(-1)
         kv = _top(groups, dims["kv_heads"])
         heads = (kv[:, None] * group + torch.arange(group, device=kv.device)).reshape(-1)
-        keep[new] = {"old": old, "q": (heads[:, None] * hd + torch.arange(hd, device=kv.device)).reshape(-1),
-                     "kv": (kv[:, None] * hd + torch.arange(hd, device=kv.device)).reshape(-1),
-                     "ffn": _top(imp["ffn"][old], dims["ffn"])}
+        keep[new] = {
+            "old": old,
+            "q": (heads[:, None] * hd + torch.arange(hd, device=kv.device)).reshape(-1),
+            "kv": (kv[:, None] * hd + torch.arange(hd, device=kv.device)).reshape(-1),
+            "ffn": _top(imp["ffn"][old], dims["ffn"]),
+        }
     cfg = _config_for(config, dims, keep_layers)
     return _assemble_pruned(dense_model, cfg, keep, ch)
 
@@ -363,16 +403,24 @@ def _slice(name: str, t: torch.Tensor, ch: torch.Tensor, k: dict[str, torch.Tens
         return t[ch]
     if mod in ("q_norm", "k_norm"):
         return t
-    rows_cols = {"q_proj": (k["q"], ch), "k_proj": (k["kv"], ch), "v_proj": (k["kv"], ch), "o_proj": (ch, k["q"]),
-                 "gate_proj": (k["ffn"], ch), "up_proj": (k["ffn"], ch), "down_proj": (ch, k["ffn"])}
+    rows_cols = {
+        "q_proj": (k["q"], ch),
+        "k_proj": (k["kv"], ch),
+        "v_proj": (k["kv"], ch),
+        "o_proj": (ch, k["q"]),
+        "gate_proj": (k["ffn"], ch),
+        "up_proj": (k["ffn"], ch),
+        "down_proj": (ch, k["ffn"]),
+    }
     if mod not in rows_cols:
         raise ValueError(f"prune_dense: no rule for parameter {name}")
     rows, cols = rows_cols[mod]
     return t[rows] if kind == "bias" else t[rows][:, cols]
 
 
-def _assemble_pruned(dense: nn.Module, cfg: Any, keep: dict[int, dict[str, torch.Tensor]],
-                     ch: torch.Tensor) -> nn.Module:
+def _assemble_pruned(
+    dense: nn.Module, cfg: Any, keep: dict[int, dict[str, torch.Tensor]], ch: torch.Tensor
+) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -396,11 +444,15 @@ def _assemble_pruned(dense: nn.Module, cfg: Any, keep: dict[int, dict[str, torch
             raise ValueError(f"prune_dense: parameter {name} has no counterpart {oname} in the dense model")
         t = src[oname]
         if id(t) not in memo:  # tied tensors stay tied
-            memo[id(t)] = nn.Parameter(_slice(name, t.detach(), ch.to(t.device), k).clone().contiguous(),
-                                       requires_grad=t.requires_grad)
+            memo[id(t)] = nn.Parameter(
+                _slice(name, t.detach(), ch.to(t.device), k).clone().contiguous(),
+                requires_grad=t.requires_grad,
+            )
         new = memo[id(t)]
         if tuple(new.shape) != tuple(p.shape):
-            raise ValueError(f"prune_dense: {name} pruned to {tuple(new.shape)}, the model needs {tuple(p.shape)}")
+            raise ValueError(
+                f"prune_dense: {name} pruned to {tuple(new.shape)}, the model needs {tuple(p.shape)}"
+            )
         mod_name, _, leaf = name.rpartition(".")
         model.get_submodule(mod_name)._parameters[leaf] = new
     for name, b in list(model.named_buffers(remove_duplicate=False)):

@@ -34,10 +34,26 @@ from workers.core.steplog import StepLog
 from workers.methods.sinkhorn import greedy_round, sinkhorn
 
 SUPPORTED = ("qwen3",)  # dense model_type → extracted as workers.models.dot_moe_hf.DotQwen3MoeForCausalLM
-_COPY = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-         "head_dim", "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps", "use_cache",
-         "tie_word_embeddings", "rope_parameters", "attention_bias", "attention_dropout", "pad_token_id",
-         "bos_token_id", "eos_token_id")
+_COPY = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "max_position_embeddings",
+    "initializer_range",
+    "rms_norm_eps",
+    "use_cache",
+    "tie_word_embeddings",
+    "rope_parameters",
+    "attention_bias",
+    "attention_dropout",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+)
 
 
 # ---- the dense model --------------------------------------------------------------------------------
@@ -46,8 +62,10 @@ def dense_mlps(model: nn.Module) -> list[nn.Module]:
     this module cannot extract into an MoE."""
     mt = getattr(model.config, "model_type", None)
     if mt not in SUPPORTED:
-        raise ValueError(f"DOT-MoE: dense model_type {mt!r} ({type(model).__name__}) is not supported; "
-                         f"supported: {', '.join(SUPPORTED)}")
+        raise ValueError(
+            f"DOT-MoE: dense model_type {mt!r} ({type(model).__name__}) is not supported; "
+            f"supported: {', '.join(SUPPORTED)}"
+        )
     if getattr(model.config, "use_sliding_window", False):
         raise ValueError("DOT-MoE: a dense model with sliding-window layers is not supported")
     return [layer.mlp for layer in model.model.layers]
@@ -98,8 +116,9 @@ class DotMoeFFN(nn.Module):
     App. D); otherwise the forward is Eq. 16 with the hard masks in the forward pass and the STE
     gradients (Eqs. 11–12) into A and W_r."""
 
-    def __init__(self, mlp: nn.Module, experts: int, top_k: int, method: str, spec: DotMoeSpec,
-                 gen: torch.Generator) -> None:
+    def __init__(
+        self, mlp: nn.Module, experts: int, top_k: int, method: str, spec: DotMoeSpec, gen: torch.Generator
+    ) -> None:
         super().__init__()
         if method not in METHODS:
             raise ValueError(f"method {method!r}; allowed: {', '.join(METHODS)}")
@@ -115,8 +134,9 @@ class DotMoeFFN(nn.Module):
         self.n = self.s * experts  # neurons including the zero padding
         dtype = mlp.gate_proj.weight.dtype
         # App. B.2.2: A is fp32, W_r in the model's dtype; both random (the paper gives no init)
-        self.affinity = nn.Parameter(torch.randn(self.n, experts, generator=gen) * spec.init_std,
-                                     requires_grad=method == "dot")
+        self.affinity = nn.Parameter(
+            torch.randn(self.n, experts, generator=gen) * spec.init_std, requires_grad=method == "dot"
+        )
         self.router = nn.Parameter((torch.randn(experts, hidden, generator=gen) * spec.init_std).to(dtype))
         self.fixed: list[int] | None = None
         if method == "random":
@@ -147,7 +167,9 @@ class DotMoeFFN(nn.Module):
         if self.fixed is not None:
             return list(self.fixed)
         with torch.no_grad():
-            soft = sinkhorn(self.affinity, self.capacity(), tau=self.spec.tau_end, iters=self.spec.sinkhorn_iters)
+            soft = sinkhorn(
+                self.affinity, self.capacity(), tau=self.spec.tau_end, iters=self.spec.sinkhorn_iters
+            )
         return greedy_round(soft, [self.s] * self.experts)
 
     def route(self, x: torch.Tensor) -> torch.Tensor:
@@ -213,15 +235,25 @@ def balance_loss(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     return e * (f * probs.mean(dim=0)).sum()
 
 
-def objective(model: nn.Module, ffns: list[DotMoeFFN], ids: torch.Tensor, spec: DotMoeSpec) -> dict[str, torch.Tensor]:
+def objective(
+    model: nn.Module, ffns: list[DotMoeFFN], ids: torch.Tensor, spec: DotMoeSpec
+) -> dict[str, torch.Tensor]:
     """Eq. 15: w_kl·KL(dense ‖ MoE) + w_ce·CE + w_z·z + w_lb·balance (z and balance: means over layers)."""
     with torch.no_grad(), dense_mode(ffns):
         teacher = model(input_ids=ids).logits.float()
     student = model(input_ids=ids).logits.float()
     t = spec.kl_temperature
     vocab = student.shape[-1]
-    kl = F.kl_div(F.log_softmax(student / t, -1).reshape(-1, vocab), F.log_softmax(teacher / t, -1).reshape(-1, vocab),
-                  log_target=True, reduction="batchmean") * t * t
+    kl = (
+        F.kl_div(
+            F.log_softmax(student / t, -1).reshape(-1, vocab),
+            F.log_softmax(teacher / t, -1).reshape(-1, vocab),
+            log_target=True,
+            reduction="batchmean",
+        )
+        * t
+        * t
+    )
     ce = F.cross_entropy(student[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
     z = torch.stack([z_loss(f.router_logits) for f in ffns]).mean()
     lb = torch.stack([balance_loss(f.router_logits, f.top_k) for f in ffns]).mean()
@@ -238,7 +270,9 @@ def lr_at(step: int, spec: DotMoeSpec) -> float:
     return spec.lr * 0.5 * (1 + math.cos(math.pi * t))
 
 
-def _accumulate(model: nn.Module, ffns: list[DotMoeFFN], ids: torch.Tensor, spec: DotMoeSpec) -> dict[str, torch.Tensor]:
+def _accumulate(
+    model: nn.Module, ffns: list[DotMoeFFN], ids: torch.Tensor, spec: DotMoeSpec
+) -> dict[str, torch.Tensor]:
     """One step's gradients over micro-batches of `spec.micro_batch` sequences (each loss weighted by its
     share of the batch); returns the step's loss terms."""
     size = spec.micro_batch or len(ids)
@@ -252,8 +286,13 @@ def _accumulate(model: nn.Module, ffns: list[DotMoeFFN], ids: torch.Tensor, spec
     return total
 
 
-def align(model: nn.Module, ffns: list[DotMoeFFN], batches: Iterable[torch.Tensor], spec: DotMoeSpec,
-          progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+def align(
+    model: nn.Module,
+    ffns: list[DotMoeFFN],
+    batches: Iterable[torch.Tensor],
+    spec: DotMoeSpec,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
     """Train A and W_r only (App. D, Table 6): AdamW, warm-up + cosine, clipping, τ annealing. Returns the
     per-step curve of the loss, its terms and τ, and the number of trained parameters."""
     params = [p for f in ffns for p in f.trainable()]
@@ -292,10 +331,20 @@ def moe_config(dense_config: Any, experts: int, top_k: int, width: int, combine:
     d = dense_config.to_dict()
     kw = {k: d[k] for k in _COPY if k in d}
     kw.setdefault("head_dim", dense_config.hidden_size // dense_config.num_attention_heads)
-    return DotQwen3MoeConfig(moe_combine=combine, dot_source_model_type=dense_config.model_type, dot_method=method,
-                             num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
-                             intermediate_size=width * experts, decoder_sparse_step=1, mlp_only_layers=[],
-                             use_sliding_window=False, output_router_logits=False, **kw)
+    return DotQwen3MoeConfig(
+        moe_combine=combine,
+        dot_source_model_type=dense_config.model_type,
+        dot_method=method,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=width,
+        intermediate_size=width * experts,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        use_sliding_window=False,
+        output_router_logits=False,
+        **kw,
+    )
 
 
 def expert_tensors(ffn: DotMoeFFN, owner: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -342,8 +391,16 @@ def save_assignment(ffns: list[DotMoeFFN], path: Path) -> None:
         t[f"layer.{i}.owner"] = torch.tensor(f.owner(), dtype=torch.int16)
         if f.method == "dot":
             t[f"layer.{i}.affinity"] = f.affinity.detach().float().cpu().contiguous()
-    save_file(t, str(path), metadata={"method": ffns[0].method, "experts": str(ffns[0].experts),
-                                      "top_k": str(ffns[0].top_k), "d_ffn": str(ffns[0].d)})
+    save_file(
+        t,
+        str(path),
+        metadata={
+            "method": ffns[0].method,
+            "experts": str(ffns[0].experts),
+            "top_k": str(ffns[0].top_k),
+            "d_ffn": str(ffns[0].d),
+        },
+    )
 
 
 def active_params(moe: nn.Module, top_k: int) -> int:

@@ -45,14 +45,19 @@ class DotMoeSpec:
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"DotMoeSpec.{name}: {getattr(self, name)!r} is not allowed; allowed: {allowed}")
+            return ValueError(
+                f"DotMoeSpec.{name}: {getattr(self, name)!r} is not allowed; allowed: {allowed}"
+            )
 
         for name in ("steps", "batch_size", "sinkhorn_iters", "cluster_iters"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise bad(name, "an integer >= 1")
-        if self.micro_batch is not None and (not isinstance(self.micro_batch, int) or isinstance(self.micro_batch, bool)
-                                             or not 1 <= self.micro_batch <= self.batch_size):
+        if self.micro_batch is not None and (
+            not isinstance(self.micro_batch, int)
+            or isinstance(self.micro_batch, bool)
+            or not 1 <= self.micro_batch <= self.batch_size
+        ):
             raise bad("micro_batch", f"null or an integer in [1, batch_size={self.batch_size}]")
         if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) or self.seq_len < 2:
             raise bad("seq_len", "an integer >= 2")

@@ -83,13 +83,21 @@ class LayerAccumulator:
         self.sums = {name: torch.zeros(shapes.get(name, (E,)), **kw) for name in STAT_FIELDS}
         self.n_tokens = torch.zeros((), dtype=torch.int64, device=device)
 
-    def update(self, x: torch.Tensor, p: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
-               mask: torch.Tensor) -> None:
+    def update(
+        self,
+        x: torch.Tensor,
+        p: torch.Tensor,
+        weights: torch.Tensor,
+        indices: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> None:
         """x [T, H] expert input, p [T, E], weights/indices [T, k] the real decision, mask [T] bool."""
         T, E = x.shape[0], self.experts.num_experts
         if p.shape != (T, E) or weights.shape != indices.shape or indices.shape[0] != T or mask.shape != (T,):
-            raise ValueError(f"router decision shapes p={tuple(p.shape)} weights={tuple(weights.shape)} "
-                             f"indices={tuple(indices.shape)} mask={tuple(mask.shape)} do not match T={T}, E={E}")
+            raise ValueError(
+                f"router decision shapes p={tuple(p.shape)} weights={tuple(weights.shape)} "
+                f"indices={tuple(indices.shape)} mask={tuple(mask.shape)} do not match T={T}, E={E}"
+            )
         if self.sums is None:
             self._init(x.device)
         s = self.sums
@@ -108,8 +116,9 @@ class LayerAccumulator:
         s["sum_xx"] += x64.T @ x64  # TD-MoE: the block input's second moment (whitening)
         fused = fused_gate_up(self.experts)
         # f(0) = 0 exactly without biases, so zeroed padding rows need no second mask
-        has_bias = any(b is not None for b in (self.experts.gate_bias, self.experts.up_bias,
-                                                self.experts.down_bias))
+        has_bias = any(
+            b is not None for b in (self.experts.gate_bias, self.experts.up_bias, self.experts.down_bias)
+        )
         for lo in range(0, T, self.chunk):
             hi = min(T, lo + self.chunk)
             f = self.expert_outputs(self.experts, xz[lo:hi], fused)  # [E, t, H]
@@ -124,7 +133,9 @@ class LayerAccumulator:
             s["sum_norm_sel"].index_add_(0, sel.reshape(-1), nsel.reshape(-1))
             s["sum_gnorm_sel"].index_add_(0, sel.reshape(-1), (w64[lo:hi].T * nsel).reshape(-1))
             # REAP-p: the same sum with the full-softmax p in place of the applied gate g
-            s["sum_pnorm_sel"].index_add_(0, sel.reshape(-1), (p64[lo:hi].gather(1, sel.T).T * nsel).reshape(-1))
+            s["sum_pnorm_sel"].index_add_(
+                0, sel.reshape(-1), (p64[lo:hi].gather(1, sel.T).T * nsel).reshape(-1)
+            )
             # super-expert detection: the largest routed output norm (padding rows have norm 0)
             s["max_norm_sel"].scatter_reduce_(0, sel.reshape(-1), nsel.reshape(-1), reduce="amax")
             s["gram"] += _gram(f).double()
@@ -137,8 +148,9 @@ class LayerAccumulator:
         return LayerStats(n_tokens=int(self.n_tokens.item()), **self.sums)
 
 
-def sample_plan(batches: Sequence[tuple[torch.Tensor, torch.Tensor]], n: int, seed: int
-                ) -> tuple[dict[int, torch.Tensor], dict[str, torch.Tensor]]:
+def sample_plan(
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]], n: int, seed: int
+) -> tuple[dict[int, torch.Tensor], dict[str, torch.Tensor]]:
     """A seeded sample of min(n, real tokens) real tokens of `batches`, in batch order: per batch index
     the flat offsets of its sampled tokens (into ids.reshape(-1)), and SAMPLE_SHARED (the windows holding
     them, their masks, and each token's window row and position)."""
@@ -160,8 +172,12 @@ def sample_plan(batches: Sequence[tuple[torch.Tensor, torch.Tensor]], n: int, se
     windows, window = torch.unique(rows, return_inverse=True)
     all_ids = torch.cat([ids.cpu() for ids, _ in batches])
     all_mask = torch.cat([m.cpu() for _, m in batches])
-    shared = {"ids": all_ids[windows].long(), "mask": all_mask[windows].long(), "window": window.long(),
-              "pos": (flat % S).long()}
+    shared = {
+        "ids": all_ids[windows].long(),
+        "mask": all_mask[windows].long(),
+        "window": window.long(),
+        "pos": (flat % S).long(),
+    }
     return offsets, shared
 
 
@@ -176,47 +192,63 @@ def check_batches(batches: Sequence[tuple[torch.Tensor, torch.Tensor]], chunk_to
             raise ValueError(f"batch {i}: ids {tuple(ids.shape)} and mask {tuple(mask.shape)} differ")
 
 
-def router_hook(acc: LayerAccumulator, current: dict[str, torch.Tensor],
-                samples: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable:
+def router_hook(
+    acc: LayerAccumulator, current: dict[str, torch.Tensor], samples: list[tuple[torch.Tensor, torch.Tensor]]
+) -> Callable:
     """fn(x, p, w, idx) for FamilyAdapter.hook_routing on one MoE layer: the router's input and real decision
     into `acc`, the sampled rows into `samples`. `current` holds the running batch's flat mask ('mask') and
     sampled rows ('rows', None for none); one per layer, so a streamed pass can add them one layer at a time."""
+
     def fn(x: torch.Tensor, p: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> None:
         acc.update(x, p, w, idx, current["mask"])
         rows = current.get("rows")
         if rows is not None:
             r = rows.to(x.device)
             samples.append((sample_copy(x[r]), sample_copy(p[r])))
+
     return fn
 
 
-def gate_hook(adapter, gate_sums: dict[int, torch.Tensor], layer: int, current: dict[str, torch.Tensor]) -> Callable:
+def gate_hook(
+    adapter, gate_sums: dict[int, torch.Tensor], layer: int, current: dict[str, torch.Tensor]
+) -> Callable:
     """The forward hook on a layer's shared-expert gate: Σ over real tokens of its per-token value
     (FamilyAdapter.shared_gate_values) into gate_sums[layer]."""
+
     def hook(module: nn.Module, args: tuple, output) -> None:
         g = adapter.shared_gate_values(output).reshape(-1)[current["mask"].to(output.device)]
         gate_sums[layer] = gate_sums.get(layer, 0) + g.double().sum()
+
     return hook
 
 
-def attach_gate_sums(stats: dict[int, LayerStats], gate_sums: dict[int, torch.Tensor]) -> dict[int, LayerStats]:
+def attach_gate_sums(
+    stats: dict[int, LayerStats], gate_sums: dict[int, torch.Tensor]
+) -> dict[int, LayerStats]:
     """`stats` with each gated layer's Σ_t gate as its `sum_shared_gate` [1]."""
     for layer, total in gate_sums.items():
         stats[layer].sum_shared_gate = total.reshape(1).to(stats[layer].count.device)
     return stats
 
 
-def attach_sample(st: LayerStats, parts: list[tuple[torch.Tensor, torch.Tensor]],
-                  shared: dict[str, torch.Tensor]) -> LayerStats:
+def attach_sample(
+    st: LayerStats, parts: list[tuple[torch.Tensor, torch.Tensor]], shared: dict[str, torch.Tensor]
+) -> LayerStats:
     """`st` with the layer's sampled (x, p) rows and the shared windows as its token sample (none: as is)."""
     if parts:
         st.sample = {"x": torch.cat([x for x, _ in parts]), "p": torch.cat([p for _, p in parts]), **shared}
     return st
 
 
-def collect_stats(model: nn.Module, adapter, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                  chunk_tokens: int, progress: Callable[[int, int], None] | None = None,
-                  sample_tokens: int = 0, sample_seed: int = 0) -> dict[int, LayerStats]:
+def collect_stats(
+    model: nn.Module,
+    adapter,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    chunk_tokens: int,
+    progress: Callable[[int, int], None] | None = None,
+    sample_tokens: int = 0,
+    sample_seed: int = 0,
+) -> dict[int, LayerStats]:
     """One teacher forward over `batches` of (ids [B, S], attention mask [B, S]); LayerStats per MoE layer.
     With `sample_tokens` > 0 each LayerStats also carries the token sample of `sample_plan` (sample_copy)."""
     check_batches(batches, chunk_tokens)
@@ -262,7 +294,9 @@ def calibration_sources(params: dict) -> dict[str, dict]:
     return {"default": {"data": params["data"], "weight": 1.0, "n_samples": params["n_samples"]}}
 
 
-def mix_stats(per_source: dict[str, dict[int, LayerStats]], weights: dict[str, float]) -> dict[int, LayerStats]:
+def mix_stats(
+    per_source: dict[str, dict[int, LayerStats]], weights: dict[str, float]
+) -> dict[int, LayerStats]:
     """The statistics of a weighted mixture of sources, from each source's own statistics.
 
     Each source s contributes its weight's share of a token average: every sum field becomes
@@ -279,7 +313,9 @@ def mix_stats(per_source: dict[str, dict[int, LayerStats]], weights: dict[str, f
     return {layer: _mix_layer({name: per_source[name][layer] for name in active}, active) for layer in layers}
 
 
-def _active_weights(per_source: dict[str, dict[int, LayerStats]], weights: dict[str, float]) -> dict[str, float]:
+def _active_weights(
+    per_source: dict[str, dict[int, LayerStats]], weights: dict[str, float]
+) -> dict[str, float]:
     """The sources with a positive weight, after checking that `weights` names exactly the sources."""
     if not per_source:
         raise ValueError("per_source is empty: no source to mix")
@@ -319,12 +355,14 @@ def _mix_layer(stats: dict[str, LayerStats], weights: dict[str, float]) -> Layer
                 term = v.double() * lam[name]
                 acc = term if acc is None else acc + term
             fields[field] = acc
-    return LayerStats(n_tokens=n, **fields, sample=mix_samples({name: st.sample for name, st in stats.items()},
-                                                                weights))
+    return LayerStats(
+        n_tokens=n, **fields, sample=mix_samples({name: st.sample for name, st in stats.items()}, weights)
+    )
 
 
-def mix_samples(samples: dict[str, dict[str, torch.Tensor] | None],
-                weights: dict[str, float]) -> dict[str, torch.Tensor] | None:
+def mix_samples(
+    samples: dict[str, dict[str, torch.Tensor] | None], weights: dict[str, float]
+) -> dict[str, torch.Tensor] | None:
     """The token sample of a mixture: from each source c_s of its sampled tokens (a seeded subset, kept in
     order), c_s its weight's share of the largest source sample (largest remainder, at most what the
     source has), so reconstruction sees the mixture in the proportions of the weights. Their windows
@@ -336,13 +374,17 @@ def mix_samples(samples: dict[str, dict[str, torch.Tensor] | None],
     total = sum(weights.values())
     quota = {name: weights[name] / total * T for name in samples}
     counts = {name: int(q) for name, q in quota.items()}
-    for name in sorted(quota, key=lambda n: (-(quota[n] - counts[n]), n))[:T - sum(counts.values())]:
+    for name in sorted(quota, key=lambda n: (-(quota[n] - counts[n]), n))[: T - sum(counts.values())]:
         counts[name] += 1
     parts: dict[str, list[torch.Tensor]] = {}
     offset = 0
     for name, smp in samples.items():
         n = int(smp["x"].shape[0])
-        keep = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:min(counts[name], n)].sort().values
+        keep = (
+            torch.randperm(n, generator=torch.Generator().manual_seed(0))[: min(counts[name], n)]
+            .sort()
+            .values
+        )
         for key in ("x", "p"):
             parts.setdefault(key, []).append(smp[key][keep])
         if "ids" in smp:
@@ -355,7 +397,9 @@ def mix_samples(samples: dict[str, dict[str, torch.Tensor] | None],
 
 
 # ---- storage ------------------------------------------------------------------------------------
-def save_stats(stats: dict[int, LayerStats], path: str | Path, metadata: dict[str, str] | None = None) -> None:
+def save_stats(
+    stats: dict[int, LayerStats], path: str | Path, metadata: dict[str, str] | None = None
+) -> None:
     """One safetensors file, keys 'layer.<i>.<field>', exact float64 values."""
     from safetensors.torch import save_file
 
@@ -363,18 +407,29 @@ def save_stats(stats: dict[int, LayerStats], path: str | Path, metadata: dict[st
         raise ValueError("stats is empty: nothing to save")
     tensors: dict[str, torch.Tensor] = {}
     for layer, st in stats.items():
-        tensors.update({k: v.detach().cpu().contiguous() for k, v in st.to_tensors(f"layer.{layer}.").items()})
+        tensors.update(
+            {k: v.detach().cpu().contiguous() for k, v in st.to_tensors(f"layer.{layer}.").items()}
+        )
         if st.sample is not None:  # the windows of the token sample, once per file (every layer shares them)
-            tensors.update({f"sample.{n}": st.sample[n].detach().cpu().contiguous()
-                            for n in SAMPLE_SHARED if n in st.sample})
+            tensors.update(
+                {
+                    f"sample.{n}": st.sample[n].detach().cpu().contiguous()
+                    for n in SAMPLE_SHARED
+                    if n in st.sample
+                }
+            )
     meta = {"format": FORMAT, "layers": ",".join(str(i) for i in sorted(stats))}
     meta.update({str(k): str(v) for k, v in (metadata or {}).items()})
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata=meta)
 
 
-def save_source_stats(per_source: dict[str, dict[int, LayerStats]], weights: dict[str, float], path: str | Path,
-                      metadata: dict[str, str] | None = None) -> None:
+def save_source_stats(
+    per_source: dict[str, dict[int, LayerStats]],
+    weights: dict[str, float],
+    path: str | Path,
+    metadata: dict[str, str] | None = None,
+) -> None:
     """One safetensors file of every source's statistics apart, keys 'source.<name>.layer.<i>.<field>';
     metadata 'sources' lists each source's weight and token count (JSON, in the given order)."""
     from safetensors.torch import save_file
@@ -391,11 +446,20 @@ def save_source_stats(per_source: dict[str, dict[int, LayerStats]], weights: dic
         if not stats:
             raise ValueError(f"source {name!r} has no statistics: nothing to save")
         for layer, st in stats.items():
-            tensors.update({k: v.detach().cpu().contiguous()
-                            for k, v in st.to_tensors(f"source.{name}.layer.{layer}.").items()})
+            tensors.update(
+                {
+                    k: v.detach().cpu().contiguous()
+                    for k, v in st.to_tensors(f"source.{name}.layer.{layer}.").items()
+                }
+            )
             if st.sample is not None:  # the windows of the source's token sample, once per source
-                tensors.update({f"source.{name}.sample.{n}": st.sample[n].detach().cpu().contiguous()
-                                for n in SAMPLE_SHARED if n in st.sample})
+                tensors.update(
+                    {
+                        f"source.{name}.sample.{n}": st.sample[n].detach().cpu().contiguous()
+                        for n in SAMPLE_SHARED
+                        if n in st.sample
+                    }
+                )
         listed[name] = {"weight": float(weights[name]), "n_tokens": source_tokens(stats)}
     layers = sorted(next(iter(per_source.values())))
     meta = {"format": FORMAT, "layers": ",".join(map(str, layers)), "sources": json.dumps(listed)}
@@ -408,9 +472,17 @@ def stats_to(stats: dict[int, LayerStats], device: str | torch.device) -> dict[i
     """The same statistics with every tensor on `device`."""
     from dataclasses import fields, replace
 
-    return {layer: replace(st, **{f.name: getattr(st, f.name).to(device) for f in fields(st)
-                                  if isinstance(getattr(st, f.name), torch.Tensor)})
-            for layer, st in stats.items()}
+    return {
+        layer: replace(
+            st,
+            **{
+                f.name: getattr(st, f.name).to(device)
+                for f in fields(st)
+                if isinstance(getattr(st, f.name), torch.Tensor)
+            },
+        )
+        for layer, st in stats.items()
+    }
 
 
 def source_tokens(stats: dict[int, LayerStats]) -> int:
@@ -418,8 +490,9 @@ def source_tokens(stats: dict[int, LayerStats]) -> int:
     return int(next(iter(stats.values())).n_tokens)
 
 
-def load_stats(path: str | Path, device: str | torch.device = "cpu", *,
-               weights: dict[str, float] | None = None) -> dict[int, LayerStats]:
+def load_stats(
+    path: str | Path, device: str | torch.device = "cpu", *, weights: dict[str, float] | None = None
+) -> dict[int, LayerStats]:
     """The calibration statistics of a file, its sources mixed (mix_stats) with `weights`, by default the
     weights stored in the file. A file without sources (older moesweep) is one source, returned as stored."""
     per_source = load_source_stats(path, device)
@@ -429,7 +502,9 @@ def load_stats(path: str | Path, device: str | torch.device = "cpu", *,
         raise ValueError(f"{path}: {e}") from None
 
 
-def load_source_stats(path: str | Path, device: str | torch.device = "cpu") -> dict[str, dict[int, LayerStats]]:
+def load_source_stats(
+    path: str | Path, device: str | torch.device = "cpu"
+) -> dict[str, dict[int, LayerStats]]:
     """{source name: {layer: LayerStats}}, every source's statistics apart (an older file without
     sources: the one source 'default'), so a caller can mix them with weights of its own."""
     from safetensors.torch import load_file
@@ -443,16 +518,23 @@ def load_source_stats(path: str | Path, device: str | torch.device = "cpu") -> d
         elif parts[0] == "layer":
             prefixes.setdefault("", set()).add(int(parts[1]))
     if not prefixes:
-        raise ValueError(f"{path}: no 'layer.<i>.' or 'source.<name>.layer.<i>.' tensors; "
-                         "not a calibration statistics file")
+        raise ValueError(
+            f"{path}: no 'layer.<i>.' or 'source.<name>.layer.<i>.' tensors; "
+            "not a calibration statistics file"
+        )
     try:
-        out = {(prefix.split(".")[1] if prefix else "default"):
-               {layer: LayerStats.from_tensors(tensors, f"{prefix}layer.{layer}.") for layer in sorted(layers)}
-               for prefix, layers in prefixes.items()}
+        out = {
+            (prefix.split(".")[1] if prefix else "default"): {
+                layer: LayerStats.from_tensors(tensors, f"{prefix}layer.{layer}.") for layer in sorted(layers)
+            }
+            for prefix, layers in prefixes.items()
+        }
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
     for prefix in prefixes:  # a source's token sample: its windows once, beside every layer's x and p
-        shared = {n: tensors[f"{prefix}sample.{n}"] for n in SAMPLE_SHARED if f"{prefix}sample.{n}" in tensors}
+        shared = {
+            n: tensors[f"{prefix}sample.{n}"] for n in SAMPLE_SHARED if f"{prefix}sample.{n}" in tensors
+        }
         for st in out[prefix.split(".")[1] if prefix else "default"].values():
             if st.sample is not None:
                 st.sample.update(shared)

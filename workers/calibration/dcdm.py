@@ -61,8 +61,11 @@ class DCDMSpec:
             raise ValueError(f"w0={self.w0!r}: allowed {', '.join(W0_RULES)}")
         if self.metric not in METRICS:
             raise ValueError(f"metric={self.metric!r}: allowed {', '.join(METRICS)}")
-        if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)
-                and self.temperature > 0):
+        if not (
+            isinstance(self.temperature, int | float)
+            and math.isfinite(self.temperature)
+            and self.temperature > 0
+        ):
             raise ValueError(f"temperature={self.temperature!r}: must be a finite number > 0")
         if not (isinstance(self.tol, int | float) and math.isfinite(self.tol) and self.tol >= 0):
             raise ValueError(f"tol={self.tol!r}: must be a finite number >= 0")
@@ -109,7 +112,7 @@ def sample_counts(w: dict[str, float], n: int) -> dict[str, int]:
     quota = {name: n * v / total for name, v in w.items()}
     counts = {name: math.floor(q) for name, q in quota.items()}
     order = sorted(quota, key=lambda name: -(quota[name] - counts[name]))  # stable: source order on ties
-    for name in order[:n - sum(counts.values())]:
+    for name in order[: n - sum(counts.values())]:
         counts[name] += 1
     if n >= len(w):
         for name in w:
@@ -140,14 +143,15 @@ def stop_reason(history: list[dict[str, float]], n: int, tol: float) -> str | No
 
 # ---- the discrepancy -------------------------------------------------------------------------------
 @torch.no_grad()
-def domain_discrepancy(teacher, student, ids: torch.Tensor, batch_size: int,
-                       device: torch.device | str) -> dict[str, float]:
+def domain_discrepancy(
+    teacher, student, ids: torch.Tensor, batch_size: int, device: torch.device | str
+) -> dict[str, float]:
     """Next-token distributions of teacher and student on held-out windows `ids` [n, S]: the mean
     per-token KL(teacher ‖ student), each model's mean negative log-likelihood, and the token count."""
     kl = nll_t = nll_s = 0.0
     tokens = 0
     for i in range(0, len(ids), batch_size):
-        batch = ids[i:i + batch_size].to(device)
+        batch = ids[i : i + batch_size].to(device)
         target = batch[:, 1:]
         lt = torch.log_softmax(teacher(input_ids=batch, use_cache=False).logits[:, :-1].float(), dim=-1)
         ls = torch.log_softmax(student(input_ids=batch, use_cache=False).logits[:, :-1].float(), dim=-1)
@@ -168,8 +172,9 @@ def discrepancy(m: dict[str, float], metric: str) -> float:
 
 
 # ---- one compression from a mix ----------------------------------------------------------------------
-def compress(model, adapter, per_source: dict, weights: dict[str, float], params: dict[str, Any],
-             workdir: Path) -> tuple[list, Any, Path]:
+def compress(
+    model, adapter, per_source: dict, weights: dict[str, float], params: dict[str, Any], workdir: Path
+) -> tuple[list, Any, Path]:
     """The configuration's own compression of the ORIGINAL teacher from the per-source statistics mixed
     with `weights` (§4.2, Algorithm 2 line 3): (plans, student, plan file). The same code a conversion
     job runs (workers.models.plans.convert_plans) and a student evaluation builds from (workers.models.outputs)."""
@@ -183,8 +188,9 @@ def compress(model, adapter, per_source: dict, weights: dict[str, float], params
     plans, _ = convert_plans(contexts, {**params, "workdir": str(workdir)})
     path = workdir / "plan.json"
     path.write_text(json.dumps([plan_to_dict(pl) for pl in plans], indent=1))
-    student = write_student(params.get("output") or "dense", model, adapter, plans, share_weights=True,
-                            plan_path=str(path))
+    student = write_student(
+        params.get("output") or "dense", model, adapter, plans, share_weights=True, plan_path=str(path)
+    )
     return plans, student, path
 
 
@@ -199,15 +205,26 @@ class DCDMResult:
     rounds: list[dict[str, Any]] = field(default_factory=list)  # per round t: weights used, d^t, per domain
 
 
-def run_dcdm(model, adapter, per_source: dict, held_out: dict[str, torch.Tensor], spec: DCDMSpec,
-             n_samples: int, params: dict[str, Any], workdir: Path, device: torch.device | str,
-             progress: Callable[[int, int], None] | None = None) -> DCDMResult:
+def run_dcdm(
+    model,
+    adapter,
+    per_source: dict,
+    held_out: dict[str, torch.Tensor],
+    spec: DCDMSpec,
+    n_samples: int,
+    params: dict[str, Any],
+    workdir: Path,
+    device: torch.device | str,
+    progress: Callable[[int, int], None] | None = None,
+) -> DCDMResult:
     """Algorithm 2 of §4.2 for one configuration (`params`: its output, method, K and settings, as a
     conversion job's). `held_out[name]`: the held-out windows of each source's domain."""
     from workers.calibration.calibrate import source_tokens
 
     if set(held_out) != set(per_source):
-        raise ValueError(f"held-out data for {sorted(held_out)}; the calibration sources are {sorted(per_source)}")
+        raise ValueError(
+            f"held-out data for {sorted(held_out)}; the calibration sources are {sorted(per_source)}"
+        )
     if len(per_source) < 2:
         raise ValueError(f"DCDM mixes domains: the calibration has {len(per_source)} source(s), needs >= 2")
     history = [initial_weights({name: source_tokens(st) for name, st in per_source.items()}, spec.w0)]
@@ -217,13 +234,24 @@ def run_dcdm(model, adapter, per_source: dict, held_out: dict[str, torch.Tensor]
         used = history[-1]
         plans, student, path = compress(model, adapter, per_source, used, params, workdir / f"round{t}")
         student.to(device).eval()
-        per_domain = {name: domain_discrepancy(model, student, ids, spec.batch_size, device)
-                      for name, ids in held_out.items()}
+        per_domain = {
+            name: domain_discrepancy(model, student, ids, spec.batch_size, device)
+            for name, ids in held_out.items()
+        }
         del student
         d = {name: discrepancy(m, spec.metric) for name, m in per_domain.items()}
         history.append(softmax_weights(d, spec.temperature))  # Algorithm 2 line 5
-        rounds.append({"round": t, "weights": used, "counts": sample_counts(used, n_samples), "discrepancy": d,
-                       "domains": per_domain, "plans": plans, "plan_path": path})
+        rounds.append(
+            {
+                "round": t,
+                "weights": used,
+                "counts": sample_counts(used, n_samples),
+                "discrepancy": d,
+                "domains": per_domain,
+                "plans": plans,
+                "plan_path": path,
+            }
+        )
         last = rounds[-1]
         if progress is not None:
             progress(t, spec.max_iters)
@@ -232,5 +260,11 @@ def run_dcdm(model, adapter, per_source: dict, held_out: dict[str, torch.Tensor]
             stop = reason
             break
     assert last is not None
-    return DCDMResult(weights=last["weights"], plans=last["plans"], plan_path=last["plan_path"], stop=stop,
-                      trajectory=history, rounds=rounds)
+    return DCDMResult(
+        weights=last["weights"],
+        plans=last["plans"],
+        plan_path=last["plan_path"],
+        stop=stop,
+        trajectory=history,
+        rounds=rounds,
+    )

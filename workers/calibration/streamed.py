@@ -113,7 +113,9 @@ class StreamedTeacher:
         self.directory = Path(directory)
         config = AutoConfig.from_pretrained(str(self.directory))
         if getattr(config, "quantization_config", None):
-            raise ValueError(f"{self.directory}: a quantized checkpoint; streaming reads unquantized weights only")
+            raise ValueError(
+                f"{self.directory}: a quantized checkpoint; streaming reads unquantized weights only"
+            )
         with torch.device("meta"):
             self.model = AutoModelForCausalLM.from_config(config, dtype=dtype, **model_kwargs).eval()
         self.dtype = dtype
@@ -123,11 +125,17 @@ class StreamedTeacher:
         self.prefix = next(name for name, mod in self.model.named_modules() if mod is self.decoder)
         self.prefix = f"{self.prefix}." if self.prefix else ""
         if not isinstance(getattr(self.decoder, "layers", None), nn.ModuleList):  # DBRX: transformer.blocks
-            found = [f"{self.prefix}{n}" for n, m in self.decoder.named_children() if isinstance(m, nn.ModuleList)]
-            raise ValueError(f"model_type={config.model_type!r}: decoder layers at {', '.join(found) or 'no ModuleList'}"
-                             f", not {self.prefix}layers; streamed calibration needs model.layers")
+            found = [
+                f"{self.prefix}{n}" for n, m in self.decoder.named_children() if isinstance(m, nn.ModuleList)
+            ]
+            raise ValueError(
+                f"model_type={config.model_type!r}: decoder layers at {', '.join(found) or 'no ModuleList'}"
+                f", not {self.prefix}layers; streamed calibration needs model.layers"
+            )
         head = self.model.get_output_embeddings()
-        self.head = next((f"{name}." for name, mod in self.model.named_modules() if mod is head and name), None)
+        self.head = next(
+            (f"{name}." for name, mod in self.model.named_modules() if mod is head and name), None
+        )
         self.peak: tuple[int, frozenset[str]] = (0, frozenset())
 
     @property
@@ -139,8 +147,10 @@ class StreamedTeacher:
 
     def materialised(self) -> dict[str, int]:
         """Name → bytes of every parameter and buffer not on the meta device now."""
-        tensors = [*self.model.named_parameters(remove_duplicate=False),
-                   *self.model.named_buffers(remove_duplicate=False)]
+        tensors = [
+            *self.model.named_parameters(remove_duplicate=False),
+            *self.model.named_buffers(remove_duplicate=False),
+        ]
         return {name: t.numel() * t.element_size() for name, t in tensors if not t.is_meta}
 
     def _load(self, keys: list[str], device: torch.device, what: str, scope: str) -> None:
@@ -155,10 +165,15 @@ class StreamedTeacher:
             by_file.setdefault(self.files[key], []).append(key)
         handles = [safe_open(str(f), framework="pt", device="cpu") for f in by_file]
         try:
-            state = {key: fh.get_slice(key) for fh, ks in zip(handles, by_file.values(), strict=True) for key in ks}
-            config = LoadStateDictConfig(device_map={"": device}, dtype=self.dtype,
-                                         dtype_plan=self.model._get_dtype_plan(self.dtype),
-                                         weight_mapping=self.conversions)
+            state = {
+                key: fh.get_slice(key) for fh, ks in zip(handles, by_file.values(), strict=True) for key in ks
+            }
+            config = LoadStateDictConfig(
+                device_map={"": device},
+                dtype=self.dtype,
+                dtype_plan=self.model._get_dtype_plan(self.dtype),
+                weight_mapping=self.conversions,
+            )
             with _quiet_loading():
                 info, _ = convert_and_load_state_dict_in_model(self.model, state, config)
         finally:
@@ -177,12 +192,19 @@ class StreamedTeacher:
         the layers), e.g. rotary inv_freq, made as from_pretrained makes them: an empty tensor on the
         device, then the model's own `_init_weights` of their module."""
         for name, mod in self.model.named_modules():
-            meta = [b for b in mod._buffers if mod._buffers[b] is not None and mod._buffers[b].is_meta
-                    and b in mod._non_persistent_buffers_set]
+            meta = [
+                b
+                for b in mod._buffers
+                if mod._buffers[b] is not None
+                and mod._buffers[b].is_meta
+                and b in mod._non_persistent_buffers_set
+            ]
             if not meta or not self._in_scope(name, scope):
                 continue
             if any(True for _ in mod.parameters(recurse=False)):
-                raise ValueError(f"{name}: non-persistent buffers beside parameters; cannot initialise them apart")
+                raise ValueError(
+                    f"{name}: non-persistent buffers beside parameters; cannot initialise them apart"
+                )
             for b in meta:
                 mod._buffers[b] = torch.empty_like(mod._buffers[b], device=device)
             with torch.no_grad():
@@ -239,8 +261,9 @@ class LayerCalls:
     calls: list[tuple[tuple, dict[str, Any]]]
 
 
-def record_layer_calls(decoder: nn.Module, ids: torch.Tensor, mask: torch.Tensor, last: int,
-                       adapter: Any = None) -> LayerCalls:
+def record_layer_calls(
+    decoder: nn.Module, ids: torch.Tensor, mask: torch.Tensor, last: int, adapter: Any = None
+) -> LayerCalls:
     """Run the decoder's forward with the forward of layers 0..last replaced by recorders (identity on
     the hidden states, returned as adapter.recorded_layer_output wraps them); the layers' weights are never
     touched, so they may be on the meta device."""
@@ -254,6 +277,7 @@ def record_layer_calls(decoder: nn.Module, ids: torch.Tensor, mask: torch.Tensor
             if i == last:
                 raise _Recorded
             return hidden_states if adapter is None else adapter.recorded_layer_output(hidden_states)
+
         return forward
 
     try:
@@ -287,9 +311,16 @@ def move(obj: Any, device: torch.device | str, memo: dict[int, Any] | None = Non
 
 
 # ---- the streamed pass --------------------------------------------------------------------------------
-def streamed_stats(teacher: StreamedTeacher, adapter, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                   chunk_tokens: int, progress: Callable[[int, int], None] | None = None,
-                   sample_tokens: int = 0, sample_seed: int = 0, offload: bool = False) -> dict[int, LayerStats]:
+def streamed_stats(
+    teacher: StreamedTeacher,
+    adapter,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    chunk_tokens: int,
+    progress: Callable[[int, int], None] | None = None,
+    sample_tokens: int = 0,
+    sample_seed: int = 0,
+    offload: bool = False,
+) -> dict[int, LayerStats]:
     """workers.calibration.calibrate.collect_stats of the teacher in `teacher`'s checkpoint, read one decoder layer at
     a time onto the batches' device. `offload`: the carried hidden states (and each batch's masks and
     position embeddings) wait on the CPU between layers. Statistics come back on the CPU, layer by layer.
@@ -317,8 +348,22 @@ def streamed_stats(teacher: StreamedTeacher, adapter, batches: Sequence[tuple[to
     for i in range(last + 1):
         try:
             layer = teacher.load_layer(i, device)
-            out.update(_run_layer(teacher, adapter, i, layer, batches, calls, hidden, offsets, shared,
-                                  chunk_tokens, store, carried))
+            out.update(
+                _run_layer(
+                    teacher,
+                    adapter,
+                    i,
+                    layer,
+                    batches,
+                    calls,
+                    hidden,
+                    offsets,
+                    shared,
+                    chunk_tokens,
+                    store,
+                    carried,
+                )
+            )
         finally:
             teacher.free_layer(i)
         if progress is not None:
@@ -326,10 +371,20 @@ def streamed_stats(teacher: StreamedTeacher, adapter, batches: Sequence[tuple[to
     return out
 
 
-def _run_layer(teacher: StreamedTeacher, adapter, i: int, layer: nn.Module,
-               batches: Sequence[tuple[torch.Tensor, torch.Tensor]], calls: list[list[tuple[tuple, dict]]],
-               hidden: list[torch.Tensor], offsets: dict[int, torch.Tensor], shared: dict[str, torch.Tensor],
-               chunk_tokens: int, store: torch.device, carried: list[dict[str, Any]]) -> dict[int, LayerStats]:
+def _run_layer(
+    teacher: StreamedTeacher,
+    adapter,
+    i: int,
+    layer: nn.Module,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    calls: list[list[tuple[tuple, dict]]],
+    hidden: list[torch.Tensor],
+    offsets: dict[int, torch.Tensor],
+    shared: dict[str, torch.Tensor],
+    chunk_tokens: int,
+    store: torch.device,
+    carried: list[dict[str, Any]],
+) -> dict[int, LayerStats]:
     """Every batch's hidden states through decoder layer i (replaced in `hidden`, and what the layer passes
     to the next one in `carried`); its statistics, on the CPU, when it is an MoE layer."""
     is_moe = i in adapter.moe_layers(teacher.model)
@@ -350,7 +405,9 @@ def _run_layer(teacher: StreamedTeacher, adapter, i: int, layer: nn.Module,
                 current["rows"] = offsets.get(b)
                 args, kwargs = move(c[i], layer_device(layer))
                 kwargs = {**kwargs, **move(carried[b], layer_device(layer))}
-                h, carried[b] = adapter.layer_output(layer(hidden[b].to(layer_device(layer)), *args, **kwargs))
+                h, carried[b] = adapter.layer_output(
+                    layer(hidden[b].to(layer_device(layer)), *args, **kwargs)
+                )
                 hidden[b], carried[b] = h.to(store), move(carried[b], store)
     finally:
         for handle in handles:
@@ -371,8 +428,13 @@ class StreamedContexts(Mapping):
     rest of the layer freed. Nothing is kept between look-ups, so a caller going through the layers in
     order holds one layer's experts at a time (and reads the shards again on every look-up)."""
 
-    def __init__(self, teacher: StreamedTeacher, adapter, stats: dict[int, LayerStats],
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        teacher: StreamedTeacher,
+        adapter,
+        stats: dict[int, LayerStats],
+        device: torch.device | str = "cpu",
+    ):
         moe = adapter.moe_layers(teacher.model)
         extra = sorted(set(stats) - set(moe))
         if extra:
@@ -391,10 +453,17 @@ class StreamedContexts(Mapping):
         finally:
             self.teacher.free_layer(layer)  # the views above keep the experts' and router's storage alone
         if self.stats[layer].num_experts != experts.num_experts:
-            raise ValueError(f"stats[{layer}]: {self.stats[layer].num_experts} experts, the model has "
-                             f"{experts.num_experts}")
-        return LayerContext(stats=self.stats[layer], experts=experts, router_weight=router, top_k=self.top_k,
-                            renormalized=self.renormalized)
+            raise ValueError(
+                f"stats[{layer}]: {self.stats[layer].num_experts} experts, the model has "
+                f"{experts.num_experts}"
+            )
+        return LayerContext(
+            stats=self.stats[layer],
+            experts=experts,
+            router_weight=router,
+            top_k=self.top_k,
+            renormalized=self.renormalized,
+        )
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.layers)
@@ -416,9 +485,18 @@ def layer_parameters(config: Any) -> tuple[int, int]:
     return biggest, model.get_input_embeddings().weight.numel()
 
 
-def memory_needed(layer_params: int, embed_params: int, hidden: int, experts: int, intermediate: int,
-                  n_tokens: int, batch_tokens: int, chunk_tokens: int, dtype_bytes: int = 2,
-                  offload: bool = False) -> dict[str, int]:
+def memory_needed(
+    layer_params: int,
+    embed_params: int,
+    hidden: int,
+    experts: int,
+    intermediate: int,
+    n_tokens: int,
+    batch_tokens: int,
+    chunk_tokens: int,
+    dtype_bytes: int = 2,
+    offload: bool = False,
+) -> dict[str, int]:
     """Device bytes of a streamed calibration, by term, and `total` (the larger of its two phases).
 
     Embedding phase: the input embeddings and the embedded hidden states. Layer phase: one decoder layer's
@@ -429,11 +507,13 @@ def memory_needed(layer_params: int, embed_params: int, hidden: int, experts: in
     [batch_tokens, H]-sized tensors for SDPA attention), each batch's mask and position embeddings (kept for
     the whole pass: no mask for SDPA on unpadded windows, [B, 1, S, S] per batch for eager attention)."""
     carried = (2 * batch_tokens if offload else n_tokens + batch_tokens) * hidden * dtype_bytes
-    terms = {"embeddings": embed_params * dtype_bytes,
-             "layer_weights": layer_params * dtype_bytes,
-             "hidden_states": carried,
-             "expert_chunk": experts * chunk_tokens * (2 * intermediate + hidden) * dtype_bytes,
-             "stats_float64": 8 * (2 * experts * experts + experts * hidden + hidden * hidden)}
+    terms = {
+        "embeddings": embed_params * dtype_bytes,
+        "layer_weights": layer_params * dtype_bytes,
+        "hidden_states": carried,
+        "expert_chunk": experts * chunk_tokens * (2 * intermediate + hidden) * dtype_bytes,
+        "stats_float64": 8 * (2 * experts * experts + experts * hidden + hidden * hidden),
+    }
     embedding_phase = terms["embeddings"] + (2 * batch_tokens if offload else n_tokens) * hidden * dtype_bytes
     layer_phase = sum(v for k, v in terms.items() if k != "embeddings")
     return {**terms, "total": max(embedding_phase, layer_phase)}

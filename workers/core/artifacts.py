@@ -124,7 +124,13 @@ def record(kind: str, path: str | Path) -> dict:
     size, mtime = stat(path) or (None, None)
     if size is None:
         raise FileNotFoundError(f"artifact {kind!r}: {path} does not exist")
-    return {"kind": kind, "path": str(path), "content_hash": content_hash(path), "size_bytes": size, "mtime": mtime}
+    return {
+        "kind": kind,
+        "path": str(path),
+        "content_hash": content_hash(path),
+        "size_bytes": size,
+        "mtime": mtime,
+    }
 
 
 @dataclass
@@ -166,15 +172,23 @@ def check(row: dict, full: bool = False) -> Check:
     if not full and row.get("mtime") is not None and size == row.get("size_bytes") and mtime == row["mtime"]:
         return Check()
     digest = content_hash(path)
-    if digest != row.get("content_hash") and any(f.endswith(".safetensors") for f in _files(path)) \
-            and content_hash(path, canonical=False) == row.get("content_hash"):
-        digest = row["content_hash"]  # recorded as raw bytes (before canonical safetensors headers): unchanged
+    if (
+        digest != row.get("content_hash")
+        and any(f.endswith(".safetensors") for f in _files(path))
+        and content_hash(path, canonical=False) == row.get("content_hash")
+    ):
+        digest = row[
+            "content_hash"
+        ]  # recorded as raw bytes (before canonical safetensors headers): unchanged
     if row.get("content_hash") in (None, digest):
         moved = mtime != row.get("mtime") or size != row.get("size_bytes")
         return Check(mtime=mtime if moved else None, size=size if moved else None, hashed=True)
     was = row.get("size_bytes")
-    how = f"size {was} → {size}" if was is not None and was != size else \
-        f"same size, content hash {row['content_hash'][:8]}… → {digest[:8]}…"
+    how = (
+        f"size {was} → {size}"
+        if was is not None and was != size
+        else f"same size, content hash {row['content_hash'][:8]}… → {digest[:8]}…"
+    )
     return Check(f"{name(path)} changed since it was recorded ({how})", hashed=True)
 
 
@@ -223,7 +237,7 @@ def fetch(prefix: str, artifacts: dict[str, str], cache_root: str | Path) -> Pat
     and a recomputed artifact with other content is fetched anew. Each file is hashed after the download:
     content that changed since it was recorded is an error, never used."""
     prefix = prefix.rstrip("/")
-    listing = sorted((url[len(prefix):].lstrip("/"), h) for url, h in artifacts.items())
+    listing = sorted((url[len(prefix) :].lstrip("/"), h) for url, h in artifacts.items())
     digest = hashlib.sha256(json.dumps(listing).encode()).hexdigest()
     root = Path(cache_root)
     dest = root / digest
@@ -235,8 +249,9 @@ def fetch(prefix: str, artifacts: dict[str, str], cache_root: str | Path) -> Pat
             download(f"{prefix}/{rel}", tmp / rel)
             got = content_hash(tmp / rel)
             if got != h:
-                raise ValueError(f"{prefix}/{rel} changed since it was recorded "
-                                 f"(content hash {h[:8]}… → {got[:8]}…)")
+                raise ValueError(
+                    f"{prefix}/{rel} changed since it was recorded (content hash {h[:8]}… → {got[:8]}…)"
+                )
         tmp.mkdir(parents=True, exist_ok=True)  # a job with no artifact to fetch still gets its folder
         try:
             os.rename(tmp, dest)

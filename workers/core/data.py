@@ -51,8 +51,14 @@ class DataSpec:
         error = tiny_split_error(self.source, self.split)
         if error:
             raise ValueError(error)
-        error = chat_field_error(self.source, self.format, self.messages_field, self.prompt_field,
-                                 self.response_field, self.chat_template)
+        error = chat_field_error(
+            self.source,
+            self.format,
+            self.messages_field,
+            self.prompt_field,
+            self.response_field,
+            self.chat_template,
+        )
         if error:
             raise ValueError(error)
 
@@ -71,19 +77,35 @@ def tiny_split_error(source: str, split: str) -> str | None:
     return None
 
 
-def chat_field_error(source: str, fmt: str, messages_field: str | None, prompt_field: str | None,
-                     response_field: str | None, chat_template: str | None) -> str | None:
+def chat_field_error(
+    source: str,
+    fmt: str,
+    messages_field: str | None,
+    prompt_field: str | None,
+    response_field: str | None,
+    chat_template: str | None,
+) -> str | None:
     """The one-line problem with a source's chat settings, or None (shared by the sweep schema)."""
     if fmt not in FORMATS:
         return f"format={fmt!r}: allowed {', '.join(FORMATS)}"
     if fmt == "text":
-        given = [n for n, v in (("messages_field", messages_field), ("prompt_field", prompt_field),
-                                ("response_field", response_field), ("chat_template", chat_template)) if v]
+        given = [
+            n
+            for n, v in (
+                ("messages_field", messages_field),
+                ("prompt_field", prompt_field),
+                ("response_field", response_field),
+                ("chat_template", chat_template),
+            )
+            if v
+        ]
         return f"{given[0]}: only with format 'chat'" if given else None
     if source == "tiny":
         return "format: 'chat' reads instruction records from a jsonl or hf source; 'tiny' is plain text"
     if not messages_field and not prompt_field:
-        return "messages_field: format 'chat' needs messages_field (a list of {role, content}) or prompt_field"
+        return (
+            "messages_field: format 'chat' needs messages_field (a list of {role, content}) or prompt_field"
+        )
     if messages_field and prompt_field:
         return "messages_field: give messages_field or prompt_field, not both"
     if response_field and not prompt_field:
@@ -91,8 +113,13 @@ def chat_field_error(source: str, fmt: str, messages_field: str | None, prompt_f
     return None
 
 
-def load_texts(spec: DataSpec, tiny_dir: str | None = None, max_texts: int | None = None,
-               max_chars: int | None = None, tok=None) -> list[str]:
+def load_texts(
+    spec: DataSpec,
+    tiny_dir: str | None = None,
+    max_texts: int | None = None,
+    max_chars: int | None = None,
+    tok=None,
+) -> list[str]:
     """The texts of a source, in the source's order, stopping after ``max_texts`` texts or once
     ``max_chars`` characters are read (so a streamed dataset is never read further than needed).
     ``tok``: the tokenizer whose chat template renders a ``format="chat"`` source (required there).
@@ -122,13 +149,19 @@ def _rows(spec: DataSpec, tiny_dir: str | None, tok=None) -> Iterable[str]:
         from workers.core.tiny_corpus import read_split
 
         split, _, domain = spec.split.partition(":")
-        return (r["text"] for r in read_split(Path(tiny_dir) / "corpus", split) if not domain or r["domain"] == domain)
+        return (
+            r["text"]
+            for r in read_split(Path(tiny_dir) / "corpus", split)
+            if not domain or r["domain"] == domain
+        )
     if spec.source == "jsonl":
         return _jsonl_rows(Path(spec.path), spec.text_field)
     return _hf_rows(spec)
 
 
-def _limit(rows: Iterable[str], max_texts: int | None, max_chars: int | None, keep_empty: bool) -> Iterator[str]:
+def _limit(
+    rows: Iterable[str], max_texts: int | None, max_chars: int | None, keep_empty: bool
+) -> Iterator[str]:
     n = chars = 0
     for text in rows:
         if max_texts is not None and n >= max_texts or max_chars is not None and chars >= max_chars:
@@ -178,12 +211,19 @@ def chat_messages(row: dict[str, Any], spec: DataSpec, where: str = "record") ->
     `prompt_field` followed by the assistant's `response_field` when there is one."""
     if spec.messages_field:
         msgs = row.get(spec.messages_field)
-        ok = isinstance(msgs, list) and msgs and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in msgs)
+        ok = (
+            isinstance(msgs, list)
+            and msgs
+            and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs
+            )
+        )
         if not ok:
-            raise ValueError(f"{where}: messages_field {spec.messages_field!r} is missing or not a non-empty "
-                             "list of {role, content} strings")
+            raise ValueError(
+                f"{where}: messages_field {spec.messages_field!r} is missing or not a non-empty "
+                "list of {role, content} strings"
+            )
         return [{"role": m["role"], "content": m["content"]} for m in msgs]
     fields = [spec.prompt_field] + ([spec.response_field] if spec.response_field else [])
     for name, f in zip(("prompt_field", "response_field"), fields, strict=False):
@@ -202,7 +242,9 @@ def chat_renderer(spec: DataSpec, tok) -> Callable[[dict[str, Any], str], str]:
     reads before it answers). No template at all is an error naming `chat_template`.
     """
     if tok is None:
-        raise ValueError("format: 'chat' is rendered with the teacher's tokenizer; this data is read without one")
+        raise ValueError(
+            "format: 'chat' is rendered with the teacher's tokenizer; this data is read without one"
+        )
     template = None
     if spec.chat_template:
         path = Path(spec.chat_template)
@@ -210,13 +252,19 @@ def chat_renderer(spec: DataSpec, tok) -> Callable[[dict[str, Any], str], str]:
             raise ValueError(f"chat_template: no such file {spec.chat_template!r}")
         template = path.read_text(encoding="utf-8")
     elif not getattr(tok, "chat_template", None):
-        raise ValueError(f"chat_template: tokenizer {tok.name_or_path!r} has no chat template; "
-                         "set chat_template to a local Jinja file")
+        raise ValueError(
+            f"chat_template: tokenizer {tok.name_or_path!r} has no chat template; "
+            "set chat_template to a local Jinja file"
+        )
 
     def render(row: dict[str, Any], where: str) -> str:
         msgs = chat_messages(row, spec, where)
-        return tok.apply_chat_template(msgs, chat_template=template, tokenize=False,
-                                       add_generation_prompt=msgs[-1]["role"] != "assistant")
+        return tok.apply_chat_template(
+            msgs,
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=msgs[-1]["role"] != "assistant",
+        )
 
     return render
 
@@ -227,15 +275,20 @@ def _hf_rows(spec: DataSpec) -> Iterator[str]:
     ds = datasets.load_dataset(spec.path, spec.name, split=spec.split, streaming=spec.streaming)
     columns = ds.column_names if ds.column_names is not None else [spec.text_field]
     if spec.text_field not in columns:
-        raise ValueError(f"text_field={spec.text_field!r}: dataset {spec.path} has columns {', '.join(columns)}")
+        raise ValueError(
+            f"text_field={spec.text_field!r}: dataset {spec.path} has columns {', '.join(columns)}"
+        )
     for row in ds:
         if spec.text_field not in row:
-            raise ValueError(f"text_field={spec.text_field!r}: not in dataset {spec.path} rows ({', '.join(row)})")
+            raise ValueError(
+                f"text_field={spec.text_field!r}: not in dataset {spec.path} rows ({', '.join(row)})"
+            )
         yield row[spec.text_field]
 
 
-def token_windows(tok, texts: list[str], seq_len: int, n: int | None, seed: int,
-                  add_bos: bool = False) -> torch.Tensor:
+def token_windows(
+    tok, texts: list[str], seq_len: int, n: int | None, seed: int, add_bos: bool = False
+) -> torch.Tensor:
     """``n`` token windows of ``seq_len``, as a LongTensor [n, seq_len].
 
     The texts are tokenized without special tokens and concatenated, each followed by the
@@ -265,7 +318,7 @@ def token_windows(tok, texts: list[str], seq_len: int, n: int | None, seed: int,
     count = len(stream) // width
     if count == 0:
         raise ValueError(f"texts: {len(stream)} tokens give no window of {width} tokens (seq_len={seq_len})")
-    wins = torch.tensor(stream[:count * width], dtype=torch.long).view(count, width)
+    wins = torch.tensor(stream[: count * width], dtype=torch.long).view(count, width)
     if add_bos:
         wins = torch.cat([torch.full((count, 1), bos, dtype=torch.long), wins], dim=1)
     if n is None:
@@ -276,8 +329,9 @@ def token_windows(tok, texts: list[str], seq_len: int, n: int | None, seed: int,
     return wins[order[:n]]
 
 
-def stream_windows(tok, texts: Iterable[str], seq_len: int, add_bos: bool = False,
-                   docs_per_call: int = 256) -> Iterator[torch.Tensor]:
+def stream_windows(
+    tok, texts: Iterable[str], seq_len: int, add_bos: bool = False, docs_per_call: int = 256
+) -> Iterator[torch.Tensor]:
     """The windows of ``token_windows(tok, texts, seq_len, None, ...)``, in the same order, made lazily:
     texts are tokenized ``docs_per_call`` at a time and only a window's worth of ids is held, so a
     distillation over a streamed corpus never materialises its token budget."""
@@ -298,6 +352,6 @@ def stream_windows(tok, texts: Iterable[str], seq_len: int, add_bos: bool = Fals
                 buf.append(eos)
         full = len(buf) // width
         for i in range(full):
-            w = buf[i * width:(i + 1) * width]
+            w = buf[i * width : (i + 1) * width]
             yield torch.tensor([bos, *w] if add_bos else w, dtype=torch.long)
-        del buf[:full * width]
+        del buf[: full * width]

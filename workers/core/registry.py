@@ -52,10 +52,17 @@ def module_ast(module: str) -> ast.Module:
 def registry_dict(module: str, name: str) -> ast.Dict:
     """The dict literal assigned to `name` at the top level of `module`."""
     for node in module_ast(module).body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign)
+            else []
+        )
         if any(isinstance(t, ast.Name) and t.id == name for t in targets):
             if not isinstance(node.value, ast.Dict) or not all(
-                    isinstance(k, ast.Constant) and isinstance(k.value, str) for k in node.value.keys):
+                isinstance(k, ast.Constant) and isinstance(k.value, str) for k in node.value.keys
+            ):
                 raise ValueError(f"{module}.{name}: a registry must be a dict literal with string keys")
             return node.value
     raise ValueError(f"{module}: no registry {name!r} at the top level")

@@ -10,8 +10,9 @@ from collections.abc import Callable
 
 
 class StepLog:
-    def __init__(self, what: str, total: int, every_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, what: str, total: int, every_s: float = 10.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.what, self.total, self.every_s, self.clock = what, total, every_s, clock
         self.t0 = self.last = clock()
 

@@ -30,8 +30,21 @@ SPLITS = ("train", "valid", "test")
 DOMAINS = ("prose", "code")
 CORPUS_VERSION = 1  # bump when the document building changes
 SKIP_DIRS = {
-    "test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "turtledemo", "ensurepip",
-    "__pycache__", "lib-dynload", "encodings", "pydoc_data", "venv", "__phello__", "config",
+    "test",
+    "tests",
+    "idlelib",
+    "site-packages",
+    "dist-packages",
+    "lib2to3",
+    "turtledemo",
+    "ensurepip",
+    "__pycache__",
+    "lib-dynload",
+    "encodings",
+    "pydoc_data",
+    "venv",
+    "__phello__",
+    "config",
 }
 MAX_FILE_BYTES = 400_000  # larger files are mostly generated tables
 TOPICS = "pydoc_data/topics.py"  # the reference manual's topics as a dict of strings: prose only
@@ -61,8 +74,11 @@ def _docstring_nodes(tree: ast.Module) -> Iterator[tuple[ast.AST, ast.Expr]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body:
             first = node.body[0]
-            if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
-                    and isinstance(first.value.value, str)):
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
                 yield node, first
 
 
@@ -76,12 +92,14 @@ def file_documents(source: str, target: int = 1500, limit: int = 2000) -> dict[s
     for _, expr in found:
         first, last = expr.lineno - 1, expr.end_lineno - 1
         # cut only docstrings that own their lines (`def f(): "doc"` stays in the code)
-        if not lines[first][:expr.col_offset].strip() and not lines[last][expr.end_col_offset:].strip():
+        if not lines[first][: expr.col_offset].strip() and not lines[last][expr.end_col_offset :].strip():
             drop.update(range(first, last + 1))
     code = "\n".join(line.rstrip() for i, line in enumerate(lines) if i not in drop)
     blocks = [b.strip("\n") for b in code.split("\n\n")]
-    return {"prose": pack([d.strip() for d in docs], target, limit),
-            "code": pack([b for b in blocks if b.strip()], target, limit)}
+    return {
+        "prose": pack([d.strip() for d in docs], target, limit),
+        "code": pack([b for b in blocks if b.strip()], target, limit),
+    }
 
 
 def topic_units(source: str, target: int = 1500, limit: int = 2000) -> list[tuple[str, dict[str, list[str]]]]:
@@ -89,8 +107,13 @@ def topic_units(source: str, target: int = 1500, limit: int = 2000) -> list[tupl
     for node in ast.parse(source).body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "topics" for t in node.targets):
             topics = ast.literal_eval(node.value)
-            return [(f"{TOPICS}#{name}", {"prose": pack([p.strip("\n") for p in text.split("\n\n")], target, limit),
-                                         "code": []}) for name, text in sorted(topics.items())]
+            return [
+                (
+                    f"{TOPICS}#{name}",
+                    {"prose": pack([p.strip("\n") for p in text.split("\n\n")], target, limit), "code": []},
+                )
+                for name, text in sorted(topics.items())
+            ]
     return []
 
 
@@ -133,7 +156,9 @@ def pack(pieces: list[str], target: int = 1500, limit: int = 2000) -> list[str]:
     return docs
 
 
-def collect(max_chars: int | None, seed: int, root: Path | None = None) -> list[tuple[str, dict[str, list[str]]]]:
+def collect(
+    max_chars: int | None, seed: int, root: Path | None = None
+) -> list[tuple[str, dict[str, list[str]]]]:
     """Documents per unit (a file, or one pydoc topic), units in seeded order, until each domain holds
     ``max_chars / 2`` characters.
 
@@ -192,8 +217,9 @@ def split_files(units: list[tuple[str, dict[str, list[str]]]], frac: float = 0.0
         for d in DOMAINS:
             total[d] += size[d]
         main = max(DOMAINS, key=lambda d: size[d])
-        split = next((s for s in ("valid", "test") if held[s][main] + size[main] / 2 <= frac * total[main]),
-                     "train")
+        split = next(
+            (s for s in ("valid", "test") if held[s][main] + size[main] / 2 <= frac * total[main]), "train"
+        )
         out[split].append(unit)
         if split != "train":
             for d in DOMAINS:
@@ -201,13 +227,15 @@ def split_files(units: list[tuple[str, dict[str, list[str]]]], frac: float = 0.0
     for split in SPLITS:
         for d in DOMAINS:
             if not any(docs[d] for _, docs in out[split]):
-                raise ValueError(f"the corpus is too small: split {split!r} has no {d!r} document; "
-                                 "raise max_chars")
+                raise ValueError(
+                    f"the corpus is too small: split {split!r} has no {d!r} document; raise max_chars"
+                )
     return out
 
 
-def build_corpus(out: Path, max_chars: int | None = 6_000_000, seed: int = 0, frac: float = 0.05,
-                 root: Path | None = None) -> str:
+def build_corpus(
+    out: Path, max_chars: int | None = 6_000_000, seed: int = 0, frac: float = 0.05, root: Path | None = None
+) -> str:
     """Write ``out/{train,valid,test}.jsonl`` (rows {"text", "domain", "source"}); return the content hash."""
     if max_chars is not None and max_chars < 50_000:
         raise ValueError(f"max_chars={max_chars}: must be at least 50000 (or None for the whole library)")
@@ -217,8 +245,12 @@ def build_corpus(out: Path, max_chars: int | None = 6_000_000, seed: int = 0, fr
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for split in SPLITS:
-        rows = [{"text": text, "domain": d, "source": src}
-                for src, docs in parts[split] for d in DOMAINS for text in docs[d]]
+        rows = [
+            {"text": text, "domain": d, "source": src}
+            for src, docs in parts[split]
+            for d in DOMAINS
+            for text in docs[d]
+        ]
         random.Random(f"{seed}-{split}").shuffle(rows)  # interleave domains and modules
         with open(out / f"{split}.jsonl", "w", encoding="utf-8") as fh:
             for row in rows:

@@ -95,8 +95,20 @@ SAMPLE_LAYER = ("x", "p")
 SAMPLE_SHARED = ("ids", "mask", "window", "pos")
 
 # Every tensor of LayerStats, in file order.
-STATS_TENSORS = ("count", "sum_p", "sum_p_sel", "sum_sq", "sum_gnorm_sel", "sum_norm_sel", "gram",
-                 "sum_pnorm_sel", "max_norm_sel", "sum_out", "gram_p", "sum_xx")
+STATS_TENSORS = (
+    "count",
+    "sum_p",
+    "sum_p_sel",
+    "sum_sq",
+    "sum_gnorm_sel",
+    "sum_norm_sel",
+    "gram",
+    "sum_pnorm_sel",
+    "max_norm_sel",
+    "sum_out",
+    "gram_p",
+    "sum_xx",
+)
 # Statistics only some families have (written and read when present; older files simply lack them).
 FAMILY_STATS = ("sum_shared_gate",)
 
@@ -138,7 +150,9 @@ class LayerStats:
         """One-line ValueError if any of the optional statistics `names` is missing."""
         missing = [n for n in names if getattr(self, n) is None]
         if missing:
-            raise ValueError(f"layer statistics lack {', '.join(missing)}: recompute the calibration statistics")
+            raise ValueError(
+                f"layer statistics lack {', '.join(missing)}: recompute the calibration statistics"
+            )
 
     def to_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """Flatten for safetensors; `prefix` is e.g. 'layer.3.'. Missing optional statistics are left out."""
@@ -157,8 +171,10 @@ class LayerStats:
         may be absent (`sample` None)."""
         missing = [name for name in ("n_tokens", *STATS_TENSORS) if prefix + name not in tensors]
         if missing:
-            raise ValueError(f"statistics '{prefix}*' lack {', '.join(missing)} (written by an older "
-                             "moesweep): recompute the calibration statistics")
+            raise ValueError(
+                f"statistics '{prefix}*' lack {', '.join(missing)} (written by an older "
+                "moesweep): recompute the calibration statistics"
+            )
         kw = {name: tensors[prefix + name] for name in STATS_TENSORS}
         kw.update({name: tensors[prefix + name] for name in FAMILY_STATS if prefix + name in tensors})
         sample = {n: tensors[f"{prefix}sample_{n}"] for n in SAMPLE_LAYER if f"{prefix}sample_{n}" in tensors}
@@ -206,7 +222,9 @@ class LayerPlan:
     groups: list[list[int]]  # k groups, expert ids
     merge_weights: list[list[float]]  # same shape as groups; each inner list sums to 1
     alpha: list[float]  # k down-projection scales
-    extras: dict = field(default_factory=dict)  # e.g. {"effective_rank": 3.2}; "student": settings (JSON) that
+    extras: dict = field(
+        default_factory=dict
+    )  # e.g. {"effective_rank": 3.2}; "student": settings (JSON) that
     # shape the student beyond groups/weights/α (a merged MoE's router rule, an edited MoE's factors file)
 
     def signature(self) -> tuple:
@@ -214,8 +232,10 @@ class LayerPlan:
         canonical group order (the order of the dense FFN's blocks does not change what it computes, so
         at K = k every grouping gives one student). Scores and extras are excluded."""
         r = lambda xs: tuple(round(float(x), 10) for x in xs)  # noqa: E731
-        blocks = sorted((tuple(g), r(w), round(float(a), 10))
-                        for g, w, a in zip(self.groups, self.merge_weights, self.alpha, strict=True))
+        blocks = sorted(
+            (tuple(g), r(w), round(float(a), 10))
+            for g, w, a in zip(self.groups, self.merge_weights, self.alpha, strict=True)
+        )
         student = self.extras.get("student")  # settings that shape the student beyond the blocks (JSON)
         if student is None:
             return (self.layer, tuple(blocks))

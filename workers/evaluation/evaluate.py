@@ -42,31 +42,64 @@ BACKENDS = ("hf", "vllm")
 RUN_FIELDS = ("seed", "num_fewshot", "limit")
 _ACC = ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")
 # the per-task sections of a simple_evaluate result (kept with a stored task result)
-_SECTIONS = ("results", "groups", "group_subtasks", "configs", "versions", "n-shot", "higher_is_better", "n-samples")
+_SECTIONS = (
+    "results",
+    "groups",
+    "group_subtasks",
+    "configs",
+    "versions",
+    "n-shot",
+    "higher_is_better",
+    "n-samples",
+)
 
 
-def run_suite(model, tok, suite: str | list[dict[str, Any]], model_key: str, cache_dir: str, tiny_dir: str | None,
-              batch_size: int, backend: str, limit: int | float | None, model_path: str | None,
-              workdir: str | None, *, generative: list[str | dict[str, Any]] = (), allow_cpu: bool = False,
-              allow_code_eval: bool = False, runs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def run_suite(
+    model,
+    tok,
+    suite: str | list[dict[str, Any]],
+    model_key: str,
+    cache_dir: str,
+    tiny_dir: str | None,
+    batch_size: int,
+    backend: str,
+    limit: int | float | None,
+    model_path: str | None,
+    workdir: str | None,
+    *,
+    generative: list[str | dict[str, Any]] = (),
+    allow_cpu: bool = False,
+    allow_code_eval: bool = False,
+    runs: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """Evaluate one model on a suite (and generative tasks), once per run. Top level: the first run's
     per-task rows and headline average, the tasks not run ({task: reason}); `runs`: every run's."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if not model_key:
-        raise ValueError("model_key must be a non-empty content key of the model (it keys lm-eval's response cache)")
+        raise ValueError(
+            "model_key must be a non-empty content key of the model (it keys lm-eval's response cache)"
+        )
     validate_runs(runs)
     import lm_eval
 
     entries = validate_generative(list(generative))
     lm = functools.cache(lambda: _make_lm(backend, model, tok, batch_size, model_path, workdir))
-    env = Evaluation(lm, model_key, Path(cache_dir).resolve(), tiny_dir, backend, limit, allow_cpu, allow_code_eval)
+    env = Evaluation(
+        lm, model_key, Path(cache_dir).resolve(), tiny_dir, backend, limit, allow_cpu, allow_code_eval
+    )
     done = [env.one_run(suite, entries, r) for r in (runs or [{}])]
     first = done[0]
     results = first["results_json"] if runs is None else {"runs": [r["results_json"] for r in done]}
-    return {"tasks": first["tasks"], "average": first["average"], "not_run": first["not_run"], "backend": backend,
-            "lm_eval_version": lm_eval.__version__, "results_json": results,
-            "runs": [{k: v for k, v in r.items() if k != "results_json"} for r in done]}
+    return {
+        "tasks": first["tasks"],
+        "average": first["average"],
+        "not_run": first["not_run"],
+        "backend": backend,
+        "lm_eval_version": lm_eval.__version__,
+        "results_json": results,
+        "runs": [{k: v for k, v in r.items() if k != "results_json"} for r in done],
+    }
 
 
 def validate_runs(runs: list[dict[str, Any]] | None) -> None:
@@ -78,7 +111,9 @@ def validate_runs(runs: list[dict[str, Any]] | None) -> None:
     for i, r in enumerate(runs):
         bad = sorted(set(r) - set(RUN_FIELDS)) if isinstance(r, dict) else ["(not a mapping)"]
         if bad:
-            raise ValueError(f"runs entry {i}: unknown field(s) {', '.join(bad)}; allowed {', '.join(RUN_FIELDS)}")
+            raise ValueError(
+                f"runs entry {i}: unknown field(s) {', '.join(bad)}; allowed {', '.join(RUN_FIELDS)}"
+            )
         for f in ("seed", "num_fewshot"):
             v = r.get(f)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
@@ -87,7 +122,9 @@ def validate_runs(runs: list[dict[str, Any]] | None) -> None:
         if lim is not None and (isinstance(lim, bool) or not isinstance(lim, int | float) or lim <= 0):
             raise ValueError(f"runs entry {i}: limit must be a positive number, got {lim!r}")
         if r in runs[:i]:
-            raise ValueError(f"runs entry {i} repeats entry {runs.index(r)} ({r}): it would give the same numbers")
+            raise ValueError(
+                f"runs entry {i} repeats entry {runs.index(r)} ({r}): it would give the same numbers"
+            )
 
 
 # ---- what a generative task needs --------------------------------------------------------------------
@@ -96,13 +133,17 @@ def unmet(g: GenerativeTask, entry: dict[str, Any], allow_cpu: bool, allow_code_
     if g.requires.get("gpu") and not allow_cpu and not gpu_available():
         return "needs a GPU (none here); evaluate.allow_cpu: true runs it on the CPU (small models)"
     if g.executes_code and not allow_code_eval:
-        return ("is scored by running model-written code; evaluate.allow_code_eval: true allows it "
-                "(sets HF_ALLOW_CODE_EVAL=1 and confirms lm-eval's unsafe-code prompt)")
+        return (
+            "is scored by running model-written code; evaluate.allow_code_eval: true allows it "
+            "(sets HF_ALLOW_CODE_EVAL=1 and confirms lm-eval's unsafe-code prompt)"
+        )
     local = "data_dir" in entry or "data_files" in entry
     for ds in () if local else g.requires.get("data", ()):
         if hub_offline() and not hf_cached(ds, "dataset"):
-            return (f"needs the dataset {ds}: the Hugging Face hub is offline here and it is not in the local cache; "
-                    "data_dir or data_files can point at a local copy")
+            return (
+                f"needs the dataset {ds}: the Hugging Face hub is offline here and it is not in the local cache; "
+                "data_dir or data_files can point at a local copy"
+            )
     for mod in g.requires.get("modules", ()):
         if importlib.util.find_spec("evaluate") is None:
             return f"needs the `evaluate` package for its metric ({mod})"
@@ -118,8 +159,10 @@ def gpu_available() -> bool:
 
 
 def hub_offline() -> bool:
-    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
-               for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    return any(
+        os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+        for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
 
 
 def hf_cached(repo: str, kind: str) -> bool:
@@ -130,13 +173,17 @@ def hf_cached(repo: str, kind: str) -> bool:
     if kind == "dataset":
         import datasets.config
 
-        places = [Path(datasets.config.HF_DATASETS_CACHE) / f"{org}___{name}",
-                  Path(constants.HF_HUB_CACHE) / f"datasets--{org}--{name}"]
+        places = [
+            Path(datasets.config.HF_DATASETS_CACHE) / f"{org}___{name}",
+            Path(constants.HF_HUB_CACHE) / f"datasets--{org}--{name}",
+        ]
     else:
         import evaluate.config
 
-        places = [Path(evaluate.config.HF_MODULES_CACHE) / "evaluate_modules" / "metrics" / f"{org}--{name}",
-                  Path(constants.HF_HUB_CACHE) / f"spaces--{org}--{name}"]
+        places = [
+            Path(evaluate.config.HF_MODULES_CACHE) / "evaluate_modules" / "metrics" / f"{org}--{name}",
+            Path(constants.HF_HUB_CACHE) / f"spaces--{org}--{name}",
+        ]
     return any(p.exists() for p in places)
 
 
@@ -159,16 +206,26 @@ def _code_eval(allowed: bool):
 class Evaluation:
     """What every run of one model shares: the lm-eval model (made on first need), caches and settings."""
 
-    def __init__(self, lm, model_key: str, cache: Path, tiny_dir: str | None, backend: str,
-                 limit: int | float | None, allow_cpu: bool, allow_code_eval: bool) -> None:
+    def __init__(
+        self,
+        lm,
+        model_key: str,
+        cache: Path,
+        tiny_dir: str | None,
+        backend: str,
+        limit: int | float | None,
+        allow_cpu: bool,
+        allow_code_eval: bool,
+    ) -> None:
         self.lm, self.tiny_dir, self.backend, self.limit = lm, tiny_dir, backend, limit
         self.allow_cpu, self.allow_code_eval, self.cache = allow_cpu, allow_code_eval, cache
         key = hashlib.sha256(model_key.encode()).hexdigest()[:24]
         self.responses = cache / "responses" / key / backend
         self.stored = cache / "runs" / key
 
-    def one_run(self, suite: str | list[dict[str, Any]], entries: list[dict[str, Any]],
-                run: dict[str, Any]) -> dict[str, Any]:
+    def one_run(
+        self, suite: str | list[dict[str, Any]], entries: list[dict[str, Any]], run: dict[str, Any]
+    ) -> dict[str, Any]:
         """One run: its tasks (those already stored read back), rows, average, tasks not run, results JSON."""
         tasks = build_suite(suite, self.cache, self.tiny_dir, num_fewshot=run.get("num_fewshot"))
         not_run: dict[str, str] = {}
@@ -178,8 +235,14 @@ class Evaluation:
                 not_run[e["task"]] = reason
             else:
                 tasks.append(t)
-        limits = {t.label: run["limit"] if run.get("limit") is not None else
-                  t.limit if t.limit is not None else self.limit for t in tasks}
+        limits = {
+            t.label: run["limit"]
+            if run.get("limit") is not None
+            else t.limit
+            if t.limit is not None
+            else self.limit
+            for t in tasks
+        }
         paths = {t.label: self._stored_path(t, limits[t.label], run.get("seed")) for t in tasks}
         stored = {label: json.loads(p.read_text()) for label, p in paths.items() if p.is_file()}
         todo = [t for t in tasks if t.label not in stored]
@@ -192,20 +255,40 @@ class Evaluation:
         for t in tasks:
             if t.label not in stored:
                 items = [per_item[leaf] for leaf in _leaves(merged, t.name) if leaf in per_item]
-                stored[t.label] = {"row": _row(t, merged, hashes) | {"items": items},
-                                   "sections": _sections(merged, t.name)}
+                stored[t.label] = {
+                    "row": _row(t, merged, hashes) | {"items": items},
+                    "sections": _sections(merged, t.name),
+                }
                 _write_json(paths[t.label], stored[t.label])
             else:
                 _merge(merged, stored[t.label]["sections"])
             rows.append(stored[t.label]["row"])
         heads = [r[r["headline"]] for r in rows if r["headline"]]
         merged["task_hashes"] = {r["task"]: r["task_hash"] for r in rows} | hashes
-        merged["moesweep"] = {"run": run, "not_run": not_run, "backend": self.backend,
-                              "tasks": [{"task": t.label, "num_fewshot": t.num_fewshot, "headline": t.headline,
-                                         "limit": limits[t.label], "config_sha": t.config_sha} for t in tasks]}
+        merged["moesweep"] = {
+            "run": run,
+            "not_run": not_run,
+            "backend": self.backend,
+            "tasks": [
+                {
+                    "task": t.label,
+                    "num_fewshot": t.num_fewshot,
+                    "headline": t.headline,
+                    "limit": limits[t.label],
+                    "config_sha": t.config_sha,
+                }
+                for t in tasks
+            ],
+        }
         fresh = {t.label for t in todo}
-        return {"settings": run, "tasks": rows, "average": sum(heads) / len(heads) if heads else None,
-                "not_run": not_run, "reused": [t.label for t in tasks if t.label not in fresh], "results_json": merged}
+        return {
+            "settings": run,
+            "tasks": rows,
+            "average": sum(heads) / len(heads) if heads else None,
+            "not_run": not_run,
+            "reused": [t.label for t in tasks if t.label not in fresh],
+            "results_json": merged,
+        }
 
     def _generative(self, entry: dict[str, Any], num_fewshot: int | None) -> tuple[SuiteTask | None, str]:
         """The task, or None and why it cannot run here (its needs unmet, its local data missing)."""
@@ -222,25 +305,45 @@ class Evaluation:
         blob = json.dumps([t.label, t.config_sha, limit, seed, self.backend, _versions(), _code_sha()])
         return self.stored / f"{t.label}-{hashlib.sha256(blob.encode()).hexdigest()[:24]}.json"
 
-    def _evaluate(self, tasks: list[SuiteTask], limits: dict[str, Any], seed: int | None,
-                  merged: dict[str, Any], hashes: dict[str, str], per_item: dict[str, dict[str, Any]]) -> None:
+    def _evaluate(
+        self,
+        tasks: list[SuiteTask],
+        limits: dict[str, Any],
+        seed: int | None,
+        merged: dict[str, Any],
+        hashes: dict[str, str],
+        per_item: dict[str, dict[str, Any]],
+    ) -> None:
         import lm_eval
         from lm_eval.tasks import TaskManager
 
         self.responses.mkdir(parents=True, exist_ok=True)
         includes = sorted({t.include_path for t in tasks if t.include_path})
         manager = TaskManager(include_path=includes or None, include_defaults=False)
-        seeds = {} if seed is None else {k: seed for k in ("random_seed", "numpy_random_seed", "torch_random_seed",
-                                                            "fewshot_random_seed")}
+        seeds = (
+            {}
+            if seed is None
+            else {
+                k: seed
+                for k in ("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed")
+            }
+        )
         code = any(t.generative and t.generative.executes_code for t in tasks)
         by_limit: dict[Any, list[SuiteTask]] = {}
         for t in tasks:
             by_limit.setdefault(limits[t.label], []).append(t)
         for lim, group in by_limit.items():
             with _code_eval(code and self.allow_code_eval):
-                res = lm_eval.simple_evaluate(model=self.lm(), tasks=[t.spec for t in group], task_manager=manager,
-                                              use_cache=str(self.responses / "lm"), limit=lim, log_samples=True,
-                                              confirm_run_unsafe_code=code and self.allow_code_eval, **seeds)
+                res = lm_eval.simple_evaluate(
+                    model=self.lm(),
+                    tasks=[t.spec for t in group],
+                    task_manager=manager,
+                    use_cache=str(self.responses / "lm"),
+                    limit=lim,
+                    log_samples=True,
+                    confirm_run_unsafe_code=code and self.allow_code_eval,
+                    **seeds,
+                )
             samples = res.pop("samples", None) or {}
             hashes |= {name: _hash_samples(s) for name, s in samples.items()}
             per_item |= {name: item_scores(name, s) for name, s in samples.items()}
@@ -264,7 +367,9 @@ def _versions() -> list[str]:
 def _sections(res: dict[str, Any], name: str) -> dict[str, Any]:
     """The parts of a simple_evaluate result about one task (and its subtasks), to store with its row."""
     names = {name, *_leaves(res, name), *res.get("group_subtasks", {}).get(name, [])}
-    return {k: {n: v for n, v in res[k].items() if n in names} for k in _SECTIONS if isinstance(res.get(k), dict)}
+    return {
+        k: {n: v for n, v in res[k].items() if n in names} for k in _SECTIONS if isinstance(res.get(k), dict)
+    }
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -282,8 +387,10 @@ def _make_lm(backend: str, model, tok, batch_size: int, model_path: str | None, 
     try:
         import vllm  # noqa: F401
     except ImportError:
-        raise ImportError("backend 'vllm' needs the vllm package: install the [gpu] extra "
-                          "(pip install 'moesweep[gpu]') or use backend 'hf'") from None
+        raise ImportError(
+            "backend 'vllm' needs the vllm package: install the [gpu] extra "
+            "(pip install 'moesweep[gpu]') or use backend 'hf'"
+        ) from None
     from lm_eval.models.vllm_causallms import VLLM
 
     if model_path is None:
@@ -297,8 +404,13 @@ def _make_lm(backend: str, model, tok, batch_size: int, model_path: str | None, 
     # leave room for what this process already holds on the GPU (e.g. the model used for perplexity)
     free, total = torch.cuda.mem_get_info() if torch.cuda.is_available() else (1, 1)
     # prefix caching off: prompt logprobs have depended on request order with it on (vllm#42019)
-    return VLLM(pretrained=model_path, batch_size=batch_size, dtype="auto", enable_prefix_caching=False,
-                gpu_memory_utilization=round(max(0.1, 0.9 * free / total), 3))
+    return VLLM(
+        pretrained=model_path,
+        batch_size=batch_size,
+        dtype="auto",
+        enable_prefix_caching=False,
+        gpu_memory_utilization=round(max(0.1, 0.9 * free / total), 3),
+    )
 
 
 def _hash_samples(samples: list[dict[str, Any]]) -> str:
@@ -314,7 +426,9 @@ def item_scores(subtask: str, samples: list[dict[str, Any]]) -> dict[str, Any]:
     rows = sorted(samples, key=lambda s: int(s["doc_id"]))
     doc_ids = [int(s["doc_id"]) for s in rows]
     if len(set(doc_ids)) != len(doc_ids):
-        raise ValueError(f"task {subtask!r}: lm-eval logged a doc_id twice; per-item scores need one sample per doc")
+        raise ValueError(
+            f"task {subtask!r}: lm-eval logged a doc_id twice; per-item scores need one sample per doc"
+        )
     names = [m for m in rows[0].get("metrics", []) if _number(rows[0].get(m))] if rows else []
     metrics = {m: [float(s[m]) if _number(s.get(m)) else math.nan for s in rows] for m in names}
     loglik, loglik_doc = [], []
@@ -323,7 +437,13 @@ def item_scores(subtask: str, samples: list[dict[str, Any]]) -> dict[str, Any]:
             if isinstance(r, list | tuple) and r and _number(r[0]):  # (log-likelihood, is_greedy)
                 loglik.append(float(r[0]))
                 loglik_doc.append(d)
-    return {"subtask": subtask, "doc_ids": doc_ids, "metrics": metrics, "loglik": loglik, "loglik_doc": loglik_doc}
+    return {
+        "subtask": subtask,
+        "doc_ids": doc_ids,
+        "metrics": metrics,
+        "loglik": loglik,
+        "loglik_doc": loglik_doc,
+    }
 
 
 def _number(v: Any) -> bool:
@@ -356,21 +476,27 @@ def _row(t: SuiteTask, res: dict[str, Any], hashes: dict[str, str]) -> dict[str,
         if filt and isinstance(v, int | float) and not isinstance(v, bool):
             values[metric if filt == "none" else f"{metric}:{filt}"] = float(v)
     if t.headline and t.headline not in values:
-        raise ValueError(f"task {t.name!r} reports no {t.headline}; set headline to one of "
-                         f"{', '.join(m for m in ('acc', 'acc_norm') if m in values) or 'nothing available'}")
+        raise ValueError(
+            f"task {t.name!r} reports no {t.headline}; set headline to one of "
+            f"{', '.join(m for m in ('acc', 'acc_norm') if m in values) or 'nothing available'}"
+        )
     leaves = _leaves(res, t.name)
     n = sum(int(res.get("n-samples", {}).get(leaf, {}).get("effective", 0)) for leaf in leaves)
     shots = res.get("n-shot", {})
     if t.name in hashes:
         task_hash = hashes[t.name]
     elif all(leaf in hashes for leaf in leaves):
-        task_hash = hashlib.sha256("".join(f"{leaf}:{hashes[leaf]}" for leaf in sorted(leaves)).encode()).hexdigest()
+        task_hash = hashlib.sha256(
+            "".join(f"{leaf}:{hashes[leaf]}" for leaf in sorted(leaves)).encode()
+        ).hexdigest()
     else:
         task_hash = t.config_sha
     g = t.generative
     if g and g.score not in values:
-        raise ValueError(f"generative task {g.name!r}: lm-eval reported no {g.score} (it reported "
-                         f"{', '.join(sorted(values)) or 'nothing'})")
+        raise ValueError(
+            f"generative task {g.name!r}: lm-eval reported no {g.score} (it reported "
+            f"{', '.join(sorted(values)) or 'nothing'})"
+        )
     return {
         "task": t.label,
         **{m: _finite(values.get(m)) for m in _ACC},

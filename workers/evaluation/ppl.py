@@ -54,14 +54,16 @@ def prefix_token_id(tok) -> int:
     return int(tid)
 
 
-def make_windows(ids: list[int], seq_len: int, prefix: int | None, windows: str) -> list[tuple[list[int], int]]:
+def make_windows(
+    ids: list[int], seq_len: int, prefix: int | None, windows: str
+) -> list[tuple[list[int], int]]:
     """(sequence, n_scored): the model reads sequence[:-1]; the last n_scored of sequence[1:] are scored."""
     n = len(ids)
     out: list[tuple[list[int], int]] = []
     if windows == "disjoint":
         step = seq_len - 1 if prefix is not None else seq_len
         for s in range(0, n, step):
-            chunk = ids[s:s + step]
+            chunk = ids[s : s + step]
             if prefix is not None:
                 out.append(([prefix, *chunk], len(chunk)))
             elif len(chunk) >= 2:
@@ -74,7 +76,7 @@ def make_windows(ids: list[int], seq_len: int, prefix: int | None, windows: str)
     while done < n:
         w = min(n - done, seq_len)
         end = done + w
-        out.append((ids[end - seq_len - 1:end], w))
+        out.append((ids[end - seq_len - 1 : end], w))
         done = end
     return out
 
@@ -84,9 +86,19 @@ def text_ids(tok, texts: list[str]) -> list[int]:
     return list(tok("\n\n".join(texts), add_special_tokens=False, verbose=False)["input_ids"])
 
 
-def perplexity(model, tok, texts: list[str], seq_len: int, batch_size: int, add_bos: bool, device,
-               max_windows: int | None = None, windows: str = "disjoint",
-               progress: Callable[[int, int], None] | None = None, ids: list[int] | None = None) -> dict[str, Any]:
+def perplexity(
+    model,
+    tok,
+    texts: list[str],
+    seq_len: int,
+    batch_size: int,
+    add_bos: bool,
+    device,
+    max_windows: int | None = None,
+    windows: str = "disjoint",
+    progress: Callable[[int, int], None] | None = None,
+    ids: list[int] | None = None,
+) -> dict[str, Any]:
     """Perplexity of a causal LM on texts; see the module docstring for exactly what is scored.
     `ids` = text_ids(tok, texts) computed once by a caller that evaluates many models on one text."""
     if seq_len < 2:
@@ -96,7 +108,9 @@ def perplexity(model, tok, texts: list[str], seq_len: int, batch_size: int, add_
     if windows not in WINDOWS:
         raise ValueError(f"windows must be one of {', '.join(WINDOWS)}, got {windows!r}")
     if windows == "rolling" and not add_bos:
-        raise ValueError("windows='rolling' predicts the first token from a BOS/EOS prefix (lm-eval); set add_bos=True")
+        raise ValueError(
+            "windows='rolling' predicts the first token from a BOS/EOS prefix (lm-eval); set add_bos=True"
+        )
     if max_windows is not None and max_windows < 1:
         raise ValueError(f"max_windows must be a positive integer or None, got {max_windows}")
     ids = text_ids(tok, texts) if ids is None else ids
@@ -120,7 +134,7 @@ def perplexity(model, tok, texts: list[str], seq_len: int, batch_size: int, add_
         with torch.no_grad():
             for group in by_len.values():
                 for i in range(0, len(group), batch_size):
-                    batch = group[i:i + batch_size]
+                    batch = group[i : i + batch_size]
                     seqs = torch.tensor([s for _, (s, _) in batch], dtype=torch.long, device=device)
                     logits = model(input_ids=seqs[:, :-1], use_cache=False).logits
                     for row, (idx, (_, n_scored)) in enumerate(batch):
@@ -135,22 +149,45 @@ def perplexity(model, tok, texts: list[str], seq_len: int, batch_size: int, add_
     n_tokens = sum(window_tokens)
     ppl = _safe_exp(total / n_tokens)
     kind = "nan" if math.isnan(ppl) else "inf" if math.isinf(ppl) else "finite"
-    rule = ("disjoint windows of seq_len tokens; " + (
-        "BOS + seq_len-1 text tokens, every text token scored, BOS not scored" if add_bos else
-        "every token after the first of each window scored") + "; last partial window kept"
-            if windows == "disjoint" else
-            "lm-eval loglikelihood_rolling (context_len=1, max_length=seq_len): every token scored once, "
-            "first from the BOS/EOS prefix, last partial block with full left context")
+    rule = (
+        "disjoint windows of seq_len tokens; "
+        + (
+            "BOS + seq_len-1 text tokens, every text token scored, BOS not scored"
+            if add_bos
+            else "every token after the first of each window scored"
+        )
+        + "; last partial window kept"
+        if windows == "disjoint"
+        else "lm-eval loglikelihood_rolling (context_len=1, max_length=seq_len): every token scored once, "
+        "first from the BOS/EOS prefix, last partial block with full left context"
+    )
     protocol = {
-        "seq_len": seq_len, "add_bos": add_bos, "prefix_token_id": prefix, "windows": windows,
-        "window_rule": rule, "join": "\\n\\n", "special_tokens": False, "n_texts": len(texts),
-        "text_tokens": len(ids), "n_windows": len(wins), "n_windows_total": n_total, "max_windows": max_windows,
-        "tokenizer": getattr(tok, "name_or_path", ""), "tokenizer_sha": tokenizer_sha(tok),
+        "seq_len": seq_len,
+        "add_bos": add_bos,
+        "prefix_token_id": prefix,
+        "windows": windows,
+        "window_rule": rule,
+        "join": "\\n\\n",
+        "special_tokens": False,
+        "n_texts": len(texts),
+        "text_tokens": len(ids),
+        "n_windows": len(wins),
+        "n_windows_total": n_total,
+        "max_windows": max_windows,
+        "tokenizer": getattr(tok, "name_or_path", ""),
+        "tokenizer_sha": tokenizer_sha(tok),
         "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "nll_accumulation": "float64 sum of float32 log-softmax",
     }
-    return {"ppl": ppl, "sum_nll": total, "n_tokens": n_tokens, "value_kind": kind, "protocol": protocol,
-            "window_nll": window_nll, "window_tokens": window_tokens}
+    return {
+        "ppl": ppl,
+        "sum_nll": total,
+        "n_tokens": n_tokens,
+        "value_kind": kind,
+        "protocol": protocol,
+        "window_nll": window_nll,
+        "window_tokens": window_tokens,
+    }
 
 
 def window_stats(window_nll: list[float], window_tokens: list[int]) -> tuple[float | None, int]:
@@ -162,7 +199,7 @@ def window_stats(window_nll: list[float], window_tokens: list[int]) -> tuple[flo
         return None, n
     mean = math.fsum(window_nll) / total_tokens
     resid = [x - mean * t for x, t in zip(window_nll, window_tokens, strict=True)]
-    var = n / (n - 1) * math.fsum(r * r for r in resid) / total_tokens ** 2
+    var = n / (n - 1) * math.fsum(r * r for r in resid) / total_tokens**2
     se_log = math.sqrt(var)
     ppl = _safe_exp(mean)
     return (ppl * se_log if math.isfinite(ppl) and math.isfinite(se_log) else None), n
@@ -173,7 +210,7 @@ def _row_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     step = max(1, _CHUNK_ELEMENTS // logits.shape[-1])
     total = torch.zeros((), dtype=torch.float64, device=logits.device)
     for s in range(0, logits.shape[0], step):
-        nll = F.cross_entropy(logits[s:s + step].float(), targets[s:s + step], reduction="none")
+        nll = F.cross_entropy(logits[s : s + step].float(), targets[s : s + step], reduction="none")
         total += nll.double().sum()
     return total.cpu()
 

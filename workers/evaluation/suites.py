@@ -44,13 +44,27 @@ SUITES = ("tiny", "paper")
 CUSTOM_FIELDS = ("task", "num_fewshot", "data_dir", "data_files", "split", "headline", "limit")
 HEADLINES = ("acc", "acc_norm")
 # §4.1 few-shot counts; headline metric as argued in the module docstring
-PAPER = (("winogrande", 5, "acc"), ("hellaswag", 10, "acc_norm"), ("arc_easy", 25, "acc_norm"),
-         ("arc_challenge", 25, "acc_norm"), ("mmlu", 5, "acc"))
+PAPER = (
+    ("winogrande", 5, "acc"),
+    ("hellaswag", 10, "acc_norm"),
+    ("arc_easy", 25, "acc_norm"),
+    ("arc_challenge", 25, "acc_norm"),
+    ("mmlu", 5, "acc"),
+)
 DEFAULT_HEADLINE = {name: h for name, _, h in PAPER}
 # where lm-eval keeps the paper's tasks (saves indexing every built-in task, ~10 s)
-BUILTIN_DIRS = {"winogrande": "winogrande", "hellaswag": "hellaswag", "arc_easy": "arc",
-                "arc_challenge": "arc", "mmlu": "mmlu/default", "gsm8k": "gsm8k", "gsm8k_platinum": "gsm8k_platinum",
-                "hendrycks_math": "hendrycks_math", "humaneval": "humaneval", "mbpp": "mbpp"}
+BUILTIN_DIRS = {
+    "winogrande": "winogrande",
+    "hellaswag": "hellaswag",
+    "arc_easy": "arc",
+    "arc_challenge": "arc",
+    "mmlu": "mmlu/default",
+    "gsm8k": "gsm8k",
+    "gsm8k_platinum": "gsm8k_platinum",
+    "hendrycks_math": "hendrycks_math",
+    "humaneval": "humaneval",
+    "mbpp": "mbpp",
+}
 TINY_VERSION = 1  # bump when the tiny task construction changes
 CONT_WORDS = 4  # words per tiny_mc choice
 N_CHOICES = 4
@@ -80,19 +94,61 @@ class GenerativeTask:
         return self.metric if self.filter == "none" else f"{self.metric}:{self.filter}"
 
 
-GENERATIVE = {g.name: g for g in (
-    GenerativeTask("gsm8k", "gsm8k", "exact_match", "strict-match", 5, False,
-                   {"gpu": True, "data": ("openai/gsm8k",)}),
-    GenerativeTask("gsm8k_platinum", "gsm8k_platinum", "exact_match", "strict-match", 5, False,
-                   {"gpu": True, "data": ("madrylab/gsm8k-platinum",)}),
-    GenerativeTask("math", "hendrycks_math", "exact_match", "none", 0, False,
-                   {"gpu": True, "data": ("EleutherAI/hendrycks_math",)}),
-    GenerativeTask("humaneval", "humaneval", "pass_at_k", "create_test", 0, True,
-                   {"gpu": True, "data": ("openai/openai_humaneval",), "modules": ("evaluate-metric/code_eval",)}),
-    GenerativeTask("mbpp", "mbpp", "pass_at_1", "none", 3, True,
-                   {"gpu": True, "data": ("google-research-datasets/mbpp",), "modules": ("evaluate-metric/code_eval",)}),
-    GenerativeTask("tiny_gen", None, "exact_match", "first-word", 0, False, {"gpu": True, "data": ()}),
-)}
+GENERATIVE = {
+    g.name: g
+    for g in (
+        GenerativeTask(
+            "gsm8k",
+            "gsm8k",
+            "exact_match",
+            "strict-match",
+            5,
+            False,
+            {"gpu": True, "data": ("openai/gsm8k",)},
+        ),
+        GenerativeTask(
+            "gsm8k_platinum",
+            "gsm8k_platinum",
+            "exact_match",
+            "strict-match",
+            5,
+            False,
+            {"gpu": True, "data": ("madrylab/gsm8k-platinum",)},
+        ),
+        GenerativeTask(
+            "math",
+            "hendrycks_math",
+            "exact_match",
+            "none",
+            0,
+            False,
+            {"gpu": True, "data": ("EleutherAI/hendrycks_math",)},
+        ),
+        GenerativeTask(
+            "humaneval",
+            "humaneval",
+            "pass_at_k",
+            "create_test",
+            0,
+            True,
+            {"gpu": True, "data": ("openai/openai_humaneval",), "modules": ("evaluate-metric/code_eval",)},
+        ),
+        GenerativeTask(
+            "mbpp",
+            "mbpp",
+            "pass_at_1",
+            "none",
+            3,
+            True,
+            {
+                "gpu": True,
+                "data": ("google-research-datasets/mbpp",),
+                "modules": ("evaluate-metric/code_eval",),
+            },
+        ),
+        GenerativeTask("tiny_gen", None, "exact_match", "first-word", 0, False, {"gpu": True, "data": ()}),
+    )
+}
 
 
 @dataclass
@@ -119,7 +175,9 @@ def validate_suite(suite: str | list[dict[str, Any]]) -> None:
     """Checks a suite value without touching files; one-line ValueError naming the problem."""
     if isinstance(suite, str):
         if suite not in SUITES:
-            raise ValueError(f"unknown suite {suite!r}: allowed {', '.join(SUITES)} or a list of task entries")
+            raise ValueError(
+                f"unknown suite {suite!r}: allowed {', '.join(SUITES)} or a list of task entries"
+            )
         return
     if not isinstance(suite, list) or not suite:
         raise ValueError(f"suite must be one of {', '.join(SUITES)} or a non-empty list of task entries")
@@ -129,7 +187,9 @@ def validate_suite(suite: str | list[dict[str, Any]]) -> None:
             raise ValueError(f"suite entry {i} must be a mapping with fields {', '.join(CUSTOM_FIELDS)}")
         bad = sorted(set(e) - set(CUSTOM_FIELDS))
         if bad:
-            raise ValueError(f"suite entry {i}: unknown field(s) {', '.join(bad)}; allowed {', '.join(CUSTOM_FIELDS)}")
+            raise ValueError(
+                f"suite entry {i}: unknown field(s) {', '.join(bad)}; allowed {', '.join(CUSTOM_FIELDS)}"
+            )
         name = e.get("task")
         if not isinstance(name, str) or not name:
             raise ValueError(f"suite entry {i}: task must be an lm-eval task or group name")
@@ -137,7 +197,9 @@ def validate_suite(suite: str | list[dict[str, Any]]) -> None:
             raise ValueError(f"suite entry {i}: task {name!r} appears twice")
         seen.add(name)
         if e.get("headline", "acc") not in HEADLINES:
-            raise ValueError(f"suite entry {name!r}: headline must be one of {', '.join(HEADLINES)}, got {e['headline']!r}")
+            raise ValueError(
+                f"suite entry {name!r}: headline must be one of {', '.join(HEADLINES)}, got {e['headline']!r}"
+            )
         _check_fields(e, f"suite entry {name!r}")
         if name in GENERATIVE:
             raise ValueError(f"suite entry {name!r} is a generative task: list it under evaluate.generative")
@@ -154,8 +216,15 @@ def _check_fields(e: dict[str, Any], what: str) -> None:
     if "data_dir" in e and "data_files" in e:
         raise ValueError(f"{what}: give data_dir or data_files, not both")
     df = e.get("data_files")
-    if df is not None and not (isinstance(df, str) or isinstance(df, dict) and df and all(
-            isinstance(v, str) or isinstance(v, list) and all(isinstance(x, str) for x in v) for v in df.values())):
+    if df is not None and not (
+        isinstance(df, str)
+        or isinstance(df, dict)
+        and df
+        and all(
+            isinstance(v, str) or isinstance(v, list) and all(isinstance(x, str) for x in v)
+            for v in df.values()
+        )
+    ):
         raise ValueError(f"{what}: data_files must be a path or a mapping split -> path(s)")
     if "split" in e and not isinstance(e["split"], str):
         raise ValueError(f"{what}: split must be a split name such as test or validation")
@@ -170,10 +239,14 @@ def validate_generative(entries: list[str | dict[str, Any]]) -> list[dict[str, A
     for i, e in enumerate(entries):
         e = {"task": e} if isinstance(e, str) else e
         if not isinstance(e, dict):
-            raise ValueError(f"generative entry {i} must be a task name or a mapping with fields {', '.join(GEN_FIELDS)}")
+            raise ValueError(
+                f"generative entry {i} must be a task name or a mapping with fields {', '.join(GEN_FIELDS)}"
+            )
         bad = sorted(set(e) - set(GEN_FIELDS))
         if bad:
-            raise ValueError(f"generative entry {i}: unknown field(s) {', '.join(bad)}; allowed {', '.join(GEN_FIELDS)}")
+            raise ValueError(
+                f"generative entry {i}: unknown field(s) {', '.join(bad)}; allowed {', '.join(GEN_FIELDS)}"
+            )
         name = e.get("task")
         if name not in GENERATIVE:
             raise ValueError(f"unknown generative task {name!r}; allowed: {', '.join(GENERATIVE)}")
@@ -181,38 +254,50 @@ def validate_generative(entries: list[str | dict[str, Any]]) -> list[dict[str, A
             raise ValueError(f"generative task {name!r} appears twice")
         seen.add(name)
         if name == "tiny_gen" and ("data_dir" in e or "data_files" in e or "split" in e):
-            raise ValueError("generative task 'tiny_gen' is built from the tiny corpus; it takes no data_dir, "
-                             "data_files or split")
+            raise ValueError(
+                "generative task 'tiny_gen' is built from the tiny corpus; it takes no data_dir, "
+                "data_files or split"
+            )
         _check_fields(e, f"generative task {name!r}")
         out.append(e)
     return out
 
 
-def build_suite(suite: str | list[dict[str, Any]], cache_dir: str | Path, tiny_dir: str | None = None,
-                num_fewshot: int | None = None) -> list[SuiteTask]:
+def build_suite(
+    suite: str | list[dict[str, Any]],
+    cache_dir: str | Path,
+    tiny_dir: str | None = None,
+    num_fewshot: int | None = None,
+) -> list[SuiteTask]:
     """The suite's tasks, with every file they need written under cache_dir. `num_fewshot` (a run's
     setting) replaces every task's few-shot count except the perplexity task's (lm-eval has none there)."""
     validate_suite(suite)
     cache = Path(cache_dir).resolve()
     if suite == "tiny":
         return tiny_tasks(_tiny_dir(tiny_dir, "suite 'tiny'"), cache / "tiny_tasks", num_fewshot=num_fewshot)
-    entries = [{"task": n, "num_fewshot": k, "headline": h} for n, k, h in PAPER] if suite == "paper" else suite
+    entries = (
+        [{"task": n, "num_fewshot": k, "headline": h} for n, k, h in PAPER] if suite == "paper" else suite
+    )
     if num_fewshot is not None:
         entries = [e | {"num_fewshot": num_fewshot} for e in entries]
     return [builtin_task(e, cache / "lm_eval_tasks") for e in entries]
 
 
-def build_generative(entry: dict[str, Any], cache_dir: str | Path, tiny_dir: str | None = None,
-                     num_fewshot: int | None = None) -> SuiteTask:
+def build_generative(
+    entry: dict[str, Any], cache_dir: str | Path, tiny_dir: str | None = None, num_fewshot: int | None = None
+) -> SuiteTask:
     """One declared generative task (an entry of validate_generative) as a SuiteTask, its files written."""
     g = GENERATIVE[entry["task"]]
     cache = Path(cache_dir).resolve()
     nf = num_fewshot if num_fewshot is not None else entry.get("num_fewshot", g.num_fewshot)
     if g.lm_eval is None:
-        t = tiny_gen_task(_tiny_dir(tiny_dir, "generative task 'tiny_gen'"), cache / "tiny_tasks", num_fewshot=nf)
+        t = tiny_gen_task(
+            _tiny_dir(tiny_dir, "generative task 'tiny_gen'"), cache / "tiny_tasks", num_fewshot=nf
+        )
         return replace(t, limit=entry.get("limit"), generative=g)
-    t = builtin_task({k: v for k, v in entry.items()} | {"task": g.lm_eval, "num_fewshot": nf},
-                     cache / "lm_eval_tasks")
+    t = builtin_task(
+        {k: v for k, v in entry.items()} | {"task": g.lm_eval, "num_fewshot": nf}, cache / "lm_eval_tasks"
+    )
     return replace(t, headline=None, generative=g)
 
 
@@ -231,12 +316,20 @@ def _tiny_docs(tiny_dir: Path) -> tuple[bytes, list[dict[str, Any]]]:
     return raw, [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
 
 
-def tiny_tasks(tiny_dir: Path, out: Path, n_mc: int = 200, n_ppl: int = 64, seed: int = 1234,
-               num_fewshot: int | None = None) -> list[SuiteTask]:
+def tiny_tasks(
+    tiny_dir: Path,
+    out: Path,
+    n_mc: int = 200,
+    n_ppl: int = 64,
+    seed: int = 1234,
+    num_fewshot: int | None = None,
+) -> list[SuiteTask]:
     """tiny_mc and tiny_ppl from tiny_dir/corpus/test.jsonl, as inline lm-eval configs with absolute paths.
     tiny_mc has only a test split: with num_fewshot > 0 lm-eval draws the shots from the other test rows."""
     raw, docs = _tiny_docs(tiny_dir)
-    key = _sha(json.dumps([hashlib.sha256(raw).hexdigest(), n_mc, n_ppl, seed, CONT_WORDS, TINY_VERSION]))[:16]
+    key = _sha(json.dumps([hashlib.sha256(raw).hexdigest(), n_mc, n_ppl, seed, CONT_WORDS, TINY_VERSION]))[
+        :16
+    ]
     folder = Path(out) / key
     mc_path, ppl_path = folder / "mc.jsonl", folder / "ppl.jsonl"
     if not (mc_path.is_file() and ppl_path.is_file()):
@@ -246,28 +339,58 @@ def tiny_tasks(tiny_dir: Path, out: Path, n_mc: int = 200, n_ppl: int = 64, seed
         keep = sorted(rng.sample(range(len(docs)), min(n_ppl, len(docs))))
         _write_jsonl(ppl_path, [{"text": docs[i]["text"], "domain": docs[i].get("domain", "")} for i in keep])
     mc = {
-        "task": "tiny_mc", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(mc_path)}},
-        "test_split": "test", "output_type": "multiple_choice", "num_fewshot": num_fewshot or 0,
-        "doc_to_text": "context", "doc_to_choice": "choices", "doc_to_target": "label", "target_delimiter": "",
-        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True},
-                        {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}],
+        "task": "tiny_mc",
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(mc_path)}},
+        "test_split": "test",
+        "output_type": "multiple_choice",
+        "num_fewshot": num_fewshot or 0,
+        "doc_to_text": "context",
+        "doc_to_choice": "choices",
+        "doc_to_target": "label",
+        "target_delimiter": "",
+        "metric_list": [
+            {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+            {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True},
+        ],
         "metadata": {"version": TINY_VERSION},
     }
     ppl = {
-        "task": "tiny_ppl", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(ppl_path)}},
-        "test_split": "test", "output_type": "loglikelihood_rolling", "num_fewshot": 0,
-        "doc_to_text": "", "doc_to_target": "text",
-        "metric_list": [{"metric": m, "aggregation": a, "higher_is_better": False} for m, a in
-                        (("word_perplexity", "weighted_perplexity"), ("byte_perplexity", "weighted_perplexity"),
-                         ("bits_per_byte", "bits_per_byte"))],
+        "task": "tiny_ppl",
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(ppl_path)}},
+        "test_split": "test",
+        "output_type": "loglikelihood_rolling",
+        "num_fewshot": 0,
+        "doc_to_text": "",
+        "doc_to_target": "text",
+        "metric_list": [
+            {"metric": m, "aggregation": a, "higher_is_better": False}
+            for m, a in (
+                ("word_perplexity", "weighted_perplexity"),
+                ("byte_perplexity", "weighted_perplexity"),
+                ("bits_per_byte", "bits_per_byte"),
+            )
+        ],
         "metadata": {"version": TINY_VERSION},
     }
-    return [SuiteTask(cfg["task"], cfg["num_fewshot"], headline, cfg, None, None,
-                      _sha(json.dumps(cfg, sort_keys=True) + _file_sha(Path(path))))
-            for cfg, headline, path in ((mc, "acc", mc_path), (ppl, None, ppl_path))]
+    return [
+        SuiteTask(
+            cfg["task"],
+            cfg["num_fewshot"],
+            headline,
+            cfg,
+            None,
+            None,
+            _sha(json.dumps(cfg, sort_keys=True) + _file_sha(Path(path))),
+        )
+        for cfg, headline, path in ((mc, "acc", mc_path), (ppl, None, ppl_path))
+    ]
 
 
-def tiny_gen_task(tiny_dir: Path, out: Path, n: int = 100, seed: int = 4321, num_fewshot: int = 0) -> SuiteTask:
+def tiny_gen_task(
+    tiny_dir: Path, out: Path, n: int = 100, seed: int = 4321, num_fewshot: int = 0
+) -> SuiteTask:
     """tiny_gen: a held-out document cut after a word; the model continues it greedily (TINY_GEN_TOKS tokens)
     and scores when its first generated word is the document's next word (exact match, lm-eval's
     generate_until with a regex filter)."""
@@ -278,23 +401,42 @@ def tiny_gen_task(tiny_dir: Path, out: Path, n: int = 100, seed: int = 4321, num
         path.parent.mkdir(parents=True, exist_ok=True)
         _write_jsonl(path, gen_items(docs, n, seed))
     cfg = {
-        "task": "tiny_gen", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(path)}},
-        "test_split": "test", "output_type": "generate_until", "num_fewshot": num_fewshot,
-        "doc_to_text": "context", "doc_to_target": "answer", "target_delimiter": "",
+        "task": "tiny_gen",
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(path)}},
+        "test_split": "test",
+        "output_type": "generate_until",
+        "num_fewshot": num_fewshot,
+        "doc_to_text": "context",
+        "doc_to_target": "answer",
+        "target_delimiter": "",
         "generation_kwargs": {"until": ["\n\n"], "max_gen_toks": TINY_GEN_TOKS, "do_sample": False},
-        "filter_list": [{"name": "first-word", "filter": [{"function": "regex", "regex_pattern": FIRST_WORD},
-                                                          {"function": "take_first"}]}],
+        "filter_list": [
+            {
+                "name": "first-word",
+                "filter": [{"function": "regex", "regex_pattern": FIRST_WORD}, {"function": "take_first"}],
+            }
+        ],
         "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
         "metadata": {"version": TINY_VERSION},
     }
-    return SuiteTask("tiny_gen", num_fewshot, None, cfg, None, None,
-                     _sha(json.dumps(cfg, sort_keys=True) + _file_sha(path)))
+    return SuiteTask(
+        "tiny_gen",
+        num_fewshot,
+        None,
+        cfg,
+        None,
+        None,
+        _sha(json.dumps(cfg, sort_keys=True) + _file_sha(path)),
+    )
 
 
 FIRST_WORD = r"^\s*(\S+)"  # tiny_gen's answer: the first word the model writes
 
 
-def gen_items(docs: list[dict[str, Any]], n: int, seed: int, min_ctx: int = 8, max_ctx: int = 40) -> list[dict[str, Any]]:
+def gen_items(
+    docs: list[dict[str, Any]], n: int, seed: int, min_ctx: int = 8, max_ctx: int = 40
+) -> list[dict[str, Any]]:
     """Rows {context, answer, source}: context = a document up to the end of a word, answer = its next word."""
     rng = random.Random(seed)
     order = list(range(len(docs)))
@@ -306,8 +448,14 @@ def gen_items(docs: list[dict[str, Any]], n: int, seed: int, min_ctx: int = 8, m
             continue
         cut = rng.randint(min_ctx, min(max_ctx, len(spans) - 1))
         a, b = spans[cut]
-        rows.append({"context": docs[i]["text"][:spans[cut - 1][1]], "answer": docs[i]["text"][a:b],
-                     "source": [i, a, b], "domain": docs[i].get("domain", "")})
+        rows.append(
+            {
+                "context": docs[i]["text"][: spans[cut - 1][1]],
+                "answer": docs[i]["text"][a:b],
+                "source": [i, a, b],
+                "domain": docs[i].get("domain", ""),
+            }
+        )
         if len(rows) == n:
             break
     if not rows:
@@ -315,8 +463,14 @@ def gen_items(docs: list[dict[str, Any]], n: int, seed: int, min_ctx: int = 8, m
     return rows
 
 
-def mc_items(docs: list[dict[str, Any]], n: int, seed: int, cont_words: int = CONT_WORDS,
-             min_ctx: int = 8, max_ctx: int = 40) -> list[dict[str, Any]]:
+def mc_items(
+    docs: list[dict[str, Any]],
+    n: int,
+    seed: int,
+    cont_words: int = CONT_WORDS,
+    min_ctx: int = 8,
+    max_ctx: int = 40,
+) -> list[dict[str, Any]]:
     """Multiple-choice rows {context, choices, label, sources}; every cut is at a word boundary.
 
     context = doc[:end of word i-1]; correct = doc[end of word i-1 : end of word i+cont_words-1] (so it
@@ -340,7 +494,7 @@ def mc_items(docs: list[dict[str, Any]], n: int, seed: int, cont_words: int = CO
             continue
         cut = rng.randint(min_ctx, min(max_ctx, len(spans[i]) - cont_words))
         text = docs[i]["text"]
-        context = text[:spans[i][cut - 1][1]]
+        context = text[: spans[i][cut - 1][1]]
         correct = (i, spans[i][cut - 1][1], spans[i][cut + cont_words - 1][1])
         choices = [correct]
         for j in rng.sample(pool, len(pool)):
@@ -354,12 +508,21 @@ def mc_items(docs: list[dict[str, Any]], n: int, seed: int, cont_words: int = CO
             continue
         label = rng.randrange(N_CHOICES)
         choices[0], choices[label] = choices[label], choices[0]
-        rows.append({"context": context, "choices": [docs[j]["text"][a:b] for j, a, b in choices], "label": label,
-                     "sources": [list(c) for c in choices], "domain": docs[i].get("domain", "")})
+        rows.append(
+            {
+                "context": context,
+                "choices": [docs[j]["text"][a:b] for j, a, b in choices],
+                "label": label,
+                "sources": [list(c) for c in choices],
+                "domain": docs[i].get("domain", ""),
+            }
+        )
         if len(rows) == n:
             break
     if not rows:
-        raise ValueError(f"the test corpus has too few documents of >= {min_ctx + cont_words} words for tiny_mc")
+        raise ValueError(
+            f"the test corpus has too few documents of >= {min_ctx + cont_words} words for tiny_mc"
+        )
     return rows
 
 
@@ -376,8 +539,10 @@ def builtin_task(entry: dict[str, Any], out: Path) -> SuiteTask:
     leaves, groups = _members(index, name)
     data = entry.get("data_dir"), entry.get("data_files")
     if data[1] is not None and len(leaves) > 1:
-        raise ValueError(f"task {name!r} is a group of {len(leaves)} tasks: use data_dir with one folder per "
-                         "subtask (named by its dataset_name or task name), not data_files")
+        raise ValueError(
+            f"task {name!r} is a group of {len(leaves)} tasks: use data_dir with one folder per "
+            "subtask (named by its dataset_name or task name), not data_files"
+        )
     files: dict[str, dict[str, Any]] = {}
     for leaf in leaves:
         over: dict[str, Any] = {"include": str(index[leaf].yaml_path), "task": leaf, "num_fewshot": nf}
@@ -387,9 +552,12 @@ def builtin_task(entry: dict[str, Any], out: Path) -> SuiteTask:
     for g in groups:
         files[f"{g}.yaml"] = {"include": str(index[g].yaml_path)}
     text = json.dumps(files, sort_keys=True)
-    data_shas = sorted(_file_sha(Path(p)) for f in files.values()
-                       for ps in (f.get("dataset_kwargs") or {}).get("data_files", {}).values()
-                       for p in (ps if isinstance(ps, list) else [ps]))
+    data_shas = sorted(
+        _file_sha(Path(p))
+        for f in files.values()
+        for ps in (f.get("dataset_kwargs") or {}).get("data_files", {}).values()
+        for p in (ps if isinstance(ps, list) else [ps])
+    )
     sha = _sha(text + json.dumps(data_shas) + _lm_eval_version())
     folder = Path(out) / f"{name}-{sha[:16]}"
     if not folder.is_dir():
@@ -425,20 +593,28 @@ def _local_data(name: str, leaf: str, cfg: dict[str, Any], entry: dict[str, Any]
         folders = [root / d for d in (cfg.get("dataset_name"), leaf) if d] + [root]
         for split in {s for s in splits.values() if s}:
             for folder in folders:
-                hits = [folder / f"{split}{ext}" for ext in (".jsonl", ".json") if (folder / f"{split}{ext}").is_file()]
+                hits = [
+                    folder / f"{split}{ext}"
+                    for ext in (".jsonl", ".json")
+                    if (folder / f"{split}{ext}").is_file()
+                ]
                 if hits:
                     found[split] = [str(hits[0])]
                     break
     if eval_split not in found:
-        raise ValueError(f"task {leaf!r}: no local file for its evaluation split {eval_split!r} (expected "
-                         f"{eval_split}.jsonl or {eval_split}.json in data_dir, a data_files entry, or set split)")
+        raise ValueError(
+            f"task {leaf!r}: no local file for its evaluation split {eval_split!r} (expected "
+            f"{eval_split}.jsonl or {eval_split}.json in data_dir, a data_files entry, or set split)"
+        )
     for key, split in splits.items():
         if split and split not in found:
             splits[key] = None
     shots = splits["fewshot_split"] or splits["training_split"] or splits["validation_split"]
     if nf > 0 and (shots is None or shots == eval_split):
-        raise ValueError(f"task {leaf!r}: num_fewshot {nf} needs a local few-shot split "
-                         f"({cfg.get('fewshot_split') or cfg.get('training_split')!r}) besides {eval_split!r}")
+        raise ValueError(
+            f"task {leaf!r}: num_fewshot {nf} needs a local few-shot split "
+            f"({cfg.get('fewshot_split') or cfg.get('training_split')!r}) besides {eval_split!r}"
+        )
     return {"dataset_path": "json", "dataset_name": None, "dataset_kwargs": {"data_files": found}, **splits}
 
 
@@ -454,8 +630,10 @@ def _builtin_index(name: str) -> dict[str, Any]:
     index = _all_builtins()
     if name not in index:
         near = sorted(n for n in index if n.startswith(name[:4]))[:8]
-        raise ValueError(f"unknown lm-eval task {name!r}; paper tasks: {', '.join(BUILTIN_DIRS)}"
-                         + (f"; similar names: {', '.join(near)}" if near else ""))
+        raise ValueError(
+            f"unknown lm-eval task {name!r}; paper tasks: {', '.join(BUILTIN_DIRS)}"
+            + (f"; similar names: {', '.join(near)}" if near else "")
+        )
     return index
 
 
@@ -482,7 +660,9 @@ def _members(index: dict[str, Any], name: str) -> tuple[list[str], list[str]]:
             items = (e.cfg or {}).get("task", [])
             for item in items if isinstance(items, list) else [items]:
                 if isinstance(item, dict):
-                    raise ValueError(f"group {n!r} defines inline tasks; only groups of named tasks are supported")
+                    raise ValueError(
+                        f"group {n!r} defines inline tasks; only groups of named tasks are supported"
+                    )
                 walk(item)
         elif e.kind == Kind.TAG:
             for t in sorted(e.tags):

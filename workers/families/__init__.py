@@ -40,9 +40,19 @@ from workers.families.qwen2_moe import Qwen2MoeAdapter
 from workers.families.qwen3_moe import Qwen3MoeAdapter
 from workers.families.solar_open import SolarOpenAdapter
 
-ADAPTERS: list[FamilyAdapter] = [Qwen3MoeAdapter(), Qwen2MoeAdapter(), MixtralAdapter(), OlmoeAdapter(),
-                                 DeepseekV2Adapter(), DeepseekV3Adapter(), GptOssAdapter(), Glm4MoeAdapter(),
-                                 Dots1Adapter(), MiniMaxM2Adapter(), FlexOlmoAdapter()]
+ADAPTERS: list[FamilyAdapter] = [
+    Qwen3MoeAdapter(),
+    Qwen2MoeAdapter(),
+    MixtralAdapter(),
+    OlmoeAdapter(),
+    DeepseekV2Adapter(),
+    DeepseekV3Adapter(),
+    GptOssAdapter(),
+    Glm4MoeAdapter(),
+    Dots1Adapter(),
+    MiniMaxM2Adapter(),
+    FlexOlmoAdapter(),
+]
 # Cohere2-MoE and the Granite MoE families
 ADAPTERS += [Cohere2MoeAdapter()]
 ADAPTERS += [GraniteMoeAdapter(), GraniteMoeSharedAdapter(), GraniteMoeSWAAdapter()]
@@ -78,10 +88,12 @@ ADAPTERS += [LagunaAdapter()]
 # Beam: the V3 router without shared experts, the routed factor applied by the block
 ADAPTERS += [BeamAdapter()]
 # model types left out on purpose, with what to do instead (checked before any adapter is picked)
-LEFT_OUT = {"aria": "is the multimodal AriaForConditionalGeneration: convert its text model (model_type aria_text, "
-                    "AriaTextForCausalLM built from config.text_config) instead",
-            "llama4": "is the multimodal Llama4ForConditionalGeneration: convert its text model (model_type "
-                      "llama4_text, Llama4ForCausalLM built from config.text_config) instead"}
+LEFT_OUT = {
+    "aria": "is the multimodal AriaForConditionalGeneration: convert its text model (model_type aria_text, "
+    "AriaTextForCausalLM built from config.text_config) instead",
+    "llama4": "is the multimodal Llama4ForConditionalGeneration: convert its text model (model_type "
+    "llama4_text, Llama4ForCausalLM built from config.text_config) instead",
+}
 
 
 def check_left_out(model_type: Any) -> None:
@@ -106,8 +118,10 @@ def get_adapter(model: nn.Module) -> FamilyAdapter:
     for a in ADAPTERS:
         if model_type in a.model_types:
             return a
-    raise ValueError(f"unsupported architecture model_type={model_type!r} ({type(model).__name__}); "
-                     f"supported: {', '.join(supported())}")
+    raise ValueError(
+        f"unsupported architecture model_type={model_type!r} ({type(model).__name__}); "
+        f"supported: {', '.join(supported())}"
+    )
 
 
 def adapter_named(name: str) -> FamilyAdapter:

@@ -28,8 +28,10 @@ from workers.families.fused import FusedMoeAdapter, config_int, copy_config
 
 class AfmoeAdapter(FusedMoeAdapter):
     name = "afmoe"
-    routing = ("sigmoid scores, top-k of scores + the block's expert_bias, unbiased scores renormalized over the k, "
-               "× route_scale; ungated shared experts; num_dense_layers dense layers")
+    routing = (
+        "sigmoid scores, top-k of scores + the block's expert_bias, unbiased scores renormalized over the k, "
+        "× route_scale; ungated shared experts; num_dense_layers dense layers"
+    )
     student = "same class, every layer dense (num_dense_layers = num_hidden_layers)"
     model_types = ("afmoe",)
     block_classes = ("AfmoeSparseMoeBlock",)
@@ -58,8 +60,9 @@ class AfmoeAdapter(FusedMoeAdapter):
     def gate_values(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(logits.float())
 
-    def choice_scores(self, router: nn.Module, logits: torch.Tensor, gate: torch.Tensor,
-                      *router_args: Any) -> torch.Tensor:
+    def choice_scores(
+        self, router: nn.Module, logits: torch.Tensor, gate: torch.Tensor, *router_args: Any
+    ) -> torch.Tensor:
         (bias,) = router_args  # AfmoeTokenChoiceRouter.forward(hidden_states, expert_bias)
         return gate + bias.float()
 
@@ -74,5 +77,10 @@ class AfmoeAdapter(FusedMoeAdapter):
         from transformers import AfmoeConfig
 
         n = teacher.config.num_hidden_layers
-        return copy_config(teacher.config, AfmoeConfig, intermediate_size=int(width), num_dense_layers=n,
-                           output_router_logits=False)
+        return copy_config(
+            teacher.config,
+            AfmoeConfig,
+            intermediate_size=int(width),
+            num_dense_layers=n,
+            output_router_logits=False,
+        )

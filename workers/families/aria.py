@@ -38,8 +38,10 @@ from workers.families.fused import (
 
 class AriaTextAdapter(FusedMoeAdapter):
     name = "aria_text"
-    routing = ("top-k of the logits, softmax over the k (= p renormalized over the k); one ungated shared MLP "
-               "(moe_num_shared_experts × intermediate_size); no dense layers")
+    routing = (
+        "top-k of the logits, softmax over the k (= p renormalized over the k); one ungated shared MLP "
+        "(moe_num_shared_experts × intermediate_size); no dense layers"
+    )
     student = "dense sibling Llama"
     model_types = ("aria_text",)
     block_classes = ("AriaTextMoELayer",)
@@ -49,7 +51,8 @@ class AriaTextAdapter(FusedMoeAdapter):
     unit_layout = TRANSPOSED_UNIT_LAYOUT
     refused_outputs: Mapping[str, str] = {
         "edited": "cannot write an edited checkpoint: its factored experts rebuild the [E, 2I, H] fused layout, "
-                  "Aria's experts are stored transposed, [E, H, 2I]"}
+        "Aria's experts are stored transposed, [E, H, 2I]"
+    }
 
     # --- structure from the config alone -------------------------------------------------------
     def shape_from_config(self, config: Any) -> TeacherShape:
@@ -61,9 +64,15 @@ class AriaTextAdapter(FusedMoeAdapter):
             raise ValueError(f"aria_text config: moe_num_experts={e} builds no routed MoE layer")
         if not 1 <= k <= e:
             raise ValueError(f"aria_text config: moe_topk={k} must be in 1..{e} (moe_num_experts)")
-        return TeacherShape(family=self.name, model_type=model_type, num_experts=e, top_k=k, renormalize=True,
-                            shared_experts=config_int(config, "moe_num_shared_experts"),
-                            moe_layers=len(self.config_moe_layers(config)))
+        return TeacherShape(
+            family=self.name,
+            model_type=model_type,
+            num_experts=e,
+            top_k=k,
+            renormalize=True,
+            shared_experts=config_int(config, "moe_num_shared_experts"),
+            moe_layers=len(self.config_moe_layers(config)),
+        )
 
     def config_renorm(self, config: Any) -> bool:
         return True  # the softmax over the chosen k logits
@@ -90,6 +99,8 @@ class AriaTextAdapter(FusedMoeAdapter):
 
         tc = teacher.config
         if tc.hidden_act not in ("silu", "swish"):
-            raise ValueError(f"aria_text config: hidden_act={tc.hidden_act!r}; the Llama student needs silu "
-                             "(Aria's routed experts are always SiLU)")
+            raise ValueError(
+                f"aria_text config: hidden_act={tc.hidden_act!r}; the Llama student needs silu "
+                "(Aria's routed experts are always SiLU)"
+            )
         return copy_config(tc, LlamaConfig, intermediate_size=int(width), head_dim=int(tc.head_dim))

@@ -21,12 +21,16 @@ class FamilyAdapter(ABC):
     name: str = ""  # e.g. "qwen3_moe"
     model_types: tuple[str, ...] = ()  # config.model_type values this adapter handles
     block_classes: tuple[str, ...] = ()  # MoE block class names (transformers 5.x) this adapter handles
-    routing: str = ""  # the router's semantics, shared experts and dense layers in one line (`moesweep families`)
+    routing: str = (
+        ""  # the router's semantics, shared experts and dense layers in one line (`moesweep families`)
+    )
     student: str = ""  # what the dense student is (a dense sibling class, or the same class with one expert)
     # Outputs (workers.models.outputs.OUTPUTS) a family cannot write, each with the one-line reason; a sweep asking for
     # one is refused before anything runs (orchestrator.configs.build_configs) and so is the conversion.
     refused_outputs: Mapping[str, str] = {}
-    student_ffn_attr: str = "mlp"  # decoder-layer attribute of the dense student's FFN (Llama-4: feed_forward)
+    student_ffn_attr: str = (
+        "mlp"  # decoder-layer attribute of the dense student's FFN (Llama-4: feed_forward)
+    )
 
     # --- structure from the config alone (no model built) ---------------------------------------
     @abstractmethod
@@ -44,8 +48,7 @@ class FamilyAdapter(ABC):
         ...
 
     @abstractmethod
-    def num_experts(self, model: nn.Module) -> int:
-        ...
+    def num_experts(self, model: nn.Module) -> int: ...
 
     @abstractmethod
     def top_k(self, model: nn.Module) -> int:
@@ -73,25 +76,35 @@ class FamilyAdapter(ABC):
         ...
 
     # --- reading and replacing a layer's routing (what calibration and reconstruction hook) ----------
-    def hook_routing(self, model: nn.Module, layer: int,
-                     fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]) -> list[Any]:
+    def hook_routing(
+        self,
+        model: nn.Module,
+        layer: int,
+        fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None],
+    ) -> list[Any]:
         """Call fn(x [T, H] the router's input, p, weights, indices) each time MoE layer `layer` routes
         (p, weights, indices as router_decision gives them). Returns the hook handles (.remove() each).
         Here: a forward hook on router_module reading router_decision(output); a family whose decision is
         not in one module's output (DBRX: the block normalizes the router's logits) overrides this."""
+
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             h = args[0] if args else kwargs["hidden_states"]
             fn(h.reshape(-1, h.shape[-1]), *self.router_decision(output))
+
         return [self.router_module(model, layer).register_forward_hook(hook, with_kwargs=True)]
 
-    def override_routing(self, model: nn.Module, layer: int,
-                         decide: Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
-                                          tuple[torch.Tensor, torch.Tensor]],
-                         allowed: Sequence[int]) -> list[Any]:
+    def override_routing(
+        self,
+        model: nn.Module,
+        layer: int,
+        decide: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        allowed: Sequence[int],
+    ) -> list[Any]:
         """Make MoE layer `layer` apply decide(p, weights, indices) -> (weights′ [T, k′], indices′ [T, k′])
         instead of its own decision (weights′ as the experts multiply them, any constant factor included);
         the router logits it reports are masked to the dtype's minimum outside `allowed`. Returns the hook
         handles. Here: a forward hook replacing the router module's (logits, weights, indices, ...) output."""
+
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             p, w0, i0 = self.router_decision(output)
             w, idx = decide(p, w0, i0)
@@ -100,6 +113,7 @@ class FamilyAdapter(ABC):
             dropped[torch.as_tensor(list(allowed), dtype=torch.long, device=logits.device)] = False
             logits = logits.masked_fill(dropped, torch.finfo(logits.dtype).min)
             return (logits, w.to(w0.dtype), idx.to(i0.dtype), *tuple(output[3:]))
+
         return [self.router_module(model, layer).register_forward_hook(hook, with_kwargs=True)]
 
     @abstractmethod
@@ -163,8 +177,9 @@ class FamilyAdapter(ABC):
 
     # --- routing override (expanded teacher routing k′ during distillation) ----------------
     @abstractmethod
-    def routing_top_k(self, model: nn.Module, k: int,
-                      renormalize: bool | None = None) -> AbstractContextManager[None]:
+    def routing_top_k(
+        self, model: nn.Module, k: int, renormalize: bool | None = None
+    ) -> AbstractContextManager[None]:
         """Within the block, every MoE layer routes each token to its top-k experts (paper §4.3,
         Eq. 6): weights p_e of the chosen k, renormalized over them iff `renormalize` (None: the
         architecture's own rule). Restores the model on exit; never copies it."""
@@ -197,8 +212,13 @@ class FamilyAdapter(ABC):
         ...
 
     @abstractmethod
-    def build_student(self, teacher: nn.Module, ffns: dict[int, DenseFFN], share_weights: bool = False,
-                      shared_scale: Mapping[int, float] | None = None) -> nn.Module:
+    def build_student(
+        self,
+        teacher: nn.Module,
+        ffns: dict[int, DenseFFN],
+        share_weights: bool = False,
+        shared_scale: Mapping[int, float] | None = None,
+    ) -> nn.Module:
         """A dense HF model: attention, embeddings and norms from the teacher; layer l's FFN
         from ffns[l] (plus shared experts, times shared_scale[l] where given, else 1.0); dense teacher
         layers zero-padded to the same width. share_weights=True reuses the teacher's tensors instead of

@@ -21,9 +21,11 @@ from workers.families.mimo_v2_flash import MiMoV2FlashAdapter
 
 class BeamAdapter(BlockScaledRouting, MiMoV2FlashAdapter):
     name = "beam"
-    routing = ("sigmoid scores, group-limited top-k of scores + e_score_correction_bias (groups ranked by their "
-               "top-2 sum), unbiased scores renormalized iff norm_topk_prob; the block multiplies the routed sum "
-               "by routed_scaling_factor; no shared experts; dense layers by mlp_layer_types")
+    routing = (
+        "sigmoid scores, group-limited top-k of scores + e_score_correction_bias (groups ranked by their "
+        "top-2 sum), unbiased scores renormalized iff norm_topk_prob; the block multiplies the routed sum "
+        "by routed_scaling_factor; no shared experts; dense layers by mlp_layer_types"
+    )
     student = "same class, every layer dense (mlp_layer_types all 'dense')"
     model_types = ("beam",)
     block_classes = ("BeamMoE",)

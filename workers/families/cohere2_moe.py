@@ -45,11 +45,15 @@ def check_softmax(fn: str) -> None:
 
 class Cohere2MoeAdapter(FusedMoeAdapter):
     name = "cohere2_moe"
-    routing = ("top-k of the logits, softmax over the k (= p renormalized over the k; the sigmoid router is "
-               "refused); ungated shared experts summed or averaged with the routed output; dense layers by "
-               "mlp_layer_types")
-    student = ("same class, every layer dense (or, where RoPE differs across full-attention layers, MoE layers "
-               "with one expert and top-1)")
+    routing = (
+        "top-k of the logits, softmax over the k (= p renormalized over the k; the sigmoid router is "
+        "refused); ungated shared experts summed or averaged with the routed output; dense layers by "
+        "mlp_layer_types"
+    )
+    student = (
+        "same class, every layer dense (or, where RoPE differs across full-attention layers, MoE layers "
+        "with one expert and top-1)"
+    )
     model_types = ("cohere2_moe",)
     block_classes = ("Cohere2MoeSparseMoeBlock",)
     shared_attr = "shared_experts"
@@ -96,26 +100,49 @@ class Cohere2MoeAdapter(FusedMoeAdapter):
         """Whether each full-attention layer of the teacher applies RoPE (dense layers with
         prefix_dense_sliding_window_pattern = 1 force it), as a set over those layers."""
         forced = config.prefix_dense_sliding_window_pattern == 1
-        return {forced and m == "dense"
-                for t, m in zip(config.layer_types, config.mlp_layer_types, strict=True) if t == "full_attention"}
+        return {
+            forced and m == "dense"
+            for t, m in zip(config.layer_types, config.mlp_layer_types, strict=True)
+            if t == "full_attention"
+        }
 
     def student_config(self, teacher: nn.Module, width: int) -> Any:
         from transformers import Cohere2MoeConfig
 
         tc = teacher.config
         rope = self.full_attention_rope(tc)
-        common = dict(intermediate_size=int(width), prefix_dense_intermediate_size=int(width), num_shared_experts=0,
-                      layer_types=list(tc.layer_types), output_router_logits=False)
-        if len(rope) == 2:  # no all-dense config keeps both: MoE layers with one expert, top-1 (module docstring)
-            cfg = copy_config(tc, Cohere2MoeConfig, num_experts=1, num_experts_per_tok=1,
-                              expert_selection_fn="softmax", mlp_layer_types=list(tc.mlp_layer_types), **common)
+        common = dict(
+            intermediate_size=int(width),
+            prefix_dense_intermediate_size=int(width),
+            num_shared_experts=0,
+            layer_types=list(tc.layer_types),
+            output_router_logits=False,
+        )
+        if (
+            len(rope) == 2
+        ):  # no all-dense config keeps both: MoE layers with one expert, top-1 (module docstring)
+            cfg = copy_config(
+                tc,
+                Cohere2MoeConfig,
+                num_experts=1,
+                num_experts_per_tok=1,
+                expert_selection_fn="softmax",
+                mlp_layer_types=list(tc.mlp_layer_types),
+                **common,
+            )
             cfg._experts_implementation = tc._experts_implementation
             return cfg
-        return copy_config(tc, Cohere2MoeConfig, mlp_layer_types=["dense"] * tc.num_hidden_layers,
-                           prefix_dense_sliding_window_pattern=1 if rope == {True} else 2, **common)
+        return copy_config(
+            tc,
+            Cohere2MoeConfig,
+            mlp_layer_types=["dense"] * tc.num_hidden_layers,
+            prefix_dense_sliding_window_pattern=1 if rope == {True} else 2,
+            **common,
+        )
 
-    def layer_ffns(self, teacher: nn.Module, ffns: dict[int, DenseFFN],
-                   shared_scale: Mapping[int, float] | None = None) -> list[DenseFFN]:
+    def layer_ffns(
+        self, teacher: nn.Module, ffns: dict[int, DenseFFN], shared_scale: Mapping[int, float] | None = None
+    ) -> list[DenseFFN]:
         """As FusedMoeAdapter's, each MoE layer's FFN × ½ where the block averages routed and shared output."""
         out = super().layer_ffns(teacher, ffns, shared_scale)
         if not self.averaged(teacher):
@@ -123,8 +150,13 @@ class Cohere2MoeAdapter(FusedMoeAdapter):
         moe = set(self.moe_layers(teacher))
         return [scale_ffn(f, 0.5) if layer in moe else f for layer, f in enumerate(out)]
 
-    def build_student(self, teacher: nn.Module, ffns: dict[int, DenseFFN], share_weights: bool = False,
-                      shared_scale: Mapping[int, float] | None = None) -> nn.Module:
+    def build_student(
+        self,
+        teacher: nn.Module,
+        ffns: dict[int, DenseFFN],
+        share_weights: bool = False,
+        shared_scale: Mapping[int, float] | None = None,
+    ) -> nn.Module:
         per_layer = self.layer_ffns(teacher, ffns, shared_scale)
         cfg = self.student_config(teacher, per_layer[0].width)
         tensors: dict[str, torch.Tensor] = {}
@@ -135,8 +167,12 @@ class Cohere2MoeAdapter(FusedMoeAdapter):
             if f.gate_bias is not None or f.up_bias is not None or f.down_bias is not None:
                 raise ValueError(f"layer {layer}: Cohere2-MoE experts have no biases, the FFN has some")
             pre = f"model.layers.{layer}.mlp."
-            tensors.update({pre + "gate.weight": f.gate.new_zeros(1, f.gate.shape[1]),
-                            pre + "experts.gate_up_proj": torch.cat([f.gate, f.up], dim=0)[None],
-                            pre + "experts.down_proj": f.down[None]})
+            tensors.update(
+                {
+                    pre + "gate.weight": f.gate.new_zeros(1, f.gate.shape[1]),
+                    pre + "experts.gate_up_proj": torch.cat([f.gate, f.up], dim=0)[None],
+                    pre + "experts.down_proj": f.down[None],
+                }
+            )
         ffn_prefixes = tuple(f"model.layers.{i}.mlp." for i in range(len(per_layer)))
         return assemble(cfg, teacher, tensors, ffn_prefixes, share_weights)

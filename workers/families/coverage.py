@@ -35,7 +35,7 @@ def left_out(readme_text: str) -> set[str]:
     """The model types the README's left-out list names (a "use `x`" pointer at a supported family is not one)."""
     start = readme_text.index(LEFT_OUT_HEADING)
     section = readme_text[start:]
-    section = section[:section.index("\n\n", section.index("\n- "))]
+    section = section[: section.index("\n\n", section.index("\n- "))]
     section = re.sub(r"use `[a-z0-9_]+`", "", section)
     return set(re.findall(r"`([a-z0-9_]+)`", section))
 

@@ -45,15 +45,19 @@ def check_norm(value: Any) -> bool:
         return False
     if not isinstance(value, bool) and isinstance(value, int | float) and value == 1:
         return True
-    raise ValueError(f"dbrx ffn_config.moe_normalize_expert_weights={value!r}; allowed: None (raw p), "
-                     "1 (renormalized over the k)")
+    raise ValueError(
+        f"dbrx ffn_config.moe_normalize_expert_weights={value!r}; allowed: None (raw p), "
+        "1 (renormalized over the k)"
+    )
 
 
 class DbrxAdapter(FusedMoeAdapter):
     name = "dbrx"
-    routing = ("softmax over E, top-k, divided by the k's L1 norm iff ffn_config.moe_normalize_expert_weights=1 "
-               "(None: raw p; other norms refused); router returns logits only; no shared experts, no dense "
-               "layers")
+    routing = (
+        "softmax over E, top-k, divided by the k's L1 norm iff ffn_config.moe_normalize_expert_weights=1 "
+        "(None: raw p; other norms refused); router returns logits only; no shared experts, no dense "
+        "layers"
+    )
     student = "same class, one expert, top-1"
     model_types = ("dbrx",)
     block_classes = ("DbrxFFN",)
@@ -64,8 +68,10 @@ class DbrxAdapter(FusedMoeAdapter):
     # in the [E, I, H] views of w1/v1/w2 the intermediate units are the rows (axis 1)
     unit_layout = {name: (1, "plain") for name in EXPERT_TENSORS}
     experts_key = "ffn_config.moe_num_experts"
-    refused_outputs = {"edited": "cannot write an edited MoE: its experts keep w1/v1/w2 as [E·I, H] matrices, "
-                                 "not the fused gate_up_proj/down_proj the edited experts rebuild"}
+    refused_outputs = {
+        "edited": "cannot write an edited MoE: its experts keep w1/v1/w2 as [E·I, H] matrices, "
+        "not the fused gate_up_proj/down_proj the edited experts rebuild"
+    }
 
     # --- structure from the config alone ----------------------------------------------------------
     def shape_from_config(self, config: Any) -> TeacherShape:
@@ -76,13 +82,22 @@ class DbrxAdapter(FusedMoeAdapter):
         e, k = config_int(ffn, "moe_num_experts"), config_int(ffn, "moe_top_k")
         layers = config_int(config, "num_hidden_layers")
         if e < 1 or layers < 1:
-            raise ValueError(f"dbrx config: ffn_config.moe_num_experts={e}, n_layers={layers} build no routed MoE "
-                             "layer")
+            raise ValueError(
+                f"dbrx config: ffn_config.moe_num_experts={e}, n_layers={layers} build no routed MoE layer"
+            )
         if not 1 <= k <= e:
-            raise ValueError(f"dbrx config: ffn_config.moe_top_k={k} must be in 1..{e} (ffn_config.moe_num_experts)")
-        return TeacherShape(family=self.name, model_type=model_type, num_experts=e, top_k=k,
-                            renormalize=check_norm(ffn.moe_normalize_expert_weights), shared_experts=0,
-                            moe_layers=layers)
+            raise ValueError(
+                f"dbrx config: ffn_config.moe_top_k={k} must be in 1..{e} (ffn_config.moe_num_experts)"
+            )
+        return TeacherShape(
+            family=self.name,
+            model_type=model_type,
+            num_experts=e,
+            top_k=k,
+            renormalize=check_norm(ffn.moe_normalize_expert_weights),
+            shared_experts=0,
+            moe_layers=layers,
+        )
 
     # --- structure -------------------------------------------------------------------------------
     def layers(self, model: nn.Module) -> nn.ModuleList:
@@ -95,18 +110,28 @@ class DbrxAdapter(FusedMoeAdapter):
         return int(self._first(model).top_k)
 
     def renormalized(self, model: nn.Module) -> bool:
-        flags = {check_norm(self.block(model, i).moe_normalize_expert_weights) for i in self.moe_layers(model)}
+        flags = {
+            check_norm(self.block(model, i).moe_normalize_expert_weights) for i in self.moe_layers(model)
+        }
         if len(flags) != 1:
-            raise ValueError("dbrx blocks differ in moe_normalize_expert_weights; one rule per model is supported")
+            raise ValueError(
+                "dbrx blocks differ in moe_normalize_expert_weights; one rule per model is supported"
+            )
         return flags.pop()
 
     def router_decision(self, output: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        raise ValueError("dbrx: the router returns logits alone (the block picks and normalizes the top-k); "
-                         "read the decision through hook_routing")
+        raise ValueError(
+            "dbrx: the router returns logits alone (the block picks and normalizes the top-k); "
+            "read the decision through hook_routing"
+        )
 
     # --- reading and replacing the decision --------------------------------------------------------
-    def _routing_hooks(self, model: nn.Module, layer: int,
-                       on_experts: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Any]) -> list[Any]:
+    def _routing_hooks(
+        self,
+        model: nn.Module,
+        layer: int,
+        on_experts: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Any],
+    ) -> list[Any]:
         """A router hook keeping p = softmax(logits) (float32 at least) and a pre-hook on the experts calling
         on_experts(x [T, H], p, weights, indices) with the arguments the experts receive; its return value,
         where not None, replaces (weights, indices)."""
@@ -128,22 +153,32 @@ class DbrxAdapter(FusedMoeAdapter):
             w2, idx2 = replaced
             return (h,), {"top_k_index": idx2.to(idx.dtype), "top_k_weights": w2.to(w.dtype)}
 
-        return [block.router.register_forward_hook(router_hook),
-                block.experts.register_forward_pre_hook(experts_hook, with_kwargs=True)]
+        return [
+            block.router.register_forward_hook(router_hook),
+            block.experts.register_forward_pre_hook(experts_hook, with_kwargs=True),
+        ]
 
-    def hook_routing(self, model: nn.Module, layer: int,
-                     fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]) -> list[Any]:
+    def hook_routing(
+        self,
+        model: nn.Module,
+        layer: int,
+        fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None],
+    ) -> list[Any]:
         """fn(x, p, weights, indices): p from the router's logits, weights and indices as the experts receive
         them (never recomputed)."""
+
         def call(x: torch.Tensor, p: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> None:
             fn(x, p, w, idx)
 
         return self._routing_hooks(model, layer, call)
 
-    def override_routing(self, model: nn.Module, layer: int,
-                         decide: Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
-                                          tuple[torch.Tensor, torch.Tensor]],
-                         allowed: Sequence[int]) -> list[Any]:
+    def override_routing(
+        self,
+        model: nn.Module,
+        layer: int,
+        decide: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        allowed: Sequence[int],
+    ) -> list[Any]:
         """The experts receive decide(p, weights, indices) instead of the block's decision. The router logits are
         not masked to `allowed` (module docstring: nothing else in the model's forward reads them)."""
         return self._routing_hooks(model, layer, lambda x, p, w, idx: decide(p, w, idx))
@@ -231,12 +266,20 @@ class DbrxAdapter(FusedMoeAdapter):
     def student_ffn_params(self, layer: int, ffn: DenseFFN) -> dict[str, torch.Tensor]:
         if ffn.gate_bias is not None or ffn.up_bias is not None or ffn.down_bias is not None:
             raise ValueError(f"layer {layer}: dbrx experts have no biases, the FFN has some")
-        return {self._name(layer, "router.layer.weight"): ffn.gate.new_zeros(1, ffn.gate.shape[1]),
-                self._name(layer, "experts.mlp.w1"): ffn.gate, self._name(layer, "experts.mlp.v1"): ffn.up,
-                self._name(layer, "experts.mlp.w2"): ffn.down.T}
+        return {
+            self._name(layer, "router.layer.weight"): ffn.gate.new_zeros(1, ffn.gate.shape[1]),
+            self._name(layer, "experts.mlp.w1"): ffn.gate,
+            self._name(layer, "experts.mlp.v1"): ffn.up,
+            self._name(layer, "experts.mlp.w2"): ffn.down.T,
+        }
 
-    def build_student(self, teacher: nn.Module, ffns: dict[int, DenseFFN], share_weights: bool = False,
-                      shared_scale: Mapping[int, float] | None = None) -> nn.Module:
+    def build_student(
+        self,
+        teacher: nn.Module,
+        ffns: dict[int, DenseFFN],
+        share_weights: bool = False,
+        shared_scale: Mapping[int, float] | None = None,
+    ) -> nn.Module:
         self.renormalized(teacher)
         per_layer = self.layer_ffns(teacher, ffns, shared_scale)
         cfg = self.student_config(teacher, per_layer[0].width)

@@ -78,8 +78,10 @@ class _DeepseekAdapter(FusedMoeAdapter):
         if e_new % n_group or e_new // n_group < self.min_group or topk_group * (e_new // n_group) < k:
             return False
         size = E // n_group
-        return all(sorted(e // size for e in ids) == sorted(list(range(n_group)) * (e_new // n_group))
-                   for ids in kept.values())
+        return all(
+            sorted(e // size for e in ids) == sorted(list(range(n_group)) * (e_new // n_group))
+            for ids in kept.values()
+        )
 
     def pruned_config(self, model: nn.Module, kept: dict[int, list[int]]) -> Any:
         cfg = super().pruned_config(model, kept)
@@ -89,8 +91,10 @@ class _DeepseekAdapter(FusedMoeAdapter):
 
     def check_group_size(self, cfg: Any, e_new: int) -> Any:
         if self.group_limited(cfg) and e_new // cfg.n_group < self.min_group:
-            raise ValueError(f"{self.name}: its group score needs >= {self.min_group} experts per group; "
-                             f"kept {e_new} experts")
+            raise ValueError(
+                f"{self.name}: its group score needs >= {self.min_group} experts per group; "
+                f"kept {e_new} experts"
+            )
         return cfg
 
     def merged_groups_survive(self, config: Any, merged: Mapping[int, MergedLayer]) -> bool:
@@ -119,9 +123,11 @@ class _DeepseekAdapter(FusedMoeAdapter):
 
 class DeepseekV2Adapter(_DeepseekAdapter):
     name = "deepseek_v2"
-    routing = ("softmax over E, greedy or group-limited top-k (groups ranked by their max), × "
-               "routed_scaling_factor, never renormalized; ungated shared experts; first_k_dense_replace "
-               "dense layers")
+    routing = (
+        "softmax over E, greedy or group-limited top-k (groups ranked by their max), × "
+        "routed_scaling_factor, never renormalized; ungated shared experts; first_k_dense_replace "
+        "dense layers"
+    )
     student = "same class, every layer dense (first_k_dense_replace = num_hidden_layers)"
     model_types = ("deepseek_v2",)
     block_classes = ("DeepseekV2Moe",)
@@ -139,19 +145,31 @@ class DeepseekV2Adapter(_DeepseekAdapter):
         from transformers import DeepseekV2Config
 
         n = teacher.config.num_hidden_layers
-        return copy_config(teacher.config, DeepseekV2Config, intermediate_size=int(width),
-                           first_k_dense_replace=n, output_router_logits=False)
+        return copy_config(
+            teacher.config,
+            DeepseekV2Config,
+            intermediate_size=int(width),
+            first_k_dense_replace=n,
+            output_router_logits=False,
+        )
 
 
 class DeepseekV3Adapter(_DeepseekAdapter):
     name = "deepseek_v3"
-    routing = ("sigmoid scores, group-limited top-k of scores + e_score_correction_bias (groups ranked by their "
-               "top-2 sum), unbiased scores renormalized iff norm_topk_prob, × routed_scaling_factor; ungated "
-               "shared experts; first_k_dense_replace dense layers")
+    routing = (
+        "sigmoid scores, group-limited top-k of scores + e_score_correction_bias (groups ranked by their "
+        "top-2 sum), unbiased scores renormalized iff norm_topk_prob, × routed_scaling_factor; ungated "
+        "shared experts; first_k_dense_replace dense layers"
+    )
     student = "same class, every layer dense (first_k_dense_replace = num_hidden_layers)"
     model_types = ("deepseek_v3",)
     block_classes = ("DeepseekV3MoE",)
-    expert_tensors = ("gate.weight", "gate.e_score_correction_bias", "experts.gate_up_proj", "experts.down_proj")
+    expert_tensors = (
+        "gate.weight",
+        "gate.e_score_correction_bias",
+        "experts.gate_up_proj",
+        "experts.down_proj",
+    )
     min_group = 2
 
     def native_renorm(self, router: nn.Module) -> bool:
@@ -167,5 +185,10 @@ class DeepseekV3Adapter(_DeepseekAdapter):
         from transformers import DeepseekV3Config
 
         n = teacher.config.num_hidden_layers
-        return copy_config(teacher.config, DeepseekV3Config, intermediate_size=int(width),
-                           first_k_dense_replace=n, output_router_logits=False)
+        return copy_config(
+            teacher.config,
+            DeepseekV3Config,
+            intermediate_size=int(width),
+            first_k_dense_replace=n,
+            output_router_logits=False,
+        )

@@ -20,9 +20,11 @@ from workers.families.glm4_moe_lite import Glm4MoeLiteAdapter
 
 class DeepseekV32Adapter(Glm4MoeLiteAdapter):
     name = "deepseek_v32"
-    routing = ("as deepseek_v3 (sigmoid router + e_score_correction_bias, group-limited, renormalized iff "
-               "norm_topk_prob, × routed_scaling_factor; ungated shared experts); dense layers by mlp_layer_types; "
-               "DSA-indexer attention")
+    routing = (
+        "as deepseek_v3 (sigmoid router + e_score_correction_bias, group-limited, renormalized iff "
+        "norm_topk_prob, × routed_scaling_factor; ungated shared experts); dense layers by mlp_layer_types; "
+        "DSA-indexer attention"
+    )
     student = "same class, every layer dense (mlp_layer_types all 'dense', first_k_dense_replace = n)"
     model_types = ("deepseek_v32",)
     block_classes = ("DeepseekV32MoE",)

@@ -28,9 +28,11 @@ from workers.families.glm4_moe_lite import Glm4MoeLiteAdapter
 
 class Dots3NoteAdapter(Glm4MoeLiteAdapter):
     name = "dots3_note_text"
-    routing = ("as glm4_moe_lite (V3 sigmoid router, group-limited, renormalized iff norm_topk_prob, "
-               "× routed_scaling_factor; ungated shared experts; dense layers by mlp_layer_types); MLA attention "
-               "with a DSA indexer or a sliding window per layer")
+    routing = (
+        "as glm4_moe_lite (V3 sigmoid router, group-limited, renormalized iff norm_topk_prob, "
+        "× routed_scaling_factor; ungated shared experts; dense layers by mlp_layer_types); MLA attention "
+        "with a DSA indexer or a sliding window per layer"
+    )
     model_types = ("dots3_note_text",)
     block_classes = ("Dots3NoteTextMoE",)
     config_class = "Dots3NoteTextConfig"

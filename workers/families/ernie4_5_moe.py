@@ -38,9 +38,11 @@ _BIAS = "gate.moe_statics.e_score_correction_bias"
 
 class Ernie45MoeAdapter(FusedMoeAdapter):
     name = "ernie4_5_moe"
-    routing = ("softmax p over E, top-k of p + the router's [1, E] e_score_correction_bias (frozen), p of the k "
-               "always renormalized; ungated shared experts; dense layers outside moe_layer_start/end_index, "
-               "moe_layer_interval")
+    routing = (
+        "softmax p over E, top-k of p + the router's [1, E] e_score_correction_bias (frozen), p of the k "
+        "always renormalized; ungated shared experts; dense layers outside moe_layer_start/end_index, "
+        "moe_layer_interval"
+    )
     student = "Ernie4_5 (dense sibling)"
     model_types = ("ernie4_5_moe",)
     block_classes = ("Ernie4_5_MoeSparseMoeBlock",)
@@ -51,7 +53,10 @@ class Ernie45MoeAdapter(FusedMoeAdapter):
 
     def config_moe_layers(self, config: Any) -> list[int]:
         n = config_int(config, "num_hidden_layers")
-        start, interval = config_int(config, "moe_layer_start_index"), config_int(config, "moe_layer_interval")
+        start, interval = (
+            config_int(config, "moe_layer_start_index"),
+            config_int(config, "moe_layer_interval"),
+        )
         end = config_int(config, "moe_layer_end_index")
         end = n - 1 if end == -1 else end
         if interval < 1:
@@ -85,8 +90,9 @@ class Ernie45MoeAdapter(FusedMoeAdapter):
     def native_renorm(self, router: nn.Module) -> bool:
         return True
 
-    def choice_scores(self, router: nn.Module, logits: torch.Tensor, gate: torch.Tensor,
-                      *router_args: Any) -> torch.Tensor:
+    def choice_scores(
+        self, router: nn.Module, logits: torch.Tensor, gate: torch.Tensor, *router_args: Any
+    ) -> torch.Tensor:
         return gate + router.moe_statics.e_score_correction_bias.float().reshape(-1)
 
     # --- student ----------------------------------------------------------------------------

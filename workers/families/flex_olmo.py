@@ -26,5 +26,10 @@ class FlexOlmoAdapter(FusedMoeAdapter):
         from transformers import Olmo2Config
 
         tc = teacher.config
-        return copy_config(tc, Olmo2Config, intermediate_size=int(width),
-                           rope_parameters=dict(tc.rope_parameters), rms_norm_eps=tc.rms_norm_eps)
+        return copy_config(
+            tc,
+            Olmo2Config,
+            intermediate_size=int(width),
+            rope_parameters=dict(tc.rope_parameters),
+            rms_norm_eps=tc.rms_norm_eps,
+        )

@@ -27,8 +27,10 @@ from workers.families.qwen3_moe import Qwen3MoeAdapter
 
 class FlintAdapter(Qwen3MoeAdapter):
     name = "flint"
-    routing = ("sigmoid scores (no correction bias), top-k, renormalized iff norm_topk_prob; one ungated shared "
-               "expert; dense layers by mlp_only_layers / decoder_sparse_step")
+    routing = (
+        "sigmoid scores (no correction bias), top-k, renormalized iff norm_topk_prob; one ungated shared "
+        "expert; dense layers by mlp_only_layers / decoder_sparse_step"
+    )
     student = "same class, every layer dense (mlp_only_layers = all layers)"
     model_types = ("flint",)
     block_classes = ("FlintSparseMoeBlock",)
@@ -48,5 +50,10 @@ class FlintAdapter(Qwen3MoeAdapter):
         from transformers import FlintConfig
 
         n = config_int(teacher.config, "num_hidden_layers")
-        return copy_config(teacher.config, FlintConfig, intermediate_size=int(width),
-                           mlp_only_layers=list(range(n)), output_router_logits=False)
+        return copy_config(
+            teacher.config,
+            FlintConfig,
+            intermediate_size=int(width),
+            mlp_only_layers=list(range(n)),
+            output_router_logits=False,
+        )

@@ -47,8 +47,17 @@ def _with_zero_biases(a: DenseFFN, b: DenseFFN) -> tuple[DenseFFN, DenseFFN]:
         for name, n in (("gate_bias", x.width), ("up_bias", x.width), ("down_bias", x.down.shape[0])):
             need = getattr(a, name) is not None or getattr(b, name) is not None
             kw[name] = getattr(x, name) if getattr(x, name) is not None or not need else x.gate.new_zeros(n)
-        out.append(DenseFFN(gate=x.gate, up=x.up, down=x.down, act=x.act, act_alpha=x.act_alpha,
-                            act_limit=x.act_limit, **kw))
+        out.append(
+            DenseFFN(
+                gate=x.gate,
+                up=x.up,
+                down=x.down,
+                act=x.act,
+                act_alpha=x.act_alpha,
+                act_limit=x.act_limit,
+                **kw,
+            )
+        )
     return out[0], out[1]
 
 
@@ -64,9 +73,17 @@ def stack_ffns(a: DenseFFN, b: DenseFFN) -> DenseFFN:
 
 def scale_ffn(ffn: DenseFFN, scale: float) -> DenseFFN:
     """scale · ffn(h): the down projection (and its bias) multiplied by `scale` (new tensors)."""
-    return DenseFFN(gate=ffn.gate, up=ffn.up, down=ffn.down * scale, gate_bias=ffn.gate_bias, up_bias=ffn.up_bias,
-                    down_bias=None if ffn.down_bias is None else ffn.down_bias * scale, act=ffn.act,
-                    act_alpha=ffn.act_alpha, act_limit=ffn.act_limit)
+    return DenseFFN(
+        gate=ffn.gate,
+        up=ffn.up,
+        down=ffn.down * scale,
+        gate_bias=ffn.gate_bias,
+        up_bias=ffn.up_bias,
+        down_bias=None if ffn.down_bias is None else ffn.down_bias * scale,
+        act=ffn.act,
+        act_alpha=ffn.act_alpha,
+        act_limit=ffn.act_limit,
+    )
 
 
 def pad_ffn(ffn: DenseFFN, width: int) -> DenseFFN:
@@ -81,9 +98,17 @@ def pad_ffn(ffn: DenseFFN, width: int) -> DenseFFN:
         return None if t is None else torch.cat([t, t.new_zeros(extra, *t.shape[1:])], dim=0)
 
     down = torch.cat([ffn.down, ffn.down.new_zeros(ffn.down.shape[0], extra)], dim=1)
-    return DenseFFN(gate=rows(ffn.gate), up=rows(ffn.up), down=down, gate_bias=rows(ffn.gate_bias),
-                    up_bias=rows(ffn.up_bias), down_bias=ffn.down_bias, act=ffn.act,
-                    act_alpha=ffn.act_alpha, act_limit=ffn.act_limit)
+    return DenseFFN(
+        gate=rows(ffn.gate),
+        up=rows(ffn.up),
+        down=down,
+        gate_bias=rows(ffn.gate_bias),
+        up_bias=rows(ffn.up_bias),
+        down_bias=ffn.down_bias,
+        act=ffn.act,
+        act_alpha=ffn.act_alpha,
+        act_limit=ffn.act_limit,
+    )
 
 
 def linear_ffn(mlp: nn.Module) -> DenseFFN:
@@ -94,17 +119,24 @@ def linear_ffn(mlp: nn.Module) -> DenseFFN:
     def bias(lin: nn.Linear) -> torch.Tensor | None:
         return None if lin.bias is None else lin.bias.detach()
 
-    return DenseFFN(gate=mlp.gate_proj.weight.detach(), up=mlp.up_proj.weight.detach(),
-                    down=mlp.down_proj.weight.detach(), gate_bias=bias(mlp.gate_proj),
-                    up_bias=bias(mlp.up_proj), down_bias=bias(mlp.down_proj))
+    return DenseFFN(
+        gate=mlp.gate_proj.weight.detach(),
+        up=mlp.up_proj.weight.detach(),
+        down=mlp.down_proj.weight.detach(),
+        gate_bias=bias(mlp.gate_proj),
+        up_bias=bias(mlp.up_proj),
+        down_bias=bias(mlp.down_proj),
+    )
 
 
 def config_int(config: Any, key: str) -> int:
     """An integer field of a model config (ValueError naming the field otherwise, e.g. a None default)."""
     value = getattr(config, key, None)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{getattr(config, 'model_type', type(config).__name__)} config: {key}={value!r}, "
-                         "expected an integer")
+        raise ValueError(
+            f"{getattr(config, 'model_type', type(config).__name__)} config: {key}={value!r}, "
+            "expected an integer"
+        )
     return value
 
 
@@ -123,8 +155,12 @@ def transposed_expert_weights(experts: nn.Module, input_scaled: bool = False) ->
     _check_silu(experts.act_fn)
     gu = experts.gate_up_proj.detach()
     i = gu.shape[2] // 2
-    return ExpertWeights(gate=gu[:, :, :i].transpose(1, 2), up=gu[:, :, i:].transpose(1, 2),
-                         down=experts.down_proj.detach().transpose(1, 2), input_scaled=input_scaled)
+    return ExpertWeights(
+        gate=gu[:, :, :i].transpose(1, 2),
+        up=gu[:, :, i:].transpose(1, 2),
+        down=experts.down_proj.detach().transpose(1, 2),
+        input_scaled=input_scaled,
+    )
 
 
 class FusedMoeAdapter(FamilyAdapter):
@@ -136,8 +172,10 @@ class FusedMoeAdapter(FamilyAdapter):
     # Per expert tensor (not the router's): the axis of its intermediate units in the full [E, ...] tensor
     # and their layout ("halves": gate units then up units, "interleaved": gate 0::2 / up 1::2, "plain":
     # one entry per unit); None for a tensor without an intermediate axis. Used to permute units.
-    unit_layout: Mapping[str, tuple[int, str] | None] = {"experts.gate_up_proj": (1, "halves"),
-                                                          "experts.down_proj": (2, "plain")}
+    unit_layout: Mapping[str, tuple[int, str] | None] = {
+        "experts.gate_up_proj": (1, "halves"),
+        "experts.down_proj": (2, "plain"),
+    }
     # Expert tensors whose expert axis is not 0 (relative name → axis), e.g. ERNIE-4.5's [1, E] correction bias:
     # sliced (pruned MoE) and combined (merged MoE) along that axis.
     expert_axis: Mapping[str, int] = {}
@@ -168,20 +206,31 @@ class FusedMoeAdapter(FamilyAdapter):
     def shape_from_config(self, config: Any) -> TeacherShape:
         model_type = getattr(config, "model_type", None)
         if model_type not in self.model_types:
-            raise ValueError(f"config model_type={model_type!r}: the {self.name} adapter handles "
-                             f"{', '.join(self.model_types)}")
+            raise ValueError(
+                f"config model_type={model_type!r}: the {self.name} adapter handles "
+                f"{', '.join(self.model_types)}"
+            )
         e = config_int(config, self.experts_key)
         k = config_int(config, "num_experts_per_tok")
         layers = self.config_moe_layers(config)
         if e < 1 or not layers:
-            raise ValueError(f"{model_type} config: {self.experts_key}={e} builds no routed MoE layer "
-                             f"(of {config_int(config, 'num_hidden_layers')} layers)")
+            raise ValueError(
+                f"{model_type} config: {self.experts_key}={e} builds no routed MoE layer "
+                f"(of {config_int(config, 'num_hidden_layers')} layers)"
+            )
         if not 1 <= k <= e:
-            raise ValueError(f"{model_type} config: num_experts_per_tok={k} must be in 1..{e} "
-                             f"({self.experts_key})")
-        return TeacherShape(family=self.name, model_type=model_type, num_experts=e, top_k=k,
-                            renormalize=self.config_renorm(config),
-                            shared_experts=self.config_shared_experts(config), moe_layers=len(layers))
+            raise ValueError(
+                f"{model_type} config: num_experts_per_tok={k} must be in 1..{e} ({self.experts_key})"
+            )
+        return TeacherShape(
+            family=self.name,
+            model_type=model_type,
+            num_experts=e,
+            top_k=k,
+            renormalize=self.config_renorm(config),
+            shared_experts=self.config_shared_experts(config),
+            moe_layers=len(layers),
+        )
 
     # --- structure -------------------------------------------------------------------------
     def layers(self, model: nn.Module) -> nn.ModuleList:
@@ -194,7 +243,11 @@ class FusedMoeAdapter(FamilyAdapter):
         return type(mlp).__name__ in self.block_classes
 
     def moe_layers(self, model: nn.Module) -> list[int]:
-        return [i for i, layer in enumerate(self.layers(model)) if self.is_moe_block(getattr(layer, self.block_attr))]
+        return [
+            i
+            for i, layer in enumerate(self.layers(model))
+            if self.is_moe_block(getattr(layer, self.block_attr))
+        ]
 
     def _first(self, model: nn.Module) -> nn.Module:
         moe = self.moe_layers(model)
@@ -240,20 +293,26 @@ class FusedMoeAdapter(FamilyAdapter):
             e = self.layer_experts(self.block(model, layer))
             weight = linear.weight
             if not isinstance(weight, nn.Parameter) or tuple(weight.shape) != (e, hidden):
-                raise ValueError(f"layer {layer}: router weight {tuple(weight.shape)} is not the linear map from "
-                                 f"the hidden size to the routed experts ({e}, {hidden})")
+                raise ValueError(
+                    f"layer {layer}: router weight {tuple(weight.shape)} is not the linear map from "
+                    f"the hidden size to the routed experts ({e}, {hidden})"
+                )
             out.append(weight)
             own = [p for p in linear.parameters(recurse=False) if p is not weight]
             for p in own:
                 if tuple(p.shape) != (e,):
-                    raise ValueError(f"layer {layer}: router parameter of shape {tuple(p.shape)} is neither "
-                                     f"the [E, H] weight nor an [E] logit bias (E={e})")
+                    raise ValueError(
+                        f"layer {layer}: router parameter of shape {tuple(p.shape)} is neither "
+                        f"the [E, H] weight nor an [E] logit bias (E={e})"
+                    )
                 out.append(p)
             if linear is not router:
                 for p in router.parameters():
                     if p is not weight and not any(p is q for q in own):
-                        raise ValueError(f"layer {layer}: router parameter of shape {tuple(p.shape)} is outside "
-                                         f"its linear map {self.router_linear} (E={e})")
+                        raise ValueError(
+                            f"layer {layer}: router parameter of shape {tuple(p.shape)} is outside "
+                            f"its linear map {self.router_linear} (E={e})"
+                        )
         if not out:
             raise ValueError(f"model has no {'/'.join(self.block_classes)} layer")
         return out
@@ -267,8 +326,9 @@ class FusedMoeAdapter(FamilyAdapter):
         """[T, E] per-expert values the router multiplies into the chosen experts (softmax here)."""
         return torch.softmax(logits.float(), dim=-1)
 
-    def choice_scores(self, router: nn.Module, logits: torch.Tensor, gate: torch.Tensor,
-                      *router_args: Any) -> torch.Tensor:
+    def choice_scores(
+        self, router: nn.Module, logits: torch.Tensor, gate: torch.Tensor, *router_args: Any
+    ) -> torch.Tensor:
         """What the router takes its top-k of (the probabilities here). `router_args`: the router forward's
         arguments after the hidden states (MiniMax-M2 passes its block's correction bias there)."""
         return gate
@@ -376,8 +436,10 @@ class FusedMoeAdapter(FamilyAdapter):
             out[layer] = sorted(ids)
         sizes = {layer: len(ids) for layer, ids in out.items()}
         if len(set(sizes.values())) != 1:
-            raise ValueError(f"kept lists differ in length across layers ({sizes}): the HF config has one "
-                             "expert count, keep the same E' in every MoE layer")
+            raise ValueError(
+                f"kept lists differ in length across layers ({sizes}): the HF config has one "
+                "expert count, keep the same E' in every MoE layer"
+            )
         e_new = next(iter(sizes.values()))
         if e_new < k:
             raise ValueError(f"kept {e_new} experts per layer but the router picks k={k}: need E' >= k")
@@ -420,31 +482,44 @@ class FusedMoeAdapter(FamilyAdapter):
         for layer, m in merged.items():
             ids = [e for g in m.groups for e in g]
             if not all(m.groups) or len(set(ids)) != len(ids) or not all(0 <= e < E for e in ids):
-                raise ValueError(f"merged[{layer}].groups={m.groups}: non-empty clusters of distinct expert "
-                                 f"ids in 0..{E - 1}")
-            if [len(w) for w in m.weights] != [len(g) for g in m.groups] or not all(
-                    math.isfinite(x) and x >= 0 for w in m.weights for x in w) or not all(
-                    abs(sum(w) - 1) < 1e-6 for w in m.weights):
-                raise ValueError(f"merged[{layer}].weights={m.weights}: one weight >= 0 per member, summing "
-                                 "to 1 per cluster")
+                raise ValueError(
+                    f"merged[{layer}].groups={m.groups}: non-empty clusters of distinct expert "
+                    f"ids in 0..{E - 1}"
+                )
+            if (
+                [len(w) for w in m.weights] != [len(g) for g in m.groups]
+                or not all(math.isfinite(x) and x >= 0 for w in m.weights for x in w)
+                or not all(abs(sum(w) - 1) < 1e-6 for w in m.weights)
+            ):
+                raise ValueError(
+                    f"merged[{layer}].weights={m.weights}: one weight >= 0 per member, summing "
+                    "to 1 per cluster"
+                )
             if m.router_rows not in ("weighted", "dominant"):
-                raise ValueError(f"merged[{layer}].router_rows={m.router_rows!r}; allowed: weighted, "
-                                 "dominant")
+                raise ValueError(
+                    f"merged[{layer}].router_rows={m.router_rows!r}; allowed: weighted, dominant"
+                )
             if len(m.dominant) != len(m.groups) or not all(
-                    d in g for d, g in zip(m.dominant, m.groups, strict=True)):
+                d in g for d, g in zip(m.dominant, m.groups, strict=True)
+            ):
                 raise ValueError(f"merged[{layer}].dominant={m.dominant}: one member of each cluster")
             units = self.expert_weights(model, layer).intermediate
             for e, perm in m.perms.items():
                 if e not in ids or sorted(perm.tolist()) != list(range(units)):
-                    raise ValueError(f"merged[{layer}].perms[{e}]: a permutation of 0..{units - 1} for a "
-                                     "clustered expert")
+                    raise ValueError(
+                        f"merged[{layer}].perms[{e}]: a permutation of 0..{units - 1} for a clustered expert"
+                    )
         sizes = {layer: m.num_experts for layer, m in merged.items()}
         if len(set(sizes.values())) != 1:
-            raise ValueError(f"merged layers differ in expert count ({sizes}): the HF config has one expert "
-                             "count, merge to the same M in every MoE layer")
+            raise ValueError(
+                f"merged layers differ in expert count ({sizes}): the HF config has one expert "
+                "count, merge to the same M in every MoE layer"
+            )
         if next(iter(sizes.values())) < k:
-            raise ValueError(f"merged to {next(iter(sizes.values()))} experts per layer but the router picks "
-                             f"k={k}: need M >= k")
+            raise ValueError(
+                f"merged to {next(iter(sizes.values()))} experts per layer but the router picks "
+                f"k={k}: need M >= k"
+            )
         return merged
 
     def merged_config(self, model: nn.Module, merged: dict[int, MergedLayer]) -> Any:
@@ -514,15 +589,19 @@ class FusedMoeAdapter(FamilyAdapter):
     def student_ffn_params(self, layer: int, ffn: DenseFFN) -> dict[str, torch.Tensor]:
         """Student parameter name → tensor for one layer's FFN (a plain gate/up/down MLP here)."""
         pre = f"model.layers.{layer}.{self.student_ffn_attr}."
-        out = {pre + "gate_proj.weight": ffn.gate, pre + "up_proj.weight": ffn.up,
-               pre + "down_proj.weight": ffn.down}
+        out = {
+            pre + "gate_proj.weight": ffn.gate,
+            pre + "up_proj.weight": ffn.up,
+            pre + "down_proj.weight": ffn.down,
+        }
         for name, t in (("gate_proj", ffn.gate_bias), ("up_proj", ffn.up_bias), ("down_proj", ffn.down_bias)):
             if t is not None:
                 out[pre + name + ".bias"] = t
         return out
 
-    def layer_ffns(self, teacher: nn.Module, ffns: dict[int, DenseFFN],
-                   shared_scale: Mapping[int, float] | None = None) -> list[DenseFFN]:
+    def layer_ffns(
+        self, teacher: nn.Module, ffns: dict[int, DenseFFN], shared_scale: Mapping[int, float] | None = None
+    ) -> list[DenseFFN]:
         """One FFN per layer, all of one width: ffns[l] (+ shared experts × shared_scale[l], default 1.0)
         or the teacher's dense FFN."""
         moe = set(self.moe_layers(teacher))
@@ -540,13 +619,20 @@ class FusedMoeAdapter(FamilyAdapter):
             else:
                 f = self.dense_ffn(teacher, layer)
             if f.act != self.student_act:
-                raise ValueError(f"ffn act={f.act!r} for layer {layer}; this student needs {self.student_act!r}")
+                raise ValueError(
+                    f"ffn act={f.act!r} for layer {layer}; this student needs {self.student_act!r}"
+                )
             out.append(f)
         width = max(f.width for f in out)
         return [pad_ffn(f, width) for f in out]
 
-    def build_student(self, teacher: nn.Module, ffns: dict[int, DenseFFN], share_weights: bool = False,
-                      shared_scale: Mapping[int, float] | None = None) -> nn.Module:
+    def build_student(
+        self,
+        teacher: nn.Module,
+        ffns: dict[int, DenseFFN],
+        share_weights: bool = False,
+        shared_scale: Mapping[int, float] | None = None,
+    ) -> nn.Module:
         per_layer = self.layer_ffns(teacher, ffns, shared_scale)
         cfg = self.student_config(teacher, per_layer[0].width)
         tensors: dict[str, torch.Tensor] = {}
@@ -554,7 +640,6 @@ class FusedMoeAdapter(FamilyAdapter):
             tensors.update(self.student_ffn_params(layer, f))
         ffn_prefixes = tuple(f"model.layers.{i}.{self.student_ffn_attr}." for i in range(len(per_layer)))
         return assemble(cfg, teacher, tensors, ffn_prefixes, share_weights)
-
 
 
 class BlockScaledRouting:
@@ -573,24 +658,40 @@ class BlockScaledRouting:
     def routed_scaling(self, model: nn.Module) -> float:
         return self.block_scale(model, self.moe_layers(model)[0])
 
-    def hook_routing(self, model: nn.Module, layer: int,
-                     fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]) -> list[Any]:
+    def hook_routing(
+        self,
+        model: nn.Module,
+        layer: int,
+        fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None],
+    ) -> list[Any]:
         f = self.block_scale(model, layer)
         return super().hook_routing(model, layer, lambda x, p, w, idx: fn(x, p, w * f, idx))
 
-    def override_routing(self, model: nn.Module, layer: int,
-                         decide: Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
-                                          tuple[torch.Tensor, torch.Tensor]],
-                         allowed: Sequence[int]) -> list[Any]:
+    def override_routing(
+        self,
+        model: nn.Module,
+        layer: int,
+        decide: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        allowed: Sequence[int],
+    ) -> list[Any]:
         f = self.block_scale(model, layer)
 
-        def unscaled(p: torch.Tensor, w0: torch.Tensor, i0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def unscaled(
+            p: torch.Tensor, w0: torch.Tensor, i0: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             w, idx = decide(p, w0 * f, i0)
             return w / f, idx
+
         return super().override_routing(model, layer, unscaled, allowed)
 
-def assemble(cfg: Any, teacher: nn.Module, ffn_tensors: dict[str, torch.Tensor],
-             ffn_prefixes: tuple[str, ...], share_weights: bool) -> nn.Module:
+
+def assemble(
+    cfg: Any,
+    teacher: nn.Module,
+    ffn_tensors: dict[str, torch.Tensor],
+    ffn_prefixes: tuple[str, ...],
+    share_weights: bool,
+) -> nn.Module:
     """Build the student on the meta device, then fill it: FFN parameters (and FFN buffers) from `ffn_tensors`,
     everything else from the teacher's tensor of the same name (the same object when sharing,
     a copy otherwise). A student bias the teacher lacks (e.g. Qwen2's qkv bias) becomes zeros."""
@@ -666,13 +767,17 @@ def rebuild(cfg: Any, teacher: nn.Module, replaced: dict[str, torch.Tensor]) -> 
     return student.eval()
 
 
-def fill_from_teacher(student: nn.Module, teacher: nn.Module, replaced: dict[str, torch.Tensor], what: str) -> None:
+def fill_from_teacher(
+    student: nn.Module, teacher: nn.Module, replaced: dict[str, torch.Tensor], what: str
+) -> None:
     """Give every (meta) parameter and buffer of `student` its tensor: `replaced[name]` where given, else a
     copy of the teacher's tensor of that name — one new tensor (and one Parameter) per source object, so
     the teacher's tied names stay tied. Every shape must match; every replaced tensor must be used; no
     tensor attribute may stay on the meta device. `what` names the model in errors."""
-    source = {**dict(teacher.named_parameters(remove_duplicate=False)),
-              **dict(teacher.named_buffers(remove_duplicate=False))}
+    source = {
+        **dict(teacher.named_parameters(remove_duplicate=False)),
+        **dict(teacher.named_buffers(remove_duplicate=False)),
+    }
     memo: dict[tuple, torch.Tensor] = {}
     params: dict[tuple, nn.Parameter] = {}
 
@@ -689,7 +794,9 @@ def fill_from_teacher(student: nn.Module, teacher: nn.Module, replaced: dict[str
             raise ValueError(f"{name}: the {what} needs it, the teacher has no such tensor")
         t = memo[key]
         if tuple(t.shape) != tuple(like.shape):
-            raise ValueError(f"{name}: shape {tuple(t.shape)} but the {what}'s config builds {tuple(like.shape)}")
+            raise ValueError(
+                f"{name}: shape {tuple(t.shape)} but the {what}'s config builds {tuple(like.shape)}"
+            )
         return key, t
 
     used = set()

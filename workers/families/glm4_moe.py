@@ -33,8 +33,13 @@ class Glm4MoeAdapter(DeepseekV3Adapter):
         import transformers
 
         n = teacher.config.num_hidden_layers
-        return copy_config(teacher.config, getattr(transformers, self.config_class), intermediate_size=int(width),
-                           first_k_dense_replace=n, output_router_logits=False)
+        return copy_config(
+            teacher.config,
+            getattr(transformers, self.config_class),
+            intermediate_size=int(width),
+            first_k_dense_replace=n,
+            output_router_logits=False,
+        )
 
 
 class Dots1Adapter(Glm4MoeAdapter):

@@ -27,9 +27,11 @@ from workers.families.fused import config_int, copy_config
 
 class Glm4MoeLiteAdapter(DeepseekV3Adapter):
     name = "glm4_moe_lite"
-    routing = ("sigmoid scores, group-limited top-k of scores + e_score_correction_bias (groups ranked by their "
-               "top-2 sum), unbiased scores renormalized iff norm_topk_prob, × routed_scaling_factor; ungated "
-               "shared experts; dense layers by mlp_layer_types")
+    routing = (
+        "sigmoid scores, group-limited top-k of scores + e_score_correction_bias (groups ranked by their "
+        "top-2 sum), unbiased scores renormalized iff norm_topk_prob, × routed_scaling_factor; ungated "
+        "shared experts; dense layers by mlp_layer_types"
+    )
     student = "same class, every layer dense (mlp_layer_types all 'dense')"
     model_types = ("glm4_moe_lite",)
     block_classes = ("Glm4MoeLiteMoE",)
@@ -40,8 +42,10 @@ class Glm4MoeLiteAdapter(DeepseekV3Adapter):
         n = config_int(config, "num_hidden_layers")
         types = list(getattr(config, "mlp_layer_types", None) or [])
         if len(types) != n or not set(types) <= {"sparse", "dense"}:
-            raise ValueError(f"{config.model_type} config: mlp_layer_types={types!r}, expected {n} entries of "
-                             "'sparse' / 'dense'")
+            raise ValueError(
+                f"{config.model_type} config: mlp_layer_types={types!r}, expected {n} entries of "
+                "'sparse' / 'dense'"
+            )
         return [i for i, t in enumerate(types) if t == "sparse"]
 
     def config_shared_experts(self, config: Any) -> int:
@@ -55,8 +59,13 @@ class Glm4MoeLiteAdapter(DeepseekV3Adapter):
         import transformers
 
         n = teacher.config.num_hidden_layers
-        return copy_config(teacher.config, getattr(transformers, self.config_class), intermediate_size=int(width),
-                           output_router_logits=False, **self.dense_overrides(n))
+        return copy_config(
+            teacher.config,
+            getattr(transformers, self.config_class),
+            intermediate_size=int(width),
+            output_router_logits=False,
+            **self.dense_overrides(n),
+        )
 
 
 class ExaoneMoeAdapter(Glm4MoeLiteAdapter):

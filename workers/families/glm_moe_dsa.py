@@ -21,8 +21,10 @@ from workers.families.glm4_moe_lite import Glm4MoeLiteAdapter
 
 class GlmMoeDsaAdapter(Glm4MoeLiteAdapter):
     name = "glm_moe_dsa"
-    routing = ("as glm4_moe_lite (V3 sigmoid router, group-limited, renormalized iff norm_topk_prob, "
-               "× routed_scaling_factor; dense layers by mlp_layer_types); DSA-indexer attention")
+    routing = (
+        "as glm4_moe_lite (V3 sigmoid router, group-limited, renormalized iff norm_topk_prob, "
+        "× routed_scaling_factor; dense layers by mlp_layer_types); DSA-indexer attention"
+    )
     student = "same class, every layer dense (mlp_layer_types all 'dense', first_k_dense_replace = n)"
     model_types = ("glm_moe_dsa",)
     block_classes = ("GlmMoeDsaMoE",)

@@ -34,9 +34,13 @@ from workers.families.fused import FusedMoeAdapter, _check_silu, copy_config
 
 class GraniteMoeAdapter(FusedMoeAdapter):
     name = "granitemoe"
-    routing = ("top-k of the logits, softmax over the k (= p renormalized over the k); block at "
-               "block_sparse_moe; no shared experts, no dense layers")
-    student = "Granite (dense sibling, the same embedding, residual and attention multipliers and logits_scaling)"
+    routing = (
+        "top-k of the logits, softmax over the k (= p renormalized over the k); block at "
+        "block_sparse_moe; no shared experts, no dense layers"
+    )
+    student = (
+        "Granite (dense sibling, the same embedding, residual and attention multipliers and logits_scaling)"
+    )
     model_types = ("granitemoe",)
     block_classes = ("GraniteMoeMoE",)
     block_attr = "block_sparse_moe"
@@ -80,8 +84,10 @@ class GraniteMoeAdapter(FusedMoeAdapter):
 
 class GraniteMoeSharedAdapter(GraniteMoeAdapter):
     name = "granitemoeshared"
-    routing = ("as granitemoe; an ungated shared MLP on the decoder layer (shared_mlp, outside the block) "
-               "added to the block's output")
+    routing = (
+        "as granitemoe; an ungated shared MLP on the decoder layer (shared_mlp, outside the block) "
+        "added to the block's output"
+    )
     model_types = ("granitemoeshared",)
     block_classes = ("GraniteMoeSharedMoE",)
 

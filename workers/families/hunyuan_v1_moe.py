@@ -36,15 +36,19 @@ def single_top_k(config: Any) -> int | None:
     n = config_int(config, "num_hidden_layers")
     entries = list(value)[:n]
     if len(entries) < n or len(set(entries)) != 1:
-        raise ValueError(f"hunyuan_v1_moe config: moe_topk={list(value)} is a per-layer k that differs across the "
-                         f"{n} layers (or has fewer entries); only one k per model is supported")
+        raise ValueError(
+            f"hunyuan_v1_moe config: moe_topk={list(value)} is a per-layer k that differs across the "
+            f"{n} layers (or has fewer entries); only one k per model is supported"
+        )
     return entries[0]
 
 
 class HunYuanMoeV1Adapter(FusedMoeAdapter):
     name = "hunyuan_v1_moe"
-    routing = ("softmax over E, top-k, always renormalized (router linear map at gate.wg, float32); k = moe_topk "
-               "(a per-layer list only if all equal); one ungated shared MLP (intermediate_size); no dense layers")
+    routing = (
+        "softmax over E, top-k, always renormalized (router linear map at gate.wg, float32); k = moe_topk "
+        "(a per-layer list only if all equal); one ungated shared MLP (intermediate_size); no dense layers"
+    )
     student = "dense sibling HunYuanDenseV1"
     model_types = ("hunyuan_v1_moe",)
     block_classes = ("HunYuanMoEV1Moe",)
@@ -71,8 +75,10 @@ class HunYuanMoeV1Adapter(FusedMoeAdapter):
         """The gates' k, one per model (a per-layer moe_topk list with different entries is refused)."""
         ks = {int(self.router_module(model, layer).top_k) for layer in self.moe_layers(model)}
         if len(ks) > 1:
-            raise ValueError(f"hunyuan_v1_moe model: moe_topk={model.config.moe_topk} gives the layers different k "
-                             f"({sorted(ks)}); only one k per model is supported")
+            raise ValueError(
+                f"hunyuan_v1_moe model: moe_topk={model.config.moe_topk} gives the layers different k "
+                f"({sorted(ks)}); only one k per model is supported"
+            )
         return super().top_k(model)
 
     def num_shared_experts(self, model: nn.Module) -> int:
@@ -86,5 +92,9 @@ class HunYuanMoeV1Adapter(FusedMoeAdapter):
     def student_config(self, teacher: nn.Module, width: int) -> Any:
         from transformers import HunYuanDenseV1Config
 
-        return copy_config(teacher.config, HunYuanDenseV1Config, intermediate_size=int(width),
-                           head_dim=int(teacher.model.layers[0].self_attn.head_dim))
+        return copy_config(
+            teacher.config,
+            HunYuanDenseV1Config,
+            intermediate_size=int(width),
+            head_dim=int(teacher.model.layers[0].self_attn.head_dim),
+        )

@@ -26,9 +26,11 @@ from workers.families.minimax_m2 import MiniMaxM2Adapter
 
 class HYV3Adapter(MiniMaxM2Adapter):
     name = "hy_v3"
-    routing = ("sigmoid scores, top-k of scores + the block's e_score_correction_bias, unbiased scores "
-               "renormalized over the k, × router_scaling_factor; ungated shared MLP; dense layers by "
-               "mlp_layer_types")
+    routing = (
+        "sigmoid scores, top-k of scores + the block's e_score_correction_bias, unbiased scores "
+        "renormalized over the k, × router_scaling_factor; ungated shared MLP; dense layers by "
+        "mlp_layer_types"
+    )
     student = "same class, every layer dense (mlp_layer_types all 'dense')"
     model_types = ("hy_v3",)
     block_classes = ("HYV3MoE",)
@@ -39,7 +41,9 @@ class HYV3Adapter(MiniMaxM2Adapter):
         n = config_int(config, "num_hidden_layers")
         types = list(getattr(config, "mlp_layer_types", None) or [])
         if len(types) != n or not set(types) <= {"sparse", "dense"}:
-            raise ValueError(f"hy_v3 config: mlp_layer_types={types!r}, expected {n} entries of 'sparse' / 'dense'")
+            raise ValueError(
+                f"hy_v3 config: mlp_layer_types={types!r}, expected {n} entries of 'sparse' / 'dense'"
+            )
         return [i for i, t in enumerate(types) if t == "sparse"]
 
     def config_shared_experts(self, config: Any) -> int:
@@ -55,10 +59,14 @@ class HYV3Adapter(MiniMaxM2Adapter):
         from transformers import HYV3Config
 
         n = config_int(teacher.config, "num_hidden_layers")
-        return copy_config(teacher.config, HYV3Config, intermediate_size=int(width), mlp_layer_types=["dense"] * n,
-                           output_router_logits=False)
+        return copy_config(
+            teacher.config,
+            HYV3Config,
+            intermediate_size=int(width),
+            mlp_layer_types=["dense"] * n,
+            output_router_logits=False,
+        )
 
     def student_ffn_params(self, layer: int, ffn: DenseFFN) -> dict[str, Any]:
         """A plain gate/up/down HYV3MLP (not MiniMax-M2's one-expert block)."""
         return FusedMoeAdapter.student_ffn_params(self, layer, ffn)
-

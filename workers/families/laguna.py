@@ -33,22 +33,33 @@ from workers.families.fused import BlockScaledRouting, FusedMoeAdapter, config_i
 
 class LagunaAdapter(BlockScaledRouting, FusedMoeAdapter):
     name = "laguna"
-    routing = ("sigmoid scores of the (optionally tanh-softcapped) logits, top-k of scores + the router's frozen "
-               "e_score_correction_bias, unbiased scores renormalized over the k; the block's routed output × "
-               "moe_routed_scaling_factor; one ungated shared MLP; dense layers by mlp_layer_types")
+    routing = (
+        "sigmoid scores of the (optionally tanh-softcapped) logits, top-k of scores + the router's frozen "
+        "e_score_correction_bias, unbiased scores renormalized over the k; the block's routed output × "
+        "moe_routed_scaling_factor; one ungated shared MLP; dense layers by mlp_layer_types"
+    )
     student = "same class, every layer dense (mlp_layer_types all 'dense')"
     model_types = ("laguna",)
     block_classes = ("LagunaSparseMoeBlock",)
-    block_scale_attr = "routed_scaling_factor"  # moe_routed_scaling_factor, after the experts (BlockScaledRouting)
+    block_scale_attr = (
+        "routed_scaling_factor"  # moe_routed_scaling_factor, after the experts (BlockScaledRouting)
+    )
     shared_attr = "shared_experts"
-    expert_tensors = ("gate.weight", "gate.e_score_correction_bias", "experts.gate_up_proj", "experts.down_proj")
+    expert_tensors = (
+        "gate.weight",
+        "gate.e_score_correction_bias",
+        "experts.gate_up_proj",
+        "experts.down_proj",
+    )
 
     # --- structure from the config alone -------------------------------------------------------
     def config_moe_layers(self, config: Any) -> list[int]:
         n = config_int(config, "num_hidden_layers")
         types = list(getattr(config, "mlp_layer_types", None) or [])
         if len(types) != n or not set(types) <= {"sparse", "dense"}:
-            raise ValueError(f"laguna config: mlp_layer_types={types!r}, expected {n} entries of 'sparse' / 'dense'")
+            raise ValueError(
+                f"laguna config: mlp_layer_types={types!r}, expected {n} entries of 'sparse' / 'dense'"
+            )
         return [i for i, t in enumerate(types) if t == "sparse"]
 
     def config_renorm(self, config: Any) -> bool:
@@ -74,7 +85,9 @@ class LagunaAdapter(BlockScaledRouting, FusedMoeAdapter):
     def router_parameters(self, model: nn.Module) -> list[nn.Parameter]:
         """Each MoE block's router weight [E, H]; the frozen correction bias (a parameter of the router that only
         the top-k choice reads) is left out."""
-        frozen = {id(self.router_module(model, layer).e_score_correction_bias) for layer in self.moe_layers(model)}
+        frozen = {
+            id(self.router_module(model, layer).e_score_correction_bias) for layer in self.moe_layers(model)
+        }
         return [p for p in super().router_parameters(model) if id(p) not in frozen]
 
     # --- student ----------------------------------------------------------------------------
@@ -82,5 +95,10 @@ class LagunaAdapter(BlockScaledRouting, FusedMoeAdapter):
         from transformers import LagunaConfig
 
         n = config_int(teacher.config, "num_hidden_layers")
-        return copy_config(teacher.config, LagunaConfig, intermediate_size=int(width), mlp_layer_types=["dense"] * n,
-                           output_router_logits=False)
+        return copy_config(
+            teacher.config,
+            LagunaConfig,
+            intermediate_size=int(width),
+            mlp_layer_types=["dense"] * n,
+            output_router_logits=False,
+        )

@@ -40,8 +40,10 @@ from workers.families.fused import (
 
 class Llama4TextAdapter(FusedMoeAdapter):
     name = "llama4_text"
-    routing = ("top-k of the logits, weights sigmoid of those logits (never renormalized) multiplying the "
-               "expert's input; an ungated shared expert; dense layers outside moe_layers")
+    routing = (
+        "top-k of the logits, weights sigmoid of those logits (never renormalized) multiplying the "
+        "expert's input; an ungated shared expert; dense layers outside moe_layers"
+    )
     student = "same class, every layer dense (moe_layers = [], intermediate_size_mlp = width)"
     model_types = ("llama4_text",)
     block_classes = ("Llama4TextMoe",)
@@ -53,7 +55,8 @@ class Llama4TextAdapter(FusedMoeAdapter):
     unit_layout = TRANSPOSED_UNIT_LAYOUT
     refused_outputs: Mapping[str, str] = {
         "edited": "cannot write an edited checkpoint: its factored experts rebuild the [E, 2I, H] fused layout, "
-                  "Llama-4's experts are [E, H, 2I] and scale their input"}
+        "Llama-4's experts are [E, H, 2I] and scale their input"
+    }
 
     # --- structure from the config alone ----------------------------------------------------------
     def config_moe_layers(self, config: Any) -> list[int]:
@@ -89,12 +92,16 @@ class Llama4TextAdapter(FusedMoeAdapter):
         idx = torch.topk(scores, k, dim=-1).indices
         return p, scores.gather(1, idx), idx
 
-    def override_routing(self, model: nn.Module, layer: int,
-                         decide: Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
-                                          tuple[torch.Tensor, torch.Tensor]],
-                         allowed: Any) -> list[Any]:
+    def override_routing(
+        self,
+        model: nn.Module,
+        layer: int,
+        decide: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        allowed: Any,
+    ) -> list[Any]:
         """The router's (scores, logits) replaced: scores′ = decide's weights at its indices, 0 elsewhere;
         logits masked to the dtype's minimum outside `allowed`."""
+
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             scores, logits = output[0], output[1]
             w, idx = decide(*self.router_decision(output))
@@ -102,6 +109,7 @@ class Llama4TextAdapter(FusedMoeAdapter):
             dropped = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
             dropped[torch.as_tensor(list(allowed), dtype=torch.long, device=logits.device)] = False
             return new, logits.masked_fill(dropped, torch.finfo(logits.dtype).min)
+
         return [self.router_module(model, layer).register_forward_hook(hook, with_kwargs=True)]
 
     def _expanded_forward(self, router: nn.Module, k: int, renormalize: bool | None) -> Callable:
@@ -135,5 +143,10 @@ class Llama4TextAdapter(FusedMoeAdapter):
     def student_config(self, teacher: nn.Module, width: int) -> Any:
         from transformers import Llama4TextConfig
 
-        return copy_config(teacher.config, Llama4TextConfig, intermediate_size_mlp=int(width), moe_layers=[],
-                           output_router_logits=False)
+        return copy_config(
+            teacher.config,
+            Llama4TextConfig,
+            intermediate_size_mlp=int(width),
+            moe_layers=[],
+            output_router_logits=False,
+        )

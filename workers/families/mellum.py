@@ -21,8 +21,10 @@ from workers.families.qwen3_moe import Qwen3MoeAdapter
 
 class MellumAdapter(Qwen3MoeAdapter):
     name = "mellum"
-    routing = ("softmax over E, top-k, renormalized iff norm_topk_prob (Qwen3-MoE's router); no shared experts; "
-               "dense layers by mlp_layer_types")
+    routing = (
+        "softmax over E, top-k, renormalized iff norm_topk_prob (Qwen3-MoE's router); no shared experts; "
+        "dense layers by mlp_layer_types"
+    )
     student = "same class, every layer dense (mlp_layer_types all 'dense')"
     model_types = ("mellum",)
     block_classes = ("MellumSparseMoeBlock",)
@@ -32,12 +34,19 @@ class MellumAdapter(Qwen3MoeAdapter):
         n = config_int(config, "num_hidden_layers")
         types = list(getattr(config, "mlp_layer_types", None) or [])
         if len(types) != n or not set(types) <= {"sparse", "dense"}:
-            raise ValueError(f"mellum config: mlp_layer_types={types!r}, expected {n} entries of 'sparse' / 'dense'")
+            raise ValueError(
+                f"mellum config: mlp_layer_types={types!r}, expected {n} entries of 'sparse' / 'dense'"
+            )
         return [i for i, t in enumerate(types) if t == "sparse"]
 
     def student_config(self, teacher: nn.Module, width: int) -> Any:
         from transformers import MellumConfig
 
         n = teacher.config.num_hidden_layers
-        return copy_config(teacher.config, MellumConfig, intermediate_size=int(width),
-                           mlp_layer_types=["dense"] * n, output_router_logits=False)
+        return copy_config(
+            teacher.config,
+            MellumConfig,
+            intermediate_size=int(width),
+            mlp_layer_types=["dense"] * n,
+            output_router_logits=False,
+        )

@@ -25,9 +25,11 @@ from workers.families.glm4_moe_lite import Glm4MoeLiteAdapter
 
 class MiMoV2FlashAdapter(Glm4MoeLiteAdapter):
     name = "mimo_v2_flash"
-    routing = ("sigmoid scores, group-limited top-k of scores + e_score_correction_bias (groups ranked by their "
-               "top-2 sum), unbiased scores renormalized iff norm_topk_prob, × routed_scaling_factor; no shared "
-               "experts; dense layers by mlp_layer_types")
+    routing = (
+        "sigmoid scores, group-limited top-k of scores + e_score_correction_bias (groups ranked by their "
+        "top-2 sum), unbiased scores renormalized iff norm_topk_prob, × routed_scaling_factor; no shared "
+        "experts; dense layers by mlp_layer_types"
+    )
     student = "same class, every layer dense (mlp_layer_types all 'dense')"
     model_types = ("mimo_v2_flash",)
     block_classes = ("MiMoV2FlashMoE",)

@@ -28,8 +28,10 @@ from workers.families.fused import FusedMoeAdapter, copy_config
 
 class MiniMaxM2Adapter(FusedMoeAdapter):
     name = "minimax_m2"
-    routing = ("sigmoid scores, top-k of scores + the block's e_score_correction_bias, unbiased scores "
-               "renormalized over the k; no shared experts")
+    routing = (
+        "sigmoid scores, top-k of scores + the block's e_score_correction_bias, unbiased scores "
+        "renormalized over the k; no shared experts"
+    )
     student = "same class, one expert, top-1"
     model_types = ("minimax_m2",)
     block_classes = ("MiniMaxM2SparseMoeBlock",)
@@ -45,8 +47,9 @@ class MiniMaxM2Adapter(FusedMoeAdapter):
     def gate_values(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(logits.float())
 
-    def choice_scores(self, router: nn.Module, logits: torch.Tensor, gate: torch.Tensor,
-                      *router_args: Any) -> torch.Tensor:
+    def choice_scores(
+        self, router: nn.Module, logits: torch.Tensor, gate: torch.Tensor, *router_args: Any
+    ) -> torch.Tensor:
         (bias,) = router_args  # MiniMaxM2TopKRouter.forward(hidden_states, e_score_correction_bias)
         return gate + bias.float()
 
@@ -56,8 +59,14 @@ class MiniMaxM2Adapter(FusedMoeAdapter):
     def student_config(self, teacher: nn.Module, width: int) -> Any:
         from transformers import MiniMaxM2Config
 
-        cfg = copy_config(teacher.config, MiniMaxM2Config, intermediate_size=int(width), num_local_experts=1,
-                          num_experts_per_tok=1, output_router_logits=False)
+        cfg = copy_config(
+            teacher.config,
+            MiniMaxM2Config,
+            intermediate_size=int(width),
+            num_local_experts=1,
+            num_experts_per_tok=1,
+            output_router_logits=False,
+        )
         cfg._experts_implementation = teacher.config._experts_implementation
         return cfg
 
@@ -65,7 +74,9 @@ class MiniMaxM2Adapter(FusedMoeAdapter):
         if ffn.gate_bias is not None or ffn.up_bias is not None or ffn.down_bias is not None:
             raise ValueError(f"layer {layer}: MiniMax-M2 experts have no biases, the FFN has some")
         pre = f"model.layers.{layer}.mlp."
-        return {pre + "gate.weight": ffn.gate.new_zeros(1, ffn.gate.shape[1]),
-                pre + "e_score_correction_bias": ffn.gate.new_zeros(1),
-                pre + "experts.gate_up_proj": torch.cat([ffn.gate, ffn.up], dim=0)[None],
-                pre + "experts.down_proj": ffn.down[None]}
+        return {
+            pre + "gate.weight": ffn.gate.new_zeros(1, ffn.gate.shape[1]),
+            pre + "e_score_correction_bias": ffn.gate.new_zeros(1),
+            pre + "experts.gate_up_proj": torch.cat([ffn.gate, ffn.up], dim=0)[None],
+            pre + "experts.down_proj": ffn.down[None],
+        }

@@ -31,7 +31,12 @@ class MixtralAdapter(FusedMoeAdapter):
         from transformers import MistralConfig
 
         tc = teacher.config
-        return copy_config(tc, MistralConfig, intermediate_size=int(width),
-                           head_dim=int(teacher.model.layers[0].self_attn.head_dim),
-                           rope_parameters=dict(tc.rope_parameters), rms_norm_eps=tc.rms_norm_eps,
-                           sliding_window=tc.sliding_window)
+        return copy_config(
+            tc,
+            MistralConfig,
+            intermediate_size=int(width),
+            head_dim=int(teacher.model.layers[0].self_attn.head_dim),
+            rope_parameters=dict(tc.rope_parameters),
+            rms_norm_eps=tc.rms_norm_eps,
+            sliding_window=tc.sliding_window,
+        )

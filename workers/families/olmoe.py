@@ -26,8 +26,15 @@ class OlmoeAdapter(FusedMoeAdapter):
     def student_config(self, teacher: nn.Module, width: int) -> Any:
         from transformers import OlmoeConfig
 
-        cfg = copy_config(teacher.config, OlmoeConfig, intermediate_size=int(width), num_experts=1,
-                          num_experts_per_tok=1, norm_topk_prob=True, output_router_logits=False)
+        cfg = copy_config(
+            teacher.config,
+            OlmoeConfig,
+            intermediate_size=int(width),
+            num_experts=1,
+            num_experts_per_tok=1,
+            norm_topk_prob=True,
+            output_router_logits=False,
+        )
         cfg._experts_implementation = teacher.config._experts_implementation
         return cfg
 
@@ -35,6 +42,8 @@ class OlmoeAdapter(FusedMoeAdapter):
         if ffn.gate_bias is not None or ffn.up_bias is not None or ffn.down_bias is not None:
             raise ValueError(f"layer {layer}: OLMoE experts have no biases, the FFN has some")
         pre = f"model.layers.{layer}.mlp."
-        return {pre + "gate.weight": ffn.gate.new_zeros(1, ffn.gate.shape[1]),
-                pre + "experts.gate_up_proj": torch.cat([ffn.gate, ffn.up], dim=0)[None],
-                pre + "experts.down_proj": ffn.down[None]}
+        return {
+            pre + "gate.weight": ffn.gate.new_zeros(1, ffn.gate.shape[1]),
+            pre + "experts.gate_up_proj": torch.cat([ffn.gate, ffn.up], dim=0)[None],
+            pre + "experts.down_proj": ffn.down[None],
+        }

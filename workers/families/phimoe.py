@@ -40,16 +40,22 @@ from workers.core.types import DenseFFN, TeacherShape
 from workers.families.fused import FusedMoeAdapter, config_int
 
 SPARSEMIXER_K = 2  # SparseMixer's picks per token, fixed by the modeling code
-DENSE_REFUSED = ("cannot write a dense student: SparseMixer always routes two experts (one expert gives NaN, "
-                 "two tie under a zero router) and transformers has no dense sibling")
+DENSE_REFUSED = (
+    "cannot write a dense student: SparseMixer always routes two experts (one expert gives NaN, "
+    "two tie under a zero router) and transformers has no dense sibling"
+)
 
 
 class PhimoeAdapter(FusedMoeAdapter):
     name = "phimoe"
-    routing = ("SparseMixer: argmax, then the argmax of the rest, each weighted by a softmax over the logits "
-               "within 2·router_jitter_noise (relative) of its max; always two experts, not renormalized; "
-               "no shared experts, no dense layers")
-    student = "none dense (refused: SparseMixer always routes two experts); pruned/merged/edited MoE with E' >= 2"
+    routing = (
+        "SparseMixer: argmax, then the argmax of the rest, each weighted by a softmax over the logits "
+        "within 2·router_jitter_noise (relative) of its max; always two experts, not renormalized; "
+        "no shared experts, no dense layers"
+    )
+    student = (
+        "none dense (refused: SparseMixer always routes two experts); pruned/merged/edited MoE with E' >= 2"
+    )
     model_types = ("phimoe",)
     block_classes = ("PhimoeSparseMoeBlock",)
     router_attr = "router"
@@ -58,10 +64,16 @@ class PhimoeAdapter(FusedMoeAdapter):
 
     # --- structure from the config alone ----------------------------------------------------------
     def shape_from_config(self, config: Any) -> TeacherShape:
-        k = config_int(config, "num_experts_per_tok") if getattr(config, "model_type", None) == "phimoe" else None
+        k = (
+            config_int(config, "num_experts_per_tok")
+            if getattr(config, "model_type", None) == "phimoe"
+            else None
+        )
         if k is not None and k != SPARSEMIXER_K:
-            raise ValueError(f"phimoe config: num_experts_per_tok={k}; SparseMixer always routes "
-                             f"{SPARSEMIXER_K} experts, only {SPARSEMIXER_K} is allowed")
+            raise ValueError(
+                f"phimoe config: num_experts_per_tok={k}; SparseMixer always routes "
+                f"{SPARSEMIXER_K} experts, only {SPARSEMIXER_K} is allowed"
+            )
         return super().shape_from_config(config)
 
     def config_renorm(self, config: Any) -> bool:
@@ -72,8 +84,10 @@ class PhimoeAdapter(FusedMoeAdapter):
         """2, SparseMixer's fixed number of picks (a model whose config says otherwise is refused)."""
         k = getattr(model.config, "num_experts_per_tok", None)
         if k != SPARSEMIXER_K:
-            raise ValueError(f"phimoe config: num_experts_per_tok={k!r}; SparseMixer always routes "
-                             f"{SPARSEMIXER_K} experts, only {SPARSEMIXER_K} is allowed")
+            raise ValueError(
+                f"phimoe config: num_experts_per_tok={k!r}; SparseMixer always routes "
+                f"{SPARSEMIXER_K} experts, only {SPARSEMIXER_K} is allowed"
+            )
         return SPARSEMIXER_K
 
     # --- router semantics -------------------------------------------------------------------------
@@ -85,7 +99,12 @@ class PhimoeAdapter(FusedMoeAdapter):
         """Refused (see the module docstring): a one-line ValueError."""
         raise ValueError(f"output='dense': phimoe {DENSE_REFUSED}")
 
-    def build_student(self, teacher: nn.Module, ffns: dict[int, DenseFFN], share_weights: bool = False,
-                      shared_scale: Mapping[int, float] | None = None) -> nn.Module:
+    def build_student(
+        self,
+        teacher: nn.Module,
+        ffns: dict[int, DenseFFN],
+        share_weights: bool = False,
+        shared_scale: Mapping[int, float] | None = None,
+    ) -> nn.Module:
         """Refused (see the module docstring): a one-line ValueError."""
         raise ValueError(f"output='dense': phimoe {DENSE_REFUSED}")

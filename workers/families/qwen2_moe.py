@@ -23,9 +23,11 @@ from workers.families.qwen3_moe import sparse_step_moe_layers
 
 class Qwen2MoeAdapter(FusedMoeAdapter):
     name = "qwen2_moe"
-    routing = ("softmax over E, top-k, renormalized iff norm_topk_prob; one shared expert gated per token "
-               "by sigmoid(w·h) (student: static scale, shared_gate_scales); dense layers by "
-               "mlp_only_layers / decoder_sparse_step")
+    routing = (
+        "softmax over E, top-k, renormalized iff norm_topk_prob; one shared expert gated per token "
+        "by sigmoid(w·h) (student: static scale, shared_gate_scales); dense layers by "
+        "mlp_only_layers / decoder_sparse_step"
+    )
     student = "dense sibling Qwen2"
     model_types = ("qwen2_moe",)
     block_classes = ("Qwen2MoeSparseMoeBlock",)
@@ -47,5 +49,9 @@ class Qwen2MoeAdapter(FusedMoeAdapter):
     def student_config(self, teacher: nn.Module, width: int) -> Any:
         from transformers import Qwen2Config
 
-        return copy_config(teacher.config, Qwen2Config, intermediate_size=int(width),
-                           head_dim=int(teacher.model.layers[0].self_attn.head_dim))
+        return copy_config(
+            teacher.config,
+            Qwen2Config,
+            intermediate_size=int(width),
+            head_dim=int(teacher.model.layers[0].self_attn.head_dim),
+        )

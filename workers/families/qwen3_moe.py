@@ -26,8 +26,10 @@ def sparse_step_moe_layers(config: Any) -> list[int]:
 
 class Qwen3MoeAdapter(FusedMoeAdapter):
     name = "qwen3_moe"
-    routing = ("softmax over E, top-k, renormalized iff norm_topk_prob; no shared experts; dense layers by "
-               "mlp_only_layers / decoder_sparse_step")
+    routing = (
+        "softmax over E, top-k, renormalized iff norm_topk_prob; no shared experts; dense layers by "
+        "mlp_only_layers / decoder_sparse_step"
+    )
     student = "dense sibling Qwen3"
     model_types = ("qwen3_moe",)
     block_classes = ("Qwen3MoeSparseMoeBlock",)
@@ -42,7 +44,11 @@ class Qwen3MoeAdapter(FusedMoeAdapter):
         n = tc.num_hidden_layers
         sliding = getattr(tc, "sliding_window", None)
         return copy_config(
-            tc, Qwen3Config, intermediate_size=int(width),
+            tc,
+            Qwen3Config,
+            intermediate_size=int(width),
             head_dim=int(teacher.model.layers[0].self_attn.head_dim),
-            use_sliding_window=sliding is not None, sliding_window=sliding,
-            layer_types=["sliding_attention" if sliding is not None else "full_attention"] * n)
+            use_sliding_window=sliding is not None,
+            sliding_window=sliding,
+            layer_types=["sliding_attention" if sliding is not None else "full_attention"] * n,
+        )

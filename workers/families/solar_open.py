@@ -25,9 +25,11 @@ from workers.families.glm4_moe import Glm4MoeAdapter
 
 class SolarOpenAdapter(Glm4MoeAdapter):
     name = "solar_open"
-    routing = ("sigmoid scores, group-limited top-k of scores + e_score_correction_bias (groups ranked by their "
-               "top-2 sum), unbiased scores renormalized iff norm_topk_prob, × routed_scaling_factor; ungated "
-               "shared experts; every layer MoE")
+    routing = (
+        "sigmoid scores, group-limited top-k of scores + e_score_correction_bias (groups ranked by their "
+        "top-2 sum), unbiased scores renormalized iff norm_topk_prob, × routed_scaling_factor; ungated "
+        "shared experts; every layer MoE"
+    )
     student = "dense sibling Llama"
     model_types = ("solar_open",)
     block_classes = ("SolarOpenMoE",)
@@ -42,7 +44,16 @@ class SolarOpenAdapter(Glm4MoeAdapter):
         tc = teacher.config
         rope = dict(tc.rope_parameters)
         if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise ValueError(f"solar_open config: rope_parameters.partial_rotary_factor="
-                             f"{rope['partial_rotary_factor']!r}; only 1.0 (the whole head rotated) is supported")
-        return copy_config(tc, LlamaConfig, intermediate_size=int(width), rope_parameters=rope,
-                           rms_norm_eps=tc.rms_norm_eps, head_dim=tc.head_dim, mlp_bias=False)
+            raise ValueError(
+                f"solar_open config: rope_parameters.partial_rotary_factor="
+                f"{rope['partial_rotary_factor']!r}; only 1.0 (the whole head rotated) is supported"
+            )
+        return copy_config(
+            tc,
+            LlamaConfig,
+            intermediate_size=int(width),
+            rope_parameters=rope,
+            rms_norm_eps=tc.rms_norm_eps,
+            head_dim=tc.head_dim,
+            mlp_bias=False,
+        )

@@ -47,8 +47,17 @@ def stats_from_tokens(p: torch.Tensor, routed: torch.Tensor, g: torch.Tensor, f:
     p, g, f = (t.detach().to("cpu", torch.float64) for t in (p, g, f))
     m = routed.detach().to("cpu", torch.float64)
     norm = f.norm(dim=-1)
-    return LayerStats(n_tokens=p.shape[0], count=m.sum(0), sum_p=p.sum(0), sum_p_sel=(m * p).sum(0),
-                      sum_sq=(norm * norm).sum(0), sum_gnorm_sel=(m * g * norm).sum(0),
-                      sum_norm_sel=(m * norm).sum(0), gram=torch.einsum("ned,nfd->ef", f, f),
-                      sum_pnorm_sel=(m * p * norm).sum(0), max_norm_sel=(m * norm).amax(0),
-                      sum_out=f.sum(0), gram_p=p.T @ p)
+    return LayerStats(
+        n_tokens=p.shape[0],
+        count=m.sum(0),
+        sum_p=p.sum(0),
+        sum_p_sel=(m * p).sum(0),
+        sum_sq=(norm * norm).sum(0),
+        sum_gnorm_sel=(m * g * norm).sum(0),
+        sum_norm_sel=(m * norm).sum(0),
+        gram=torch.einsum("ned,nfd->ef", f, f),
+        sum_pnorm_sel=(m * p * norm).sum(0),
+        max_norm_sel=(m * norm).amax(0),
+        sum_out=f.sum(0),
+        gram_p=p.T @ p,
+    )

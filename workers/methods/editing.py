@@ -76,8 +76,10 @@ def td_moe_params(E: int, I: int, H: int, r: int, factor_down: bool = True, bias
 def solve_rank(cost: Callable[[int], int], limit: int, r_max: int, what: str) -> int:
     """The largest r in 1..r_max with cost(r) <= limit (cost non-decreasing); one-line ValueError if none."""
     if cost(1) > limit:
-        raise ValueError(f"{what}: no rank >= 1 fits the budget of {limit} routed parameters "
-                         f"(rank 1 needs {cost(1)}); keep more experts (larger K)")
+        raise ValueError(
+            f"{what}: no rank >= 1 fits the budget of {limit} routed parameters "
+            f"(rank 1 needs {cost(1)}); keep more experts (larger K)"
+        )
     lo, hi = 1, r_max
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -133,7 +135,9 @@ def _lstsq_A(W: torch.Tensor, Z: torch.Tensor, eps: float = 1e-10) -> torch.Tens
     return sol.transpose(1, 2)
 
 
-def _mobe_init(W: torch.Tensor, r: int, m: int, coef_mode: str, gen: torch.Generator) -> dict[str, torch.Tensor]:
+def _mobe_init(
+    W: torch.Tensor, r: int, m: int, coef_mode: str, gen: torch.Generator
+) -> dict[str, torch.Tensor]:
     """The public code's init: m contiguous expert groups, B_g = top-r right singular vectors of the group's
     stacked experts, A_e = the expert's rows of U_r Σ_r, α_e one-hot on its group; the bases then solved
     (least squares over the experts) so that the initial mixtures equal the B_g."""
@@ -154,8 +158,17 @@ def _mobe_init(W: torch.Tensor, r: int, m: int, coef_mode: str, gen: torch.Gener
     return {"A": A, "coef": coef, "bases": bases}
 
 
-def fit_mobe(W: torch.Tensor, r: int, m: int, activation: str = "silu", coef: str = "softmax",
-             steps: int = 300, lr: float = 0.07, seed: int = 0, refit: bool = True) -> dict[str, torch.Tensor]:
+def fit_mobe(
+    W: torch.Tensor,
+    r: int,
+    m: int,
+    activation: str = "silu",
+    coef: str = "softmax",
+    steps: int = 300,
+    lr: float = 0.07,
+    seed: int = 0,
+    refit: bool = True,
+) -> dict[str, torch.Tensor]:
     """MoBE factors {A [E, I, r], bases [m, r, H], coef [E, m]} of W [E, I, H] (module docstring).
     Reproducible given the seed, up to rounding (a CPU BLAS may round differently from one call to the next,
     e.g. MKL by the buffers' alignment; an accelerator needs its deterministic algorithms)."""
@@ -203,7 +216,9 @@ def whitening(sum_xx: torch.Tensor, n_tokens: int, ridge: float = 1e-3) -> torch
     if n_tokens <= 0:
         raise ValueError(f"n_tokens={n_tokens}: TD-MoE's whitening needs calibration tokens")
     c = sum_xx.detach().to(torch.float64) / n_tokens
-    c = c + ridge * c.diagonal().mean().clamp_min(1e-30) * torch.eye(c.shape[0], dtype=c.dtype, device=c.device)
+    c = c + ridge * c.diagonal().mean().clamp_min(1e-30) * torch.eye(
+        c.shape[0], dtype=c.dtype, device=c.device
+    )
     return torch.linalg.cholesky(c)
 
 
@@ -213,8 +228,9 @@ def _top_eigvecs(gram: torch.Tensor, r: int) -> torch.Tensor:
     return vecs.flip(-1)[:, :r]
 
 
-def tucker2(W: torch.Tensor, r_out: int, r_in: int, S: torch.Tensor | None = None,
-            iters: int = 2) -> dict[str, torch.Tensor]:
+def tucker2(
+    W: torch.Tensor, r_out: int, r_in: int, S: torch.Tensor | None = None, iters: int = 2
+) -> dict[str, torch.Tensor]:
     """Tucker-2 factors {U [out, r_out], core [E, r_out, r_in], V [r_in, in]} with W_e ≈ U core_e V, minimising
     Σ_e ‖(W_e − U core_e V) S‖² (S = I when None) by HOSVD + `iters` HOOI sweeps; V = V_wᵀ S⁻¹."""
     dtype = W.dtype
@@ -247,11 +263,21 @@ def _biases(ew: ExpertWeights) -> dict[str, torch.Tensor]:
     return {p: b.detach() for p, b in found.items() if b is not None}
 
 
-MOBE_DEFAULTS = {"bases": 2, "activation": "silu", "coef": "softmax", "steps": 300, "lr": 0.07, "seed": 0,
-                 "refit": True, "rank": None}
+MOBE_DEFAULTS = {
+    "bases": 2,
+    "activation": "silu",
+    "coef": "softmax",
+    "steps": 300,
+    "lr": 0.07,
+    "seed": 0,
+    "refit": True,
+    "rank": None,
+}
 
 
-def edit_mobe(ctx: LayerContext, K: int, settings: dict) -> tuple[dict, dict[str, dict[str, torch.Tensor]], dict]:
+def edit_mobe(
+    ctx: LayerContext, K: int, settings: dict
+) -> tuple[dict, dict[str, dict[str, torch.Tensor]], dict]:
     """MoBE on gate and up at the largest rank within the budget; down kept dense."""
     s = {**MOBE_DEFAULTS, **settings}
     ew = ctx.experts
@@ -259,8 +285,10 @@ def edit_mobe(ctx: LayerContext, K: int, settings: dict) -> tuple[dict, dict[str
     m = int(s["bases"])
     limit = budget(E, I, H, K, bias)
     if 2 * E * m + E * H * I + (E * (2 * I + H) if bias else 0) >= limit:
-        raise ValueError(f"MoBE: K={K} of E={E} leaves no room for gate/up factors (MoBE keeps the down "
-                         f"projections dense, 1/3 of the routed parameters): use K > {E // 3}")
+        raise ValueError(
+            f"MoBE: K={K} of E={E} leaves no room for gate/up factors (MoBE keeps the down "
+            f"projections dense, 1/3 of the routed parameters): use K > {E // 3}"
+        )
     cost = lambda r: mobe_params(E, I, H, r, m, bias)  # noqa: E731
     r = solve_rank(cost, limit, min(I, H), f"MoBE (bases={m})") if s["rank"] is None else int(s["rank"])
     if cost(r) > limit:
@@ -278,7 +306,9 @@ def edit_mobe(ctx: LayerContext, K: int, settings: dict) -> tuple[dict, dict[str
 TD_MOE_DEFAULTS = {"ridge": 1e-3, "iters": 2, "down": "plain", "whiten": True, "rank": None}
 
 
-def edit_td_moe(ctx: LayerContext, K: int, settings: dict) -> tuple[dict, dict[str, dict[str, torch.Tensor]], dict]:
+def edit_td_moe(
+    ctx: LayerContext, K: int, settings: dict
+) -> tuple[dict, dict[str, dict[str, torch.Tensor]], dict]:
     """TD-MoE: whitened Tucker-2 of gate and up (input = the block input), down per `down` (plain / keep)."""
     s = {**TD_MOE_DEFAULTS, **settings}
     if s["down"] not in ("plain", "keep"):
@@ -297,14 +327,23 @@ def edit_td_moe(ctx: LayerContext, K: int, settings: dict) -> tuple[dict, dict[s
         S = whitening(ctx.stats.sum_xx, ctx.stats.n_tokens, float(s["ridge"])).to(ew.gate.device)
     w = _weights(ew)
     factored = ["gate", "up"] + (["down"] if factor_down else [])
-    factors = {p: tucker2(w[p], min(r, w[p].shape[1]), min(r, w[p].shape[2]), S if p != "down" else None,
-                          int(s["iters"])) for p in factored}
+    factors = {
+        p: tucker2(
+            w[p], min(r, w[p].shape[1]), min(r, w[p].shape[2]), S if p != "down" else None, int(s["iters"])
+        )
+        for p in factored
+    }
     specs = {p: {"kind": "tucker"} for p in factored}
     if not factor_down:
         factors["down"], specs["down"] = {"weight": w["down"].clone()}, {"kind": "dense"}
     ranks = {p: [min(r, w[p].shape[1]), min(r, w[p].shape[2])] for p in factored}
-    student = {"method": "TD-MoE", "rank": r, "ranks": ranks, "factored": factored,
-               **{k: s[k] for k in ("ridge", "iters", "down", "whiten")}}
+    student = {
+        "method": "TD-MoE",
+        "rank": r,
+        "ranks": ranks,
+        "factored": factored,
+        **{k: s[k] for k in ("ridge", "iters", "down", "whiten")},
+    }
     return student | {"projections": specs}, factors, {"rank": r, "bases": 0}
 
 
@@ -323,7 +362,9 @@ def get_editing(name: str) -> Editing:
     return lookup(EDITINGS, name, "editing")
 
 
-def relative_errors(orig: dict[str, torch.Tensor], approx: dict[str, torch.Tensor]) -> tuple[list[float], float]:
+def relative_errors(
+    orig: dict[str, torch.Tensor], approx: dict[str, torch.Tensor]
+) -> tuple[list[float], float]:
     """Per expert and over the layer: sqrt(Σ_p ‖W_p − Ŵ_p‖² / Σ_p ‖W_p‖²) over gate, up and down."""
     num = sum(((orig[p].double() - approx[p].double()) ** 2).sum(dim=(1, 2)) for p in PROJECTIONS)
     den = sum((orig[p].double() ** 2).sum(dim=(1, 2)) for p in PROJECTIONS)
@@ -331,8 +372,9 @@ def relative_errors(orig: dict[str, torch.Tensor], approx: dict[str, torch.Tenso
     return per.tolist(), float((num.sum() / den.sum().clamp_min(1e-300)).sqrt())
 
 
-def edit_layer(layer: int, ctx: LayerContext, method: str, K: int,
-               settings: dict | None = None) -> tuple[LayerPlan, dict[str, torch.Tensor]]:
+def edit_layer(
+    layer: int, ctx: LayerContext, method: str, K: int, settings: dict | None = None
+) -> tuple[LayerPlan, dict[str, torch.Tensor]]:
     """The edited layer: a plan keeping all E experts (each its own group, weight 1, α 1), with per-expert
     relative reconstruction errors as scores, and the factors as `layer.{layer}.{proj}.{name}` tensors
     (dense projections as `.weight`, expert biases as `.bias`). extras: rank, bases, rel_error,
@@ -348,11 +390,24 @@ def edit_layer(layer: int, ctx: LayerContext, method: str, K: int,
     for p, b in _biases(ctx.experts).items():
         factors[p]["bias"] = b.clone()
     student["bias"] = bool(_biases(ctx.experts))
-    tensors = {f"layer.{layer}.{p}.{name}": t.contiguous() for p in PROJECTIONS for name, t in factors[p].items()}
+    tensors = {
+        f"layer.{layer}.{p}.{name}": t.contiguous() for p in PROJECTIONS for name, t in factors[p].items()
+    }
     ew = ctx.experts
-    extras = {**numeric, "rel_error": rel, "params_routed": factor_count(tensors),
-              "params_routed_original": routed_params(E, ew.intermediate, ew.hidden, student["bias"]),
-              "student": student}
-    plan = LayerPlan(layer=layer, selected=list(range(E)), scores=per_expert, groups=[[e] for e in range(E)],
-                     merge_weights=[[1.0] for _ in range(E)], alpha=[1.0] * E, extras=extras)
+    extras = {
+        **numeric,
+        "rel_error": rel,
+        "params_routed": factor_count(tensors),
+        "params_routed_original": routed_params(E, ew.intermediate, ew.hidden, student["bias"]),
+        "student": student,
+    }
+    plan = LayerPlan(
+        layer=layer,
+        selected=list(range(E)),
+        scores=per_expert,
+        groups=[[e] for e in range(E)],
+        merge_weights=[[1.0] for _ in range(E)],
+        alpha=[1.0] * E,
+        extras=extras,
+    )
     return plan, tensors

@@ -8,7 +8,9 @@ import torch
 from workers.core.types import ExpertWeights
 
 
-def activation(g: torch.Tensor, u: torch.Tensor, act: str, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+def activation(
+    g: torch.Tensor, u: torch.Tensor, act: str, alpha: float = 1.702, limit: float = 7.0
+) -> torch.Tensor:
     if act == "silu":
         return torch.nn.functional.silu(g) * u
     if act == "gptoss":  # GPT-OSS clamped SwiGLU (transformers GptOssExperts)
@@ -27,8 +29,13 @@ def fused_gate_up(experts: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor | 
     g, u = experts.gate, experts.up
     E, D, H = g.shape
     fused = None
-    if (g.dtype == u.dtype and g.device == u.device and g.stride() == (2 * D * H, H, 1)
-            and u.stride() == g.stride() and u.data_ptr() == g.data_ptr() + D * H * g.element_size()):
+    if (
+        g.dtype == u.dtype
+        and g.device == u.device
+        and g.stride() == (2 * D * H, H, 1)
+        and u.stride() == g.stride()
+        and u.data_ptr() == g.data_ptr() + D * H * g.element_size()
+    ):
         fused = g.as_strided((E, 2 * D, H), (2 * D * H, H, 1))
     if fused is None:
         fused = torch.cat([g, u], dim=1)
@@ -41,8 +48,9 @@ def fused_gate_up(experts: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor | 
     return fused, bias
 
 
-def all_expert_outputs(experts: ExpertWeights, x: torch.Tensor,
-                       fused: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+def all_expert_outputs(
+    experts: ExpertWeights, x: torch.Tensor, fused: tuple[torch.Tensor, torch.Tensor | None] | None = None
+) -> torch.Tensor:
     """f_e(x_t) for every expert e and token t: x [T, H] -> [E, T, H] in the weights' dtype.
 
     Two batched matmuls over the stacked weights: [E, T, H] x [E, H, 2I] (x broadcast, not copied, on

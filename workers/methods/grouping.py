@@ -35,8 +35,10 @@ def canonical(groups: list[list[int]], order: list[int], k: int) -> list[list[in
     pos = {e: i for i, e in enumerate(order)}
     out = sorted((sorted(g, key=pos.__getitem__) for g in groups if g), key=lambda g: pos[g[0]])
     if len(out) != k or sorted(e for g in out for e in g) != sorted(order):
-        raise ValueError(f"grouping produced {len(out)} groups over {sum(map(len, out))} experts; "
-                         f"needs exactly k={k} non-empty groups partitioning the {len(order)} kept experts")
+        raise ValueError(
+            f"grouping produced {len(out)} groups over {sum(map(len, out))} experts; "
+            f"needs exactly k={k} non-empty groups partitioning the {len(order)} kept experts"
+        )
     return out
 
 
@@ -97,7 +99,7 @@ def weight_gram(ctx: LayerContext, experts: list[int]) -> torch.Tensor:
         for t in tensors:
             rows = max(1, WC_CHUNK_ELEMENTS // max(1, E * t.shape[2]))
             for start in range(0, t.shape[1], rows):
-                x = t[:, start:start + rows].reshape(E, -1).float()
+                x = t[:, start : start + rows].reshape(E, -1).float()
                 full += (x @ x.T).to("cpu", torch.float64)
         cached = (key, full)
         w._weight_gram_cache = cached
@@ -112,7 +114,9 @@ def round_robin(ctx: LayerContext, selected: list[int], scores: torch.Tensor, k:
     return canonical([order[g::k] for g in range(k)], order, k)
 
 
-def weight_clustering(ctx: LayerContext, selected: list[int], scores: torch.Tensor, k: int) -> list[list[int]]:
+def weight_clustering(
+    ctx: LayerContext, selected: list[int], scores: torch.Tensor, k: int
+) -> list[list[int]]:
     """WC: agglomerative clustering, cosine distance on concatenated flattened gate/up/down (Appendix G).
 
     The paper does not name WC's linkage; average linkage is used, as for OC and HC-SMoE.
@@ -123,12 +127,16 @@ def weight_clustering(ctx: LayerContext, selected: list[int], scores: torch.Tens
 
 
 def _router_gram(ctx: LayerContext, experts: list[int]) -> torch.Tensor:
-    r = ctx.router_weight.detach()[torch.as_tensor(experts, dtype=torch.long, device=ctx.router_weight.device)]
+    r = ctx.router_weight.detach()[
+        torch.as_tensor(experts, dtype=torch.long, device=ctx.router_weight.device)
+    ]
     r = r.to("cpu", torch.float64)
     return r @ r.T
 
 
-def router_clustering(ctx: LayerContext, selected: list[int], scores: torch.Tensor, k: int) -> list[list[int]]:
+def router_clustering(
+    ctx: LayerContext, selected: list[int], scores: torch.Tensor, k: int
+) -> list[list[int]]:
     """RC: agglomerative clustering, cosine distance on router weight vectors (Appendix G; average linkage)."""
     _check(selected, k)
     order = rank_order(selected, scores)
@@ -150,7 +158,9 @@ def anchor_based(ctx: LayerContext, selected: list[int], scores: torch.Tensor, k
     return canonical(groups, order, k)
 
 
-def output_clustering(ctx: LayerContext, selected: list[int], scores: torch.Tensor, k: int) -> list[list[int]]:
+def output_clustering(
+    ctx: LayerContext, selected: list[int], scores: torch.Tensor, k: int
+) -> list[list[int]]:
     """OC: average-linkage on 1 − Ḡ_ij / sqrt(V̄_i V̄_j), Ḡ = gram/N, V̄_i = Ḡ_ii (Appendix G, Eq. 153–154)."""
     _check(selected, k)
     order = rank_order(selected, scores)

@@ -25,10 +25,17 @@ def merge_group(experts: ExpertWeights, members: list[int], weights: list[float]
         acc = torch.float64 if sel.dtype == torch.float64 else torch.float32  # bf16 experts merge in fp32
         return torch.tensordot(w.to(acc), sel.to(acc), dims=1).to(sel.dtype)
 
-    return DenseFFN(gate=avg(experts.gate), up=avg(experts.up), down=avg(experts.down),
-                    gate_bias=avg(experts.gate_bias), up_bias=avg(experts.up_bias),
-                    down_bias=avg(experts.down_bias), act=experts.act,
-                    act_alpha=experts.act_alpha, act_limit=experts.act_limit)
+    return DenseFFN(
+        gate=avg(experts.gate),
+        up=avg(experts.up),
+        down=avg(experts.down),
+        gate_bias=avg(experts.gate_bias),
+        up_bias=avg(experts.up_bias),
+        down_bias=avg(experts.down_bias),
+        act=experts.act,
+        act_alpha=experts.act_alpha,
+        act_limit=experts.act_limit,
+    )
 
 
 def concat_blocks(blocks: list[DenseFFN], alpha: list[float], input_scaled: bool = False) -> DenseFFN:
@@ -53,9 +60,17 @@ def concat_blocks(blocks: list[DenseFFN], alpha: list[float], input_scaled: bool
     down_bias = None
     if first.down_bias is not None:
         down_bias = sum(a * b.down_bias for a, b in zip(out_scale, blocks, strict=True))
-    return DenseFFN(gate=in_rows("gate"), up=in_rows("up"), down=down, gate_bias=rows("gate_bias"),
-                    up_bias=rows("up_bias"), down_bias=down_bias, act=first.act,
-                    act_alpha=first.act_alpha, act_limit=first.act_limit)
+    return DenseFFN(
+        gate=in_rows("gate"),
+        up=in_rows("up"),
+        down=down,
+        gate_bias=rows("gate_bias"),
+        up_bias=rows("up_bias"),
+        down_bias=down_bias,
+        act=first.act,
+        act_alpha=first.act_alpha,
+        act_limit=first.act_limit,
+    )
 
 
 def build_dense_ffn(experts: ExpertWeights, plan: LayerPlan) -> DenseFFN:
@@ -69,10 +84,17 @@ def ffn_forward(ffn: DenseFFN | ExpertWeights, h: torch.Tensor, expert: int | No
     """Reference forward of a DenseFFN (or of one expert of an ExpertWeights) on h [..., H]."""
     if expert is not None:
         pick = lambda t: None if t is None else t[expert]  # noqa: E731
-        ffn = DenseFFN(gate=ffn.gate[expert], up=ffn.up[expert], down=ffn.down[expert],
-                       gate_bias=pick(ffn.gate_bias), up_bias=pick(ffn.up_bias),
-                       down_bias=pick(ffn.down_bias), act=ffn.act, act_alpha=ffn.act_alpha,
-                       act_limit=ffn.act_limit)
+        ffn = DenseFFN(
+            gate=ffn.gate[expert],
+            up=ffn.up[expert],
+            down=ffn.down[expert],
+            gate_bias=pick(ffn.gate_bias),
+            up_bias=pick(ffn.up_bias),
+            down_bias=pick(ffn.down_bias),
+            act=ffn.act,
+            act_alpha=ffn.act_alpha,
+            act_limit=ffn.act_limit,
+        )
     g = h @ ffn.gate.T
     u = h @ ffn.up.T
     if ffn.gate_bias is not None:
@@ -83,8 +105,9 @@ def ffn_forward(ffn: DenseFFN | ExpertWeights, h: torch.Tensor, expert: int | No
     return y if ffn.down_bias is None else y + ffn.down_bias
 
 
-def routed_forward(experts: ExpertWeights, h: torch.Tensor, weights: torch.Tensor,
-                   indices: torch.Tensor) -> torch.Tensor:
+def routed_forward(
+    experts: ExpertWeights, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+) -> torch.Tensor:
     """Reference Σ_j w_j f_{e_j}(h) on h [T, H] for weights, indices [T, k] (Σ_j f_{e_j}(w_j h) where the
     experts are input-scaled), one token at a time."""
     out = []
@@ -92,10 +115,8 @@ def routed_forward(experts: ExpertWeights, h: torch.Tensor, weights: torch.Tenso
         y = h.new_zeros(h.shape[-1])
         for w, e in zip(weights[t].tolist(), indices[t].tolist(), strict=True):
             if experts.input_scaled:
-                y = y + ffn_forward(experts, w * h[t:t + 1], expert=int(e))[0]
+                y = y + ffn_forward(experts, w * h[t : t + 1], expert=int(e))[0]
             else:
-                y = y + w * ffn_forward(experts, h[t:t + 1], expert=int(e))[0]
+                y = y + w * ffn_forward(experts, h[t : t + 1], expert=int(e))[0]
         out.append(y)
     return torch.stack(out)
-
-

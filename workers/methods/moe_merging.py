@@ -146,8 +146,11 @@ def hc_smoe_cluster(ctx: LayerContext, K: int, settings: dict) -> tuple[list[lis
     n = max(int(ctx.stats.n_tokens), 1)  # no tokens: sum_out is 0, every representative is 0
     reps = ctx.stats.sum_out.detach().to("cpu", torch.float64) / n
     d = cosine_distance(reps) if settings["distance"] == "cosine" else euclidean_distance(reps)
-    return agglomerate(d, K, settings["linkage"]), d, {"distance": settings["distance"],
-                                                       "linkage": settings["linkage"]}
+    return (
+        agglomerate(d, K, settings["linkage"]),
+        d,
+        {"distance": settings["distance"], "linkage": settings["linkage"]},
+    )
 
 
 # ---- M-SMoE: dominant experts and their followers -------------------------------------------------
@@ -174,18 +177,26 @@ def m_smoe_cluster(ctx: LayerContext, K: int, settings: dict) -> tuple[list[list
             row = d[e, dom_idx]
             first = int(torch.nonzero(row == row.min())[0])  # ties: lower dominant id (dominant is sorted)
             members[dominant[first]].append(e)
-    return [sorted(members[e]) for e in dominant], d, {"similarity": "router_gates_over_tokens",
-                                                       "dominant": dominant}
+    return (
+        [sorted(members[e]) for e in dominant],
+        d,
+        {"similarity": "router_gates_over_tokens", "dominant": dominant},
+    )
 
 
 MERGINGS: dict[str, Merging] = {
     "HC-SMoE": Merging(
-        "HC-SMoE", hc_smoe_cluster,
+        "HC-SMoE",
+        hc_smoe_cluster,
         {"distance": "cosine", "linkage": "average", "permute": False, "router_rows": "weighted"},
-        "hierarchical clustering of expert outputs over all tokens, frequency-weighted average"),
+        "hierarchical clustering of expert outputs over all tokens, frequency-weighted average",
+    ),
     "M-SMoE": Merging(
-        "M-SMoE", m_smoe_cluster, {"permute": True, "router_rows": "dominant"},
-        "dominant experts by routing frequency, router-gate similarity, aligned weighted average"),
+        "M-SMoE",
+        m_smoe_cluster,
+        {"permute": True, "router_rows": "dominant"},
+        "dominant experts by routing frequency, router-gate similarity, aligned weighted average",
+    ),
 }
 
 _CHOICES = {"distance": DISTANCES, "linkage": LINKAGES, "router_rows": ROUTER_ROWS, "permute": (False, True)}
@@ -219,14 +230,17 @@ def frequency_weights(groups: list[list[int]], nu: torch.Tensor) -> list[list[fl
 def cluster_diagnostics(groups: list[list[int]], d: torch.Tensor) -> dict:
     """singleton_clusters, largest_cluster, mean_intra_distance (mean over all member pairs inside
     clusters of the method's distance; 0 when every cluster is a singleton)."""
-    pairs = [float(d[a, b]) for g in groups for i, a in enumerate(g) for b in g[i + 1:]]
-    return {"singleton_clusters": sum(len(g) == 1 for g in groups),
-            "largest_cluster": max(len(g) for g in groups),
-            "mean_intra_distance": sum(pairs) / len(pairs) if pairs else 0.0}
+    pairs = [float(d[a, b]) for g in groups for i, a in enumerate(g) for b in g[i + 1 :]]
+    return {
+        "singleton_clusters": sum(len(g) == 1 for g in groups),
+        "largest_cluster": max(len(g) for g in groups),
+        "mean_intra_distance": sum(pairs) / len(pairs) if pairs else 0.0,
+    }
 
 
-def merge_layer(layer: int, ctx: LayerContext, method: str, K: int,
-                settings: dict | None = None) -> LayerPlan:
+def merge_layer(
+    layer: int, ctx: LayerContext, method: str, K: int, settings: dict | None = None
+) -> LayerPlan:
     """One layer merged to K experts by `method` (module docstring: plan layout, router rows)."""
     m = lookup(MERGINGS, method, "merging")
     E, k = ctx.stats.num_experts, ctx.top_k
@@ -237,9 +251,15 @@ def merge_layer(layer: int, ctx: LayerContext, method: str, K: int,
     clusters, d, extras = m.cluster(ctx, K, s)
     groups = sorted((by_frequency(c, nu) for c in clusters), key=min)
     student = {"merge": method, "router_rows": s["router_rows"], "permute": s["permute"]}
-    return LayerPlan(layer=layer, selected=[e for g in groups for e in g], scores=nu.tolist(), groups=groups,
-                     merge_weights=frequency_weights(groups, nu), alpha=[1.0] * len(groups),
-                     extras={**extras, **cluster_diagnostics(groups, d), "student": student})
+    return LayerPlan(
+        layer=layer,
+        selected=[e for g in groups for e in g],
+        scores=nu.tolist(),
+        groups=groups,
+        merge_weights=frequency_weights(groups, nu),
+        alpha=[1.0] * len(groups),
+        extras={**extras, **cluster_diagnostics(groups, d), "student": student},
+    )
 
 
 # ---- permutation alignment (weight matching) -------------------------------------------------------
@@ -271,14 +291,19 @@ def merged_layers(plans: list[LayerPlan], experts: dict[int, ExpertWeights]) -> 
     for p in plans:
         student = p.extras.get("student") or {}
         if "router_rows" not in student:
-            raise ValueError(f"layer {p.layer}: the plan is not a merged-MoE plan (extras['student'] has no "
-                             "router_rows)")
+            raise ValueError(
+                f"layer {p.layer}: the plan is not a merged-MoE plan (extras['student'] has no router_rows)"
+            )
         dominant = [dominant_member(g, p.scores) for g in p.groups]
         perms: dict[int, torch.Tensor] = {}
         if student.get("permute"):
             for g, dom in zip(p.groups, dominant, strict=True):
                 perms.update({e: match_units(experts[p.layer], dom, e) for e in g if e != dom})
-        out[p.layer] = MergedLayer(groups=[list(g) for g in p.groups],
-                                   weights=[list(w) for w in p.merge_weights],
-                                   router_rows=student["router_rows"], dominant=dominant, perms=perms)
+        out[p.layer] = MergedLayer(
+            groups=[list(g) for g in p.groups],
+            weights=[list(w) for w in p.merge_weights],
+            router_rows=student["router_rows"],
+            dominant=dominant,
+            perms=perms,
+        )
     return out

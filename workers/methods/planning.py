@@ -40,17 +40,31 @@ def plan_layer(layer: int, ctx: LayerContext, scoring: str, grouping: str, scali
         raise ValueError(f"K={K} out of range; allowed k <= K <= E: {k}..{E}")
     scores = sc.score(ctx).to("cpu", torch.float64)
     if scores.shape != (E,) or not bool(torch.isfinite(scores).all()) or bool((scores < 0).any()):
-        raise ValueError(f"scoring {scoring!r} gave invalid scores for layer {layer}; need {E} finite values >= 0")
+        raise ValueError(
+            f"scoring {scoring!r} gave invalid scores for layer {layer}; need {E} finite values >= 0"
+        )
     sel = sc.select(ctx, scores, K)
     groups = group_fn(ctx, sel.selected, scores, k)
     alpha = scale_fn(ctx, groups, scores, sel.selected)
-    extras = {"effective_rank": selected_kernel_rank(ctx, scores, sel.selected),
-              "effective_rank_acp": selected_kernel_rank(ctx, acp(ctx), sel.selected), **sel.extras}
-    return LayerPlan(layer=layer, selected=list(sel.selected), scores=scores.tolist(), groups=groups,
-                     merge_weights=merge_weights(groups, scores), alpha=[float(a) for a in alpha], extras=extras)
+    extras = {
+        "effective_rank": selected_kernel_rank(ctx, scores, sel.selected),
+        "effective_rank_acp": selected_kernel_rank(ctx, acp(ctx), sel.selected),
+        **sel.extras,
+    }
+    return LayerPlan(
+        layer=layer,
+        selected=list(sel.selected),
+        scores=scores.tolist(),
+        groups=groups,
+        merge_weights=merge_weights(groups, scores),
+        alpha=[float(a) for a in alpha],
+        extras=extras,
+    )
 
 
-def select_layer(layer: int, ctx: LayerContext, scoring: str, K: int, super_factor: float | None = None) -> LayerPlan:
+def select_layer(
+    layer: int, ctx: LayerContext, scoring: str, K: int, super_factor: float | None = None
+) -> LayerPlan:
     """The kept experts of one layer for a smaller-MoE output: the scoring's K selected experts, each its
     own group (weight 1, α 1: a pruned MoE keeps its router, so nothing is merged or scaled). With
     `super_factor`, the layer's super experts are kept first (workers.methods.pruning.select_pruned)."""
@@ -59,7 +73,11 @@ def select_layer(layer: int, ctx: LayerContext, scoring: str, K: int, super_fact
     if not ctx.top_k <= K <= E:
         raise ValueError(f"K={K} out of range; allowed k <= K <= E: {ctx.top_k}..{E}")
     scores = sc.score(ctx).to("cpu", torch.float64)
-    sel = select_pruned(ctx, scoring, K, super_factor) if super_factor is not None else sc.select(ctx, scores, K)
+    sel = (
+        select_pruned(ctx, scoring, K, super_factor)
+        if super_factor is not None
+        else sc.select(ctx, scores, K)
+    )
     kept = sorted(sel.selected)
     extras = {"effective_rank": selected_kernel_rank(ctx, scores, kept), **sel.extras}
     if super_factor is not None:  # ids stay in plan.json; their counts become layer_diag rows
@@ -67,8 +85,15 @@ def select_layer(layer: int, ctx: LayerContext, scoring: str, K: int, super_fact
         extras["protected_ids"] = extras.pop("protected", [])
         extras["super_experts"] = len(extras["super_expert_ids"])
         extras["protected"] = len(extras["protected_ids"])
-    return LayerPlan(layer=layer, selected=list(sel.selected), scores=scores.tolist(), groups=[[e] for e in kept],
-                     merge_weights=[[1.0] for _ in kept], alpha=[1.0] * len(kept), extras=extras)
+    return LayerPlan(
+        layer=layer,
+        selected=list(sel.selected),
+        scores=scores.tolist(),
+        groups=[[e] for e in kept],
+        merge_weights=[[1.0] for _ in kept],
+        alpha=[1.0] * len(kept),
+        extras=extras,
+    )
 
 
 def plan_signature(plans: list[LayerPlan]) -> str:

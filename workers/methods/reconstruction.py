@@ -83,20 +83,26 @@ class ReconSettings:
         names = [f.name for f in fields(cls)]
         unknown = sorted(set(raw) - set(names))
         if unknown:
-            raise ValueError(f"settings {', '.join(unknown)}: reconstruction-loss selection takes {', '.join(names)}")
+            raise ValueError(
+                f"settings {', '.join(unknown)}: reconstruction-loss selection takes {', '.join(names)}"
+            )
         s = cls(**raw)
         for name, allowed in (("target", TARGETS), ("input", INPUTS), ("partition", PARTITIONS)):
             if getattr(s, name) not in allowed:
                 raise ValueError(f"settings.{name}={getattr(s, name)!r}; allowed: {', '.join(allowed)}")
         for name in ("max_subsets", "group_size", "seed"):
             v = getattr(s, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "seed" else 1)):
+            if v is not None and (
+                not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "seed" else 1)
+            ):
                 raise ValueError(f"settings.{name}={v!r}; must be an integer >= {0 if name == 'seed' else 1}")
         return s
 
 
 # ---- one layer's loss ---------------------------------------------------------------------------------
-def routed_weights(p: torch.Tensor, kept: list[int], k: int, renormalized: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def routed_weights(
+    p: torch.Tensor, kept: list[int], k: int, renormalized: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The pruned router's decision: (weights [T, min(k, |S|)], expert ids [T, min(k, |S|)]).
 
     p restricted to S and renormalised over S (softmax over the kept logits), its top-k (k clamped to |S|),
@@ -116,18 +122,24 @@ class LayerLoss:
     def __init__(self, ctx: LayerContext, target: str):
         sample = ctx.stats.sample
         if not sample or "x" not in sample or "p" not in sample:
-            raise ValueError("layer statistics have no token sample: reconstruction-loss selection needs "
-                             "calibration.sample_tokens > 0 (recompute the calibration)")
+            raise ValueError(
+                "layer statistics have no token sample: reconstruction-loss selection needs "
+                "calibration.sample_tokens > 0 (recompute the calibration)"
+            )
         if ctx.experts.input_scaled:
-            raise ValueError("experts.input_scaled=True (the router weight scales the expert's input, f(w·x)): "
-                             "reconstruction-loss selection models the layer as Σ w·f(x); not supported")
+            raise ValueError(
+                "experts.input_scaled=True (the router weight scales the expert's input, f(w·x)): "
+                "reconstruction-loss selection models the layer as Σ w·f(x); not supported"
+            )
         dev = ctx.experts.gate.device
         f = all_expert_outputs(ctx.experts, sample["x"].to(dev))  # [E, T, H] in the weights' dtype
         dtype = torch.float64 if dev.type == "cpu" else torch.float32
         self.f = f.to(dtype).transpose(0, 1).contiguous()  # [T, E, H]
         self.p = sample["p"].to(dev, dtype)
         if self.p.shape != self.f.shape[:2]:
-            raise ValueError(f"token sample: p {tuple(self.p.shape)} does not match [T, E] = {tuple(self.f.shape[:2])}")
+            raise ValueError(
+                f"token sample: p {tuple(self.p.shape)} does not match [T, E] = {tuple(self.f.shape[:2])}"
+            )
         self.T, self.E = self.f.shape[0], self.f.shape[1]
         self.k, self.renormalized, self.target = ctx.top_k, ctx.renormalized, target
         self.rows = torch.arange(self.T, device=dev)[:, None]
@@ -174,8 +186,10 @@ def exhaustive(loss: LayerLoss, K: int, forced: list[int], s: ReconSettings) -> 
     rest = [e for e in range(loss.E) if e not in forced]
     n = math.comb(len(rest), K - len(forced))
     if n > s.max_subsets:
-        raise ValueError(f"RL-exhaustive: C({len(rest)}, {K - len(forced)}) = {n} subsets exceed max_subsets="
-                         f"{s.max_subsets}; use RL-greedy or CFES, or raise max_subsets")
+        raise ValueError(
+            f"RL-exhaustive: C({len(rest)}, {K - len(forced)}) = {n} subsets exceed max_subsets="
+            f"{s.max_subsets}; use RL-greedy or CFES, or raise max_subsets"
+        )
     best, best_d = None, None
     for c in combinations(rest, K - len(forced)):
         d = loss([*forced, *c])
@@ -204,15 +218,22 @@ def coarse_to_fine(loss: LayerLoss, K: int, forced: list[int], s: ReconSettings)
     gen = torch.Generator().manual_seed(s.seed)
     sel, cand, steps = list(forced), [e for e in range(loss.E) if e not in forced], []
     for _ in range(K - len(forced)):
-        order = cand if s.partition == "sequential" else [cand[i] for i in torch.randperm(len(cand), generator=gen)]
-        groups = [order[i:i + S] for i in range(0, len(order), S)]
+        order = (
+            cand
+            if s.partition == "sequential"
+            else [cand[i] for i in torch.randperm(len(cand), generator=gen)]
+        )
+        groups = [order[i : i + S] for i in range(0, len(order), S)]
         best_g, _ = _argmin(groups, lambda g: loss([*sel, *g]))  # coarse: Sel ∪ G_k
         best, best_d = _argmin(sorted(best_g), lambda e: loss([*sel, e]))  # fine: Sel ∪ {e}, e ∈ G*
         sel.append(best)
         cand.remove(best)
         steps.append(best_d)
-    return sel, {"recon_loss": steps[-1] if steps else loss(sel), "recon_step_losses": steps,
-                 "c2f_group_size": S}
+    return sel, {
+        "recon_loss": steps[-1] if steps else loss(sel),
+        "recon_step_losses": steps,
+        "c2f_group_size": S,
+    }
 
 
 SEARCHES: dict[str, Callable[[LayerLoss, int, list[int], ReconSettings], tuple[list[int], dict]]] = {
@@ -236,7 +257,9 @@ class ReconstructionSelector:
         """The re-run of the teacher that sequential inputs need (module-level layer_inputs), else None."""
         return layer_inputs(raw, teacher)
 
-    def __call__(self, ctx: LayerContext, scores: torch.Tensor, K: int, forced: tuple[int, ...] = ()) -> Selection:
+    def __call__(
+        self, ctx: LayerContext, scores: torch.Tensor, K: int, forced: tuple[int, ...] = ()
+    ) -> Selection:
         s = ReconSettings.parse(ctx.settings)
         E = ctx.stats.num_experts
         if not 1 <= K <= E:
@@ -257,24 +280,37 @@ class _Stop(Exception):
 
 def _compressed_decision(kept: list[int], k: int, renormalized: bool, scale: float, target: str) -> Callable:
     """decide(p, w, idx) for FamilyAdapter.override_routing: the compressed layer's decision (module docstring)."""
+
     def decide(p: torch.Tensor, w0: torch.Tensor, idx0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if target == "dense_proxy":
-            idx = torch.as_tensor(sorted(kept), dtype=torch.long, device=p.device).expand(p.shape[0], len(kept))
+            idx = torch.as_tensor(sorted(kept), dtype=torch.long, device=p.device).expand(
+                p.shape[0], len(kept)
+            )
             w = torch.full(idx.shape, 1.0 / len(kept), dtype=p.dtype, device=p.device)
         else:
             w, idx = routed_weights(p, kept, k, renormalized)
         return w * scale, idx
+
     return decide
 
 
-def sequential_sample(model: nn.Module, adapter, sample: dict[str, torch.Tensor], layer: int,
-                      kept: dict[int, list[int]], target: str, batch_size: int = 16) -> dict[str, torch.Tensor]:
+def sequential_sample(
+    model: nn.Module,
+    adapter,
+    sample: dict[str, torch.Tensor],
+    layer: int,
+    kept: dict[int, list[int]],
+    target: str,
+    batch_size: int = 16,
+) -> dict[str, torch.Tensor]:
     """`sample` with x and p of `layer` recomputed on the sampled windows with the layers in `kept` compressed
     (Theorem 4.1: each layer's error is measured on the input the already-pruned layers produce, against the
     full layer on that input). The rest of the forward is skipped once `layer`'s router has run."""
     missing = [n for n in ("ids", "mask", "window", "pos") if n not in sample]
     if missing:
-        raise ValueError(f"token sample lacks {', '.join(missing)}: sequential input re-runs the sampled windows")
+        raise ValueError(
+            f"token sample lacks {', '.join(missing)}: sequential input re-runs the sampled windows"
+        )
     k, renorm, scale = adapter.top_k(model), adapter.renormalized(model), adapter.routed_scaling(model)
     dev = next(model.parameters()).device
     ids, mask, window, pos = sample["ids"], sample["mask"], sample["window"], sample["pos"]
@@ -287,8 +323,14 @@ def sequential_sample(model: nn.Module, adapter, sample: dict[str, torch.Tensor]
         got.append((sample_copy(x[r]), sample_copy(p[r])))
         raise _Stop
 
-    handles = [h for other, ks in kept.items() if other != layer for h in adapter.override_routing(
-        model, other, _compressed_decision(list(ks), k, renorm, scale, target), list(ks))]
+    handles = [
+        h
+        for other, ks in kept.items()
+        if other != layer
+        for h in adapter.override_routing(
+            model, other, _compressed_decision(list(ks), k, renorm, scale, target), list(ks)
+        )
+    ]
     handles += adapter.hook_routing(model, layer, capture)
     was_training = model.training
     try:
@@ -311,14 +353,17 @@ def sequential_sample(model: nn.Module, adapter, sample: dict[str, torch.Tensor]
     return {**sample, "x": torch.cat([x for x, _ in got]), "p": torch.cat([p for _, p in got])}
 
 
-def layer_inputs(raw_settings: dict[str, Any] | None, teacher: tuple[nn.Module, Any] | None
-                 ) -> Callable[[int, dict[int, list[int]], dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None:
+def layer_inputs(
+    raw_settings: dict[str, Any] | None, teacher: tuple[nn.Module, Any] | None
+) -> Callable[[int, dict[int, list[int]], dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None:
     """For `input: sequential`, `(layer, kept so far, cached sample) -> the layer's sample` on the compressed
     earlier layers; None for `original`. `teacher`: the resident (model, adapter)."""
     s = ReconSettings.parse(raw_settings)
     if s.input == "original":
         return None
     if teacher is None:
-        raise ValueError("settings.input=sequential re-runs the teacher: convert_plans needs teacher=(model, adapter)")
+        raise ValueError(
+            "settings.input=sequential re-runs the teacher: convert_plans needs teacher=(model, adapter)"
+        )
     model, adapter = teacher
     return lambda layer, kept, sample: sequential_sample(model, adapter, sample, layer, kept, s.target)

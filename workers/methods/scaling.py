@@ -31,13 +31,16 @@ def merge_weights(groups: list[list[int]], scores: torch.Tensor) -> list[list[fl
     return out
 
 
-def uniform(ctx: LayerContext, groups: list[list[int]], scores: torch.Tensor, selected: list[int]) -> list[float]:
+def uniform(
+    ctx: LayerContext, groups: list[list[int]], scores: torch.Tensor, selected: list[int]
+) -> list[float]:
     """α_g = 1/k (Appendix H, Eq. 155)."""
     return [1.0 / len(groups)] * len(groups)
 
 
-def proportional(ctx: LayerContext, groups: list[list[int]], scores: torch.Tensor,
-                 selected: list[int]) -> list[float]:
+def proportional(
+    ctx: LayerContext, groups: list[list[int]], scores: torch.Tensor, selected: list[int]
+) -> list[float]:
     """α_g = Σ_{G_g} s / Σ_{selected} s (Appendix H, Eq. 156); |G_g|/K if every kept score is 0."""
     s = _s(scores)
     total = sum(s[e] for e in selected)
@@ -46,7 +49,9 @@ def proportional(ctx: LayerContext, groups: list[list[int]], scores: torch.Tenso
     return [sum(s[e] for e in g) / total for g in groups]
 
 
-def avg_cp(ctx: LayerContext, groups: list[list[int]], scores: torch.Tensor, selected: list[int]) -> list[float]:
+def avg_cp(
+    ctx: LayerContext, groups: list[list[int]], scores: torch.Tensor, selected: list[int]
+) -> list[float]:
     """α_g = the unweighted mean CP of the group's experts (§4.6, DeepSeek-V2-Lite).
 
     Meant for routers that do not renormalize their top-k: the MoE then scales each selected expert

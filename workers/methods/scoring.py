@@ -98,7 +98,9 @@ def select_top_k(ctx: LayerContext, scores: torch.Tensor, K: int, forced: tuple[
     return Selection(top_k(scores, K, forced))
 
 
-def select_d_optimal(ctx: LayerContext, scores: torch.Tensor, K: int, forced: tuple[int, ...] = ()) -> Selection:
+def select_d_optimal(
+    ctx: LayerContext, scores: torch.Tensor, K: int, forced: tuple[int, ...] = ()
+) -> Selection:
     """Greedy D-optimal on 𝒦 = sqrt(I_i I_j)·G_ij with I = the base score and λ = trace(𝒦)/(K·E) (Algorithm 2).
 
     With this (the paper's) λ the greedy may keep two identical experts (Appendix E.1 with K ≥ 4):

@@ -79,9 +79,13 @@ def argmax_low_id(values: torch.Tensor, available: torch.Tensor) -> int:
     return int(torch.nonzero(ok)[0])
 
 
-def d_optimal_greedy(kernel: torch.Tensor, K: int, lam: float | None = None,
-                     progress: Callable[[int, int], None] | None = None,
-                     forced: list[int] | tuple[int, ...] = ()) -> Selection:
+def d_optimal_greedy(
+    kernel: torch.Tensor,
+    K: int,
+    lam: float | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    forced: list[int] | tuple[int, ...] = (),
+) -> Selection:
     """Greedy D-optimal selection (Algorithm 2): maximize log det(𝒦_S + λI) one expert at a time.
 
     Each step adds the e with the largest Schur complement σ_e = 𝒦_ee + λ − 𝒦_eS (𝒦_S + λI)^{-1} 𝒦_Se

@@ -13,7 +13,9 @@ import math
 import torch
 
 
-def sinkhorn(affinity: torch.Tensor, capacity: torch.Tensor, tau: float = 0.1, iters: int = 50) -> torch.Tensor:
+def sinkhorn(
+    affinity: torch.Tensor, capacity: torch.Tensor, tau: float = 0.1, iters: int = 50
+) -> torch.Tensor:
     """M_soft [n, m] with rows summing to 1 and columns to `capacity` [m] (Σ capacity = n) after `iters`
     log-domain iterations on the kernel affinity/τ (DOT-MoE, App. B.2.1, Algorithm 1). Differentiable."""
     n, m = affinity.shape

@@ -18,8 +18,9 @@ from workers.families.base import FamilyAdapter
 from workers.methods.merge import build_dense_ffn
 
 
-def layer_contexts(model: nn.Module, adapter: FamilyAdapter,
-                   stats: dict[int, LayerStats]) -> dict[int, LayerContext]:
+def layer_contexts(
+    model: nn.Module, adapter: FamilyAdapter, stats: dict[int, LayerStats]
+) -> dict[int, LayerContext]:
     """One LayerContext per MoE layer that has statistics (experts as views of the teacher)."""
     moe = adapter.moe_layers(model)
     extra = sorted(set(stats) - set(moe))
@@ -32,16 +33,25 @@ def layer_contexts(model: nn.Module, adapter: FamilyAdapter,
             continue
         experts = adapter.expert_weights(model, layer)
         if stats[layer].num_experts != experts.num_experts:
-            raise ValueError(f"stats[{layer}]: {stats[layer].num_experts} experts, the model has "
-                             f"{experts.num_experts}")
-        out[layer] = LayerContext(stats=stats[layer], experts=experts,
-                                  router_weight=adapter.router_weight(model, layer), top_k=k,
-                                  renormalized=renorm)
+            raise ValueError(
+                f"stats[{layer}]: {stats[layer].num_experts} experts, the model has {experts.num_experts}"
+            )
+        out[layer] = LayerContext(
+            stats=stats[layer],
+            experts=experts,
+            router_weight=adapter.router_weight(model, layer),
+            top_k=k,
+            renormalized=renorm,
+        )
     return out
 
 
-def plan_ffns(model: nn.Module, adapter: FamilyAdapter, plans: list[LayerPlan],
-              progress: Callable[[int, int], None] | None = None) -> dict[int, DenseFFN]:
+def plan_ffns(
+    model: nn.Module,
+    adapter: FamilyAdapter,
+    plans: list[LayerPlan],
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[int, DenseFFN]:
     """Algorithm 1 per planned layer (merge, scale, concatenate), with the router's constant factor
     (DeepSeek routed_scaling_factor) multiplied into α so the student keeps the teacher's scale."""
     moe = set(adapter.moe_layers(model))
@@ -60,9 +70,14 @@ def plan_ffns(model: nn.Module, adapter: FamilyAdapter, plans: list[LayerPlan],
     return ffns
 
 
-def build_student_from_plans(model: nn.Module, adapter: FamilyAdapter, plans: list[LayerPlan],
-                             share_weights: bool, progress: Callable[[int, int], None] | None = None,
-                             shared_scale: dict[int, float] | None = None) -> nn.Module:
+def build_student_from_plans(
+    model: nn.Module,
+    adapter: FamilyAdapter,
+    plans: list[LayerPlan],
+    share_weights: bool,
+    progress: Callable[[int, int], None] | None = None,
+    shared_scale: dict[int, float] | None = None,
+) -> nn.Module:
     """The dense student of a set of plans (one per MoE layer; dense layers come from the teacher,
     zero-padded). share_weights=True: non-FFN tensors are the teacher's own (do not train it).
     `shared_scale`: per layer, the static scale of a gated shared expert (default 1.0)."""

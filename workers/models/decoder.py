@@ -13,5 +13,7 @@ def decoder_of(model: nn.Module) -> nn.Module:
         return base
     inner = getattr(model, "model", None)
     if not isinstance(inner, nn.Module):
-        raise ValueError(f"{type(model).__name__}: base_model is the model itself and it has no `.model` decoder")
+        raise ValueError(
+            f"{type(model).__name__}: base_model is the model itself and it has no `.model` decoder"
+        )
     return inner

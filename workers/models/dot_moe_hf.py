@@ -26,8 +26,13 @@ class DotQwen3MoeConfig(Qwen3MoeConfig):
 
     model_type = MODEL_TYPE
 
-    def __init__(self, moe_combine: str = "unit", dot_source_model_type: str | None = None,
-                 dot_method: str | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        moe_combine: str = "unit",
+        dot_source_model_type: str | None = None,
+        dot_method: str | None = None,
+        **kwargs,
+    ) -> None:
         if moe_combine not in COMBINES:
             raise ValueError(f"moe_combine={moe_combine!r}; allowed: {', '.join(COMBINES)}")
         self.moe_combine = moe_combine

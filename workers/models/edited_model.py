@@ -57,11 +57,13 @@ FAMILIES = {
     "granitemoe_swa": ("GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", "fused"),
 }
 # glm4_moe_lite, exaone_moe, afmoe
-FAMILIES.update({
-    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", "fused"),
-    "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM", "fused"),
-    "afmoe": ("AfmoeConfig", "AfmoeForCausalLM", "fused"),
-})
+FAMILIES.update(
+    {
+        "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", "fused"),
+        "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM", "fused"),
+        "afmoe": ("AfmoeConfig", "AfmoeForCausalLM", "fused"),
+    }
+)
 # glm_moe_dsa
 FAMILIES.update({"glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", "fused")})
 # hunyuan_v1_moe
@@ -71,11 +73,13 @@ FAMILIES.update({"ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM
 # phimoe (SparseMixer router, Mixtral-like fused experts)
 FAMILIES.update({"phimoe": ("PhimoeConfig", "PhimoeForCausalLM", "fused")})
 # solar_open, mimo_v2_flash, hy_v3
-FAMILIES.update({
-    "solar_open": ("SolarOpenConfig", "SolarOpenForCausalLM", "fused"),
-    "mimo_v2_flash": ("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", "fused"),
-    "hy_v3": ("HYV3Config", "HYV3ForCausalLM", "fused"),
-})
+FAMILIES.update(
+    {
+        "solar_open": ("SolarOpenConfig", "SolarOpenForCausalLM", "fused"),
+        "mimo_v2_flash": ("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", "fused"),
+        "hy_v3": ("HYV3Config", "HYV3ForCausalLM", "fused"),
+    }
+)
 # mellum (Qwen3-MoE block, mlp_layer_types)
 FAMILIES.update({"mellum": ("MellumConfig", "MellumForCausalLM", "fused")})
 # dots3_note_text (dots.3 note's text decoder; the key is the config model_type)
@@ -142,7 +146,9 @@ class FactoredExpertsMixin:
         w = self._canonical()
         if self.layout == "gptoss":  # [E, H, 2I], gate = columns 0::2, up = 1::2
             e, i, h = w["gate"].shape
-            return torch.stack([w["gate"].transpose(1, 2), w["up"].transpose(1, 2)], dim=-1).reshape(e, h, 2 * i)
+            return torch.stack([w["gate"].transpose(1, 2), w["up"].transpose(1, 2)], dim=-1).reshape(
+                e, h, 2 * i
+            )
         return torch.cat([w["gate"], w["up"]], dim=1)  # [E, 2I, H], gate rows first
 
     @property
@@ -216,8 +222,11 @@ def _family_classes(family: str) -> tuple[type, type]:
         cfg_name, lm_name, _ = FAMILIES[family]
         base_cfg, base_lm = _transformers_class(cfg_name), _transformers_class(lm_name)
         stem = lm_name.removesuffix("ForCausalLM")
-        cfg_cls = type(f"{stem}EditedConfig", (base_cfg,),
-                       {"model_type": base_cfg.model_type + SUFFIX, "__module__": __name__})
+        cfg_cls = type(
+            f"{stem}EditedConfig",
+            (base_cfg,),
+            {"model_type": base_cfg.model_type + SUFFIX, "__module__": __name__},
+        )
 
         def post_init(self: nn.Module, _base: type = base_lm) -> None:
             _swap_experts(self)
@@ -226,9 +235,16 @@ def _family_classes(family: str) -> tuple[type, type]:
         # transformers decides whether a class may switch experts implementations (eager, batched_mm,
         # grouped_mm) by looking for the experts decorator in the class's module source: the factored
         # experts subclass the family's decorated class, so they may.
-        lm_cls = type(f"{stem}EditedForCausalLM", (base_lm,),
-                      {"config_class": cfg_cls, "post_init": post_init, "__module__": __name__,
-                       "_can_set_experts_implementation_cached_value": True})
+        lm_cls = type(
+            f"{stem}EditedForCausalLM",
+            (base_lm,),
+            {
+                "config_class": cfg_cls,
+                "post_init": post_init,
+                "__module__": __name__,
+                "_can_set_experts_implementation_cached_value": True,
+            },
+        )
         # made now, not when first needed, so that a pickled edited model unpickles in a fresh process
         _experts_class(getattr(sys.modules[base_lm.__module__], f"{stem}Experts"), FAMILIES[family][2])
         globals()[cfg_cls.__name__], globals()[lm_cls.__name__] = cfg_cls, lm_cls
@@ -255,34 +271,43 @@ def _layer_spec(plan: LayerPlan, factors: dict[str, torch.Tensor]) -> dict[str, 
     """The config entry of one layer: per projection its kind, settings and factor shapes."""
     student = plan.extras.get("student")
     if not student or "projections" not in student:
-        raise ValueError(f"layer {plan.layer}: the plan has no extras['student'] from workers.methods.editing.edit_layer")
+        raise ValueError(
+            f"layer {plan.layer}: the plan has no extras['student'] from workers.methods.editing.edit_layer"
+        )
     out: dict[str, Any] = {}
     for p in PROJECTIONS:
         pre = f"layer.{plan.layer}.{p}."
-        shapes = {k[len(pre):]: list(t.shape) for k, t in factors.items() if k.startswith(pre)}
+        shapes = {k[len(pre) :]: list(t.shape) for k, t in factors.items() if k.startswith(pre)}
         if not shapes:
             raise ValueError(f"factors lack layer.{plan.layer}.{p}.* tensors")
         out[p] = {**student["projections"][p], "shapes": shapes}
     return out
 
 
-def edited_config(model: nn.Module, family: str, plans: Sequence[LayerPlan],
-                  factors: dict[str, torch.Tensor]) -> Any:
+def edited_config(
+    model: nn.Module, family: str, plans: Sequence[LayerPlan], factors: dict[str, torch.Tensor]
+) -> Any:
     """The teacher's config as the family's edited config, with `moesweep_editing` describing the factors."""
     cfg_cls = _family_classes(family)[0]
     methods = sorted({p.extras["student"]["method"] for p in plans})
-    editing = {"method": methods[0] if len(methods) == 1 else methods,
-               "layers": {str(p.layer): _layer_spec(p, factors) for p in plans}}
-    src = {k: v for k, v in model.config.to_dict().items()
-           if k not in ("model_type", "architectures", "transformers_version", "moesweep_editing")}
+    editing = {
+        "method": methods[0] if len(methods) == 1 else methods,
+        "layers": {str(p.layer): _layer_spec(p, factors) for p in plans},
+    }
+    src = {
+        k: v
+        for k, v in model.config.to_dict().items()
+        if k not in ("model_type", "architectures", "transformers_version", "moesweep_editing")
+    }
     cfg = cfg_cls(**src, moesweep_editing=editing)
     cfg._attn_implementation = model.config._attn_implementation
     cfg._experts_implementation = getattr(model.config, "_experts_implementation", None)
     return cfg
 
 
-def edited_moe_student(model: nn.Module, adapter: Any, plans: Sequence[LayerPlan],
-                       factors: dict[str, torch.Tensor]) -> nn.Module:
+def edited_moe_student(
+    model: nn.Module, adapter: Any, plans: Sequence[LayerPlan], factors: dict[str, torch.Tensor]
+) -> nn.Module:
     """The edited model: the teacher's class's edited twin, every MoE layer's experts from `factors`
     (workers.methods.editing.edit_layer's tensors, cast to the teacher's dtype and device), everything else a copy
     of the teacher's tensors (tied tensors stay tied). Every MoE layer must have exactly one plan."""
@@ -299,10 +324,10 @@ def edited_moe_student(model: nn.Module, adapter: Any, plans: Sequence[LayerPlan
     replaced, block_attr = {}, _block_attr(family)
     for key, t in factors.items():
         _, layer, proj, name = key.split(".", 3)
-        replaced[f"model.layers.{layer}.{block_attr}.experts.{proj}.{name}"] = t.detach().to(ref.device, ref.dtype).clone()
+        replaced[f"model.layers.{layer}.{block_attr}.experts.{proj}.{name}"] = (
+            t.detach().to(ref.device, ref.dtype).clone()
+        )
     fill_from_teacher(student, model, replaced, "edited model")
     if getattr(model, "generation_config", None) is not None:
         student.generation_config = copy.deepcopy(model.generation_config)
     return student.eval()
-
-

@@ -22,23 +22,43 @@ from workers.core.types import LayerPlan
 from workers.families.base import FamilyAdapter, check_output
 
 
-def dense_student(model: nn.Module, adapter: FamilyAdapter, plans: list[LayerPlan], share_weights: bool,
-                  plan_path: str | None = None) -> nn.Module:
+def dense_student(
+    model: nn.Module,
+    adapter: FamilyAdapter,
+    plans: list[LayerPlan],
+    share_weights: bool,
+    plan_path: str | None = None,
+) -> nn.Module:
     from workers.models.convert import build_student_from_plans
 
-    scales = {p.layer: p.extras["student"]["shared_scale"] for p in plans
-              if "shared_scale" in p.extras.get("student", {})}  # setting shared_gate: mean (else 1.0)
-    return build_student_from_plans(model, adapter, plans, share_weights=share_weights, shared_scale=scales or None)
+    scales = {
+        p.layer: p.extras["student"]["shared_scale"]
+        for p in plans
+        if "shared_scale" in p.extras.get("student", {})
+    }  # setting shared_gate: mean (else 1.0)
+    return build_student_from_plans(
+        model, adapter, plans, share_weights=share_weights, shared_scale=scales or None
+    )
 
 
-def moe_student(model: nn.Module, adapter: FamilyAdapter, plans: list[LayerPlan], share_weights: bool,
-                plan_path: str | None = None) -> nn.Module:
+def moe_student(
+    model: nn.Module,
+    adapter: FamilyAdapter,
+    plans: list[LayerPlan],
+    share_weights: bool,
+    plan_path: str | None = None,
+) -> nn.Module:
     """The teacher with only each layer's selected experts (real, smaller tensors; router rows sliced)."""
     return adapter.pruned_moe_student(model, {p.layer: sorted(p.selected) for p in plans})
 
 
-def merged_student(model: nn.Module, adapter: FamilyAdapter, plans: list[LayerPlan], share_weights: bool,
-                   plan_path: str | None = None) -> nn.Module:
+def merged_student(
+    model: nn.Module,
+    adapter: FamilyAdapter,
+    plans: list[LayerPlan],
+    share_weights: bool,
+    plan_path: str | None = None,
+) -> nn.Module:
     """The teacher's class with each layer's clusters merged into one expert each (stored once)."""
     from workers.methods.moe_merging import merged_layers
 
@@ -46,15 +66,22 @@ def merged_student(model: nn.Module, adapter: FamilyAdapter, plans: list[LayerPl
     return adapter.merged_moe_student(model, merged_layers(plans, experts))
 
 
-def edited_student(model: nn.Module, adapter: FamilyAdapter, plans: list[LayerPlan], share_weights: bool,
-                   plan_path: str | None = None) -> nn.Module:
+def edited_student(
+    model: nn.Module,
+    adapter: FamilyAdapter,
+    plans: list[LayerPlan],
+    share_weights: bool,
+    plan_path: str | None = None,
+) -> nn.Module:
     """Every expert factorised as its conversion fitted it (the factors file beside the plan)."""
     from safetensors.torch import load_file
 
     from workers.models.edited_model import edited_moe_student
 
     if plan_path is None:
-        raise ValueError("an edited MoE is built from the factors saved beside its plan: plan_path is required")
+        raise ValueError(
+            "an edited MoE is built from the factors saved beside its plan: plan_path is required"
+        )
     factors = load_file(str(Path(plan_path).with_name("factors.safetensors")))
     return edited_moe_student(model, adapter, plans, factors)
 
@@ -67,8 +94,14 @@ OUTPUTS = {
 }
 
 
-def write_student(output: str, model: nn.Module, adapter: FamilyAdapter, plans: list[LayerPlan], share_weights: bool,
-                  plan_path: str | None = None) -> nn.Module:
+def write_student(
+    output: str,
+    model: nn.Module,
+    adapter: FamilyAdapter,
+    plans: list[LayerPlan],
+    share_weights: bool,
+    plan_path: str | None = None,
+) -> nn.Module:
     """The `output` student of `plans` (one-line ValueError where the family cannot write that output)."""
     if output not in OUTPUTS:
         raise ValueError(f"output={output!r}; allowed: {', '.join(OUTPUTS)}")

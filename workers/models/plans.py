@@ -12,7 +12,9 @@ from typing import Any
 OUTPUT_SETTINGS = {"dense": ("shared_gate",), "moe": ("super_experts",), "merged": (), "edited": ()}
 
 
-def convert_plans(contexts: Mapping, p: dict[str, Any], teacher: tuple | None = None) -> tuple[list, Path | None]:
+def convert_plans(
+    contexts: Mapping, p: dict[str, Any], teacher: tuple | None = None
+) -> tuple[list, Path | None]:
     """Per MoE layer, what the configuration's output keeps: a dense plan (Algorithm 1), the experts a
     pruned MoE keeps, the clusters of a merged MoE, or an edited MoE's factors (saved beside the plan;
     their sha256 enters every plan, so a refit that differs is another student). `settings`: those of
@@ -27,13 +29,21 @@ def convert_plans(contexts: Mapping, p: dict[str, Any], teacher: tuple | None = 
     settings = dict(p.get("settings") or {})
     own = {k: settings.pop(k) for k in list(settings) if k in OUTPUT_SETTINGS[output]}
     layers = ((layer, contexts[layer]) for layer in sorted(contexts))  # one look-up per layer, in order
-    scoring_settings, rerun = _scoring_settings(p, settings, teacher) if output in ("dense", "moe") else (None, None)
+    scoring_settings, rerun = (
+        _scoring_settings(p, settings, teacher) if output in ("dense", "moe") else (None, None)
+    )
     if output == "moe":
         if settings and scoring_settings is None:
-            raise ValueError(f"settings {', '.join(sorted(settings))}: a pruned MoE takes "
-                             f"{', '.join(OUTPUT_SETTINGS['moe'])}")
-        return _scored_plans(layers, scoring_settings, rerun, lambda layer, ctx: select_layer(
-            layer, ctx, p["scoring"], K, own.get("super_experts"))), None
+            raise ValueError(
+                f"settings {', '.join(sorted(settings))}: a pruned MoE takes "
+                f"{', '.join(OUTPUT_SETTINGS['moe'])}"
+            )
+        return _scored_plans(
+            layers,
+            scoring_settings,
+            rerun,
+            lambda layer, ctx: select_layer(layer, ctx, p["scoring"], K, own.get("super_experts")),
+        ), None
     if output == "merged":
         from workers.methods.moe_merging import merge_layer
 
@@ -57,8 +67,10 @@ def convert_plans(contexts: Mapping, p: dict[str, Any], teacher: tuple | None = 
             plan.extras["student"] = {**plan.extras.get("student", {}), "factors_sha256": sha}
         return plans, path
     if settings and scoring_settings is None:
-        raise ValueError(f"settings {', '.join(sorted(settings))}: a dense student takes "
-                         f"{', '.join(OUTPUT_SETTINGS['dense'])}")
+        raise ValueError(
+            f"settings {', '.join(sorted(settings))}: a dense student takes "
+            f"{', '.join(OUTPUT_SETTINGS['dense'])}"
+        )
     gate = own.get("shared_gate")
 
     def dense_plan(layer: int, ctx) -> Any:

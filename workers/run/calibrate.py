@@ -44,25 +44,51 @@ def stage_calibrate(payload: dict, cache: dict, progress) -> dict:
     for name, src in sources.items():
         ids = windows(payload, cache, tok, src["data"], p["seq_len"], src["n_samples"], p["seed"])
         mask = torch.ones_like(ids)
-        batches = [(ids[i:i + p["batch_size"]].to(device()), mask[i:i + p["batch_size"]].to(device()))
-                   for i in range(0, len(ids), p["batch_size"])]
+        batches = [
+            (ids[i : i + p["batch_size"]].to(device()), mask[i : i + p["batch_size"]].to(device()))
+            for i in range(0, len(ids), p["batch_size"])
+        ]
         cb = (lambda i, n, name=name: progress(i, n, f"calibrate {name}")) if progress else None
-        stats = run(model, adapter, batches, chunk_tokens=p["chunk_tokens"], progress=cb,
-                    sample_tokens=n_sample, sample_seed=p["seed"])
+        stats = run(
+            model,
+            adapter,
+            batches,
+            chunk_tokens=p["chunk_tokens"],
+            progress=cb,
+            sample_tokens=n_sample,
+            sample_seed=p["seed"],
+        )
         per_source[name] = stats_to(stats, "cpu")  # the next source's pass gets the device memory back
     path = Path(payload["workdir"]) / "stats.safetensors"
-    keys = [k for k in ("teacher", "data", "sources", "seq_len", "n_samples", "seed", "sample_tokens") if k in p]
-    save_source_stats(per_source, {name: src["weight"] for name, src in sources.items()}, path,
-                      metadata={k: json.dumps(p[k], sort_keys=True) for k in keys})
+    keys = [
+        k for k in ("teacher", "data", "sources", "seq_len", "n_samples", "seed", "sample_tokens") if k in p
+    ]
+    save_source_stats(
+        per_source,
+        {name: src["weight"] for name, src in sources.items()},
+        path,
+        metadata={k: json.dumps(p[k], sort_keys=True) for k in keys},
+    )
     counts = {name: source_tokens(stats) for name, stats in per_source.items()}
-    listed = {name: {"n_tokens": counts[name], "weight": float(src["weight"]), "n_samples": src["n_samples"]}
-              for name, src in sources.items()}
+    listed = {
+        name: {"n_tokens": counts[name], "weight": float(src["weight"]), "n_samples": src["n_samples"]}
+        for name, src in sources.items()
+    }
     streamed = {"streamed": True} if p.get("streamed") else {}  # convert then reads the teacher streamed too
-    return {"outputs": {"stats": str(path), "n_tokens": sum(counts.values()), "layers": sorted(stats),
-                        "sources": listed, **streamed},
-            "metrics": [_metric("calib_tokens", float(n), stage="calib", task=name, n_tokens=n)
-                        for name, n in counts.items()],
-            "artifacts": [artifact("calibration_stats", path)]}
+    return {
+        "outputs": {
+            "stats": str(path),
+            "n_tokens": sum(counts.values()),
+            "layers": sorted(stats),
+            "sources": listed,
+            **streamed,
+        },
+        "metrics": [
+            _metric("calib_tokens", float(n), stage="calib", task=name, n_tokens=n)
+            for name, n in counts.items()
+        ],
+        "artifacts": [artifact("calibration_stats", path)],
+    }
 
 
 def _streamed_teacher(payload: dict, offload: bool) -> tuple[Any, Any, Any]:
@@ -80,4 +106,5 @@ def _streamed_teacher(payload: dict, offload: bool) -> tuple[Any, Any, Any]:
 
     def run(model, adapter, batches, **kw: Any) -> dict:
         return streamed_stats(teacher, adapter, batches, offload=offload, **kw)
+
     return run, tok, teacher.model

@@ -26,10 +26,12 @@ def _train_batches(payload: dict, cache: dict, tok, spec, n_train: int):
 
     data = payload["params"]["data"]
     if data.get("streaming"):
-        wins = islice(stream_windows(tok, stream_texts(DataSpec(**data), tiny_dir(payload)), spec.seq_len), n_train)
+        wins = islice(
+            stream_windows(tok, stream_texts(DataSpec(**data), tiny_dir(payload)), spec.seq_len), n_train
+        )
         return (torch.stack(b) for b in iter(lambda: list(islice(wins, spec.batch_size)), []))
     train = windows(payload, cache, tok, data, spec.seq_len, n_train, spec.seed + 1)
-    return (train[i:i + spec.batch_size] for i in range(0, len(train), spec.batch_size))
+    return (train[i : i + spec.batch_size] for i in range(0, len(train), spec.batch_size))
 
 
 def _recipe_hash(recipe: dict[str, Any]) -> str:

@@ -25,7 +25,9 @@ def stage_convert(payload: dict, cache: dict, progress) -> dict:
     stats_path = payload["inputs"]["calibrate"]["stats"]
     weights = p.get("calibration_weights")  # a DCDM mixture's weights (None: the file's own)
     if payload["inputs"]["calibrate"].get("streamed"):  # a streamed teacher: one layer's experts at a time
-        plans, factors = convert_plans(_streamed_contexts(payload, load_stats(stats_path, weights=weights)), p)
+        plans, factors = convert_plans(
+            _streamed_contexts(payload, load_stats(stats_path, weights=weights)), p
+        )
     else:
         model, _ = resident_teacher(payload, cache)
         adapter = get_adapter(model)
@@ -37,20 +39,41 @@ def stage_convert(payload: dict, cache: dict, progress) -> dict:
     path = Path(payload["workdir"]) / "plan.json"
     path.write_text(json.dumps([plan_to_dict(pl) for pl in plans], indent=1))
     artifacts = [artifact("plan", path)]
-    if factors is not None:  # an edited MoE's factors, beside its plan (workers.models.outputs.edited_student)
+    if (
+        factors is not None
+    ):  # an edited MoE's factors, beside its plan (workers.models.outputs.edited_student)
         artifacts.append(artifact("factors", factors))
     rows, diag = [], []
     for pl in plans:
-        member = {e: (g, w) for g, (grp, ws) in enumerate(zip(pl.groups, pl.merge_weights, strict=True))
-                  for e, w in zip(grp, ws, strict=True)}
+        member = {
+            e: (g, w)
+            for g, (grp, ws) in enumerate(zip(pl.groups, pl.merge_weights, strict=True))
+            for e, w in zip(grp, ws, strict=True)
+        }
         for rank, e in enumerate(pl.selected):
             g, w = member[e]
-            rows.append({"layer": pl.layer, "expert": e, "score": float(pl.scores[e]), "selected_rank": rank,
-                         "group_idx": g, "merge_weight": float(w), "alpha": float(pl.alpha[g])})
-        diag += [{"layer": pl.layer, "name": k, "value": float(v)} for k, v in sorted(pl.extras.items())
-                 if isinstance(v, int | float)]
-    return {"outputs": {"plan_key": plan_key, "plan_path": str(path)}, "plan_rows": rows,
-            "layer_diag": diag, "artifacts": artifacts}
+            rows.append(
+                {
+                    "layer": pl.layer,
+                    "expert": e,
+                    "score": float(pl.scores[e]),
+                    "selected_rank": rank,
+                    "group_idx": g,
+                    "merge_weight": float(w),
+                    "alpha": float(pl.alpha[g]),
+                }
+            )
+        diag += [
+            {"layer": pl.layer, "name": k, "value": float(v)}
+            for k, v in sorted(pl.extras.items())
+            if isinstance(v, int | float)
+        ]
+    return {
+        "outputs": {"plan_key": plan_key, "plan_path": str(path)},
+        "plan_rows": rows,
+        "layer_diag": diag,
+        "artifacts": artifacts,
+    }
 
 
 def _streamed_contexts(payload: dict, stats: dict) -> Any:
@@ -61,6 +84,7 @@ def _streamed_contexts(payload: dict, stats: dict) -> Any:
     from workers.run.runtime import DTYPES
 
     ref = payload["params"]["teacher"]
-    teacher = StreamedTeacher(checkpoint_dir(teacher_path(payload), ref.get("revision")),
-                              DTYPES[ref.get("dtype", "float32")])
+    teacher = StreamedTeacher(
+        checkpoint_dir(teacher_path(payload), ref.get("revision")), DTYPES[ref.get("dtype", "float32")]
+    )
     return StreamedContexts(teacher, get_adapter(teacher.model), stats, device())

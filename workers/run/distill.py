@@ -35,27 +35,67 @@ def stage_distill(payload: dict, cache: dict, progress) -> dict:
     out = Path(payload["workdir"]) / "student"
     procs = _processes(p.get("processes", 1))
     sharding = _sharding(p.get("sharding"), procs)
-    if sharding != "none":  # ddp or fsdp over this job's GPUs (or CPU processes): torchrun, same loop and losses
+    if (
+        sharding != "none"
+    ):  # ddp or fsdp over this job's GPUs (or CPU processes): torchrun, same loop and losses
         train = windows(payload, cache, tok, p["data"], spec.seq_len, n_train, spec.seed + 1)
         student.to("cpu")  # saved from here; the ranks load their own copies
         with _off_device(teacher):
-            rec = _distill_multiprocess(payload, student, tok, teacher_path(payload, role), role, train, val, spec,
-                                        procs, sharding, bool(p.get("teacher_offload")))
+            rec = _distill_multiprocess(
+                payload,
+                student,
+                tok,
+                teacher_path(payload, role),
+                role,
+                train,
+                val,
+                spec,
+                procs,
+                sharding,
+                bool(p.get("teacher_offload")),
+            )
     else:
         cb = (lambda i, n, *_: progress(i, n, "distill")) if progress else None
-        stream = (lambda r: progress(r["step"], spec.steps, "distill", metrics=[_val_metric(r)])) if progress else None
-        rec = distill(student, teacher, adapter, _train_batches(payload, cache, tok, spec, n_train), val, spec,
-                      progress=cb, on_val=stream)
+        stream = (
+            (lambda r: progress(r["step"], spec.steps, "distill", metrics=[_val_metric(r)]))
+            if progress
+            else None
+        )
+        rec = distill(
+            student,
+            teacher,
+            adapter,
+            _train_batches(payload, cache, tok, spec, n_train),
+            val,
+            spec,
+            progress=cb,
+            on_val=stream,
+        )
         student.save_pretrained(out)
         tok.save_pretrained(out)
     metrics = [_val_metric(r) for r in rec["val"]]
-    metrics += [_metric("train_loss", v, stage="train", who="student", step=i)
-                for i, v in enumerate(rec["loss_curve"])]
-    metrics.append(_metric("distill_tokens", float(rec["tokens"]), stage="train", n_tokens=rec["tokens"],
-                           extra={"teacher_routing": rec.get("teacher_routing"), "processes": procs,
-                                  **({"sharding": sharding} if "sharding" in p else {})}))
-    return {"outputs": {"path": str(out), "tokens": rec["tokens"]}, "metrics": metrics,
-            "artifacts": [artifact("student", out)]}
+    metrics += [
+        _metric("train_loss", v, stage="train", who="student", step=i)
+        for i, v in enumerate(rec["loss_curve"])
+    ]
+    metrics.append(
+        _metric(
+            "distill_tokens",
+            float(rec["tokens"]),
+            stage="train",
+            n_tokens=rec["tokens"],
+            extra={
+                "teacher_routing": rec.get("teacher_routing"),
+                "processes": procs,
+                **({"sharding": sharding} if "sharding" in p else {}),
+            },
+        )
+    )
+    return {
+        "outputs": {"path": str(out), "tokens": rec["tokens"]},
+        "metrics": metrics,
+        "artifacts": [artifact("student", out)],
+    }
 
 
 def _val_metric(r: dict[str, Any]) -> dict[str, Any]:
@@ -91,9 +131,19 @@ def _off_device(model):
         model.to(where)
 
 
-def _distill_multiprocess(payload: dict, student, tok, teacher_dir: str, role: str, train: torch.Tensor,
-                          val: torch.Tensor, spec, procs: int, sharding: str = "ddp",
-                          teacher_offload: bool = False) -> dict[str, Any]:
+def _distill_multiprocess(
+    payload: dict,
+    student,
+    tok,
+    teacher_dir: str,
+    role: str,
+    train: torch.Tensor,
+    val: torch.Tensor,
+    spec,
+    procs: int,
+    sharding: str = "ddp",
+    teacher_offload: bool = False,
+) -> dict[str, Any]:
     """Run workers.training.ddp under torchrun (see its docstring; sharding ddp or fsdp); rank 0 writes the student
     into workdir/student."""
     from dataclasses import asdict
@@ -106,9 +156,18 @@ def _distill_multiprocess(payload: dict, student, tok, teacher_dir: str, role: s
     torch.save(train, work / "train.pt")
     torch.save(val, work / "val.pt")
     ref = payload["params"]["teacher"]
-    job = {"student": str(init), "teacher": teacher_dir, "teacher_dtype": ref.get("dtype", "float32"),
-           "moe_teacher": role == "teacher", "train": str(work / "train.pt"), "val": str(work / "val.pt"),
-           "spec": asdict(spec), "out": str(work), "sharding": sharding, "teacher_offload": teacher_offload}
+    job = {
+        "student": str(init),
+        "teacher": teacher_dir,
+        "teacher_dtype": ref.get("dtype", "float32"),
+        "moe_teacher": role == "teacher",
+        "train": str(work / "train.pt"),
+        "val": str(work / "val.pt"),
+        "spec": asdict(spec),
+        "out": str(work),
+        "sharding": sharding,
+        "teacher_offload": teacher_offload,
+    }
     rec = launch(job, work / "ddp", nproc=procs)
     tok.save_pretrained(work / "student")
     shutil.rmtree(init)

@@ -31,12 +31,16 @@ def stage_dot_moe(payload: dict, cache: dict, progress) -> dict:
         dense, tok = resident_teacher(payload, cache, role="dense_teacher")
         dense = copy.deepcopy(dense)
     else:
-        dense, tok = load_model(payload["inputs"]["distill"]["path"], p.get("teacher", {}).get("dtype", "float32"))
+        dense, tok = load_model(
+            payload["inputs"]["distill"]["path"], p.get("teacher", {}).get("dtype", "float32")
+        )
     with torch.no_grad():
         dense_ppl = ppl_record(dense, tok, payload, cache, "dot_moe")
     ffns = install(dense, p["experts"], p["top_k"], p["method"], spec)
     cb = (lambda i, n: progress(i, n, "dot_moe")) if progress else None
-    batches = _train_batches(payload, cache, tok, spec, spec.steps * spec.batch_size)  # streamed if the data is
+    batches = _train_batches(
+        payload, cache, tok, spec, spec.steps * spec.batch_size
+    )  # streamed if the data is
     rec = align(dense, ffns, batches, spec, progress=cb)
     moe = extract(dense, ffns, spec.combine)
     work = Path(payload["workdir"])
@@ -44,8 +48,13 @@ def stage_dot_moe(payload: dict, cache: dict, progress) -> dict:
     moe.save_pretrained(out)
     tok.save_pretrained(out)
     save_assignment(ffns, assign)
-    info = {"method": p["method"], "source": p["source"], "experts": p["experts"], "top_k": p["top_k"],
-            "combine": spec.combine}
+    info = {
+        "method": p["method"],
+        "source": p["source"],
+        "experts": p["experts"],
+        "top_k": p["top_k"],
+        "combine": spec.combine,
+    }
     metrics = [{**dense_ppl, "who": "dense", "extra": {**dense_ppl["extra"], **info}}]
     ppl: dict[str, float | None] = {}
     with torch.no_grad():
@@ -53,18 +62,44 @@ def stage_dot_moe(payload: dict, cache: dict, progress) -> dict:
             set_top_k(moe, k)
             m = ppl_record(moe, tok, payload, cache, "dot_moe")
             ppl[str(k)] = m["value"]
-            metrics.append({**m, "who": "student", "step": k,
-                            "extra": {**m["extra"], **info, "active_fraction": k / p["experts"]}})
+            metrics.append(
+                {
+                    **m,
+                    "who": "student",
+                    "step": k,
+                    "extra": {**m["extra"], **info, "active_fraction": k / p["experts"]},
+                }
+            )
     set_top_k(moe, p["top_k"])
     for r in rec["curve"]:
-        metrics += [_metric(f"train_{t}" if t != "loss" else "train_loss", r[t], stage="dot_moe", who="student",
-                            step=r["step"]) for t in ("loss", "kl", "ce", "z", "balance", "tau")]
+        metrics += [
+            _metric(
+                f"train_{t}" if t != "loss" else "train_loss",
+                r[t],
+                stage="dot_moe",
+                who="student",
+                step=r["step"],
+            )
+            for t in ("loss", "kl", "ce", "z", "balance", "tau")
+        ]
     tokens = rec["steps"] * spec.batch_size * spec.seq_len
-    metrics += [_metric("params", float(sum(t.numel() for t in moe.parameters())), stage="dot_moe", who="student"),
-                _metric("active_params", float(active_params(moe, p["top_k"])), stage="dot_moe", who="student"),
-                _metric("trainable_params", float(rec["trainable_params"]), stage="dot_moe", who="student"),
-                _metric("dot_tokens", float(tokens), stage="dot_moe", n_tokens=tokens, extra=info)]
-    outputs = {"path": str(out), "ppl": ppl, "dense_ppl": dense_ppl["value"], "padded_neurons": ffns[0].n - ffns[0].d,
-               "expert_width": ffns[0].s, "steps": rec["steps"], **info}
-    return {"outputs": outputs, "metrics": metrics,
-            "artifacts": [artifact("moe", out), artifact("dot_assignment", assign)]}
+    metrics += [
+        _metric("params", float(sum(t.numel() for t in moe.parameters())), stage="dot_moe", who="student"),
+        _metric("active_params", float(active_params(moe, p["top_k"])), stage="dot_moe", who="student"),
+        _metric("trainable_params", float(rec["trainable_params"]), stage="dot_moe", who="student"),
+        _metric("dot_tokens", float(tokens), stage="dot_moe", n_tokens=tokens, extra=info),
+    ]
+    outputs = {
+        "path": str(out),
+        "ppl": ppl,
+        "dense_ppl": dense_ppl["value"],
+        "padded_neurons": ffns[0].n - ffns[0].d,
+        "expert_width": ffns[0].s,
+        "steps": rec["steps"],
+        **info,
+    }
+    return {
+        "outputs": outputs,
+        "metrics": metrics,
+        "artifacts": [artifact("moe", out), artifact("dot_assignment", assign)],
+    }

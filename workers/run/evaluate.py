@@ -49,12 +49,23 @@ def stage_evaluate(payload: dict, cache: dict, progress) -> dict:
         model = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    res = run_suite(model, tok, ev["suite"], model_key=evaluated_model_key(payload),
-                    cache_dir=str(Path(payload["home"]) / "lm_eval_cache"), tiny_dir=tiny_dir(payload),
-                    batch_size=ev["batch_size"], backend=ev["backend"], limit=ev.get("limit"), model_path=path,
-                    workdir=payload["workdir"], generative=ev.get("generative") or [],
-                    allow_cpu=ev.get("allow_cpu", False), allow_code_eval=ev.get("allow_code_eval", False),
-                    runs=ev.get("runs"))
+    res = run_suite(
+        model,
+        tok,
+        ev["suite"],
+        model_key=evaluated_model_key(payload),
+        cache_dir=str(Path(payload["home"]) / "lm_eval_cache"),
+        tiny_dir=tiny_dir(payload),
+        batch_size=ev["batch_size"],
+        backend=ev["backend"],
+        limit=ev.get("limit"),
+        model_path=path,
+        workdir=payload["workdir"],
+        generative=ev.get("generative") or [],
+        allow_cpu=ev.get("allow_cpu", False),
+        allow_code_eval=ev.get("allow_code_eval", False),
+        runs=ev.get("runs"),
+    )
     metrics += eval_metrics(res, repeated=ev.get("runs") is not None)
     items += eval_items(res, repeated=ev.get("runs") is not None)
     out = Path(payload["workdir"]) / "lm_eval_results.json"
@@ -63,10 +74,16 @@ def stage_evaluate(payload: dict, cache: dict, progress) -> dict:
     if res["not_run"]:
         outputs["not_run"] = res["not_run"]
     if ev.get("runs") is not None:
-        outputs["runs"] = [{"step": i, **r["settings"], "avg": r["average"], "reused": r["reused"]}
-                           for i, r in enumerate(res["runs"])]
-    return {"outputs": outputs, "metrics": metrics, "artifacts": [artifact("lm_eval_results", out), *saved],
-            "item_scores": items}
+        outputs["runs"] = [
+            {"step": i, **r["settings"], "avg": r["average"], "reused": r["reused"]}
+            for i, r in enumerate(res["runs"])
+        ]
+    return {
+        "outputs": outputs,
+        "metrics": metrics,
+        "artifacts": [artifact("lm_eval_results", out), *saved],
+        "item_scores": items,
+    }
 
 
 def recovered_student(payload: dict, cache: dict, recipe: dict[str, Any]):
@@ -76,7 +93,9 @@ def recovered_student(payload: dict, cache: dict, recipe: dict[str, Any]):
     from workers.training.router_kd import apply_router_delta, load_router_delta
 
     student, tok = make_student(payload, cache, recipe["base"], for_training=True)
-    delta, _ = load_router_delta(payload["inputs"]["router_kd"]["delta"], parent_hash=_recipe_hash(recipe["base"]))
+    delta, _ = load_router_delta(
+        payload["inputs"]["router_kd"]["delta"], parent_hash=_recipe_hash(recipe["base"])
+    )
     apply_router_delta(student, delta)
     return student, tok
 
@@ -87,8 +106,11 @@ def evaluated_model_key(payload: dict) -> str:
     import hashlib
 
     p = payload["params"]
-    blob = json.dumps({"student": p["student"], "teacher": p["teacher"], "inputs": payload["inputs"]},
-                      sort_keys=True, default=str)
+    blob = json.dumps(
+        {"student": p["student"], "teacher": p["teacher"], "inputs": payload["inputs"]},
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -101,28 +123,60 @@ def eval_metrics(res: dict[str, Any], repeated: bool) -> list[dict[str, Any]]:
     rows = []
     for i, run in enumerate(res["runs"]):
         step = i if repeated else -1
-        common = {"backend": res.get("backend"), "lm_eval": res.get("lm_eval_version"),
-                  **({"run": run["settings"]} if repeated else {})}
+        common = {
+            "backend": res.get("backend"),
+            "lm_eval": res.get("lm_eval_version"),
+            **({"run": run["settings"]} if repeated else {}),
+        }
         for t in run["tasks"]:
             extra = common | {"task_hash": t.get("task_hash")}
             for metric in ("acc", "acc_norm"):
                 if t.get(metric) is None:
                     continue
                 se = item_stderr(t.get("items") or [], metric, t[metric])
-                rows.append(_metric(metric, t[metric], stage="post", task=t["task"], step=step,
-                                    stderr=t.get(f"{metric}_stderr") if se is None else se, total=t.get("n"),
-                                    num_fewshot=t.get("num_fewshot"), headline=int(metric == t["headline"]),
-                                    extra=extra))
+                rows.append(
+                    _metric(
+                        metric,
+                        t[metric],
+                        stage="post",
+                        task=t["task"],
+                        step=step,
+                        stderr=t.get(f"{metric}_stderr") if se is None else se,
+                        total=t.get("n"),
+                        num_fewshot=t.get("num_fewshot"),
+                        headline=int(metric == t["headline"]),
+                        extra=extra,
+                    )
+                )
             for name, value in sorted(t.get("other", {}).items()):
                 if name.endswith("_stderr") or name.partition(":")[0].endswith("_stderr"):
                     continue
                 stderr = t["other"].get(_stderr_name(name))
-                rows.append(_metric(name, value, stage="post", task=t["task"], step=step, total=t.get("n"),
-                                    num_fewshot=t.get("num_fewshot"), stderr=stderr,
-                                    extra=extra | ({"score": True} if name == t.get("score") else {})))
+                rows.append(
+                    _metric(
+                        name,
+                        value,
+                        stage="post",
+                        task=t["task"],
+                        step=step,
+                        total=t.get("n"),
+                        num_fewshot=t.get("num_fewshot"),
+                        stderr=stderr,
+                        extra=extra | ({"score": True} if name == t.get("score") else {}),
+                    )
+                )
         for task, reason in sorted(run["not_run"].items()):
-            rows.append(_metric(GENERATIVE[task].score, None, stage="post", task=task, step=step,
-                                value_kind="skipped", extra=common | {"not_run": reason}))
+            rows.append(
+                _metric(
+                    GENERATIVE[task].score,
+                    None,
+                    stage="post",
+                    task=task,
+                    step=step,
+                    value_kind="skipped",
+                    extra=common | {"not_run": reason},
+                )
+            )
     return rows
 
 
@@ -138,7 +192,9 @@ def eval_items(res: dict[str, Any], repeated: bool) -> list[dict[str, Any]]:
                 for name, vals in sorted(it["metrics"].items()):
                     out.append(common | {"name": name, "doc_ids": it["doc_ids"], "values": vals})
                 if it["loglik"]:
-                    out.append(common | {"name": "loglik", "doc_ids": it["loglik_doc"], "values": it["loglik"]})
+                    out.append(
+                        common | {"name": "loglik", "doc_ids": it["loglik_doc"], "values": it["loglik"]}
+                    )
     return out
 
 

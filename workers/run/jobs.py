@@ -77,7 +77,7 @@ def with_local_inputs(payload: dict[str, Any]) -> dict[str, Any]:
             if v == prefix or v.startswith(prefix + "/"):
                 if prefix not in local:
                     local[prefix] = str(fetch_job(prefix, arts, fetch_root(payload)))
-                return local[prefix] + v[len(prefix):]
+                return local[prefix] + v[len(prefix) :]
         return v
 
     return {**payload, "inputs": rewrite(payload["inputs"])}
@@ -99,8 +99,10 @@ def uploaded(record: dict[str, Any], workdir: Path, url: str) -> dict[str, Any]:
     moved: dict[str, str] = {}  # local artifact path -> its URL
     for a in record.get("artifacts", []):
         if not _inside(a["path"], work) or a["path"] == work:
-            raise ValueError(f"artifact {a['kind']!r} at {a['path']} is not inside the job's workdir {work}; "
-                             "only the workdir's artifacts are uploaded")
+            raise ValueError(
+                f"artifact {a['kind']!r} at {a['path']} is not inside the job's workdir {work}; "
+                "only the workdir's artifacts are uploaded"
+            )
         moved[a["path"]] = f"{url}/{Path(a['path']).relative_to(work).as_posix()}"
 
     def rewrite(v: Any, where: str) -> Any:
@@ -112,9 +114,11 @@ def uploaded(record: dict[str, Any], workdir: Path, url: str) -> dict[str, Any]:
             return v
         for local, there in moved.items():
             if _inside(v, local):
-                return there + v[len(local):].replace(os.sep, "/")
-        raise ValueError(f"{where} names {v}, a file of the job's workdir that is not a declared artifact; "
-                         "only declared artifacts are uploaded")
+                return there + v[len(local) :].replace(os.sep, "/")
+        raise ValueError(
+            f"{where} names {v}, a file of the job's workdir that is not a declared artifact; "
+            "only declared artifacts are uploaded"
+        )
 
     out = dict(record)
     if "outputs" in record:
@@ -125,7 +129,9 @@ def uploaded(record: dict[str, Any], workdir: Path, url: str) -> dict[str, Any]:
         there = moved[a["path"]]
         size, mtime = upload(a["path"], there)
         if size != a["size_bytes"]:
-            raise OSError(f"artifact {a['kind']!r}: {size} bytes arrived at {there}, {a['size_bytes']} were sent")
+            raise OSError(
+                f"artifact {a['kind']!r}: {size} bytes arrived at {there}, {a['size_bytes']} were sent"
+            )
         arts.append({**a, "path": there, "size_bytes": size, "mtime": mtime})
     if "artifacts" in record:
         out["artifacts"] = arts

@@ -17,5 +17,8 @@ def stage_ppl_pre(payload: dict, cache: dict, progress) -> dict:
     with torch.no_grad():
         m = ppl_record(student, tok, payload, cache, "pre", items)
     params = _metric("params", float(sum(t.numel() for t in student.parameters())), stage="pre")
-    return {"outputs": {"ppl": m["value"], "value_kind": m["value_kind"]}, "metrics": [m, params],
-            "item_scores": items}
+    return {
+        "outputs": {"ppl": m["value"], "value_kind": m["value_kind"]},
+        "metrics": [m, params],
+        "item_scores": items,
+    }

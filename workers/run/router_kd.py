@@ -28,13 +28,33 @@ def stage_router_kd(payload: dict, cache: dict, progress) -> dict:
     cb = (lambda i, n: progress(i, n, "router_kd")) if progress else None
     rec = router_kd(student, teacher, get_adapter(student), calibration_batches(ids, spec), spec, progress=cb)
     path = Path(payload["workdir"]) / "router_delta.safetensors"
-    save_router_delta(path, rec["router_delta"], parent_hash=_recipe_hash(p["student"]),
-                      metadata={"kd_loss_norm": rec["kd_loss_norm"], "steps": rec["steps"]})
-    metrics = [_metric("train_loss", v, stage="router_kd", who="student", step=i)
-               for i, v in enumerate(rec["loss_curve"])]
-    metrics += [_metric("trainable_params", float(rec["trainable_params"]), stage="router_kd"),
-                _metric("kd_tokens", float(rec["tokens"]), stage="router_kd", n_tokens=rec["tokens"],
-                        extra={"router_renorm": rec["router_renorm"], "kd_loss_norm": rec["kd_loss_norm"],
-                               "steps": rec["steps"], "sequences": rec["sequences"]})]
-    return {"outputs": {"delta": str(path), "parent": _recipe_hash(p["student"]), "steps": rec["steps"]},
-            "metrics": metrics, "artifacts": [artifact("router_delta", path)]}
+    save_router_delta(
+        path,
+        rec["router_delta"],
+        parent_hash=_recipe_hash(p["student"]),
+        metadata={"kd_loss_norm": rec["kd_loss_norm"], "steps": rec["steps"]},
+    )
+    metrics = [
+        _metric("train_loss", v, stage="router_kd", who="student", step=i)
+        for i, v in enumerate(rec["loss_curve"])
+    ]
+    metrics += [
+        _metric("trainable_params", float(rec["trainable_params"]), stage="router_kd"),
+        _metric(
+            "kd_tokens",
+            float(rec["tokens"]),
+            stage="router_kd",
+            n_tokens=rec["tokens"],
+            extra={
+                "router_renorm": rec["router_renorm"],
+                "kd_loss_norm": rec["kd_loss_norm"],
+                "steps": rec["steps"],
+                "sequences": rec["sequences"],
+            },
+        ),
+    ]
+    return {
+        "outputs": {"delta": str(path), "parent": _recipe_hash(p["student"]), "steps": rec["steps"]},
+        "metrics": metrics,
+        "artifacts": [artifact("router_delta", path)],
+    }

@@ -12,8 +12,12 @@ import torch
 def runtime_versions() -> dict[str, Any]:
     import transformers
 
-    return {"torch": torch.__version__, "transformers": transformers.__version__,
-            "device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads()}
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "threads": torch.get_num_threads(),
+    }
 
 
 def device() -> torch.device:
@@ -63,8 +67,16 @@ def tiny_dir(payload: dict[str, Any]) -> str | None:
     return None
 
 
-def windows(payload: dict[str, Any], cache: dict, tok, data: dict[str, Any], seq_len: int, n: int | None,
-            seed: int, add_bos: bool = False) -> torch.Tensor:
+def windows(
+    payload: dict[str, Any],
+    cache: dict,
+    tok,
+    data: dict[str, Any],
+    seq_len: int,
+    n: int | None,
+    seed: int,
+    add_bos: bool = False,
+) -> torch.Tensor:
     from workers.core.data import DataSpec, load_texts, token_windows
 
     key = json.dumps(["win", data, seq_len, n, seed, add_bos, tok.name_or_path], sort_keys=True)

@@ -34,8 +34,14 @@ def make_student(payload: dict, cache: dict, recipe: dict[str, Any], *, for_trai
 
         plan_path = payload["inputs"]["convert"]["plan_path"]
         plans = load_plans(plan_path)
-        student = write_student(recipe.get("output", "dense"), model, adapter, plans, share_weights=not for_training,
-                                plan_path=plan_path)
+        student = write_student(
+            recipe.get("output", "dense"),
+            model,
+            adapter,
+            plans,
+            share_weights=not for_training,
+            plan_path=plan_path,
+        )
     elif kind == "random_ffn":
         from workers.baselines.baselines import random_ffn_student
 
@@ -56,9 +62,16 @@ def d2d_student(payload: dict, cache: dict, candidate: str):
     dense, tok = resident_teacher(payload, cache, role="dense_teacher")
     cands = {c["name"]: c for c in d2d_candidates(dense, target_params=moe_student_params(payload))}
     c = payload["params"].get("calibration") or {}
-    ids = windows(payload, cache, tok, c.get("data", {"source": "tiny", "split": "train"}),
-                  c.get("seq_len", 128), c.get("n_samples", 64), c.get("seed", 0))
-    batches = [ids[i:i + 8].to(device()) for i in range(0, len(ids), 8)]
+    ids = windows(
+        payload,
+        cache,
+        tok,
+        c.get("data", {"source": "tiny", "split": "train"}),
+        c.get("seq_len", 128),
+        c.get("n_samples", 64),
+        c.get("seed", 0),
+    )
+    batches = [ids[i : i + 8].to(device()) for i in range(0, len(ids), 8)]
     return prune_dense(dense, cands[candidate], batches).to(device()), tok
 
 
@@ -79,13 +92,16 @@ def moe_student_params(payload: dict) -> int | None:
         adapter = get_adapter(moe)
         layer = adapter.moe_layers(moe)[0]
         shared = adapter.shared_ffn(moe, layer)
-        width = adapter.top_k(moe) * adapter.expert_weights(moe, layer).intermediate + (shared.width if shared else 0)
+        width = adapter.top_k(moe) * adapter.expert_weights(moe, layer).intermediate + (
+            shared.width if shared else 0
+        )
         student = AutoModelForCausalLM.from_config(adapter.student_config(moe, width))
     return sum(p.numel() for p in student.parameters())
 
 
-def ppl_record(model, tok, payload: dict, cache: dict, stage: str,
-               items: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def ppl_record(
+    model, tok, payload: dict, cache: dict, stage: str, items: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """The ppl metric with its standard error over windows (n = `total` = windows); `items`, when given,
     gains the per-window item scores (Σ NLL and scored tokens per window) for paired comparisons."""
     from workers.evaluation.ppl import perplexity, text_ids, window_stats
@@ -95,13 +111,33 @@ def ppl_record(model, tok, payload: dict, cache: dict, stage: str,
     key = json.dumps(["ppl_ids", pp["data"], tok.name_or_path, len(tok)], sort_keys=True)
     if key not in cache:  # every student of this worker's teacher is scored on the same tokens
         cache[key] = text_ids(tok, texts)
-    r = perplexity(model, tok, texts, seq_len=pp["seq_len"], batch_size=pp["batch_size"], add_bos=pp["add_bos"],
-                   device=device(), max_windows=pp.get("max_windows"), windows=pp.get("windows", "disjoint"),
-                   ids=cache[key])
+    r = perplexity(
+        model,
+        tok,
+        texts,
+        seq_len=pp["seq_len"],
+        batch_size=pp["batch_size"],
+        add_bos=pp["add_bos"],
+        device=device(),
+        max_windows=pp.get("max_windows"),
+        windows=pp.get("windows", "disjoint"),
+        ids=cache[key],
+    )
     se, n = window_stats(r["window_nll"], r["window_tokens"])
-    metric = _metric("ppl", r["ppl"], stage=stage, sum_nll=r["sum_nll"], n_tokens=r["n_tokens"], stderr=se,
-                     total=n, value_kind=r["value_kind"], extra={"protocol": r["protocol"], "data": pp["data"]})
+    metric = _metric(
+        "ppl",
+        r["ppl"],
+        stage=stage,
+        sum_nll=r["sum_nll"],
+        n_tokens=r["n_tokens"],
+        stderr=se,
+        total=n,
+        value_kind=r["value_kind"],
+        extra={"protocol": r["protocol"], "data": pp["data"]},
+    )
     if items is not None:
-        items += [{"stage": stage, "name": name, "doc_ids": list(range(n)), "values": [float(v) for v in vals]}
-                  for name, vals in (("nll", r["window_nll"]), ("tokens", r["window_tokens"]))]
+        items += [
+            {"stage": stage, "name": name, "doc_ids": list(range(n)), "values": [float(v) for v in vals]}
+            for name, vals in (("nll", r["window_nll"]), ("tokens", r["window_tokens"]))
+        ]
     return metric

@@ -22,7 +22,9 @@ def stage_teacher(payload: dict, cache: dict, progress) -> dict:
         _metric("ppl", rec["valid_ppl_random_init"], stage="train", who="random_init"),
         _metric("params", float(rec["params"]), stage="train", who="teacher"),
     ]
-    metrics += [_metric("train_loss", loss, stage="train", who="teacher", step=i)
-                for i, loss in enumerate(rec["train_loss_curve"])]
+    metrics += [
+        _metric("train_loss", loss, stage="train", who="teacher", step=i)
+        for i, loss in enumerate(rec["train_loss_curve"])
+    ]
     keep = {k: v for k, v in rec.items() if k != "train_loss_curve"}
     return {"outputs": {"path": str(out), **keep}, "metrics": metrics, "artifacts": [artifact("model", out)]}

@@ -34,8 +34,20 @@ class TinyTeacherSpec:
     eval_windows: int = 128  # held-out windows of seq_len, half prose, half code (fewer if valid is short)
 
     def __post_init__(self) -> None:
-        positive = ("experts", "top_k", "hidden", "layers", "heads", "kv_heads", "moe_intermediate", "vocab",
-                    "steps", "batch_size", "seq_len", "eval_windows")
+        positive = (
+            "experts",
+            "top_k",
+            "hidden",
+            "layers",
+            "heads",
+            "kv_heads",
+            "moe_intermediate",
+            "vocab",
+            "steps",
+            "batch_size",
+            "seq_len",
+            "eval_windows",
+        )
         for name in positive + ("warmup", "seed", "corpus_seed"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -67,8 +79,15 @@ class TinyTeacherSpec:
         for name in ("weight_decay", "balance_coef"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
-        if self.corpus_chars is not None and (not isinstance(self.corpus_chars, int) or self.corpus_chars < 100_000):
-            raise ValueError(f"corpus_chars={self.corpus_chars!r}: must be an integer >= 100000 or null (all)")
-        if self.dense_intermediate is not None and (not isinstance(self.dense_intermediate, int)
-                                                    or self.dense_intermediate < 1):
-            raise ValueError(f"dense_intermediate={self.dense_intermediate!r}: must be an integer >= 1 or null")
+        if self.corpus_chars is not None and (
+            not isinstance(self.corpus_chars, int) or self.corpus_chars < 100_000
+        ):
+            raise ValueError(
+                f"corpus_chars={self.corpus_chars!r}: must be an integer >= 100000 or null (all)"
+            )
+        if self.dense_intermediate is not None and (
+            not isinstance(self.dense_intermediate, int) or self.dense_intermediate < 1
+        ):
+            raise ValueError(
+                f"dense_intermediate={self.dense_intermediate!r}: must be an integer >= 1 or null"
+            )

@@ -42,7 +42,9 @@ EVAL_BATCH = 16
 
 
 # ---- pure numerics -----------------------------------------------------------------------------
-def per_layer_balance_loss(router_logits: tuple[torch.Tensor, ...] | list[torch.Tensor], top_k: int) -> torch.Tensor:
+def per_layer_balance_loss(
+    router_logits: tuple[torch.Tensor, ...] | list[torch.Tensor], top_k: int
+) -> torch.Tensor:
     """Mean over layers of the Switch-Transformer balancing loss E * sum_e f_e * P_e of each layer.
 
     f_e: share of the layer's tokens that route to e (sums to top_k over e), P_e: mean router
@@ -54,7 +56,9 @@ def per_layer_balance_loss(router_logits: tuple[torch.Tensor, ...] | list[torch.
         probs = logits.float().softmax(dim=-1)  # [T, E]
         n_tokens, n_experts = probs.shape
         idx = probs.topk(top_k, dim=-1).indices.flatten()
-        f = torch.zeros(n_experts, device=probs.device).index_add_(0, idx, torch.ones_like(idx, dtype=probs.dtype))
+        f = torch.zeros(n_experts, device=probs.device).index_add_(
+            0, idx, torch.ones_like(idx, dtype=probs.dtype)
+        )
         losses.append(n_experts * (f / n_tokens * probs.mean(dim=0)).sum())
     return torch.stack(losses).mean()
 
@@ -76,8 +80,14 @@ def expert_load(router_logits: list[torch.Tensor], top_k: int) -> list[dict[str,
         idx = logits.float().topk(top_k, dim=-1).indices.flatten()
         n_experts = logits.shape[-1]
         share = torch.bincount(idx, minlength=n_experts).double() / idx.numel()
-        out.append({"layer": layer, "max_share": float(share.max()), "min_share": float(share.min()),
-                    "rare": int((share < 0.1 / n_experts).sum())})
+        out.append(
+            {
+                "layer": layer,
+                "max_share": float(share.max()),
+                "min_share": float(share.min()),
+                "rare": int((share < 0.1 / n_experts).sum()),
+            }
+        )
     return out
 
 
@@ -137,40 +147,79 @@ def prepare_data(spec: TinyTeacherSpec, cache_dir: Path | str | None = None) -> 
     from workers.tiny.tokenizer import tokenizer_hash, train_tokenizer
 
     root = cache_root(cache_dir)
-    ckey = _key({"v": CORPUS_VERSION, "python": sys.version, "stdlib": str(stdlib_dir()),
-                 "chars": spec.corpus_chars, "seed": spec.corpus_seed})
+    ckey = _key(
+        {
+            "v": CORPUS_VERSION,
+            "python": sys.version,
+            "stdlib": str(stdlib_dir()),
+            "chars": spec.corpus_chars,
+            "seed": spec.corpus_seed,
+        }
+    )
     cdir = root / "corpus" / ckey
     cached_dir(cdir, lambda tmp: build_corpus(tmp, spec.corpus_chars, spec.corpus_seed))
     chash = corpus_hash(cdir)
-    tkey = _key({"corpus": chash, "vocab": spec.vocab, "tokenizers": tokenizers.__version__,
-                 "transformers": transformers.__version__})
+    tkey = _key(
+        {
+            "corpus": chash,
+            "vocab": spec.vocab,
+            "tokenizers": tokenizers.__version__,
+            "transformers": transformers.__version__,
+        }
+    )
     tdir = root / "tokenizer" / tkey
-    cached_dir(tdir, lambda tmp: train_tokenizer([r["text"] for r in read_split(cdir, "train")], spec.vocab, tmp))
-    return {"corpus_dir": cdir, "corpus_hash": chash, "tokenizer_dir": tdir, "tokenizer_hash": tokenizer_hash(tdir)}
+    cached_dir(
+        tdir, lambda tmp: train_tokenizer([r["text"] for r in read_split(cdir, "train")], spec.vocab, tmp)
+    )
+    return {
+        "corpus_dir": cdir,
+        "corpus_hash": chash,
+        "tokenizer_dir": tdir,
+        "tokenizer_hash": tokenizer_hash(tdir),
+    }
 
 
 # ---- models ------------------------------------------------------------------------------------
 def _common(spec: TinyTeacherSpec, tok) -> dict[str, Any]:
-    return dict(vocab_size=spec.vocab, hidden_size=spec.hidden, num_hidden_layers=spec.layers,
-                num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
-                max_position_embeddings=max(2048, spec.seq_len), tie_word_embeddings=False,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-6,
-                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return dict(
+        vocab_size=spec.vocab,
+        hidden_size=spec.hidden,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=max(2048, spec.seq_len),
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rms_norm_eps=1e-6,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
 
 
 def moe_config(spec: TinyTeacherSpec, tok):
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(**_common(spec, tok), num_experts=spec.experts, num_experts_per_tok=spec.top_k,
-                          moe_intermediate_size=spec.moe_intermediate, intermediate_size=spec.moe_intermediate,
-                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-                          router_aux_loss_coef=spec.balance_coef, output_router_logits=False)
+    return Qwen3MoeConfig(
+        **_common(spec, tok),
+        num_experts=spec.experts,
+        num_experts_per_tok=spec.top_k,
+        moe_intermediate_size=spec.moe_intermediate,
+        intermediate_size=spec.moe_intermediate,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        router_aux_loss_coef=spec.balance_coef,
+        output_router_logits=False,
+    )
 
 
 def dense_config(spec: TinyTeacherSpec, tok, intermediate: int):
     from transformers import Qwen3Config
 
-    return Qwen3Config(**_common(spec, tok), intermediate_size=intermediate, head_dim=spec.hidden // spec.heads)
+    return Qwen3Config(
+        **_common(spec, tok), intermediate_size=intermediate, head_dim=spec.hidden // spec.heads
+    )
 
 
 def _n_params(config) -> int:
@@ -189,14 +238,22 @@ def matched_dense_intermediate(spec: TinyTeacherSpec, tok) -> int:
     return max(1, 1 + round((target - base) / per_unit))
 
 
-def train_tiny_teacher(spec: TinyTeacherSpec, out: Path, progress: Callable[[int, int], None] | None = None,
-                       cache_dir: Path | str | None = None) -> dict[str, Any]:
+def train_tiny_teacher(
+    spec: TinyTeacherSpec,
+    out: Path,
+    progress: Callable[[int, int], None] | None = None,
+    cache_dir: Path | str | None = None,
+) -> dict[str, Any]:
     """Train (or copy from the cache) the tiny Qwen3-MoE teacher into ``out``; return its record."""
     return _train_cached("moe", spec, Path(out), progress, cache_dir)
 
 
-def train_tiny_dense(spec: TinyTeacherSpec, out: Path, progress: Callable[[int, int], None] | None = None,
-                     cache_dir: Path | str | None = None) -> dict[str, Any]:
+def train_tiny_dense(
+    spec: TinyTeacherSpec,
+    out: Path,
+    progress: Callable[[int, int], None] | None = None,
+    cache_dir: Path | str | None = None,
+) -> dict[str, Any]:
     """The dense teacher of the dense-to-dense baseline: a Qwen3 model with the MoE teacher's total
     parameter count (or FFN width ``spec.dense_intermediate``), same corpus, tokenizer and training,
     no balancing loss."""
@@ -207,9 +264,17 @@ def _train_cached(kind: str, spec: TinyTeacherSpec, out: Path, progress, cache_d
     import transformers
 
     data = prepare_data(spec, cache_dir)
-    key = _key({"kind": kind, "spec": asdict(spec), "corpus": data["corpus_hash"],
-                "tokenizer": data["tokenizer_hash"], "torch": torch.__version__,
-                "transformers": transformers.__version__, "v": TRAIN_VERSION})
+    key = _key(
+        {
+            "kind": kind,
+            "spec": asdict(spec),
+            "corpus": data["corpus_hash"],
+            "tokenizer": data["tokenizer_hash"],
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "v": TRAIN_VERSION,
+        }
+    )
     mdir = cache_root(cache_dir) / "model" / key
     hit = cached_dir(mdir, lambda tmp: _train(kind, spec, tmp, data, key, progress))
     shutil.copytree(mdir, out, dirs_exist_ok=True)
@@ -227,7 +292,7 @@ def _eval_windows(tok, rows: list[dict], spec: TinyTeacherSpec) -> dict[str, tor
     for domain in ("prose", "code"):
         wins = token_windows(tok, [r["text"] for r in rows if r["domain"] == domain], spec.seq_len, None, 0)
         perm = torch.randperm(len(wins), generator=torch.Generator().manual_seed(spec.corpus_seed))
-        out[domain] = wins[perm[:max(1, spec.eval_windows // 2)]]
+        out[domain] = wins[perm[: max(1, spec.eval_windows // 2)]]
     return out
 
 
@@ -236,10 +301,13 @@ def _nll(model, wins: torch.Tensor) -> tuple[float, int]:
     model.eval()
     total, count = 0.0, 0
     for i in range(0, len(wins), EVAL_BATCH):
-        ids = wins[i:i + EVAL_BATCH]
+        ids = wins[i : i + EVAL_BATCH]
         logits = model(input_ids=ids).logits[:, :-1].float()
-        total += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                                         reduction="sum"))
+        total += float(
+            torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum"
+            )
+        )
         count += ids[:, 1:].numel()
     return total, count
 
@@ -270,14 +338,19 @@ def _train(kind: str, spec: TinyTeacherSpec, out: Path, data: dict[str, Any], ke
     model = AutoModelForCausalLM.from_config(config)
     n_params = sum(p.numel() for p in model.parameters())
     train_rows = read_split(data["corpus_dir"], "train")
-    train = token_windows(tok, [r["text"] for r in train_rows], spec.seq_len, spec.steps * spec.batch_size, spec.seed)
+    train = token_windows(
+        tok, [r["text"] for r in train_rows], spec.seq_len, spec.steps * spec.batch_size, spec.seed
+    )
     evals = _eval_windows(tok, read_split(data["corpus_dir"], "valid"), spec)
     random_ppl = _ppl(model, evals)  # the same weights the training starts from
 
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": spec.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=spec.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": spec.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=spec.lr,
+        betas=(0.9, 0.95),
+    )
     curve, balance = [], []
     model.train()
     t_train = time.perf_counter()
@@ -285,7 +358,7 @@ def _train(kind: str, spec: TinyTeacherSpec, out: Path, data: dict[str, Any], ke
     for step in range(spec.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, spec.steps, spec.lr, spec.warmup, spec.min_lr_ratio)
-        ids = train[step * spec.batch_size:(step + 1) * spec.batch_size]
+        ids = train[step * spec.batch_size : (step + 1) * spec.batch_size]
         res = model(input_ids=ids, output_router_logits=True) if moe else model(input_ids=ids)
         logits = res.logits[:, :-1]
         ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
@@ -307,8 +380,13 @@ def _train(kind: str, spec: TinyTeacherSpec, out: Path, data: dict[str, Any], ke
     load = None
     if moe:
         with torch.no_grad():
-            logits = [torch.cat(x) for x in zip(*(model(input_ids=w, output_router_logits=True).router_logits
-                                                  for w in evals.values()), strict=True)]
+            logits = [
+                torch.cat(x)
+                for x in zip(
+                    *(model(input_ids=w, output_router_logits=True).router_logits for w in evals.values()),
+                    strict=True,
+                )
+            ]
         load = expert_load(logits, spec.top_k)
     active = n_params
     if moe:
@@ -322,18 +400,30 @@ def _train(kind: str, spec: TinyTeacherSpec, out: Path, data: dict[str, Any], ke
         shutil.copyfile(Path(data["corpus_dir"]) / f"{split}.jsonl", out / "corpus" / f"{split}.jsonl")
     record = {
         "kind": "moe_teacher" if moe else "dense_teacher",
-        "valid_ppl_teacher": teacher_ppl["all"], "valid_ppl_random_init": random_ppl["all"],
+        "valid_ppl_teacher": teacher_ppl["all"],
+        "valid_ppl_random_init": random_ppl["all"],
         "valid_ppl_teacher_by_domain": {d: v for d, v in teacher_ppl.items() if d != "all"},
         "valid_ppl_random_init_by_domain": {d: v for d, v in random_ppl.items() if d != "all"},
         "valid_tokens": sum(int(w[:, 1:].numel()) for w in evals.values()),
-        "params": n_params, "active_params": active, "dense_intermediate": intermediate,
-        "train_loss_curve": curve, "final_balance_loss": balance[-1] if balance else None,
-        "expert_load": load, "steps": spec.steps, "train_tokens": spec.steps * spec.batch_size * spec.seq_len,
-        "train_seconds": round(train_seconds, 2), "total_seconds": round(time.perf_counter() - t0, 2),
-        "threads": torch.get_num_threads(), "corpus_hash": data["corpus_hash"],
-        "tokenizer_hash": data["tokenizer_hash"], "cache_key": key,
+        "params": n_params,
+        "active_params": active,
+        "dense_intermediate": intermediate,
+        "train_loss_curve": curve,
+        "final_balance_loss": balance[-1] if balance else None,
+        "expert_load": load,
+        "steps": spec.steps,
+        "train_tokens": spec.steps * spec.batch_size * spec.seq_len,
+        "train_seconds": round(train_seconds, 2),
+        "total_seconds": round(time.perf_counter() - t0, 2),
+        "threads": torch.get_num_threads(),
+        "corpus_hash": data["corpus_hash"],
+        "tokenizer_hash": data["tokenizer_hash"],
+        "cache_key": key,
     }
-    meta = {"spec": asdict(spec), "corpus_hash": data["corpus_hash"], "tokenizer_hash": data["tokenizer_hash"],
-            "record": record}
+    meta = {
+        "spec": asdict(spec),
+        "corpus_hash": data["corpus_hash"],
+        "tokenizer_hash": data["tokenizer_hash"],
+        "record": record,
+    }
     (out / "tiny_meta.json").write_text(json.dumps(meta, indent=1))
-

@@ -54,9 +54,16 @@ from workers.training.distill import LOSSES, DistillSpec, KDStudent, train_loop
 from workers.training.ranks import DistRanks
 
 
-def distill_worker(student: nn.Module, teacher: nn.Module, adapter: Any, batches: Iterable[torch.Tensor],
-                   val: torch.Tensor, spec: DistillSpec, progress: Callable[[int, int], None] | None = None,
-                   on_val: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+def distill_worker(
+    student: nn.Module,
+    teacher: nn.Module,
+    adapter: Any,
+    batches: Iterable[torch.Tensor],
+    val: torch.Tensor,
+    spec: DistillSpec,
+    progress: Callable[[int, int], None] | None = None,
+    on_val: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
     """`workers.training.distill.distill` on one rank of an initialised process group; every rank gets the
     same global `batches` and the same result (progress/on_val are called on rank 0 only)."""
     if not dist.is_initialized():
@@ -69,8 +76,18 @@ def distill_worker(student: nn.Module, teacher: nn.Module, adapter: Any, batches
     wrapped = DistributedDataParallel(kd, device_ids=[device.index] if device.type == "cuda" else None)
     lead = ranks.rank == 0
     try:
-        return train_loop(student, wrapped, teacher, adapter, batches, val, spec,
-                          progress if lead else None, on_val if lead else None, ranks=ranks)
+        return train_loop(
+            student,
+            wrapped,
+            teacher,
+            adapter,
+            batches,
+            val,
+            spec,
+            progress if lead else None,
+            on_val if lead else None,
+            ranks=ranks,
+        )
     finally:
         student.to(dtype)
 
@@ -102,8 +119,13 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     place = device if sharding == "ddp" else torch.device("cpu")
     try:
         spec = DistillSpec(**job["spec"])
-        teacher = AutoModelForCausalLM.from_pretrained(job["teacher"], dtype=getattr(torch, job.get(
-            "teacher_dtype", "float32"))).to(place).eval()
+        teacher = (
+            AutoModelForCausalLM.from_pretrained(
+                job["teacher"], dtype=getattr(torch, job.get("teacher_dtype", "float32"))
+            )
+            .to(place)
+            .eval()
+        )
         student = AutoModelForCausalLM.from_pretrained(job["student"], dtype=torch.float32).to(place)
         adapter = None
         if job.get("moe_teacher", True):
@@ -112,12 +134,14 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             adapter = get_adapter(teacher)
         train = torch.load(job["train"], weights_only=True)
         val = torch.load(job["val"], weights_only=True)
-        batches = (train[i:i + spec.batch_size] for i in range(0, train.shape[0], spec.batch_size))
+        batches = (train[i : i + spec.batch_size] for i in range(0, train.shape[0], spec.batch_size))
         out = Path(job["out"])
         if sharding == "fsdp":
             from workers.training.fsdp import fsdp_worker, save_student
 
-            result = fsdp_worker(student, teacher, adapter, batches, val, spec, bool(job.get("teacher_offload")))
+            result = fsdp_worker(
+                student, teacher, adapter, batches, val, spec, bool(job.get("teacher_offload"))
+            )
             save_student(student, out / "student")  # collective: rank 0 gathers and writes
         else:
             result = distill_worker(student, teacher, adapter, batches, val, spec)
@@ -133,8 +157,13 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             dist.destroy_process_group()
 
 
-def launch(job: dict[str, Any], workdir: str | Path, nproc: int, timeout: float | None = None,
-           env: dict[str, str] | None = None) -> dict[str, Any]:
+def launch(
+    job: dict[str, Any],
+    workdir: str | Path,
+    nproc: int,
+    timeout: float | None = None,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """Run `job` on `nproc` local processes with torchrun and return rank 0's result."""
     if nproc < 1:
         raise ValueError(f"nproc: {nproc} is not allowed; allowed: an integer >= 1")
@@ -142,10 +171,24 @@ def launch(job: dict[str, Any], workdir: str | Path, nproc: int, timeout: float 
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "job.json"
     path.write_text(json.dumps(job, indent=1))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "workers.training.ddp", str(path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
-                          cwd=Path(__file__).resolve().parent.parent)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "workers.training.ddp",
+        str(path),
+    ]
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout)[-4000:]
         raise RuntimeError(f"torchrun exited with {proc.returncode}:\n{tail}")

@@ -73,18 +73,24 @@ def lm_head(model: nn.Module) -> nn.Linear | ScaledHead:
     student's stays differentiable); refuses models whose logits are more than that (softcap)."""
     cfg = getattr(model, "config", None)
     if getattr(cfg, "final_logit_softcapping", None) not in (None, 1, 1.0):
-        raise ValueError(f"{type(model).__name__}: config.final_logit_softcapping is set; the chunked KD loss "
-                         "supports a linear lm_head")
+        raise ValueError(
+            f"{type(model).__name__}: config.final_logit_softcapping is set; the chunked KD loss "
+            "supports a linear lm_head"
+        )
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):
-        raise ValueError(f"{type(model).__name__}: output embeddings are {type(head).__name__}, expected nn.Linear")
+        raise ValueError(
+            f"{type(model).__name__}: output embeddings are {type(head).__name__}, expected nn.Linear"
+        )
     factor = logit_factor(cfg)
     if factor == 1.0:
         return head
     return ScaledHead(head.weight * factor, None if head.bias is None else head.bias * factor)
 
 
-def base_forward(model: nn.Module, ids: torch.Tensor, hidden: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def base_forward(
+    model: nn.Module, ids: torch.Tensor, hidden: bool
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(final hidden states [B, T, H], every decoder layer's output (if `hidden`)) without the LM head."""
     out = decoder_of(model)(input_ids=ids, output_hidden_states=hidden, use_cache=False)
     return out.last_hidden_state, (list(out.hidden_states[1:]) if hidden else [])
@@ -101,19 +107,36 @@ class KDStudent(nn.Module):
         self.hidden_weight = hidden_weight
         self.chunk = chunk
 
-    def forward(self, ids: torch.Tensor, t_last: torch.Tensor | None = None, t_head: torch.Tensor | None = None,
-                t_hidden: list[torch.Tensor] | None = None, t_bias: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, int]:
+    def forward(
+        self,
+        ids: torch.Tensor,
+        t_last: torch.Tensor | None = None,
+        t_head: torch.Tensor | None = None,
+        t_hidden: list[torch.Tensor] | None = None,
+        t_bias: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, int]:
         """The KD loss; without teacher states, (Σ NLL, tokens) of next-token prediction where `mask` [B, T−1]
         is true: validation through this module, since a sharded root has its parameters only in forward."""
         if t_last is None:
             h, _ = base_forward(self.student, ids, False)
             head = lm_head(self.student)
-            return head_cross_entropy(h[:, :-1], head.weight, ids[:, 1:], mask=mask, chunk=self.chunk, bias=head.bias)
+            return head_cross_entropy(
+                h[:, :-1], head.weight, ids[:, 1:], mask=mask, chunk=self.chunk, bias=head.bias
+            )
         s_last, s_hidden = base_forward(self.student, ids, self.kd.uses_hidden)
         head = lm_head(self.student)
-        loss = head_divergence(self.kd.token_loss, t_last, t_head, s_last, head.weight, self.tau,
-                               chunk=self.chunk, teacher_bias=t_bias, student_bias=head.bias)
+        loss = head_divergence(
+            self.kd.token_loss,
+            t_last,
+            t_head,
+            s_last,
+            head.weight,
+            self.tau,
+            chunk=self.chunk,
+            teacher_bias=t_bias,
+            student_bias=head.bias,
+        )
         if self.kd.uses_hidden:  # intermediate loss (§3.5, Minitron)
             loss = loss + self.hidden_weight * hidden_mse(t_hidden, s_hidden)
         return loss
@@ -123,26 +146,39 @@ class KDStudent(nn.Module):
 
 
 @torch.no_grad()
-def val_ce(model: nn.Module, val: torch.Tensor, batch_size: int, chunk: int, amp: torch.dtype | None,
-           ranks: Ranks = Ranks(), through: nn.Module | None = None) -> float:
+def val_ce(
+    model: nn.Module,
+    val: torch.Tensor,
+    batch_size: int,
+    chunk: int,
+    amp: torch.dtype | None,
+    ranks: Ranks = Ranks(),
+    through: nn.Module | None = None,
+) -> float:
     """Mean next-token cross-entropy (nats/token) over the validation windows [n, T]; `through` is a
     KDStudent(model) (or its sharded root) to run the windows through instead of `model` itself."""
     head = lm_head(model)
-    device = head.weight.device  # where the model computes (a teacher offloaded by FSDP keeps its shards on the CPU)
+    device = (
+        head.weight.device
+    )  # where the model computes (a teacher offloaded by FSDP keeps its shards on the CPU)
     was_training = model.training
     model.eval()
     rows, real = ranks.val_rows(val)
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = torch.zeros((), dtype=torch.float64, device=device)
     for i in range(0, rows.shape[0], batch_size):
-        ids = rows[i:i + batch_size].to(device)
-        mask = None if real is None else real[i:i + batch_size, None].expand(-1, ids.shape[1] - 1).to(device)
+        ids = rows[i : i + batch_size].to(device)
+        mask = (
+            None if real is None else real[i : i + batch_size, None].expand(-1, ids.shape[1] - 1).to(device)
+        )
         with _autocast(amp, device):
             if through is not None:
                 s, n = through(ids, mask=mask)
             else:
                 h, _ = base_forward(model, ids, False)
-                s, n = head_cross_entropy(h[:, :-1], head.weight, ids[:, 1:], mask=mask, chunk=chunk, bias=head.bias)
+                s, n = head_cross_entropy(
+                    h[:, :-1], head.weight, ids[:, 1:], mask=mask, chunk=chunk, bias=head.bias
+                )
         total += s.double()
         count += n
     model.train(was_training)
@@ -157,7 +193,9 @@ def _teacher_routing(teacher: nn.Module, adapter: Any, spec: DistillSpec) -> dic
         raise ValueError("DistillSpec.teacher_top_k: expanded routing needs an MoE teacher (adapter is None)")
     n_exp = adapter.num_experts(teacher)
     if spec.teacher_top_k > n_exp:
-        raise ValueError(f"DistillSpec.teacher_top_k: {spec.teacher_top_k} is not allowed; allowed: 1..{n_exp}")
+        raise ValueError(
+            f"DistillSpec.teacher_top_k: {spec.teacher_top_k} is not allowed; allowed: 1..{n_exp}"
+        )
     renorm = adapter.renormalized(teacher) if spec.teacher_renormalize is None else spec.teacher_renormalize
     return {"top_k": spec.teacher_top_k, "renormalize": bool(renorm), "native_top_k": adapter.top_k(teacher)}
 
@@ -172,8 +210,10 @@ def _check_intermediate(student: nn.Module, teacher: nn.Module) -> None:
     sc, tc = student.config, teacher.config
     for key in ("num_hidden_layers", "hidden_size"):
         if getattr(sc, key, None) != getattr(tc, key, None):
-            raise ValueError(f"DistillSpec.loss: 'intermediate' needs equal {key} in student and teacher "
-                             f"({getattr(sc, key, None)} vs {getattr(tc, key, None)})")
+            raise ValueError(
+                f"DistillSpec.loss: 'intermediate' needs equal {key} in student and teacher "
+                f"({getattr(sc, key, None)} vs {getattr(tc, key, None)})"
+            )
 
 
 def _checkpointing(model: nn.Module, on: bool) -> None:
@@ -202,18 +242,30 @@ def _next_batch(it: Iterator[torch.Tensor], i: int, spec: DistillSpec) -> torch.
     try:
         ids = next(it)
     except StopIteration:
-        raise ValueError(f"batches: ran out after {i} micro-batches; the budget needs steps × grad_accum = "
-                         f"{spec.steps * spec.grad_accum}") from None
+        raise ValueError(
+            f"batches: ran out after {i} micro-batches; the budget needs steps × grad_accum = "
+            f"{spec.steps * spec.grad_accum}"
+        ) from None
     if tuple(ids.shape) != (spec.batch_size, spec.seq_len):
-        raise ValueError(f"batches: micro-batch {i} has shape {tuple(ids.shape)}; expected [batch_size, seq_len] = "
-                         f"[{spec.batch_size}, {spec.seq_len}]")
+        raise ValueError(
+            f"batches: micro-batch {i} has shape {tuple(ids.shape)}; expected [batch_size, seq_len] = "
+            f"[{spec.batch_size}, {spec.seq_len}]"
+        )
     return ids
 
 
-def train_loop(student: nn.Module, forward_module: nn.Module, teacher: nn.Module, adapter: Any,
-               batches: Iterable[torch.Tensor], val: torch.Tensor, spec: DistillSpec,
-               progress: Callable[[int, int], None] | None = None,
-               on_val: Callable[[dict[str, Any]], None] | None = None, ranks: Ranks = Ranks()) -> dict[str, Any]:
+def train_loop(
+    student: nn.Module,
+    forward_module: nn.Module,
+    teacher: nn.Module,
+    adapter: Any,
+    batches: Iterable[torch.Tensor],
+    val: torch.Tensor,
+    spec: DistillSpec,
+    progress: Callable[[int, int], None] | None = None,
+    on_val: Callable[[dict[str, Any]], None] | None = None,
+    ranks: Ranks = Ranks(),
+) -> dict[str, Any]:
     """The loop behind `distill` and `workers.training.ddp`: `forward_module` wraps KDStudent(student) (or is it)."""
     device = next(student.parameters()).device
     amp = amp_dtype(spec, device)
@@ -235,8 +287,9 @@ def train_loop(student: nn.Module, forward_module: nn.Module, teacher: nn.Module
     teacher_ce = {"teacher": val_ce(teacher, val, spec.batch_size, spec.logit_chunk, amp, ranks)}
     if routing is not None:
         with _routing(teacher, adapter, routing):
-            teacher_ce[f"teacher_k{routing['top_k']}"] = val_ce(teacher, val, spec.batch_size, spec.logit_chunk,
-                                                                amp, ranks)
+            teacher_ce[f"teacher_k{routing['top_k']}"] = val_ce(
+                teacher, val, spec.batch_size, spec.logit_chunk, amp, ranks
+            )
 
     through = forward_module if ranks.collective_forward else None
 
@@ -284,13 +337,25 @@ def train_loop(student: nn.Module, forward_module: nn.Module, teacher: nn.Module
     student.eval()
     if spec.grad_checkpoint:
         _checkpointing(student, False)
-    return {"val": records, "loss_curve": loss_curve, "tokens": tokens, "teacher_routing": routing,
-            "settings": asdict(spec)}
+    return {
+        "val": records,
+        "loss_curve": loss_curve,
+        "tokens": tokens,
+        "teacher_routing": routing,
+        "settings": asdict(spec),
+    }
 
 
-def distill(student: nn.Module, teacher: nn.Module, adapter: Any, batches: Iterable[torch.Tensor],
-            val: torch.Tensor, spec: DistillSpec, progress: Callable[[int, int], None] | None = None,
-            on_val: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+def distill(
+    student: nn.Module,
+    teacher: nn.Module,
+    adapter: Any,
+    batches: Iterable[torch.Tensor],
+    val: torch.Tensor,
+    spec: DistillSpec,
+    progress: Callable[[int, int], None] | None = None,
+    on_val: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
     """Distill `student` (trained in place) from `teacher`; `adapter` is the teacher's FamilyAdapter
     (None for a dense teacher, e.g. the D2D baseline). `batches` yields LongTensor [batch_size, seq_len]
     micro-batches (grad_accum per step); `val` is LongTensor [n, seq_len].

@@ -74,7 +74,9 @@ class DistillSpec:
             raise bad("hidden_weight", self.hidden_weight, "a number >= 0")
         if self.dtype not in DTYPES:
             raise bad("dtype", self.dtype, ", ".join(DTYPES))
-        if self.teacher_top_k is not None and (not isinstance(self.teacher_top_k, int) or self.teacher_top_k < 1):
+        if self.teacher_top_k is not None and (
+            not isinstance(self.teacher_top_k, int) or self.teacher_top_k < 1
+        ):
             raise bad("teacher_top_k", self.teacher_top_k, "null or an integer >= 1")
         if self.teacher_renormalize not in (None, True, False):
             raise bad("teacher_renormalize", self.teacher_renormalize, "null, true or false")

@@ -51,7 +51,7 @@ class FSDPRanks(DistRanks):
         per = -(-x.shape[0] // self.world)
         rows = self.shard(x, even=False)
         real = torch.zeros(per, dtype=torch.bool)
-        real[:rows.shape[0]] = True
+        real[: rows.shape[0]] = True
         pad = x[:1].expand(per - rows.shape[0], -1)
         return torch.cat([rows, pad]), real
 
@@ -60,7 +60,9 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of an HF causal LM (`model.base_model.layers`): one FSDP unit each."""
     layers = getattr(decoder_of(model), "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"{type(model).__name__}: no base_model.layers; FSDP shards one decoder layer per unit")
+        raise ValueError(
+            f"{type(model).__name__}: no base_model.layers; FSDP shards one decoder layer per unit"
+        )
     return layers
 
 
@@ -104,10 +106,17 @@ def _gather_ints(value: int) -> list[int]:
     return [int(v) for v in out]
 
 
-def fsdp_worker(student: nn.Module, teacher: nn.Module, adapter: Any, batches: Iterable[torch.Tensor],
-                val: torch.Tensor, spec: DistillSpec, teacher_offload: bool = False,
-                progress: Callable[[int, int], None] | None = None,
-                on_val: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+def fsdp_worker(
+    student: nn.Module,
+    teacher: nn.Module,
+    adapter: Any,
+    batches: Iterable[torch.Tensor],
+    val: torch.Tensor,
+    spec: DistillSpec,
+    teacher_offload: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+    on_val: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
     """`workers.training.distill.distill` on one rank of an initialised process group, student and teacher sharded
     (they may start on the CPU: `fully_shard` moves each unit's shard to this rank's device). Every rank
     gets the same global `batches` and the same result; result["shards"] has each rank's parameter
@@ -115,18 +124,35 @@ def fsdp_worker(student: nn.Module, teacher: nn.Module, adapter: Any, batches: I
     if not dist.is_initialized():
         raise ValueError("fsdp_worker: no process group; call torch.distributed.init_process_group first")
     ranks = FSDPRanks()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
     mesh = init_device_mesh(device.type, (ranks.world,))
     student.float()  # fp32 master weights, as in `distill`
     shard_teacher(teacher.eval(), mesh, device, teacher_offload)
     kd = KDStudent(student, LOSSES[spec.loss], spec.tau, spec.hidden_weight, spec.logit_chunk)
     root = shard_student(kd, mesh, mixed_precision(amp_dtype(spec, device)))
-    shards = {"student": _gather_ints(local_numel(student)), "teacher": _gather_ints(local_numel(teacher)),
-              "student_total": sum(p.numel() for p in student.parameters()),
-              "teacher_total": sum(p.numel() for p in teacher.parameters())}
+    shards = {
+        "student": _gather_ints(local_numel(student)),
+        "teacher": _gather_ints(local_numel(teacher)),
+        "student_total": sum(p.numel() for p in student.parameters()),
+        "teacher_total": sum(p.numel() for p in teacher.parameters()),
+    }
     lead = ranks.rank == 0
-    result = train_loop(student, root, teacher, adapter, batches, val, spec,
-                        progress if lead else None, on_val if lead else None, ranks=ranks)
+    result = train_loop(
+        student,
+        root,
+        teacher,
+        adapter,
+        batches,
+        val,
+        spec,
+        progress if lead else None,
+        on_val if lead else None,
+        ranks=ranks,
+    )
     root.reshard()  # the root keeps its gathered (bf16) parameters after a no-grad forward: free them
     return {**result, "shards": shards}
 

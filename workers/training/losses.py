@@ -35,14 +35,18 @@ def _fp32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def token_forward_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, tau: float = 1.0) -> torch.Tensor:
+def token_forward_kl(
+    teacher_logits: torch.Tensor, student_logits: torch.Tensor, tau: float = 1.0
+) -> torch.Tensor:
     """Per-token τ²·KL(p_T^τ ‖ p_S^τ), fp32, shape [n]."""
     lt = F.log_softmax(_fp32(teacher_logits) / tau, dim=-1)
     ls = F.log_softmax(_fp32(student_logits) / tau, dim=-1)
     return _kl_rows(lt, ls) * tau**2
 
 
-def token_reverse_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, tau: float = 1.0) -> torch.Tensor:
+def token_reverse_kl(
+    teacher_logits: torch.Tensor, student_logits: torch.Tensor, tau: float = 1.0
+) -> torch.Tensor:
     """Per-token τ²·KL(p_S^τ ‖ p_T^τ), fp32, shape [n]."""
     lt = F.log_softmax(_fp32(teacher_logits) / tau, dim=-1)
     ls = F.log_softmax(_fp32(student_logits) / tau, dim=-1)
@@ -68,14 +72,15 @@ def _flat_mask(mask: torch.Tensor | None, n: int, device: torch.device) -> torch
     return m
 
 
-def _chunked_sum(fn: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor], mask: torch.Tensor,
-                 chunk: int) -> torch.Tensor:
+def _chunked_sum(
+    fn: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor], mask: torch.Tensor, chunk: int
+) -> torch.Tensor:
     """Σ over chunks of fn(*chunk_tensors, chunk_mask); checkpointed when a chunk needs gradients."""
     total = None
     n = mask.numel()
     for i in range(0, n, chunk):
-        parts = [t[i:i + chunk] for t in tensors]
-        m = mask[i:i + chunk]
+        parts = [t[i : i + chunk] for t in tensors]
+        m = mask[i : i + chunk]
         if torch.is_grad_enabled() and any(p.requires_grad for p in parts):
             s = checkpoint(fn, *parts, m, use_reentrant=False)
         else:
@@ -86,12 +91,20 @@ def _chunked_sum(fn: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor
     return total
 
 
-def _divergence(token_loss: TokenLoss, teacher_logits: torch.Tensor, student_logits: torch.Tensor, tau: float,
-                mask: torch.Tensor | None, chunk: int) -> torch.Tensor:
+def _divergence(
+    token_loss: TokenLoss,
+    teacher_logits: torch.Tensor,
+    student_logits: torch.Tensor,
+    tau: float,
+    mask: torch.Tensor | None,
+    chunk: int,
+) -> torch.Tensor:
     _check(tau, chunk)
     if teacher_logits.shape != student_logits.shape:
-        raise ValueError(f"teacher logits {tuple(teacher_logits.shape)} and student logits "
-                         f"{tuple(student_logits.shape)} must have the same shape")
+        raise ValueError(
+            f"teacher logits {tuple(teacher_logits.shape)} and student logits "
+            f"{tuple(student_logits.shape)} must have the same shape"
+        )
     v = student_logits.shape[-1]
     t = teacher_logits.reshape(-1, v)
     s = student_logits.reshape(-1, v)
@@ -103,32 +116,49 @@ def _divergence(token_loss: TokenLoss, teacher_logits: torch.Tensor, student_log
     return _chunked_sum(fn, [t, s], m, chunk) / m.sum().clamp(min=1)
 
 
-def forward_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, tau: float = 1.0,
-               mask: torch.Tensor | None = None, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+def forward_kl(
+    teacher_logits: torch.Tensor,
+    student_logits: torch.Tensor,
+    tau: float = 1.0,
+    mask: torch.Tensor | None = None,
+    chunk: int = DEFAULT_CHUNK,
+) -> torch.Tensor:
     """Mean over tokens of τ²·KL(teacher ‖ student) (Eq. 5). Logits [..., V]; mask [...] or None."""
     return _divergence(token_forward_kl, teacher_logits, student_logits, tau, mask, chunk)
 
 
-def reverse_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, tau: float = 1.0,
-               mask: torch.Tensor | None = None, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+def reverse_kl(
+    teacher_logits: torch.Tensor,
+    student_logits: torch.Tensor,
+    tau: float = 1.0,
+    mask: torch.Tensor | None = None,
+    chunk: int = DEFAULT_CHUNK,
+) -> torch.Tensor:
     """Mean over tokens of τ²·KL(student ‖ teacher) (§3.5, the reverse direction)."""
     return _divergence(token_reverse_kl, teacher_logits, student_logits, tau, mask, chunk)
 
 
-def hidden_mse(teacher_hidden: Sequence[torch.Tensor], student_hidden: Sequence[torch.Tensor],
-               mask: torch.Tensor | None = None) -> torch.Tensor:
+def hidden_mse(
+    teacher_hidden: Sequence[torch.Tensor],
+    student_hidden: Sequence[torch.Tensor],
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Mean over layers of the masked per-token mean squared error, averaged over channels (fp32).
 
     The intermediate loss's hidden-state term "across all layers" (§3.5, Minitron): each pair is one
     layer's output [..., H] in teacher and student; sizes must agree (same depth and width).
     """
     if len(teacher_hidden) != len(student_hidden) or not teacher_hidden:
-        raise ValueError(f"hidden_mse needs the same non-zero number of layers, got {len(teacher_hidden)} "
-                         f"teacher and {len(student_hidden)} student")
+        raise ValueError(
+            f"hidden_mse needs the same non-zero number of layers, got {len(teacher_hidden)} "
+            f"teacher and {len(student_hidden)} student"
+        )
     total = None
     for th, sh in zip(teacher_hidden, student_hidden, strict=True):
         if th.shape != sh.shape:
-            raise ValueError(f"hidden states differ in shape: teacher {tuple(th.shape)} vs student {tuple(sh.shape)}")
+            raise ValueError(
+                f"hidden states differ in shape: teacher {tuple(th.shape)} vs student {tuple(sh.shape)}"
+            )
         err = (_fp32(sh) - _fp32(th).to(sh.device)).pow(2).mean(-1).reshape(-1)
         m = _flat_mask(mask, err.shape[0], err.device)
         layer = (err * m).sum() / m.sum().clamp(min=1)
@@ -136,37 +166,68 @@ def hidden_mse(teacher_hidden: Sequence[torch.Tensor], student_hidden: Sequence[
     return total / len(teacher_hidden)
 
 
-def intermediate(teacher_logits: torch.Tensor, student_logits: torch.Tensor,
-                 teacher_hidden: Sequence[torch.Tensor], student_hidden: Sequence[torch.Tensor],
-                 tau: float = 1.0, mask: torch.Tensor | None = None, hidden_weight: float = 1.0,
-                 chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+def intermediate(
+    teacher_logits: torch.Tensor,
+    student_logits: torch.Tensor,
+    teacher_hidden: Sequence[torch.Tensor],
+    student_hidden: Sequence[torch.Tensor],
+    tau: float = 1.0,
+    mask: torch.Tensor | None = None,
+    hidden_weight: float = 1.0,
+    chunk: int = DEFAULT_CHUNK,
+) -> torch.Tensor:
     """Logit KL(teacher ‖ student) + hidden_weight · hidden-state MSE over all layers (§3.5, Table 5)."""
-    return (forward_kl(teacher_logits, student_logits, tau, mask, chunk)
-            + hidden_weight * hidden_mse(teacher_hidden, student_hidden, mask))
+    return forward_kl(teacher_logits, student_logits, tau, mask, chunk) + hidden_weight * hidden_mse(
+        teacher_hidden, student_hidden, mask
+    )
 
 
 # ---- from final hidden states: the LM head is applied chunk by chunk ------------------------------
-def head_divergence(token_loss: TokenLoss, teacher_hidden: torch.Tensor, teacher_head: torch.Tensor,
-                    student_hidden: torch.Tensor, student_head: torch.Tensor, tau: float = 1.0,
-                    mask: torch.Tensor | None = None, chunk: int = DEFAULT_CHUNK,
-                    teacher_bias: torch.Tensor | None = None, student_bias: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+def head_divergence(
+    token_loss: TokenLoss,
+    teacher_hidden: torch.Tensor,
+    teacher_head: torch.Tensor,
+    student_hidden: torch.Tensor,
+    student_head: torch.Tensor,
+    tau: float = 1.0,
+    mask: torch.Tensor | None = None,
+    chunk: int = DEFAULT_CHUNK,
+    teacher_bias: torch.Tensor | None = None,
+    student_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Like forward_kl/reverse_kl, from the two models' final hidden states [..., H] and LM-head weights
     [V, H]: the [chunk, V] logits exist only inside one chunk (and again in its backward), never [N, V].
 
     The teacher's logits are recomputed inside the checkpointed chunk instead of being stored.
     """
     m = _flat_mask(mask, student_hidden.reshape(-1, student_hidden.shape[-1]).shape[0], student_hidden.device)
-    total = head_weighted_divergence(token_loss, teacher_hidden, teacher_head, student_hidden, student_head, m,
-                                     tau, chunk, teacher_bias, student_bias)
+    total = head_weighted_divergence(
+        token_loss,
+        teacher_hidden,
+        teacher_head,
+        student_hidden,
+        student_head,
+        m,
+        tau,
+        chunk,
+        teacher_bias,
+        student_bias,
+    )
     return total / m.sum().clamp(min=1)
 
 
-def head_weighted_divergence(token_loss: TokenLoss, teacher_hidden: torch.Tensor, teacher_head: torch.Tensor,
-                             student_hidden: torch.Tensor, student_head: torch.Tensor, weights: torch.Tensor,
-                             tau: float = 1.0, chunk: int = DEFAULT_CHUNK,
-                             teacher_bias: torch.Tensor | None = None,
-                             student_bias: torch.Tensor | None = None) -> torch.Tensor:
+def head_weighted_divergence(
+    token_loss: TokenLoss,
+    teacher_hidden: torch.Tensor,
+    teacher_head: torch.Tensor,
+    student_hidden: torch.Tensor,
+    student_head: torch.Tensor,
+    weights: torch.Tensor,
+    tau: float = 1.0,
+    chunk: int = DEFAULT_CHUNK,
+    teacher_bias: torch.Tensor | None = None,
+    student_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Σ_t w_t · ℓ_t: the per-token divergence weighted by `weights` [...] (one float per token), summed.
 
     Like head_divergence (chunked through the LM heads, teacher logits recomputed in the chunk), but the
@@ -177,7 +238,9 @@ def head_weighted_divergence(token_loss: TokenLoss, teacher_hidden: torch.Tensor
     if s.shape[0] != t.shape[0]:
         raise ValueError(f"teacher has {t.shape[0]} tokens, student {s.shape[0]}")
     if teacher_head.shape[0] != student_head.shape[0]:
-        raise ValueError(f"vocabularies differ: teacher {teacher_head.shape[0]}, student {student_head.shape[0]}")
+        raise ValueError(
+            f"vocabularies differ: teacher {teacher_head.shape[0]}, student {student_head.shape[0]}"
+        )
     w = weights.reshape(-1).to(device=s.device, dtype=torch.float32)
     if w.numel() != s.shape[0]:
         raise ValueError(f"weights has {w.numel()} entries, expected one per token ({s.shape[0]})")
@@ -192,9 +255,14 @@ def head_weighted_divergence(token_loss: TokenLoss, teacher_hidden: torch.Tensor
     return _chunked_sum(fn, [t, s], w, chunk)
 
 
-def head_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor,
-                       mask: torch.Tensor | None = None, chunk: int = DEFAULT_CHUNK,
-                       bias: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+def head_cross_entropy(
+    hidden: torch.Tensor,
+    head: torch.Tensor,
+    labels: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    chunk: int = DEFAULT_CHUNK,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, int]:
     """(Σ NLL, number of tokens) of next-token labels from final hidden states, chunked over tokens.
 
     hidden [..., H] and labels [...] are already aligned (hidden at t predicts labels at t)."""
@@ -224,6 +292,10 @@ class KDLoss:
 LOSSES: dict[str, KDLoss] = {
     "forward_kl": KDLoss("forward_kl", token_forward_kl, False, "KL(teacher ‖ student) on logits (Eq. 5)"),
     "reverse_kl": KDLoss("reverse_kl", token_reverse_kl, False, "KL(student ‖ teacher) on logits"),
-    "intermediate": KDLoss("intermediate", token_forward_kl, True,
-                           "KL(teacher ‖ student) on logits + hidden_weight · MSE of every layer's output"),
+    "intermediate": KDLoss(
+        "intermediate",
+        token_forward_kl,
+        True,
+        "KL(teacher ‖ student) on logits + hidden_weight · MSE of every layer's output",
+    ),
 }

@@ -72,8 +72,9 @@ class Shapes:
 
 # Qwen3-30B-A3B (its config.json) and the paper's 3.3B dense student: the same attention and embeddings,
 # one dense FFN of k·I = 8·768 = 6144 per layer.
-QWEN3_30B_A3B = Shapes(layers=48, hidden=2048, vocab=151936, heads=32, kv_heads=4, head_dim=128, ffn=768,
-                       experts=128, top_k=8)
+QWEN3_30B_A3B = Shapes(
+    layers=48, hidden=2048, vocab=151936, heads=32, kv_heads=4, head_dim=128, ffn=768, experts=128, top_k=8
+)
 STUDENT_3B = Shapes(layers=48, hidden=2048, vocab=151936, heads=32, kv_heads=4, head_dim=128, ffn=6144)
 
 
@@ -104,8 +105,16 @@ def teacher_forward_bytes(t: Shapes) -> int:
     return 2 * t.hidden + 2 * (2 * q + 2 * kv) + ffn + 4 * t.experts
 
 
-def per_rank_bytes(teacher: Shapes, student: Shapes, ranks: int, sharding: str, teacher_offload: bool = False,
-                   checkpointing: bool = False, tokens: int = 4096, logit_chunk: int = 1024) -> dict[str, float]:
+def per_rank_bytes(
+    teacher: Shapes,
+    student: Shapes,
+    ranks: int,
+    sharding: str,
+    teacher_offload: bool = False,
+    checkpointing: bool = False,
+    tokens: int = 4096,
+    logit_chunk: int = 1024,
+) -> dict[str, float]:
     """Bytes each of `ranks` GPUs holds at the peak of a step, by part, and their "total". `tokens` is
     one micro-batch on one rank (batch_size / ranks × seq_len); sharding is "ddp" or "fsdp"."""
     if sharding not in ("ddp", "fsdp"):
@@ -116,20 +125,32 @@ def per_rank_bytes(teacher: Shapes, student: Shapes, ranks: int, sharding: str, 
     pt, ps = teacher.params(), student.params()
     t_head = teacher.head_params() or teacher.embedding_params()  # a tied head is kept whole too
     s_root = student.embedding_params() + student.head_params() + student.hidden
-    out = {"teacher_weights": 2.0 * pt, "teacher_gathered": 0.0,
-           "student_weights": 4.0 * ps / n, "student_grads": 4.0 * ps / n, "optimizer": 8.0 * ps / n}
+    out = {
+        "teacher_weights": 2.0 * pt,
+        "teacher_gathered": 0.0,
+        "student_weights": 4.0 * ps / n,
+        "student_grads": 4.0 * ps / n,
+        "optimizer": 8.0 * ps / n,
+    }
     if sharding == "fsdp":
         shards = 0.0 if teacher_offload else 2.0 * (pt - teacher.head_params()) / n
         out["teacher_weights"] = shards + 2.0 * t_head
-        out["teacher_gathered"] = 2.0 * (teacher.embedding_params() + teacher.hidden) + 2 * 2.0 * teacher.layer_params()
-        out["student_gathered"] = (2.0 * s_root + 2 * 2.0 * student.layer_params()
-                                   + (2.0 + 4.0) * max(student.layer_params(), s_root))
+        out["teacher_gathered"] = (
+            2.0 * (teacher.embedding_params() + teacher.hidden) + 2 * 2.0 * teacher.layer_params()
+        )
+        out["student_gathered"] = (
+            2.0 * s_root
+            + 2 * 2.0 * student.layer_params()
+            + (2.0 + 4.0) * max(student.layer_params(), s_root)
+        )
     else:
         out["student_gathered"] = 4.0 * ps + 2.0 * ps  # DDP's gradient buckets + autocast's bf16 weights
     fp32_weights = sharding == "ddp"
     per_layer = layer_activation_bytes(student, fp32_weights) * tokens
     if checkpointing:  # each layer's input (the residual stream) + one layer recomputed
-        out["activations"] = (4.0 if fp32_weights else 2.0) * student.hidden * tokens * student.layers + per_layer
+        out["activations"] = (
+            4.0 if fp32_weights else 2.0
+        ) * student.hidden * tokens * student.layers + per_layer
     else:
         out["activations"] = float(per_layer * student.layers)
     out["teacher_forward"] = float(teacher_forward_bytes(teacher) * tokens)
@@ -143,8 +164,17 @@ def fits(total_bytes: float, card_gb: float = 80.0) -> bool:
     return total_bytes <= HEADROOM * card_gb * GB
 
 
-def max_sequences(teacher: Shapes, student: Shapes, ranks: int, sharding: str, teacher_offload: bool,
-                  checkpointing: bool, seq_len: int = 4096, card_gb: float = 80.0, limit: int = 64) -> int:
+def max_sequences(
+    teacher: Shapes,
+    student: Shapes,
+    ranks: int,
+    sharding: str,
+    teacher_offload: bool,
+    checkpointing: bool,
+    seq_len: int = 4096,
+    card_gb: float = 80.0,
+    limit: int = 64,
+) -> int:
     """The most sequences of `seq_len` one rank's micro-batch can hold and still fit (0: not even one)."""
     best = 0
     for n in range(1, limit + 1):
@@ -155,15 +185,23 @@ def max_sequences(teacher: Shapes, student: Shapes, ranks: int, sharding: str, t
     return best
 
 
-SETTINGS = [("ddp", False, False), ("ddp", False, True), ("fsdp", False, False), ("fsdp", False, True),
-            ("fsdp", True, False), ("fsdp", True, True)]
+SETTINGS = [
+    ("ddp", False, False),
+    ("ddp", False, True),
+    ("fsdp", False, False),
+    ("fsdp", False, True),
+    ("fsdp", True, False),
+    ("fsdp", True, True),
+]
 
 
 def table(ranks_list: tuple[int, ...] = (4, 8), card_gb: float = 80.0, tokens: int = 4096) -> str:
     """The README's table: Qwen3-30B-A3B → 3.3B, GB per rank by part at `tokens` per rank's micro-batch,
     whether it fits, and the most sequences of `tokens` a micro-batch could hold."""
-    head = ("| ranks | sharding | teacher | checkpointing | teacher | student weights + grads + AdamW | "
-            f"gathered / buffers | activations (student + teacher) | KD logits | total | fits {card_gb:g} GB | most sequences |")
+    head = (
+        "| ranks | sharding | teacher | checkpointing | teacher | student weights + grads + AdamW | "
+        f"gathered / buffers | activations (student + teacher) | KD logits | total | fits {card_gb:g} GB | most sequences |"
+    )
     rows = [head, "|---|---|---|---|" + "---:|" * 8]
     for ranks in ranks_list:
         for sharding, offload, ckpt in SETTINGS:
@@ -171,10 +209,28 @@ def table(ranks_list: tuple[int, ...] = (4, 8), card_gb: float = 80.0, tokens: i
             place = "replicated" if sharding == "ddp" else ("offloaded" if offload else "sharded")
             student = b["student_weights"] + b["student_grads"] + b["optimizer"]
             gathered = b["teacher_gathered"] + b["student_gathered"]
-            cells = [str(ranks), sharding, place, "on" if ckpt else "off"] + [
-                f"{v / GB:.1f}" for v in (b["teacher_weights"], student, gathered, b["activations"] + b["teacher_forward"], b["logits"],
-                                          b["total"])] + ["yes" if fits(b["total"], card_gb) else "no"] + [
-                str(max_sequences(QWEN3_30B_A3B, STUDENT_3B, ranks, sharding, offload, ckpt, tokens, card_gb))]
+            cells = (
+                [str(ranks), sharding, place, "on" if ckpt else "off"]
+                + [
+                    f"{v / GB:.1f}"
+                    for v in (
+                        b["teacher_weights"],
+                        student,
+                        gathered,
+                        b["activations"] + b["teacher_forward"],
+                        b["logits"],
+                        b["total"],
+                    )
+                ]
+                + ["yes" if fits(b["total"], card_gb) else "no"]
+                + [
+                    str(
+                        max_sequences(
+                            QWEN3_30B_A3B, STUDENT_3B, ranks, sharding, offload, ckpt, tokens, card_gb
+                        )
+                    )
+                ]
+            )
             rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 

@@ -43,10 +43,12 @@ class DistRanks(Ranks):
     def shard(self, x: torch.Tensor, even: bool = True) -> torch.Tensor:
         n = x.shape[0]
         if even and n % self.world:
-            raise ValueError(f"DistillSpec.batch_size: {n} is not allowed with {self.world} ranks; "
-                             f"allowed: a multiple of {self.world}")
+            raise ValueError(
+                f"DistillSpec.batch_size: {n} is not allowed with {self.world} ranks; "
+                f"allowed: a multiple of {self.world}"
+            )
         per = -(-n // self.world)
-        return x[self.rank * per:(self.rank + 1) * per]
+        return x[self.rank * per : (self.rank + 1) * per]
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         y = x.detach().clone()
@@ -54,4 +56,8 @@ class DistRanks(Ranks):
         return y
 
     def no_sync(self, module: nn.Module, last: bool) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext() if last or not isinstance(module, DistributedDataParallel) else module.no_sync()
+        return (
+            contextlib.nullcontext()
+            if last or not isinstance(module, DistributedDataParallel)
+            else module.no_sync()
+        )

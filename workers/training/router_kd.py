@@ -58,8 +58,10 @@ def named_router_parameters(model: nn.Module, adapter: Any) -> dict[str, nn.Para
     out: dict[str, nn.Parameter] = {}
     for p in params:
         if id(p) not in names:
-            raise ValueError(f"{type(adapter).__name__}.router_parameters gave a tensor that is not a "
-                             "parameter of the model")
+            raise ValueError(
+                f"{type(adapter).__name__}.router_parameters gave a tensor that is not a "
+                "parameter of the model"
+            )
         out[names[id(p)]] = p
     if len(out) != len(params):
         raise ValueError(f"{type(adapter).__name__}.router_parameters gave a parameter twice")
@@ -67,8 +69,9 @@ def named_router_parameters(model: nn.Module, adapter: Any) -> dict[str, nn.Para
 
 
 # ---- batches ---------------------------------------------------------------------------------------
-def calibration_batches(ids: torch.Tensor, spec: RouterKDSpec,
-                        attention_mask: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def calibration_batches(
+    ids: torch.Tensor, spec: RouterKDSpec, attention_mask: torch.Tensor | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One epoch of micro-batches from calibration sequences ids [N, T] (right-padded where
     `attention_mask` [N, T] has zeros): the first max_samples sequences with at least 2 real tokens,
     truncated to max_len, batch_size per micro-batch, columns that are padding in every row dropped."""
@@ -77,14 +80,14 @@ def calibration_batches(ids: torch.Tensor, spec: RouterKDSpec,
     mask = torch.ones_like(ids) if attention_mask is None else attention_mask.to(ids.device).long()
     if mask.shape != ids.shape:
         raise ValueError(f"attention_mask: shape {tuple(mask.shape)}, expected {tuple(ids.shape)} like ids")
-    ids, mask = ids[:, :spec.max_len], mask[:, :spec.max_len]
-    keep = torch.nonzero(mask.sum(-1) >= 2).flatten()[:spec.max_samples]
+    ids, mask = ids[:, : spec.max_len], mask[:, : spec.max_len]
+    keep = torch.nonzero(mask.sum(-1) >= 2).flatten()[: spec.max_samples]
     ids, mask = ids[keep], mask[keep]
     out = []
     for i in range(0, ids.shape[0], spec.batch_size):
-        m = mask[i:i + spec.batch_size]
+        m = mask[i : i + spec.batch_size]
         width = int(m.sum(-1).max())
-        out.append((ids[i:i + spec.batch_size, :width], m[:, :width]))
+        out.append((ids[i : i + spec.batch_size, :width], m[:, :width]))
     return out
 
 
@@ -93,11 +96,15 @@ def _unpack(batch: Batch, i: int, spec: RouterKDSpec | None = None) -> tuple[tor
     spec, at most [batch_size, max_len]."""
     ids, mask = (batch, torch.ones_like(batch)) if isinstance(batch, torch.Tensor) else batch
     if ids.dim() != 2 or tuple(mask.shape) != tuple(ids.shape) or ids.shape[0] < 1:
-        raise ValueError(f"batches: micro-batch {i} has ids {tuple(ids.shape)} and mask {tuple(mask.shape)}; "
-                         "expected two [rows, tokens] tensors of one shape")
+        raise ValueError(
+            f"batches: micro-batch {i} has ids {tuple(ids.shape)} and mask {tuple(mask.shape)}; "
+            "expected two [rows, tokens] tensors of one shape"
+        )
     if spec is not None and (ids.shape[0] > spec.batch_size or ids.shape[1] > spec.max_len):
-        raise ValueError(f"batches: micro-batch {i} has shape {tuple(ids.shape)}; at most [batch_size, max_len] = "
-                         f"[{spec.batch_size}, {spec.max_len}] (see calibration_batches)")
+        raise ValueError(
+            f"batches: micro-batch {i} has shape {tuple(ids.shape)}; at most [batch_size, max_len] = "
+            f"[{spec.batch_size}, {spec.max_len}] (see calibration_batches)"
+        )
     m = mask.long()
     if not bool(((m == 0) | (m == 1)).all()) or bool((m[:, 1:] > m[:, :-1]).any()):
         raise ValueError(f"batches: micro-batch {i}: the attention mask must be 0/1 and right-padded")
@@ -111,8 +118,16 @@ def _last_hidden(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tor
     return decoder_of(model)(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
 
 
-def kd_sum(student: nn.Module, teacher: nn.Module, ids: torch.Tensor, mask: torch.Tensor, norm: str,
-           tau: float, norm_eps: float, chunk: int) -> tuple[torch.Tensor, float]:
+def kd_sum(
+    student: nn.Module,
+    teacher: nn.Module,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    norm: str,
+    tau: float,
+    norm_eps: float,
+    chunk: int,
+) -> tuple[torch.Tensor, float]:
     """(Σ of the unnormalised loss terms, their count) of one micro-batch; the loss is sum / count over
     any set of micro-batches. per_sequence: Σ_x τ²/N_x Σ_t m_{t+1} KL_t over sequences, count = sequences
     (Eq. 3, mean over sequences); per_token: Σ τ² m KL, count = target tokens. Only target positions
@@ -126,13 +141,23 @@ def kd_sum(student: nn.Module, teacher: nn.Module, ids: torch.Tensor, mask: torc
     else:
         weights, count = torch.ones(int(target.sum()), device=device), float(target.sum())
     with torch.no_grad():
-        t_last = _last_hidden(teacher, ids.to(next(teacher.parameters()).device),
-                              mask.to(next(teacher.parameters()).device))[:, :-1]
+        t_last = _last_hidden(
+            teacher, ids.to(next(teacher.parameters()).device), mask.to(next(teacher.parameters()).device)
+        )[:, :-1]
     s_last = _last_hidden(student, ids, mask)[:, :-1]
     t_head, s_head = lm_head(teacher), lm_head(student)
-    total = head_weighted_divergence(token_forward_kl, t_last[target.to(t_last.device)], t_head.weight,
-                                     s_last[target], s_head.weight, weights, tau, chunk,
-                                     teacher_bias=t_head.bias, student_bias=s_head.bias)
+    total = head_weighted_divergence(
+        token_forward_kl,
+        t_last[target.to(t_last.device)],
+        t_head.weight,
+        s_last[target],
+        s_head.weight,
+        weights,
+        tau,
+        chunk,
+        teacher_bias=t_head.bias,
+        student_bias=s_head.bias,
+    )
     return total, count
 
 
@@ -140,7 +165,9 @@ def router_kd_loss(student: nn.Module, teacher: nn.Module, batch: Batch, spec: R
     """The Router KD loss of one batch (ids [B, T] or (ids, right-padded attention mask)) under
     spec.kd_loss_norm, with gradients to whatever in the student requires them."""
     ids, mask = _unpack(batch, 0)
-    total, count = kd_sum(student, teacher, ids, mask, spec.kd_loss_norm, spec.tau, spec.norm_eps, spec.logit_chunk)
+    total, count = kd_sum(
+        student, teacher, ids, mask, spec.kd_loss_norm, spec.tau, spec.norm_eps, spec.logit_chunk
+    )
     return total / max(count, 1.0)
 
 
@@ -152,7 +179,9 @@ def heldout_kd(student: nn.Module, teacher: nn.Module, batches: Sequence[Batch],
     total, count = 0.0, 0.0
     for i, b in enumerate(batches):
         ids, mask = _unpack(b, i)
-        s, c = kd_sum(student, teacher, ids, mask, spec.kd_loss_norm, spec.tau, spec.norm_eps, spec.logit_chunk)
+        s, c = kd_sum(
+            student, teacher, ids, mask, spec.kd_loss_norm, spec.tau, spec.norm_eps, spec.logit_chunk
+        )
         total, count = total + float(s), count + c
     student.train(was)
     return total / max(count, 1.0)
@@ -164,8 +193,14 @@ def lr_factor(step: int, steps: int) -> float:
     return max(0.0, (steps - step) / steps)
 
 
-def router_kd(student: nn.Module, teacher: nn.Module, adapter: Any, batches: Sequence[Batch], spec: RouterKDSpec,
-              progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+def router_kd(
+    student: nn.Module,
+    teacher: nn.Module,
+    adapter: Any,
+    batches: Sequence[Batch],
+    spec: RouterKDSpec,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
     """Train `student`'s routers in place against `teacher` (frozen, not modified).
 
     `adapter` is the student's FamilyAdapter. `batches` is one epoch of micro-batches (a sequence, so the
@@ -183,15 +218,19 @@ def router_kd(student: nn.Module, teacher: nn.Module, adapter: Any, batches: Seq
     if not checked:
         raise ValueError("batches: empty; Router KD needs at least one micro-batch")
     if sequences > spec.max_samples:
-        raise ValueError(f"batches: {sequences} sequences in one epoch exceed RouterKDSpec.max_samples="
-                         f"{spec.max_samples} (see calibration_batches)")
+        raise ValueError(
+            f"batches: {sequences} sequences in one epoch exceed RouterKDSpec.max_samples="
+            f"{spec.max_samples} (see calibration_batches)"
+        )
     routers = named_router_parameters(student, adapter)
     teacher_storage = {q.untyped_storage().data_ptr() for q in teacher.parameters()}
     shared = [n for n, p in routers.items() if p.untyped_storage().data_ptr() in teacher_storage]
     if shared:
-        raise ValueError(f"student router {shared[0]} shares its tensor with the teacher; training it would "
-                         "change the teacher (build the student with copied weights)")
-    groups = [checked[i:i + spec.grad_accum] for i in range(0, len(checked), spec.grad_accum)]
+        raise ValueError(
+            f"student router {shared[0]} shares its tensor with the teacher; training it would "
+            "change the teacher (build the student with copied weights)"
+        )
+    groups = [checked[i : i + spec.grad_accum] for i in range(0, len(checked), spec.grad_accum)]
     steps = spec.epochs * len(groups)
 
     requires = {n: p.requires_grad for n, p in student.named_parameters()}
@@ -199,9 +238,12 @@ def router_kd(student: nn.Module, teacher: nn.Module, adapter: Any, batches: Seq
     masters = {n: nn.Parameter(p.detach().float().clone()) for n, p in routers.items()}
     decay = [m for m in masters.values() if m.dim() >= 2]
     rest = [m for m in masters.values() if m.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": spec.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}],
-                            lr=spec.lr, betas=spec.betas, eps=spec.eps)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": spec.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=spec.lr,
+        betas=spec.betas,
+        eps=spec.eps,
+    )
     torch.manual_seed(spec.seed)
     loss_curve: list[float] = []
     tokens = targets = 0
@@ -215,12 +257,22 @@ def router_kd(student: nn.Module, teacher: nn.Module, adapter: Any, batches: Seq
         step = 0
         for _ in range(spec.epochs):
             for group in groups:
-                count = sum(float(ids.shape[0]) if spec.kd_loss_norm == "per_sequence"
-                            else float(mask[:, 1:].sum()) for ids, mask in group)
+                count = sum(
+                    float(ids.shape[0]) if spec.kd_loss_norm == "per_sequence" else float(mask[:, 1:].sum())
+                    for ids, mask in group
+                )
                 step_loss = 0.0
                 for ids, mask in group:
-                    total, _ = kd_sum(student, teacher, ids, mask, spec.kd_loss_norm, spec.tau, spec.norm_eps,
-                                      spec.logit_chunk)
+                    total, _ = kd_sum(
+                        student,
+                        teacher,
+                        ids,
+                        mask,
+                        spec.kd_loss_norm,
+                        spec.tau,
+                        spec.norm_eps,
+                        spec.logit_chunk,
+                    )
                     loss = total / max(count, 1.0)
                     loss.backward()
                     step_loss += float(loss.detach())
@@ -250,12 +302,20 @@ def router_kd(student: nn.Module, teacher: nn.Module, adapter: Any, batches: Seq
             if n in routers:
                 p.grad = None
         student.train(was_training)
-    return {"loss_curve": loss_curve, "steps": steps, "micro_batches": spec.epochs * len(checked),
-            "sequences": spec.epochs * sequences, "tokens": tokens, "kd_targets": targets,
-            "trainable_params": sum(p.numel() for p in routers.values()), "router_params": list(routers),
-            "router_renorm": bool(adapter.renormalized(student)), "kd_loss_norm": spec.kd_loss_norm,
-            "settings": asdict(spec),
-            "router_delta": {n: p.detach().cpu().clone() for n, p in routers.items()}}
+    return {
+        "loss_curve": loss_curve,
+        "steps": steps,
+        "micro_batches": spec.epochs * len(checked),
+        "sequences": spec.epochs * sequences,
+        "tokens": tokens,
+        "kd_targets": targets,
+        "trainable_params": sum(p.numel() for p in routers.values()),
+        "router_params": list(routers),
+        "router_renorm": bool(adapter.renormalized(student)),
+        "kd_loss_norm": spec.kd_loss_norm,
+        "settings": asdict(spec),
+        "router_delta": {n: p.detach().cpu().clone() for n, p in routers.items()},
+    }
 
 
 # ---- the delta artifact ----------------------------------------------------------------------------
@@ -270,18 +330,23 @@ def apply_router_delta(model: nn.Module, delta: dict[str, torch.Tensor], adapter
     routers = named_router_parameters(model, adapter)
     if set(delta) != set(routers):
         missing, extra = sorted(set(routers) - set(delta)), sorted(set(delta) - set(routers))
-        raise ValueError(f"router delta does not match the model's routers: missing {missing}, not routers {extra}")
+        raise ValueError(
+            f"router delta does not match the model's routers: missing {missing}, not routers {extra}"
+        )
     for n, p in routers.items():
         if tuple(delta[n].shape) != tuple(p.shape):
-            raise ValueError(f"router delta {n}: shape {tuple(delta[n].shape)}, the model has {tuple(p.shape)}")
+            raise ValueError(
+                f"router delta {n}: shape {tuple(delta[n].shape)}, the model has {tuple(p.shape)}"
+            )
     with torch.no_grad():
         for n, p in routers.items():
             p.copy_(delta[n].to(device=p.device, dtype=p.dtype))
     return list(routers)
 
 
-def save_router_delta(path: str | Path, delta: dict[str, torch.Tensor], parent_hash: str,
-                      metadata: dict[str, Any] | None = None) -> None:
+def save_router_delta(
+    path: str | Path, delta: dict[str, torch.Tensor], parent_hash: str, metadata: dict[str, Any] | None = None
+) -> None:
     """One safetensors file: the router tensors by parameter name; metadata format, parent_hash (the
     checkpoint the delta applies to) and `metadata` (as strings)."""
     from safetensors.torch import save_file
@@ -296,8 +361,9 @@ def save_router_delta(path: str | Path, delta: dict[str, torch.Tensor], parent_h
     save_file({n: t.detach().cpu().contiguous() for n, t in delta.items()}, str(path), metadata=meta)
 
 
-def load_router_delta(path: str | Path, parent_hash: str | None = None) -> tuple[dict[str, torch.Tensor],
-                                                                                 dict[str, str]]:
+def load_router_delta(
+    path: str | Path, parent_hash: str | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(router tensors, metadata) of a saved delta; with `parent_hash`, refuses a delta made for
     another parent."""
     from safetensors import safe_open
@@ -308,5 +374,7 @@ def load_router_delta(path: str | Path, parent_hash: str | None = None) -> tuple
     if meta.get("format") != DELTA_FORMAT:
         raise ValueError(f"{path}: format {meta.get('format')!r}, not a router delta ({DELTA_FORMAT})")
     if parent_hash is not None and meta.get("parent_hash") != parent_hash:
-        raise ValueError(f"{path}: router delta of parent {meta.get('parent_hash')!r}, not of {parent_hash!r}")
+        raise ValueError(
+            f"{path}: router delta of parent {meta.get('parent_hash')!r}, not of {parent_hash!r}"
+        )
     return load_file(str(path)), meta

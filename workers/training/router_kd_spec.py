@@ -52,8 +52,11 @@ class RouterKDSpec:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > low:
                 raise bad(name, v, f"a number > {low:g}")
-        if isinstance(self.weight_decay, bool) or not isinstance(self.weight_decay, (int, float)) \
-                or not self.weight_decay >= 0:
+        if (
+            isinstance(self.weight_decay, bool)
+            or not isinstance(self.weight_decay, (int, float))
+            or not self.weight_decay >= 0
+        ):
             raise bad("weight_decay", self.weight_decay, "a number >= 0")
         try:
             betas = tuple(float(b) for b in self.betas)
@@ -64,9 +67,11 @@ class RouterKDSpec:
         self.betas = (betas[0], betas[1])
         if self.kd_loss_norm not in KD_LOSS_NORMS:
             raise bad("kd_loss_norm", self.kd_loss_norm, ", ".join(KD_LOSS_NORMS))
-        if self.grad_clip is not None and (isinstance(self.grad_clip, bool)
-                                           or not isinstance(self.grad_clip, (int, float))
-                                           or not self.grad_clip >= 0):
+        if self.grad_clip is not None and (
+            isinstance(self.grad_clip, bool)
+            or not isinstance(self.grad_clip, (int, float))
+            or not self.grad_clip >= 0
+        ):
             raise bad("grad_clip", self.grad_clip, "null or a number >= 0")
 
     @property

@@ -17,8 +17,8 @@ from alembic import op
 
 from db.views import drop_views, execute_script
 
-revision = '0002'
-down_revision = '0001'
+revision = "0002"
+down_revision = "0001"
 branch_labels = None
 depends_on = None
 
@@ -74,37 +74,40 @@ FROM sweeps s;
 def upgrade() -> None:
     conn = op.get_bind()
     drop_views(conn, ("results",))
-    with op.batch_alter_table('jobs', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('code_json', sa.Text(), nullable=True))
-    with op.batch_alter_table('sweeps', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('select_json', sa.Text(), nullable=True))
-    with op.batch_alter_table('configurations', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('variant', sa.String(length=200), nullable=True))
+    with op.batch_alter_table("jobs", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("code_json", sa.Text(), nullable=True))
+    with op.batch_alter_table("sweeps", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("select_json", sa.Text(), nullable=True))
+    with op.batch_alter_table("configurations", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("variant", sa.String(length=200), nullable=True))
     if conn.dialect.name == "sqlite":
         # SQLite adds a column with an inline REFERENCES in place; a batch copy of the table would
         # drop the old one, and with foreign keys on that cascades into metrics and config_jobs
-        conn.exec_driver_sql("ALTER TABLE configurations ADD COLUMN variant_of INTEGER "
-                             "REFERENCES configurations (id)")
+        conn.exec_driver_sql(
+            "ALTER TABLE configurations ADD COLUMN variant_of INTEGER REFERENCES configurations (id)"
+        )
     else:
-        op.add_column('configurations', sa.Column('variant_of', sa.Integer(), nullable=True))
-        op.create_foreign_key(FK_VARIANT_OF, 'configurations', 'configurations', ['variant_of'], ['id'])
+        op.add_column("configurations", sa.Column("variant_of", sa.Integer(), nullable=True))
+        op.create_foreign_key(FK_VARIANT_OF, "configurations", "configurations", ["variant_of"], ["id"])
     execute_script(conn, VIEWS_SQL)
 
 
 def downgrade() -> None:
     conn = op.get_bind()
     if conn.dialect.name == "sqlite" and conn.exec_driver_sql("PRAGMA foreign_keys").scalar():
-        raise RuntimeError("downgrade 0002 on SQLite copies tables and needs PRAGMA foreign_keys=OFF "
-                           "(with it on, the copy would cascade-delete rows); run it with the alembic CLI")
+        raise RuntimeError(
+            "downgrade 0002 on SQLite copies tables and needs PRAGMA foreign_keys=OFF "
+            "(with it on, the copy would cascade-delete rows); run it with the alembic CLI"
+        )
     previous = importlib.import_module("db.migrations.versions.0001_initial_schema")
     drop_views(conn, VIEWS + previous.VIEWS)  # SQLite's table copies fail while a view names the table
     if conn.dialect.name != "sqlite":
-        op.drop_constraint(FK_VARIANT_OF, 'configurations', type_='foreignkey')
-    with op.batch_alter_table('configurations', schema=None) as batch_op:
-        batch_op.drop_column('variant_of')
-        batch_op.drop_column('variant')
-    with op.batch_alter_table('sweeps', schema=None) as batch_op:
-        batch_op.drop_column('select_json')
-    with op.batch_alter_table('jobs', schema=None) as batch_op:
-        batch_op.drop_column('code_json')
+        op.drop_constraint(FK_VARIANT_OF, "configurations", type_="foreignkey")
+    with op.batch_alter_table("configurations", schema=None) as batch_op:
+        batch_op.drop_column("variant_of")
+        batch_op.drop_column("variant")
+    with op.batch_alter_table("sweeps", schema=None) as batch_op:
+        batch_op.drop_column("select_json")
+    with op.batch_alter_table("jobs", schema=None) as batch_op:
+        batch_op.drop_column("code_json")
     execute_script(conn, previous.VIEWS_SQL)

@@ -16,8 +16,8 @@ table), so neither direction rewrites the tables.
 import sqlalchemy as sa
 from alembic import op
 
-revision = '0003'
-down_revision = '0002'
+revision = "0003"
+down_revision = "0002"
 branch_labels = None
 depends_on = None
 
@@ -26,10 +26,10 @@ VIEWS_SQL = ""
 
 
 def upgrade() -> None:
-    op.add_column('artifacts', sa.Column('mtime', sa.Float(), nullable=True))
-    op.add_column('jobs', sa.Column('inputs_json', sa.Text(), nullable=True))
+    op.add_column("artifacts", sa.Column("mtime", sa.Float(), nullable=True))
+    op.add_column("jobs", sa.Column("inputs_json", sa.Text(), nullable=True))
 
 
 def downgrade() -> None:
-    op.drop_column('jobs', 'inputs_json')
-    op.drop_column('artifacts', 'mtime')
+    op.drop_column("jobs", "inputs_json")
+    op.drop_column("artifacts", "mtime")

@@ -20,8 +20,8 @@ from alembic import op
 
 from db.views import drop_views, execute_script
 
-revision = '0004'
-down_revision = '0003'
+revision = "0004"
+down_revision = "0003"
 branch_labels = None
 depends_on = None
 
@@ -62,8 +62,8 @@ FROM configurations c JOIN sweeps s ON s.id = c.sweep_id;;
 def upgrade() -> None:
     conn = op.get_bind()
     drop_views(conn, VIEWS)
-    op.add_column('configurations', sa.Column('output', sa.String(length=20), nullable=True))
-    op.add_column('configurations', sa.Column('recovery', sa.String(length=50), nullable=True))
+    op.add_column("configurations", sa.Column("output", sa.String(length=20), nullable=True))
+    op.add_column("configurations", sa.Column("recovery", sa.String(length=50), nullable=True))
     execute_script(conn, VIEWS_SQL)
 
 
@@ -71,6 +71,6 @@ def downgrade() -> None:
     conn = op.get_bind()
     previous = importlib.import_module("db.migrations.versions.0002_identities_and_code")
     drop_views(conn, VIEWS)
-    op.drop_column('configurations', 'recovery')
-    op.drop_column('configurations', 'output')
+    op.drop_column("configurations", "recovery")
+    op.drop_column("configurations", "output")
     execute_script(conn, previous.VIEWS_SQL.split("-- config_code:")[0])

@@ -18,8 +18,8 @@ from alembic import op
 
 from db.views import drop_views, execute_script
 
-revision = '0005'
-down_revision = '0004'
+revision = "0005"
+down_revision = "0004"
 branch_labels = None
 depends_on = None
 
@@ -63,9 +63,9 @@ FROM configurations c JOIN sweeps s ON s.id = c.sweep_id;;
 def upgrade() -> None:
     conn = op.get_bind()
     drop_views(conn, VIEWS)
-    op.add_column('configurations', sa.Column('merging', sa.String(length=50), nullable=True))
-    op.add_column('configurations', sa.Column('editing', sa.String(length=50), nullable=True))
-    op.add_column('configurations', sa.Column('settings', sa.Text(), nullable=True))
+    op.add_column("configurations", sa.Column("merging", sa.String(length=50), nullable=True))
+    op.add_column("configurations", sa.Column("editing", sa.String(length=50), nullable=True))
+    op.add_column("configurations", sa.Column("settings", sa.Text(), nullable=True))
     execute_script(conn, VIEWS_SQL)
 
 
@@ -73,7 +73,7 @@ def downgrade() -> None:
     conn = op.get_bind()
     previous = importlib.import_module("db.migrations.versions.0004_output_and_recovery")
     drop_views(conn, VIEWS)
-    op.drop_column('configurations', 'settings')
-    op.drop_column('configurations', 'editing')
-    op.drop_column('configurations', 'merging')
+    op.drop_column("configurations", "settings")
+    op.drop_column("configurations", "editing")
+    op.drop_column("configurations", "merging")
     execute_script(conn, previous.VIEWS_SQL)

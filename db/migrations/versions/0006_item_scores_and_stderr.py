@@ -22,8 +22,8 @@ from alembic import op
 
 from db.views import drop_views, execute_script
 
-revision = '0006'
-down_revision = '0005'
+revision = "0006"
+down_revision = "0005"
 branch_labels = None
 depends_on = None
 
@@ -90,22 +90,23 @@ FROM config_jobs cj JOIN item_scores i ON i.job_id = cj.job_id;
 def upgrade() -> None:
     conn = op.get_bind()
     drop_views(conn, VIEWS)
-    op.create_table('item_scores',
-    sa.Column('id', sa.Integer(), nullable=False),
-    sa.Column('job_id', sa.Integer(), nullable=False),
-    sa.Column('stage', sa.String(length=20), nullable=False),
-    sa.Column('task', sa.String(length=100), nullable=False),
-    sa.Column('subtask', sa.String(length=200), nullable=False),
-    sa.Column('step', sa.Integer(), nullable=False),
-    sa.Column('name', sa.String(length=50), nullable=False),
-    sa.Column('n', sa.Integer(), nullable=False),
-    sa.Column('ids', sa.LargeBinary(), nullable=False),
-    sa.Column('vals', sa.LargeBinary(), nullable=False),
-    sa.ForeignKeyConstraint(['job_id'], ['jobs.id'], ondelete='CASCADE'),
-    sa.PrimaryKeyConstraint('id'),
-    sa.UniqueConstraint('job_id', 'stage', 'task', 'subtask', 'step', 'name')
+    op.create_table(
+        "item_scores",
+        sa.Column("id", sa.Integer(), nullable=False),
+        sa.Column("job_id", sa.Integer(), nullable=False),
+        sa.Column("stage", sa.String(length=20), nullable=False),
+        sa.Column("task", sa.String(length=100), nullable=False),
+        sa.Column("subtask", sa.String(length=200), nullable=False),
+        sa.Column("step", sa.Integer(), nullable=False),
+        sa.Column("name", sa.String(length=50), nullable=False),
+        sa.Column("n", sa.Integer(), nullable=False),
+        sa.Column("ids", sa.LargeBinary(), nullable=False),
+        sa.Column("vals", sa.LargeBinary(), nullable=False),
+        sa.ForeignKeyConstraint(["job_id"], ["jobs.id"], ondelete="CASCADE"),
+        sa.PrimaryKeyConstraint("id"),
+        sa.UniqueConstraint("job_id", "stage", "task", "subtask", "step", "name"),
     )
-    op.create_index(op.f('ix_item_scores_job_id'), 'item_scores', ['job_id'], unique=False)
+    op.create_index(op.f("ix_item_scores_job_id"), "item_scores", ["job_id"], unique=False)
     execute_script(conn, VIEWS_SQL)
 
 
@@ -113,6 +114,6 @@ def downgrade() -> None:
     conn = op.get_bind()
     previous = importlib.import_module("db.migrations.versions.0005_merged_and_edited")
     drop_views(conn, VIEWS)
-    op.drop_index(op.f('ix_item_scores_job_id'), table_name='item_scores')
-    op.drop_table('item_scores')
+    op.drop_index(op.f("ix_item_scores_job_id"), table_name="item_scores")
+    op.drop_table("item_scores")
     execute_script(conn, previous.VIEWS_SQL)
