@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
@@ -154,7 +155,18 @@ def code_components(stage: str, params: dict[str, Any]) -> dict[str, str]:
                 walk(v)
 
     walk(params)
-    return out
+    return {name: ALIASES.get(name, {}).get(digest, digest) for name, digest in out.items()}
+
+
+def _aliases() -> dict[str, dict[str, str]]:
+    path = Path(__file__).with_name("code_aliases.json")
+    return json.loads(path.read_text())["aliases"] if path.is_file() else {}
+
+
+# component → {digest as computed today: the digest an earlier release stored for the very same code}
+# (scripts/code_aliases.py writes and checks it): results computed before code versions were identified by
+# name rather than module are reused, never results of other code
+ALIASES: dict[str, dict[str, str]] = _aliases()
 
 
 def is_stale(stage: str, params: dict[str, Any], code_json: str | None) -> bool:
