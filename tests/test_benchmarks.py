@@ -32,6 +32,7 @@ SCRIPTS = {  # script → lines its smoke run must print (numbers, never checked
         rf"^\| {kind} \| [1-9]\d* \| [1-9]\d* \| 0 \| 0 \| 0 \| 0 \|"
         for kind in ("kill-serial", "raise", "corrupt")
     ],
+    "bench_rounding.py": [r"^sequential / greedy_round: \d+\.\d+x$", r"^same assignment  : True$"],
     "bench_orchestration.py": [
         r"^executor serial: exit code 0, [1-9]\d* jobs$",
         r"^  wall / Σ compute = \d+\.\d+$",

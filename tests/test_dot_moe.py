@@ -106,6 +106,34 @@ def test_ste_forward_equals_the_hard_masked_forward_and_reaches_a_and_the_router
     assert all(p.grad is None for p in mlp.parameters())
 
 
+def test_the_hard_assignment_is_rounded_once_per_optimizer_step(monkeypatch):
+    """App. B.3.2 rounds every training step: the micro-batches of one step (A unchanged) reuse its rounding,
+    an optimizer step (A updated in place) or a new τ rounds again, and the reused one is the same assignment."""
+    import workers.baselines.dot_moe as dm
+
+    calls = []
+    real = dm.greedy_round
+    monkeypatch.setattr(dm, "greedy_round", lambda soft, cap: calls.append(1) or real(soft, cap))
+    ffn = DotMoeFFN(
+        copy.deepcopy(_dense().model.layers[0].mlp), 8, 2, "dot", SPEC, torch.Generator().manual_seed(3)
+    )
+    opt = torch.optim.SGD([ffn.affinity], lr=10.0)
+    x = torch.randn(2, 5, 32)
+    for _ in range(3):  # three micro-batches of one step
+        ffn(x).pow(2).sum().backward()
+    assert len(calls) == 1
+    first = ffn.assignment()[1]
+    assert first == real(
+        dm.sinkhorn(ffn.affinity, ffn.capacity(), tau=ffn.tau, iters=SPEC.sinkhorn_iters), [ffn.s] * 8
+    )
+    opt.step()
+    ffn(x)
+    assert len(calls) == 2  # the assignment() above reused it; the step's new A rounds again
+    ffn.tau = ffn.tau / 2
+    ffn(x)
+    assert len(calls) == 3
+
+
 def test_dense_mode_is_the_dense_model():
     dense = _dense()
     ids = _ids()

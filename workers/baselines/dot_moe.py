@@ -148,6 +148,7 @@ class DotMoeFFN(nn.Module):
         self.tau = spec.tau_start
         self.dense = False
         self.router_logits: torch.Tensor | None = None  # [tokens, E] of the last masked forward
+        self._rounded: tuple[tuple, list[int]] | None = None  # (A's version, τ, iterations) → its rounding
 
     def capacity(self) -> torch.Tensor:
         return torch.full((self.experts,), float(self.s), dtype=torch.float32, device=self.affinity.device)
@@ -158,7 +159,12 @@ class DotMoeFFN(nn.Module):
             owner = self.fixed
             return F.one_hot(torch.tensor(owner, device=self.affinity.device), self.experts).float(), owner
         soft = sinkhorn(self.affinity, self.capacity(), tau=self.tau, iters=self.spec.sinkhorn_iters)
-        owner = greedy_round(soft, [self.s] * self.experts)  # App. B.3: every expert gets exactly s
+        # App. B.3.2 rounds once per training step: A only changes at the optimizer's (in-place) step, which
+        # moves its version counter, so the micro-batches of one step reuse the step's rounding
+        key = (self.affinity._version, self.tau, self.spec.sinkhorn_iters)
+        if self._rounded is None or self._rounded[0] != key:
+            self._rounded = (key, greedy_round(soft, [self.s] * self.experts))  # every expert gets exactly s
+        owner = self._rounded[1]
         hard = F.one_hot(torch.tensor(owner, device=soft.device), self.experts).to(soft.dtype)
         return hard + (soft - soft.detach()), owner
 

@@ -19,7 +19,7 @@ def sinkhorn(
     """M_soft [n, m] with rows summing to 1 and columns to `capacity` [m] (Σ capacity = n) after `iters`
     log-domain iterations on the kernel affinity/τ (DOT-MoE, App. B.2.1, Algorithm 1). Differentiable."""
     n, m = affinity.shape
-    cap = capacity.to(affinity.dtype)
+    cap = capacity.to(device=affinity.device, dtype=affinity.dtype)  # a CPU capacity for a CUDA affinity
     if cap.shape != (m,) or bool((cap <= 0).any()) or not math.isclose(float(cap.sum()), n, rel_tol=1e-9):
         raise ValueError(f"capacity {capacity.tolist()}: need {m} positive bin sizes summing to n={n}")
     if not tau > 0 or iters < 1:
@@ -36,20 +36,42 @@ def sinkhorn(
 
 def greedy_round(soft: torch.Tensor, capacity: list[int]) -> list[int]:
     """Each row's bin: visit (row, bin) pairs by descending soft mass (ties: lower flat index) and assign
-    a row to a bin while both are free (DOT-MoE, App. B.3.2). Every bin ends exactly at its capacity."""
+    a row to a bin while both are free (DOT-MoE, App. B.3.2). Every bin ends exactly at its capacity.
+
+    The same assignment as that sequential visit, computed in at most m vectorised phases: until the first
+    bin fills, every free row takes its first remaining pair; so each phase assigns the first pair of every
+    free row up to the pair that fills a bin, then carries on after it with that bin closed."""
     n, m = soft.shape
     if len(capacity) != m or sum(capacity) != n or min(capacity) < 0:
         raise ValueError(f"capacity {capacity}: need {m} non-negative bin sizes summing to n={n}")
     flat = soft.detach().to("cpu", torch.float64).reshape(-1)
-    order = sorted(range(n * m), key=lambda i: (-float(flat[i]), i))
-    owner, cap, left = [-1] * n, list(capacity), n
-    for idx in order:
-        i, e = divmod(idx, m)
-        if owner[i] == -1 and cap[e] > 0:
-            owner[i], cap[e], left = e, cap[e] - 1, left - 1
-            if not left:
-                break
-    return owner
+    order = torch.sort(-flat, stable=True).indices  # descending mass; equal masses keep flat-index order
+    rows, bins = order // m, order % m
+    owner = torch.full((n,), -1, dtype=torch.long)
+    cap = torch.tensor(capacity, dtype=torch.long)
+    while bool((owner < 0).any()):
+        live = (owner[rows] < 0) & (cap[bins] > 0)
+        rows, bins = rows[live], bins[live]  # pairs still possible, in visiting order
+        is_first = torch.ones(rows.numel(), dtype=torch.bool)  # each free row's first remaining pair
+        seen_at = torch.full((n,), rows.numel(), dtype=torch.long).scatter_reduce(
+            0, rows, torch.arange(rows.numel()), reduce="amin"
+        )
+        is_first = seen_at[rows] == torch.arange(rows.numel())
+        pos = is_first.nonzero().squeeze(1)  # visiting positions of the first pairs
+        fb = bins[pos]
+        # how many first pairs each bin has received up to and including each one (in visiting order)
+        rank = torch.zeros_like(fb)
+        by_bin = torch.sort(fb, stable=True).indices
+        counts = torch.bincount(fb, minlength=m)
+        starts = torch.cumsum(counts, 0) - counts
+        rank[by_bin] = torch.arange(fb.numel()) - starts[fb[by_bin]]
+        fills = rank == cap[fb] - 1
+        last = int(pos[fills].min()) if bool(fills.any()) else int(pos.max())
+        take = pos <= last
+        owner[rows[pos[take]]] = fb[take]
+        cap -= torch.bincount(fb[take], minlength=m)
+        rows, bins = rows[last + 1 :], bins[last + 1 :]
+    return owner.tolist()
 
 
 def balanced_capacity(n: int, m: int) -> list[int]:
