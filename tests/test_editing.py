@@ -384,3 +384,17 @@ def test_edited_checkpoint_runs_under_every_experts_implementation_and_trains_it
     model(input_ids=x, use_cache=False).logits.square().mean().backward()
     assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in routers)
     assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+
+
+def test_mobe_rank_is_the_papers_at_their_budgets():
+    """The Router KD paper's MoBE flags: Qwen3-30B-A3B (E 128, I 768, H 2048) at 62.5% with 8 bases is
+    `--truncation 768`, Mixtral-8x7B (E 8, I 14336, H 4096) with 2 bases is 1672; counting the factors and
+    bases as the paper does (not the E·m mixing coefficients) these are the largest ranks within K/E."""
+    from workers.methods.editing import budget, mobe_params, mobe_rank
+
+    assert mobe_rank(128, 768, 2048, 80, 8) == 768
+    assert mobe_rank(8, 14336, 4096, 5, 2) == 1672
+    assert mobe_params(128, 768, 2048, 768, 8) - 2 * 128 * 8 == budget(128, 768, 2048, 80)  # exactly 62.5%
+    assert mobe_rank(128, 768, 2048, 80, 8, rank=700) == 700
+    with pytest.raises(ValueError, match="rank=769 needs"):
+        mobe_rank(128, 768, 2048, 80, 8, rank=769)
