@@ -141,3 +141,41 @@ def test_stream_windows_equal_token_windows_in_order(tmp_path):
         ref = token_windows(tok, texts, 16, None, 0, add_bos=add_bos)
         lazy = list(stream_windows(tok, iter(texts), 16, add_bos=add_bos, docs_per_call=7))
         assert len(lazy) == len(ref) and torch.equal(torch.stack(lazy), ref)  # exact: token ids (integers)
+
+
+class _CharTok:
+    """One token per character (its code point), no special tokens unless asked."""
+
+    bos_token_id, eos_token_id, pad_token_id = 1, 2, None
+
+    def __call__(self, texts, add_special_tokens=False):
+        assert add_special_tokens is False
+        return {"input_ids": [[ord(c) for c in t] for t in texts]}
+
+
+def test_truncated_sequences_are_one_document_each_cut_and_right_padded():
+    from workers.core.data import truncated_sequences
+
+    texts = ["abcdefgh", "xy", "q", "hello"]  # "q" has one token: dropped
+    ids, mask = truncated_sequences(_CharTok(), texts, max_len=5, n=3, seed=0)
+    assert ids.shape == mask.shape == (3, 5)
+    rows = {
+        "".join(chr(t) for t, m in zip(r.tolist(), k.tolist(), strict=True) if m)
+        for r, k in zip(ids, mask, strict=True)
+    }
+    assert rows == {"abcde", "xy", "hello"}  # each its own document, the long one truncated
+    for r, k in zip(ids.tolist(), mask.tolist(), strict=True):
+        n_real = sum(k)
+        assert k == [1] * n_real + [0] * (5 - n_real)  # right padding
+        assert r[n_real:] == [2] * (5 - n_real)  # padded with eos where there is no pad id
+    again, _ = truncated_sequences(_CharTok(), texts, max_len=5, n=3, seed=0)
+    assert torch.equal(again, ids)  # exact: integer token ids, the same seeded permutation
+    more, more_mask = truncated_sequences(
+        _CharTok(), texts, max_len=5, n=7, seed=1
+    )  # 7 > 3 documents: epochs
+    counts = sorted(int(k.sum()) for k in more_mask)
+    assert counts.count(5) >= 2 and counts.count(2) >= 2
+    with_bos, _ = truncated_sequences(_CharTok(), ["ab"], max_len=4, n=1, seed=0, add_bos=True)
+    assert with_bos.tolist() == [[1, ord("a"), ord("b"), 2]]
+    with pytest.raises(ValueError, match="no document has 2 tokens"):
+        truncated_sequences(_CharTok(), ["a", "b"], max_len=4, n=1, seed=0)

@@ -414,3 +414,13 @@ def test_router_parameters_refuse_what_they_cannot_place(fam):
     router.weight = torch.nn.Parameter(router.weight.detach()[:, :-1].clone())
     with pytest.raises(ValueError, match=f"layer {layer}: router weight .* is not the linear map"):
         adapter.router_parameters(model)
+
+
+def test_router_kd_data_is_truncated_documents_unless_packing_is_asked():
+    """The Router KD paper truncates each sample to max_len, no packing (App. F); `packing: true` is the option."""
+    from workers.training.router_kd_spec import RouterKDSpec
+
+    assert RouterKDSpec().packing is False
+    assert RouterKDSpec(packing=True).packing is True
+    with pytest.raises(ValueError, match="RouterKDSpec.packing: 'yes' is not allowed"):
+        RouterKDSpec(packing="yes")

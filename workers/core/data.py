@@ -329,6 +329,41 @@ def token_windows(
     return wins[order[:n]]
 
 
+def truncated_sequences(
+    tok, texts: list[str], max_len: int, n: int, seed: int, add_bos: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` documents, one per sequence, each truncated to ``max_len`` tokens and right-padded: (ids, mask),
+    LongTensors [n, max_len] (the Router KD paper's data: truncation, no packing). Texts are tokenized without
+    special tokens (a leading BOS when ``add_bos``); documents of fewer than 2 tokens are dropped; the first
+    ``n`` of a permutation seeded by ``seed`` (further permutations when ``n`` exceeds the documents). Padding
+    is the tokenizer's pad id, else its eos id, else 0 (the mask marks it)."""
+    import torch
+
+    if max_len < 2:
+        raise ValueError(f"max_len={max_len}: must be at least 2")
+    if n < 1:
+        raise ValueError(f"n={n}: must be >= 1")
+    bos = tok.bos_token_id
+    if add_bos and bos is None:
+        raise ValueError("add_bos: the tokenizer has no bos token")
+    docs = []
+    for ids in tok(list(texts), add_special_tokens=False)["input_ids"] if texts else []:
+        ids = ([bos] if add_bos else []) + list(ids)
+        if len(ids) >= 2:
+            docs.append(ids[:max_len])
+    if not docs:
+        raise ValueError("texts: no document has 2 tokens or more")
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.cat([torch.randperm(len(docs), generator=gen) for _ in range(-(-n // len(docs)))])[:n]
+    pad = next((t for t in (tok.pad_token_id, tok.eos_token_id) if t is not None), 0)
+    ids = torch.full((n, max_len), pad, dtype=torch.long)
+    mask = torch.zeros((n, max_len), dtype=torch.long)
+    for row, d in enumerate(order.tolist()):
+        ids[row, : len(docs[d])] = torch.tensor(docs[d], dtype=torch.long)
+        mask[row, : len(docs[d])] = 1
+    return ids, mask
+
+
 def stream_windows(
     tok, texts: Iterable[str], seq_len: int, add_bos: bool = False, docs_per_call: int = 256
 ) -> Iterator[torch.Tensor]:

@@ -8,6 +8,7 @@ from workers.run.common import _metric, _recipe_hash
 from workers.run.runtime import (
     artifact,
     resident_teacher,
+    sequences,
     windows,
 )
 from workers.run.students import make_student
@@ -24,9 +25,15 @@ def stage_router_kd(payload: dict, cache: dict, progress) -> dict:
     spec = RouterKDSpec(**p["settings"])
     student, tok = make_student(payload, cache, p["student"], for_training=True)
     teacher, _ = resident_teacher(payload, cache)
-    ids = windows(payload, cache, tok, p["data"], spec.max_len, spec.max_samples, spec.seed)
+    if spec.packing:  # windows cut from the concatenated documents
+        batches = calibration_batches(
+            windows(payload, cache, tok, p["data"], spec.max_len, spec.max_samples, spec.seed), spec
+        )
+    else:  # the paper's: one document per sequence, truncated, right-padded
+        ids, mask = sequences(payload, cache, tok, p["data"], spec.max_len, spec.max_samples, spec.seed)
+        batches = calibration_batches(ids, spec, attention_mask=mask)
     cb = (lambda i, n: progress(i, n, "router_kd")) if progress else None
-    rec = router_kd(student, teacher, get_adapter(student), calibration_batches(ids, spec), spec, progress=cb)
+    rec = router_kd(student, teacher, get_adapter(student), batches, spec, progress=cb)
     path = Path(payload["workdir"]) / "router_delta.safetensors"
     save_router_delta(
         path,

@@ -88,6 +88,21 @@ def windows(
     return cache[key]
 
 
+def sequences(
+    payload: dict[str, Any], cache: dict, tok, data: dict[str, Any], max_len: int, n: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask) of `n` documents truncated to `max_len` (workers.core.data.truncated_sequences); a remote
+    corpus is read for its first `n` documents only."""
+    from workers.core.data import DataSpec, load_texts, truncated_sequences
+
+    key = json.dumps(["seq", data, max_len, n, seed, tok.name_or_path], sort_keys=True)
+    if key not in cache:
+        limit = None if data.get("source") == "tiny" else n
+        texts = load_texts(DataSpec(**data), tiny_dir=tiny_dir(payload), max_texts=limit, tok=tok)
+        cache[key] = truncated_sequences(tok, texts, max_len, n, seed)
+    return cache[key]
+
+
 def eval_texts(payload: dict[str, Any], cache: dict, data: dict[str, Any]) -> list[str]:
     from workers.core.data import DataSpec, load_texts
 

@@ -24,7 +24,8 @@ class RouterKDSpec:
     batch_size: int = 2  # sequences per micro-batch
     grad_accum: int = 4  # micro-batches per optimizer step
     lr: float = 5e-5  # peak learning rate, decayed linearly to 0 over the run
-    max_len: int = 512  # tokens per sequence (truncation, no packing)
+    max_len: int = 512  # tokens per sequence: each document truncated to it (the paper: no packing)
+    packing: bool = False  # True: windows of max_len cut from the concatenated documents instead
     tau: float = 1.0  # KD temperature τ
     max_samples: int = 3000  # calibration sequences in one epoch
     seed: int = 42
@@ -46,6 +47,8 @@ class RouterKDSpec:
                 raise bad(name, v, "an integer >= 1")
         if not isinstance(self.max_len, int) or isinstance(self.max_len, bool) or self.max_len < 2:
             raise bad("max_len", self.max_len, "an integer >= 2")
+        if not isinstance(self.packing, bool):
+            raise bad("packing", self.packing, "true or false")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise bad("seed", self.seed, "an integer")
         for name, low in (("lr", 0.0), ("tau", 0.0), ("eps", 0.0), ("norm_eps", 0.0)):
