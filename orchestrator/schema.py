@@ -7,6 +7,7 @@ from the source alone.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
@@ -132,6 +133,34 @@ def worker_settings(cls: type, values: dict[str, Any], where: str = "") -> dict[
     except (TypeError, ValueError) as e:
         raise ValueError((f"{where}: " if where else "") + str(e).splitlines()[0]) from None
     return values
+
+
+TYPE_RULES: dict[str, tuple[tuple[type, ...], str]] = {
+    "int": ((int,), "an integer"),
+    "float": ((int, float), "a number"),
+    "str": ((str,), "a string"),
+    "bool": ((bool,), "true or false"),
+}
+
+
+def typed_setting(cls: type, key: str, value: Any) -> Any:
+    """One value of a worker's settings dataclass read as strictly as the sweep schema reads a value: of
+    the field's declared type (`int`, `float`, `str` or `bool`; other annotations are left to the
+    dataclass), a boolean being no number, and an integer of a `float` field made a float (as pydantic
+    does, so job parameters keep their types). A ValueError line otherwise."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == key)
+    rule = TYPE_RULES.get(f.type if isinstance(f.type, str) else getattr(f.type, "__name__", ""))
+    if rule is None:
+        return value
+    allowed, what = rule
+    if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+        raise ValueError(f"must be {what}")
+    if f.type in ("float", float) and isinstance(value, int):
+        try:
+            return float(value)
+        except OverflowError:
+            raise ValueError("must be a finite number") from None
+    return value
 
 
 def known(values: list[Any], allowed, what: str) -> list[Any]:

@@ -281,9 +281,9 @@ def test_the_logged_discrepancy_is_the_kl_of_the_round_one_student(run):
     student = get_adapter(teacher).pruned_moe_student(
         teacher, {p["layer"]: sorted(p["selected"]) for p in plans}
     )
-    d = run["spec"].dcdm
+    d = run["spec"].dcdm.settings
     texts = load_texts(DataSpec(source="tiny", split="valid:code"), tiny_dir=tdir)
-    ids = token_windows(tok, texts, run["spec"].calibration.seq_len, d.n_eval, d.seed)
+    ids = token_windows(tok, texts, run["spec"].calibration.seq_len, d["n_eval"], d["seed"])
     with torch.no_grad():
         lt = torch.log_softmax(teacher(input_ids=ids).logits[:, :-1].double(), -1)
         ls = torch.log_softmax(student.eval()(input_ids=ids).logits[:, :-1].double(), -1)
@@ -387,13 +387,23 @@ def load_spec_from(raw: dict, tmp: Path | None = None):
 @pytest.mark.parametrize(
     "change, expect",
     [
-        ({"temperature": 0}, "dcdm.temperature: Input should be greater than 0"),
-        ({"metric": "l2"}, "dcdm.metric: Input should be 'kl' or 'log_ppl'"),
-        ({"w0": "sizes"}, "dcdm.w0: Input should be 'uniform' or 'tokens'"),
-        ({"max_iters": 0}, "dcdm.max_iters: Input should be greater than 0"),
-        ({"n_eval": -1}, "dcdm.n_eval: Input should be greater than 0"),
-        ({"seq_len": 1}, "dcdm.seq_len: must be >= 2"),
+        # the settings: DCDMSpec's own checks, then the field's type as strictly as the schema's own fields
+        ({"temperature": 0}, "dcdm.temperature: must be a finite number > 0 (got 0)"),
+        ({"temperature": float("inf")}, "dcdm.temperature: must be a finite number > 0 (got inf)"),
+        ({"temperature": True}, "dcdm.temperature: must be a number (got True)"),
+        ({"temperature": 10**400}, "dcdm.temperature: must be a finite number (got 1000"),
+        ({"tol": -1}, "dcdm.tol: must be a finite number >= 0 (got -1)"),
+        ({"metric": "l2"}, "dcdm.metric: allowed kl, log_ppl (got 'l2')"),
+        ({"w0": "sizes"}, "dcdm.w0: allowed uniform, tokens (got 'sizes')"),
+        ({"max_iters": 0}, "dcdm.max_iters: must be a positive integer (got 0)"),
+        ({"max_iters": 2.0}, "dcdm.max_iters: must be a positive integer (got 2.0)"),
+        ({"max_iters": True}, "dcdm.max_iters: must be an integer (got True)"),
+        ({"n_eval": -1}, "dcdm.n_eval: must be a positive integer (got -1)"),
+        ({"seq_len": 1}, "dcdm.seq_len: must be an integer >= 2 (got 1)"),
+        ({"seed": "x"}, "dcdm.seed: must be an integer (got 'x')"),
+        ({"seed": False}, "dcdm.seed: must be an integer (got False)"),
         ({"colour": 1}, "dcdm.colour: unknown key"),
+        ({"settings": {"metric": "kl"}}, "dcdm.settings: unknown key"),  # the settings are flat keys
         ({"apply_to": {"colour": "red"}}, "dcdm.apply_to: 'colour' is not an axis; allowed: output, scoring"),
         ({"apply_to": {"K": []}}, "dcdm.apply_to: K: a value or a non-empty list of values"),
         (
@@ -416,6 +426,67 @@ def test_malformed_dcdm_sections_are_one_line(tmp_path, change, expect):
         load_spec(str(path))
     assert "\n" not in str(e.value)
     assert f"{path}: {expect}" in str(e.value), str(e.value)
+
+
+def test_the_settings_are_complete_job_parameters_of_their_declared_types():
+    """The section's settings are DCDMSpec's fields, checked by DCDMSpec: the job parameters hold every
+    one (DCDMSpec's defaults filled, seq_len from the calibration when not given), each of its declared
+    type (an integer temperature is a float), in DCDMSpec's order, as they were when the section declared
+    them itself; so the dcdm job keys stay."""
+    from orchestrator import configs as P
+    from orchestrator.stage import SweepContext
+    from orchestrator.stages.dcdm import dcdm_params
+
+    raw = yaml.safe_load(SWEEP.read_text())
+    want = {
+        "w0": "uniform",
+        "metric": "kl",
+        "temperature": 0.01,
+        "max_iters": 6,
+        "tol": 0.001,
+        "n_eval": 4,
+        "seq_len": 64,  # calibration.seq_len
+        "batch_size": 8,
+        "seed": 4321,
+    }
+    for change, expect in [
+        ({}, {}),
+        ({"temperature": 2, "tol": 0}, {"temperature": 2.0, "tol": 0.0}),
+        ({"seq_len": None, "seed": -3}, {"seed": -3}),
+        (
+            {"seq_len": 32, "w0": "tokens", "metric": "log_ppl"},
+            {"seq_len": 32, "w0": "tokens", "metric": "log_ppl"},
+        ),
+    ]:
+        spec = load_spec_from({**raw, "dcdm": {**raw["dcdm"], **change}})
+        shape = P.stated_shape(spec)
+        ctx = SweepContext(spec, shape, P.build_configs(spec, shape))
+        got = dcdm_params(ctx, ctx.config(MOE))["dcdm"]
+        assert json.dumps(got) == json.dumps({**want, **expect}), change  # values, types and order
+        assert [type(v) for v in got.values()] == [str, str, float, int, float, int, int, int, int]
+        assert DCDMSpec(**got) == DCDMSpec(**{**want, **expect})  # what the worker builds from them
+
+
+def test_the_settings_are_read_from_dcdm_spec_without_torch():
+    """The schema checks the settings with the worker's own DCDMSpec (workers.calibration.dcdm_spec, a
+    torch-free module the DCDM run imports too), and loading a sweep imports neither torch nor transformers."""
+    import subprocess
+    import sys
+
+    from orchestrator.stages.dcdm import dcdm_spec
+
+    assert dcdm_spec() is DCDMSpec
+    code = (
+        "import sys\n"
+        "from orchestrator.spec import load_spec\n"
+        f"assert load_spec({str(SWEEP)!r})[0].dcdm.settings['max_iters'] == 6\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE.parent, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
 
 
 def test_dcdm_needs_two_calibration_sources(tmp_path):

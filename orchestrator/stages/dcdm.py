@@ -14,6 +14,10 @@ and evaluated downstream like any other (ppl_pre, router_kd, evaluate): unlike a
 which shares its base's student, it has a conversion of its own. As a variant it never competes with its
 base in the selection rule.
 
+The settings (w0, metric, temperature, max_iters, tol, n_eval, seq_len, batch_size, seed) are declared once,
+by workers.calibration.dcdm_spec.DCDMSpec, and checked by it (worker_settings, as distill's): they are keys of the
+section itself, beside its own `held_out` and `apply_to`; `seq_len` unset is calibration.seq_len.
+
 Section absent: no jobs. `held_out` defaults to each source's own data with, for the tiny corpus, the
 `valid` split in place of `train` (its domain kept); a jsonl or hf source keeps its data and is sampled
 with the `seed` of this section, so its held-out windows may overlap the calibration windows: name a
@@ -22,39 +26,83 @@ held-out split in `held_out` for a clean one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-from pydantic import AfterValidator, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from orchestrator.axes import AXES
-from orchestrator.schema import Data, PosInt, SpecError, Strict
+from orchestrator.schema import Data, SpecError, Strict, typed_setting, worker_settings
 from orchestrator.stage import JobSpec, Stage, SweepContext
 from orchestrator.stages.teacher import teacher_ref
 
 SUFFIX = "calibration=dcdm"  # the variant label, and the tail of a DCDM mixture's configuration key
 
 
+def dcdm_spec() -> type:
+    """The settings of a DCDM run and their checks (workers.calibration.dcdm_spec, torch-free)."""
+    from workers.calibration.dcdm_spec import DCDMSpec
+
+    return DCDMSpec
+
+
+def _at(key: str, error: ValueError, value: Any, given: Any) -> InitErrorDetails:
+    """The error of the section's key `key`, one line `dcdm.<key>: <what> (got <given>)`: DCDMSpec's
+    `key=value: what` without its `key=value` (the line names both already)."""
+    what = str(error).removeprefix(f"{key}={value!r}: ")
+    return InitErrorDetails(
+        type=PydanticCustomError("value_error", f"{what} (got {given!r})"), loc=(key,), input=given
+    )
+
+
 class DCDM(Strict):
-    w0: Literal["uniform", "tokens"] = "uniform"  # the paper: sizes (tokens); its Fixed mix is 1:1:1
-    metric: Literal["kl", "log_ppl"] = "kl"
-    temperature: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0  # 1.0 = the paper
-    max_iters: PosInt = 10
-    tol: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1e-3
-    n_eval: PosInt = 16  # held-out windows per domain
-    seq_len: PosInt | None = None  # default: calibration.seq_len
-    batch_size: PosInt = 8
-    seed: int = 4321  # the held-out windows' sample (a different seed from calibration's)
+    # DCDMSpec's fields (w0, metric, temperature, max_iters, tol, n_eval, seq_len, batch_size, seed): keys of
+    # the section itself in the sweep file, kept here complete (DCDMSpec's defaults filled, an integer of a
+    # float field a float) in DCDMSpec's order, as the job parameters take them. seq_len None: calibration.seq_len
+    settings: dict[str, Any]
     held_out: dict[str, Data] | None = None  # source name -> its held-out data
     # axis -> value (or list of values): the configurations DCDM runs on (not `on`: YAML reads it as true)
     apply_to: dict[str, Any] = Field(default_factory=dict)
 
-    @field_validator("seq_len")
+    @model_validator(mode="before")
     @classmethod
-    def _seq_len(cls, v: int | None) -> int | None:
-        if v is not None and v < 2:
-            raise ValueError(f"must be >= 2, got {v}")
-        return v
+    def _settings(cls, data: Any) -> Any:
+        """Split the section's DCDMSpec keys off into `settings`, each checked by DCDMSpec itself
+        (worker_settings) and then typed as strictly as a schema field is (typed_setting: no boolean
+        for a number, an integer of a float field made a float, as pydantic did)."""
+        if not isinstance(data, dict):
+            return data  # pydantic reports it
+        if "settings" in data:  # the settings are the section's own keys, never a `settings` key
+            raise ValidationError.from_exception_data(
+                cls.__name__,
+                [InitErrorDetails(type="extra_forbidden", loc=("settings",), input=data["settings"])],
+            )
+        spec = dcdm_spec()
+        names = [f.name for f in dataclasses.fields(spec)]
+        settings: dict[str, Any] = {}
+        errors: list[InitErrorDetails] = []
+        for f in dataclasses.fields(spec):
+            given = data.get(f.name)
+            if f.name == "seq_len" and given is None:
+                settings[f.name] = None  # calibration.seq_len, not DCDMSpec's default
+                continue
+            value = data.get(f.name, f.default)  # DCDMSpec has a default for each
+            try:
+                try:  # DCDMSpec's own check (the other fields at its defaults), then the type of the field
+                    worker_settings(spec, {f.name: value})
+                except OverflowError:  # an integer too large for a float: typed_setting says so
+                    pass
+                value = typed_setting(spec, f.name, value)
+            except ValueError as e:
+                errors.append(_at(f.name, e, value, given))
+            settings[f.name] = value
+        if errors:
+            raise ValidationError.from_exception_data(cls.__name__, errors)
+        # the whole once more, for a check of several fields (an error of the section: `dcdm: ...`)
+        worker_settings(spec, {k: v for k, v in settings.items() if v is not None})
+        return {**{k: v for k, v in data.items() if k not in names}, "settings": settings}
 
     @field_validator("apply_to")
     @classmethod
@@ -122,8 +170,8 @@ def dcdm_params(ctx: SweepContext, cfg: dict[str, Any]) -> dict[str, Any]:
     convert = {n: cfg[n] for n in AXES if cfg.get(n) is not None and not AXES[n].after_student}
     if cfg.get("settings"):
         convert["settings"] = json.loads(cfg["settings"])
-    settings = d.model_dump(exclude={"held_out", "apply_to"})
-    settings["seq_len"] = d.seq_len or calibration.seq_len
+    settings = dict(d.settings)
+    settings["seq_len"] = settings["seq_len"] or calibration.seq_len
     given = d.held_out or {}
     held = {
         name: (given[name].model_dump() if name in given else held_out_data(src.data))
