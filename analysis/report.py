@@ -2,13 +2,22 @@
 
 Everything comes from the frames loaded from the DB's views (analysis/load.py); the same DB gives
 byte-identical LaTeX, JSON and Markdown (figures: see analysis/figures.py).
+
+What the report writes is declared once, in ARTEFACTS: one entry per table or figure (its name, which
+parts of the sweep it is written for, what it needs from their data, the function that renders it, its
+file stem and index caption). write_report walks the registry in order, then writes facts.json and
+index.md. A new table is one render function and one entry.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pandas as pd
 
@@ -51,31 +60,27 @@ def match_reference(ref: pd.DataFrame, model: str, variant: str | None) -> tuple
     return str(n["sweep"].iloc[0]), str(n["model"].iloc[0])
 
 
-class _Writer:
-    def __init__(self, out_dir: Path) -> None:
-        self.out = out_dir
-        self.items: list[tuple[Path, str]] = []
+# ---- what a report reads: the sweep, and the parts its artefacts are written for --------------------
+@dataclass
+class SweepData:
+    """The loaded frames narrowed to one sweep, and what every artefact shares (derived once)."""
 
-    def table(self, t: Table | None) -> None:
-        if t is None:
-            return
-        path = self.out / "tables" / f"{t.stem}.tex"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(t.tex())
-        self.items.append((path, t.index_caption or t.caption))
-
-    def figure(self, fig, stem: str, caption: str) -> None:
-        if fig is None:
-            return
-        with fg.style():
-            paths = fg.save(fig, self.out / "figures" / stem)
-        for p in paths:
-            self.items.append((p, caption))
+    name: str
+    frames: Frames
+    compare: Frames | None  # the reference sweeps (--compare paper), or None
+    everything: pd.DataFrame  # all the sweep's configurations
+    res: pd.DataFrame  # its dense students: the core paper's tables and figures
+    tasks: pd.DataFrame
+    cres: pd.DataFrame | None  # the other sweeps of the comparison, dense students only
+    ctasks: pd.DataFrame | None
+    tables_compare: bool  # the tables show the paper's numbers beside ours
+    facts: dict[str, Any]  # ours, per model
+    ref_facts: dict[str, Any]  # the comparison's, per sweep and model
+    models: list[str]  # the MoE models of the dense students
+    matched: dict[str, dict[str, str]]  # model -> the reference {sweep, model} shown beside it
 
 
-def write_report(frames: Frames, name: str, out_dir: Path, compare: Frames | None = None) -> list[Path]:
-    """Write the report of sweep `name` into out_dir; returns the artefact paths (index.md last)."""
-    out_dir = Path(out_dir)
+def load_sweep(frames: Frames, name: str, compare: Frames | None = None) -> SweepData:
     everything = frames.results[frames.results["sweep"] == name]
     if everything.empty:
         raise ValueError(
@@ -91,151 +96,246 @@ def write_report(frames: Frames, name: str, out_dir: Path, compare: Frames | Non
     # gains the other models' panels
     tables_compare = cres is not None and "reference" not in set(res["sweep_kind"])
     ctasks = compare.tasks if compare is not None else None
-    ours_facts = facts(res, tasks, frames.items).get(name, {})
-    ref_facts = facts(cres, ctasks, compare.items) if cres is not None and len(cres) else {}
     models = moe_models(res)
-    many = len(models) > 1
-    w = _Writer(out_dir)
-    matched: dict[str, dict[str, Any]] = {}
-    fig7: list[dict[str, Any]] = []
-    with fg.style():
+    matched: dict[str, dict[str, str]] = {}
+    if tables_compare:
         for model in models:
             rows = res[res["model"] == model]
-            view = tb.make_view(model, rows, tasks)
-            slug = tb.slug(model, many)
-            f = ours_facts.get(model, {})
-            ref = rf = None
-            ref_label = ""
-            if tables_compare:
-                variant = next((v for v in rows["teacher_variant"] if v is not None), None)
-                m = match_reference(cres, model, variant)
-                if m is not None:
-                    rs, rm = m
-                    rrows = cres[(cres["sweep"] == rs) & (cres["model"] == rm)]
-                    ref_label = f"{rm}, {rs}"
-                    ref = tb.make_view(ref_label, rrows, ctasks[ctasks["sweep"] == rs])
-                    rf = ref_facts.get(rs, {}).get(rm)
-                    matched[model] = {"sweep": rs, "model": rm}
-            for t in tb.ppl_grid_tables(view, ref, f"ppl_grid{slug}"):
-                w.table(t)
-            if "selection" in f:
-                w.table(
-                    tb.selection_table(
-                        f["selection"], model, (rf or {}).get("selection"), ref_label, f"selection{slug}"
-                    )
-                )
-            if tb.distilled_is_pairwise(view):
-                w.table(tb.distilled_table(view, ref, f"distilled{slug}"))
-            else:
-                w.table(tb.cross_model_table(view, ref, f"distilled_by_k{slug}"))
-            if f.get("ablations"):
-                for t in tb.ablation_tables(
-                    view, f["ablations"], ref, (rf or {}).get("ablations"), f"ablation{slug}"
-                ):
-                    w.table(t)
-            w.table(tb.marginal_table(f, model, rf, ref_label, f"marginal{slug}"))
-            fig7.append(_fig7_panel(f"{model} ({name})", rows))
-        w.table(
-            tb.baselines_table(
-                tb.make_view(models[0] if len(models) == 1 else name, res, tasks),
-                _sweep_ref(cres, ctasks, matched),
-                "baselines",
-            )
-        )
-        dense2moe = dt.dense2moe_rows(everything)
-        if len(dense2moe):  # dense → MoE models (DOT-MoE), and the published ones as context
-            w.table(dt.dot_table(dense2moe, frames.dense2moe, name, "dense2moe"))
-            if compare is not None:
-                ref = dt.dense2moe_rows(compare.results[compare.results["sweep_kind"] == "reference"])
-                for rs in sorted(set(ref["sweep"])):
-                    w.table(
-                        dt.dot_paper_table(
-                            ref[ref["sweep"] == rs],
-                            compare.tasks[compare.tasks["sweep"] == rs],
-                            rs,
-                            f"dense2moe_{tb.slug(rs, True).strip('_')}",
-                        )
-                    )
-        small = mt.moe_models(everything)
-        for model in small:  # smaller MoEs (output = moe), beside a paper's of the same model
-            ref = None
-            rs = mt.match_moe_reference(compare.results, model) if tables_compare else None
-            if rs is not None:
-                rrows = compare.results[compare.results["sweep"] == rs]
-                ref = mt.moe_view(f"{model}, {rs}", rrows, compare.tasks[compare.tasks["sweep"] == rs], model)
-            view = mt.moe_view(model, everything, tasks, model)
-            w.table(mt.moe_table(view, ref, f"moe{tb.slug(model, len(small) > 1)}"))
-        for model in models:
-            slug = tb.slug(model, many)
-            f = ours_facts.get(model, {})
-            rf = ref_facts.get(matched.get(model, {}).get("sweep", ""), {}).get(
-                matched.get(model, {}).get("model", "")
-            )
-            w.figure(
-                fg.marginal_figure(f, model, rf, _ref_label(matched.get(model))),
-                f"marginal_accuracy{slug}",
-                f"Mean post-distill accuracy per scoring and per grouping, {model} (Figure 4)",
-            )
-            K, mat = selection_overlap(frames.selections[frames.selections["sweep"] == name], model)
-            if K is not None:
-                w.figure(
-                    fg.overlap_figure(K, mat, model),
-                    f"selection_overlap{slug}",
-                    f"Overlap of the top-K={K} experts kept by each scoring, mean over layers, {model} "
-                    "(Figure 2)",
-                )
-            er = effective_rank(frames.diagnostics[frames.diagnostics["sweep"] == name], res, model)
-            if len(er):
-                w.figure(
-                    fg.effective_rank_figure(er, model),
-                    f"effective_rank{slug}",
-                    f"Effective rank of the kept experts' kernel per scoring at K={int(er['K'].iloc[0])}, "
-                    f"{model} (Figure 3)",
-                )
-            cur = frames.curves[(frames.curves["sweep"] == name) & (frames.curves["model"] == model)]
-            w.figure(
-                fg.curves_figure(cur, res, model),
-                f"val_ce_curves{slug}",
-                f"Validation cross-entropy during distillation, {model} (Figure 5)",
-            )
-        if cres is not None:  # the other models of the comparison, largest study first
-            extra = []
-            for rs, mm in ref_facts.items():
-                for rm, rmf in mm.items():
-                    if rm not in models and _ref_sweep_for(cres, rm) == rs:
-                        extra.append((-rmf.get("n_distilled", 0), rs, rm))
-            for _, rs, rm in sorted(extra):
-                rrows = cres[(cres["sweep"] == rs) & (cres["model"] == rm)]
-                fig7.append(_fig7_panel(f"{rm} ({rs})", rrows))
-        w.figure(
-            fg.by_scoring_k_figure(fig7),
-            "accuracy_by_scoring_k",
-            "Post-distill accuracy by scoring and K per model; green K = k, coral K > k, dashed: random FFN "
-            "(Figure 7)",
-        )
-    fact_path = out_dir / "facts.json"
-    cv = code_versions(frames.code[frames.code["sweep"] == name])
-    doc = {
-        "sweep": name,
-        "code_versions": cv,
-        "facts": ours_facts,
-        "compare": {
-            m: {**v, "facts": ref_facts.get(v["sweep"], {}).get(v["model"])} for m, v in matched.items()
-        },
-    }
-    fact_path.write_text(json.dumps(doc, indent=1, sort_keys=True, default=str) + "\n")
-    w.items.append(
-        (fact_path, "Derived facts (selection picks, disagreements, marginal means, spreads, gaps) as JSON")
+            variant = next((v for v in rows["teacher_variant"] if v is not None), None)
+            m = match_reference(cres, model, variant)
+            if m is not None:
+                matched[model] = {"sweep": m[0], "model": m[1]}
+    return SweepData(
+        name=name,
+        frames=frames,
+        compare=compare,
+        everything=everything,
+        res=res,
+        tasks=tasks,
+        cres=cres,
+        ctasks=ctasks,
+        tables_compare=tables_compare,
+        facts=facts(res, tasks, frames.items).get(name, {}),
+        ref_facts=facts(cres, ctasks, compare.items) if cres is not None and len(cres) else {},
+        models=models,
+        matched=matched,
     )
-    index = out_dir / "index.md"
-    index.write_text(
-        _index(name, everything, w.items, ours_facts, ref_facts, matched, out_dir, code_versions_line(cv))
-    )
-    return [p for p, _ in w.items] + [index]
 
 
-def _ref_label(m: dict[str, str] | None) -> str:
-    return f"{m['model']}, {m['sweep']}" if m else ""
+@dataclass
+class Part:
+    """What one artefact is written for: the sweep itself, one of its models or one reference sweep (key);
+    slug fills the {slug} of the artefact's file stem."""
+
+    sweep: SweepData
+    key: str
+    slug: str = ""
+
+
+@dataclass
+class ModelPart(Part):
+    """One MoE model of the sweep's dense students, beside the reference model it is matched with."""
+
+    @cached_property
+    def rows(self) -> pd.DataFrame:
+        return self.sweep.res[self.sweep.res["model"] == self.key]
+
+    @cached_property
+    def view(self) -> tb.View:
+        return tb.make_view(self.key, self.rows, self.sweep.tasks)
+
+    @property
+    def facts(self) -> dict[str, Any]:
+        return self.sweep.facts.get(self.key, {})
+
+    @property
+    def match(self) -> dict[str, str] | None:
+        return self.sweep.matched.get(self.key)
+
+    @property
+    def ref_label(self) -> str:
+        m = self.match
+        return f"{m['model']}, {m['sweep']}" if m else ""
+
+    @cached_property
+    def ref(self) -> tb.View | None:
+        m, s = self.match, self.sweep
+        if m is None:
+            return None
+        rrows = s.cres[(s.cres["sweep"] == m["sweep"]) & (s.cres["model"] == m["model"])]
+        return tb.make_view(self.ref_label, rrows, s.ctasks[s.ctasks["sweep"] == m["sweep"]])
+
+    @property
+    def ref_facts(self) -> dict[str, Any] | None:
+        m = self.match
+        return self.sweep.ref_facts.get(m["sweep"], {}).get(m["model"]) if m else None
+
+    @cached_property
+    def overlap(self) -> tuple[int | None, pd.DataFrame]:
+        sel = self.sweep.frames.selections
+        return selection_overlap(sel[sel["sweep"] == self.sweep.name], self.key)
+
+    @cached_property
+    def effective_rank(self) -> pd.DataFrame:
+        d = self.sweep.frames.diagnostics
+        return effective_rank(d[d["sweep"] == self.sweep.name], self.sweep.res, self.key)
+
+
+def _model_parts(s: SweepData) -> list[Part]:
+    return [ModelPart(s, m, tb.slug(m, len(s.models) > 1)) for m in s.models]
+
+
+def _smaller_moe_parts(s: SweepData) -> list[Part]:
+    small = mt.moe_models(s.everything)
+    return [Part(s, m, tb.slug(m, len(small) > 1)) for m in small]
+
+
+def _dot_paper_parts(s: SweepData) -> list[Part]:
+    if s.compare is None:
+        return []
+    ref = dt.dense2moe_rows(s.compare.results[s.compare.results["sweep_kind"] == "reference"])
+    return [Part(s, rs, tb.slug(rs, True).strip("_")) for rs in sorted(set(ref["sweep"]))]
+
+
+Scope = Literal["sweep", "model", "smaller_moe", "dot_paper"]
+SCOPES: dict[str, Callable[[SweepData], list[Part]]] = {
+    "sweep": lambda s: [Part(s, s.name)],  # once
+    "model": _model_parts,  # per MoE model of the dense students (ModelPart)
+    "smaller_moe": _smaller_moe_parts,  # per model of the smaller MoEs (output moe/merged/edited)
+    "dot_paper": _dot_paper_parts,  # per reference sweep with dense -> MoE rows (with --compare)
+}
+
+
+# ---- what the report's artefacts need from the data --------------------------------------------------
+def has_dense2moe(p: Part) -> bool:
+    """The sweep has dense -> MoE (DOT-MoE) rows."""
+    return len(dt.dense2moe_rows(p.sweep.everything)) > 0
+
+
+def has_selection(p: ModelPart) -> bool:
+    """The model's facts hold the selection rule's picks (a pre-distill PPL grid)."""
+    return "selection" in p.facts
+
+
+def has_ablations(p: ModelPart) -> bool:
+    return bool(p.facts.get("ablations"))
+
+
+def pairwise_distilled(p: ModelPart) -> bool:
+    """The distilled students are one per scoring x grouping (Table 12), not a cross-model list."""
+    return tb.distilled_is_pairwise(p.view)
+
+
+def has_overlap(p: ModelPart) -> bool:
+    """The plans' kept experts at one K for several scorings (Figure 2)."""
+    return p.overlap[0] is not None
+
+
+def has_effective_rank(p: ModelPart) -> bool:
+    return len(p.effective_rank) > 0
+
+
+def always(p: Part) -> bool:
+    return True
+
+
+# ---- the renderers: a Part and the file stem -> a Table, Tables, a Figure, or None (nothing to show) ----
+def _ppl_grid(p: ModelPart, stem: str) -> list[Table]:
+    return tb.ppl_grid_tables(p.view, p.ref, stem)
+
+
+def _selection(p: ModelPart, stem: str) -> Table | None:
+    ref = (p.ref_facts or {}).get("selection")
+    return tb.selection_table(p.facts["selection"], p.key, ref, p.ref_label, stem)
+
+
+def _distilled(p: ModelPart, stem: str) -> Table | None:
+    return tb.distilled_table(p.view, p.ref, stem)
+
+
+def _distilled_by_k(p: ModelPart, stem: str) -> Table | None:
+    return tb.cross_model_table(p.view, p.ref, stem)
+
+
+def _ablations(p: ModelPart, stem: str) -> list[Table]:
+    ref = (p.ref_facts or {}).get("ablations")
+    return tb.ablation_tables(p.view, p.facts["ablations"], p.ref, ref, stem)
+
+
+def _marginal(p: ModelPart, stem: str) -> Table | None:
+    return tb.marginal_table(p.facts, p.key, p.ref_facts, p.ref_label, stem)
+
+
+def _baselines(p: Part, stem: str) -> Table | None:
+    s = p.sweep
+    ref = None
+    if s.cres is not None and s.matched:
+        m = next(iter(s.matched.values()))
+        ref = tb.make_view(
+            f"{m['model']}, {m['sweep']}",
+            s.cres[s.cres["sweep"] == m["sweep"]],
+            s.ctasks[s.ctasks["sweep"] == m["sweep"]],
+        )
+    label = s.models[0] if len(s.models) == 1 else s.name
+    return tb.baselines_table(tb.make_view(label, s.res, s.tasks), ref, stem)
+
+
+def _dense2moe(p: Part, stem: str) -> Table | None:
+    s = p.sweep
+    return dt.dot_table(dt.dense2moe_rows(s.everything), s.frames.dense2moe, s.name, stem)
+
+
+def _dense2moe_paper(p: Part, stem: str) -> Table | None:
+    c = p.sweep.compare
+    ref = dt.dense2moe_rows(c.results[c.results["sweep_kind"] == "reference"])
+    return dt.dot_paper_table(ref[ref["sweep"] == p.key], c.tasks[c.tasks["sweep"] == p.key], p.key, stem)
+
+
+def _moe(p: Part, stem: str) -> Table | None:
+    """Smaller MoEs (output = moe), beside a paper's of the same model."""
+    s, model = p.sweep, p.key
+    ref = None
+    rs = mt.match_moe_reference(s.compare.results, model) if s.tables_compare else None
+    if rs is not None:
+        rrows = s.compare.results[s.compare.results["sweep"] == rs]
+        ref = mt.moe_view(f"{model}, {rs}", rrows, s.compare.tasks[s.compare.tasks["sweep"] == rs], model)
+    return mt.moe_table(mt.moe_view(model, s.everything, s.tasks, model), ref, stem)
+
+
+def _marginal_figure(p: ModelPart, stem: str):
+    return fg.marginal_figure(p.facts, p.key, p.ref_facts, p.ref_label)
+
+
+def _overlap_figure(p: ModelPart, stem: str):
+    K, mat = p.overlap
+    return fg.overlap_figure(K, mat, p.key)
+
+
+def _effective_rank_figure(p: ModelPart, stem: str):
+    return fg.effective_rank_figure(p.effective_rank, p.key)
+
+
+def _curves_figure(p: ModelPart, stem: str):
+    s = p.sweep
+    cur = s.frames.curves[(s.frames.curves["sweep"] == s.name) & (s.frames.curves["model"] == p.key)]
+    return fg.curves_figure(cur, s.res, p.key)
+
+
+def _by_scoring_k_figure(p: Part, stem: str):
+    """Figure 7: the sweep's models, then the comparison's other models, largest study first."""
+    s = p.sweep
+    panels = [_fig7_panel(f"{m} ({s.name})", s.res[s.res["model"] == m]) for m in s.models]
+    if s.cres is not None:
+        extra = []
+        for rs, mm in s.ref_facts.items():
+            for rm, rmf in mm.items():
+                if rm not in s.models and _ref_sweep_for(s.cres, rm) == rs:
+                    extra.append((-rmf.get("n_distilled", 0), rs, rm))
+        for _, rs, rm in sorted(extra):
+            panels.append(
+                _fig7_panel(f"{rm} ({rs})", s.cres[(s.cres["sweep"] == rs) & (s.cres["model"] == rm)])
+            )
+    return fg.by_scoring_k_figure(panels)
 
 
 def _ref_sweep_for(cres: pd.DataFrame, model: str) -> str | None:
@@ -247,13 +347,182 @@ def _ref_sweep_for(cres: pd.DataFrame, model: str) -> str | None:
     return str(n["sweep"].iloc[0])
 
 
-def _sweep_ref(cres: pd.DataFrame | None, ctasks: pd.DataFrame | None, matched: dict[str, dict[str, str]]):
-    if cres is None or not matched:
-        return None
-    m = next(iter(matched.values()))
-    return tb.make_view(
-        _ref_label(m), cres[cres["sweep"] == m["sweep"]], ctasks[ctasks["sweep"] == m["sweep"]]
+def _fig7_panel(label: str, rows):
+    """One model's Figure 7 panel: best accuracy per scoring and K, the router's k, the random-FFN line."""
+    return fg.panel(
+        label,
+        best_by_scoring_k(distilled_rows(rows)),
+        top_k_of(rows[rows["kind"] == "moe2dense"]),
+        baseline_avg(rows, "random_ffn"),
     )
+
+
+# ---- the registry ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Artefact:
+    """One table or figure of the report.
+
+    scope: what it is written for, one per part (SCOPES: the sweep, each model of its dense students, each
+    model of its smaller MoEs, each reference DOT-MoE sweep); needs: whether a part's data calls for it;
+    render(part, stem): the Table(s) or Figure, or None when there is nothing to show; stem: the file
+    name, {slug} filled per part (a table: tables/<stem>.tex, a split table tables/<stem>_1.tex, ...; a
+    figure: figures/<stem>.png and .pdf); caption: the index entry (a figure's; None for a table: its own
+    index caption), a string or a function of the part."""
+
+    name: str
+    scope: Scope
+    kind: Literal["table", "figure"]
+    stem: str
+    render: Callable[[Any, str], Any]
+    needs: Callable[[Any], bool] = always
+    caption: str | Callable[[Any], str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.scope not in SCOPES or self.kind not in ("table", "figure"):
+            raise ValueError(
+                f"artefact {self.name!r}: scope {self.scope!r} / kind {self.kind!r}; allowed: scopes "
+                f"{', '.join(SCOPES)}, kinds table, figure"
+            )
+
+    def index_caption(self, p: Part) -> str | None:
+        return self.caption(p) if callable(self.caption) else self.caption
+
+
+# Written in this order; consecutive entries of one scope go part by part (all of one model's tables
+# before the next model's), which is the order of the index.
+ARTEFACTS: list[Artefact] = [
+    Artefact("ppl_grid", "model", "table", "ppl_grid{slug}", _ppl_grid),
+    Artefact("selection", "model", "table", "selection{slug}", _selection, needs=has_selection),
+    Artefact("distilled", "model", "table", "distilled{slug}", _distilled, needs=pairwise_distilled),
+    Artefact(
+        "distilled_by_k",
+        "model",
+        "table",
+        "distilled_by_k{slug}",
+        _distilled_by_k,
+        needs=lambda p: not pairwise_distilled(p),
+    ),
+    Artefact("ablation", "model", "table", "ablation{slug}", _ablations, needs=has_ablations),
+    Artefact("marginal", "model", "table", "marginal{slug}", _marginal),
+    Artefact("baselines", "sweep", "table", "baselines", _baselines),
+    Artefact("dense2moe", "sweep", "table", "dense2moe", _dense2moe, needs=has_dense2moe),
+    Artefact(
+        "dense2moe_paper", "dot_paper", "table", "dense2moe_{slug}", _dense2moe_paper, needs=has_dense2moe
+    ),
+    Artefact("moe", "smaller_moe", "table", "moe{slug}", _moe),
+    Artefact(
+        "marginal_accuracy",
+        "model",
+        "figure",
+        "marginal_accuracy{slug}",
+        _marginal_figure,
+        caption=lambda p: f"Mean post-distill accuracy per scoring and per grouping, {p.key} (Figure 4)",
+    ),
+    Artefact(
+        "selection_overlap",
+        "model",
+        "figure",
+        "selection_overlap{slug}",
+        _overlap_figure,
+        needs=has_overlap,
+        caption=lambda p: (
+            f"Overlap of the top-K={p.overlap[0]} experts kept by each scoring, mean over layers, "
+            f"{p.key} (Figure 2)"
+        ),
+    ),
+    Artefact(
+        "effective_rank",
+        "model",
+        "figure",
+        "effective_rank{slug}",
+        _effective_rank_figure,
+        needs=has_effective_rank,
+        caption=lambda p: (
+            "Effective rank of the kept experts' kernel per scoring at "
+            f"K={int(p.effective_rank['K'].iloc[0])}, {p.key} (Figure 3)"
+        ),
+    ),
+    Artefact(
+        "val_ce_curves",
+        "model",
+        "figure",
+        "val_ce_curves{slug}",
+        _curves_figure,
+        caption=lambda p: f"Validation cross-entropy during distillation, {p.key} (Figure 5)",
+    ),
+    Artefact(
+        "accuracy_by_scoring_k",
+        "sweep",
+        "figure",
+        "accuracy_by_scoring_k",
+        _by_scoring_k_figure,
+        caption="Post-distill accuracy by scoring and K per model; green K = k, coral K > k, dashed: random "
+        "FFN (Figure 7)",
+    ),
+]
+
+
+def planned(s: SweepData, registry: list[Artefact] | None = None) -> Iterator[tuple[Artefact, Part]]:
+    """The (artefact, part) pairs the registry (ARTEFACTS unless given) calls for on this sweep, in the
+    report's order."""
+    parts: dict[str, list[Part]] = {}
+    for scope, group in itertools.groupby(ARTEFACTS if registry is None else registry, lambda a: a.scope):
+        entries = list(group)
+        for p in parts.setdefault(scope, SCOPES[scope](s)):
+            for a in entries:
+                if a.needs(p):
+                    yield a, p
+
+
+def _write(a: Artefact, p: Part, out_dir: Path) -> list[tuple[Path, str]]:
+    """Render one artefact for one part; its files and their index captions (none: nothing to show)."""
+    stem = a.stem.format(slug=p.slug)
+    made = a.render(p, stem)
+    if a.kind == "figure":
+        if made is None:
+            return []
+        with fg.style():
+            paths = fg.save(made, out_dir / "figures" / stem)
+        return [(q, a.index_caption(p)) for q in paths]
+    items = []
+    for t in made if isinstance(made, list) else [made]:
+        if t is None:
+            continue
+        path = out_dir / "tables" / f"{t.stem}.tex"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(t.tex())
+        items.append((path, a.index_caption(p) or t.index_caption or t.caption))
+    return items
+
+
+def write_report(frames: Frames, name: str, out_dir: Path, compare: Frames | None = None) -> list[Path]:
+    """Write the report of sweep `name` into out_dir; returns the artefact paths (index.md last)."""
+    out_dir = Path(out_dir)
+    s = load_sweep(frames, name, compare)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    items: list[tuple[Path, str]] = []
+    with fg.style():
+        for a, p in planned(s):
+            items += _write(a, p, out_dir)
+    fact_path = out_dir / "facts.json"
+    cv = code_versions(frames.code[frames.code["sweep"] == name])
+    doc = {
+        "sweep": name,
+        "code_versions": cv,
+        "facts": s.facts,
+        "compare": {
+            m: {**v, "facts": s.ref_facts.get(v["sweep"], {}).get(v["model"])} for m, v in s.matched.items()
+        },
+    }
+    fact_path.write_text(json.dumps(doc, indent=1, sort_keys=True, default=str) + "\n")
+    items.append(
+        (fact_path, "Derived facts (selection picks, disagreements, marginal means, spreads, gaps) as JSON")
+    )
+    index = out_dir / "index.md"
+    index.write_text(
+        _index(name, s.everything, items, s.facts, s.ref_facts, s.matched, out_dir, code_versions_line(cv))
+    )
+    return [p for p, _ in items] + [index]
 
 
 # ---- the index -----------------------------------------------------------------------------------
@@ -449,13 +718,3 @@ def _index(
                 "",
             ]
     return "\n".join(lines).rstrip() + "\n"
-
-
-def _fig7_panel(label: str, rows):
-    """One model's Figure 7 panel: best accuracy per scoring and K, the router's k, the random-FFN line."""
-    return fg.panel(
-        label,
-        best_by_scoring_k(distilled_rows(rows)),
-        top_k_of(rows[rows["kind"] == "moe2dense"]),
-        baseline_avg(rows, "random_ffn"),
-    )
