@@ -298,7 +298,7 @@ def test_edited_model_computes_the_teacher_with_the_reconstructed_experts(family
         torch.equal(a, b) for a, b in zip(s_routers, t_routers, strict=True)
     )
     for layer in adapter.moe_layers(student):
-        assert torch.equal(
+        assert torch.equal(  # exact: the same copied router tensors, read through the blocks
             router_of(family, block_of(family, student, layer)).weight,
             router_of(family, block_of(family, model, layer)).weight,
         )

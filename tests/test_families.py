@@ -215,6 +215,7 @@ def test_gpt_oss_layout_clamp_and_bias():
     assert torch.equal(w.gate[3, 5], ex.gate_up_proj[3, :, 10]) and torch.equal(
         w.up[3, 5], ex.gate_up_proj[3, :, 11]
     )
+    # exact: strided views of the fused bias and a transposed view of down (the same bytes)
     assert torch.equal(w.up_bias[2], ex.gate_up_proj_bias[2, 1::2]) and torch.equal(
         w.down[1], ex.down_proj[1].T
     )

@@ -3,12 +3,14 @@
 A bitwise comparison (torch.equal, numpy's array_equal, assert_close with rtol=0 and atol=0) is right only where
 exactness is the claim and it is deterministic: integer tensors, indices, bools, bytes copied unchanged (a slice,
 a gather, a safetensors round trip), or the very same ops in the same order on the same shapes. Each such line
-says why with a `# exact: <reason>` comment on it or on one of the 3 lines above it; two different computations
+says why with a `# exact: <reason>` comment in its statement (a formatter may move a comment to the end of a
+statement it splits over lines) or on one of the 3 lines above it; two different computations
 that are only mathematically equal are compared with torch.testing.assert_close and a tolerance instead.
 """
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -21,16 +23,32 @@ BITWISE = re.compile(
 )
 
 
+def _statement_spans(source: str) -> dict[int, tuple[int, int]]:
+    """line (1-based) → (first, last) line of the innermost simple statement holding it."""
+    spans: dict[int, tuple[int, int]] = {}
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return spans
+    simple = [n for n in ast.walk(tree) if isinstance(n, ast.stmt) and not hasattr(n, "body")]
+    for n in sorted(simple, key=lambda n: n.end_lineno - n.lineno, reverse=True):  # innermost last wins
+        for line in range(n.lineno, n.end_lineno + 1):
+            spans[line] = (n.lineno, n.end_lineno)
+    return spans
+
+
 def unjustified(source: str) -> list[int]:
-    """The 1-based numbers of the code lines comparing bitwise without a `# exact:` marker on the line or on
-    one of the WINDOW lines above it."""
+    """The 1-based numbers of the code lines comparing bitwise without a `# exact:` marker in their statement
+    or on one of the WINDOW lines above it."""
     lines = source.splitlines()
+    spans = _statement_spans(source)
     bad = []
     for i, line in enumerate(lines):
         code = line.split("#", 1)[0]
         if not BITWISE.search(code):
             continue
-        if not any(MARKER.search(lines[j]) for j in range(max(0, i - WINDOW), i + 1)):
+        first, last = spans.get(i + 1, (i + 1, i + 1))
+        if not any(MARKER.search(lines[j]) for j in range(max(0, first - 1 - WINDOW), last)):
             bad.append(i + 1)
     return bad
 
@@ -73,3 +91,7 @@ def test_the_guard_catches_a_comparison_without_its_reason():
     assert unjustified(rtol0) == [1] and unjustified("# exact: copied bytes\n" + rtol0) == []
     assert unjustified("torch.testing.assert_close(a, b, rtol=0, atol=1e-12)\n") == []
     assert unjustified("np.array_equal(a, b)\n") == [1]
+    split = f"assert {eq}(\n    a, b\n)  # exact: copied bytes\n"  # a formatter put the comment at the end
+    assert unjustified(split) == [] and unjustified(split.replace("# exact: copied bytes", "")) == [1]
+    two = f"x = 1  # exact: about x only\ny = 2\nz = 3\nw = 4\nassert {eq}(\n    a, b\n)\n"
+    assert unjustified(two) == [5]  # another statement's marker, 4 lines up, does not count
