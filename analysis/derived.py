@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.uncertainty import SEED_RULE, SeedValues, Uncertainty, pooled, seed_label
+from db.axes import default_rule, design_axes
 from db.select_rule import select_best_rows
 
 SCORING_ORDER = ("SF", "PP", "PS", "CP", "ACP", "DO-CP", "DO-ACP", "REAP", "EAN", "frequency")
@@ -36,7 +37,9 @@ ORDERS = {
     "distill_loss": LOSS_ORDER,
 }
 # the paper's rule (§4.1), used for a sweep that stores none (and said so wherever the rule is stated)
-DEFAULT_RULE = {"best_by": "ppl_pre", "per": ["scoring", "grouping"], "over": ["K", "dp_scaling"]}
+DEFAULT_RULE = default_rule()
+# the axes that shape a dense student (the paper's design axes): scoring, grouping, dp_scaling, K
+DESIGN_AXES = design_axes("dense")
 PRIOR_WORK = {("SF", "AB"): "MC-SMoE metrics", ("SF", "OC"): "HC-SMoE metrics"}  # Table 3 (§4.2)
 # differences of marginal means the paper states in words (§4.2), checked against their uncertainty
 STATED_PAIRS = (("scoring", "DO-ACP", "ACP"), ("grouping", "RR", "AB"))
@@ -155,7 +158,7 @@ def sweep_rule(rows: pd.DataFrame) -> tuple[dict[str, Any], str]:
     if len(stored) > 1:
         raise ValueError(f"rows: {len(stored)} different selection rules; allowed: the rows of one sweep")
     if not stored:
-        return dict(DEFAULT_RULE), "default"
+        return default_rule(), "default"
     try:
         rule = json.loads(stored[0])
     except json.JSONDecodeError:
@@ -230,7 +233,7 @@ def selection_report(grid: pd.DataFrame, rule: dict[str, Any] | None = None) -> 
         if pub is not None and (r["ppl_pre"] is None or abs(r["ppl_pre"] - pub) > 0.5):
             published.append(
                 {
-                    **{a: r[a] for a in ("scoring", "grouping", "dp_scaling", "K")},
+                    **{a: r[a] for a in DESIGN_AXES},
                     "ppl_pre_grid": r4(r["ppl_pre"]),
                     "ppl_pre_published": r4(pub),
                 }
@@ -243,7 +246,7 @@ def selection_report(grid: pd.DataFrame, rule: dict[str, Any] | None = None) -> 
             and r.get("ppl_pre_kind") in (None, "finite")
         ):
             continue
-        cell = {a: r[a] for a in ("scoring", "grouping", "dp_scaling", "K")}
+        cell = {a: r[a] for a in DESIGN_AXES}
         (nonfinite if r.get("ppl_pre_kind") not in (None, "finite") else missing).append(
             {**cell, "value_kind": r.get("ppl_pre_kind")} if r.get("ppl_pre_kind") else cell
         )
@@ -334,7 +337,7 @@ def ablations(rows: pd.DataFrame) -> list[dict[str, Any]]:
     moe = rows[rows["kind"] == "moe2dense"]
     var = moe[is_variant(moe) & ~is_seed_repeat(moe) & moe["avg"].notna()]
     base = distilled_rows(moe)
-    axes = ["scoring", "grouping", "dp_scaling", "K"]
+    axes = list(DESIGN_AXES)
     out = []
     students = []
     for main in {plain(m) for m in var["variant_of"]}:
@@ -385,7 +388,7 @@ def seed_report(rows: pd.DataFrame) -> dict[str, Any] | None:
     ids = set().union(*(v.keys() for v in seeds.values()))
     if not ids:
         return None
-    axes = ["scoring", "grouping", "dp_scaling", "K"]
+    axes = list(DESIGN_AXES)
     students = []
     for r in records(sort_rows(moe[moe["config_id"].isin(ids)], axes)):
         e: dict[str, Any] = {**{a: r[a] for a in axes}, "config_id": r["config_id"]}
@@ -433,7 +436,7 @@ def model_facts(results: pd.DataFrame, model: str, unc: Uncertainty | None = Non
     if len(dist):
         f["n_distilled"] = int(len(dist))
         f["marginal_means"], f["spread"] = {}, {}
-        for axis in ("scoring", "grouping", "dp_scaling", "K"):
+        for axis in DESIGN_AXES:
             m = marginal_means(dist, axis)
             if len(m) >= 2:
                 groups = {v: [int(c) for c in dist.loc[dist[axis] == v, "config_id"]] for v in m[axis]}
@@ -447,9 +450,7 @@ def model_facts(results: pd.DataFrame, model: str, unc: Uncertainty | None = Non
         f["stated"] = _stated_pairs(dist, f["marginal_means"], unc)
         ranked = records(dist.sort_values(["avg", "config_id"], ascending=[False, True]))
         top = ranked[0]
-        f["best"] = {a: top[a] for a in ("scoring", "grouping", "dp_scaling", "K")} | {
-            "avg": r4(pct(top["avg"]))
-        }
+        f["best"] = {a: top[a] for a in DESIGN_AXES} | {"avg": r4(pct(top["avg"]))}
         f["intervals"] = {}
         if k is not None:
             n = next((i for i, r in enumerate(ranked) if r["K"] != k), len(ranked))

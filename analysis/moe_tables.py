@@ -20,11 +20,12 @@ import pandas as pd
 from analysis.derived import order_key, pct, plain, records
 from analysis.latex import Table, esc, fmt_pct
 from analysis.tables import View, _group_header, make_view, task_header
+from db.axes import MOE_OUTPUTS, method_axis
 
 RECOVERY_LABEL = {"none": "none", "router_kd": "Router KD", "full_kd": "full KD"}
-SMALLER = ("moe", "merged", "edited")  # the outputs that keep a router
+SMALLER = MOE_OUTPUTS  # the outputs that keep a router
 PARADIGM = {"moe": "prune", "merged": "merge", "edited": "edit"}
-METHOD_AXIS = {"moe": "scoring", "merged": "merging", "edited": "editing"}
+METHOD_AXIS = {o: method_axis(o) for o in SMALLER}  # moe: scoring, merged: merging, edited: editing
 
 
 def moe_rows(results: pd.DataFrame) -> pd.DataFrame:

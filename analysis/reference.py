@@ -23,6 +23,8 @@ import csv
 from pathlib import Path
 from typing import Any
 
+from db.axes import default_rule
+
 DATA = Path(__file__).parent / "data"
 PAPER = "arXiv:2605.28207"
 SOURCE = f"paper:{PAPER}"
@@ -51,7 +53,7 @@ MAIN = "paper:qwen3-30b-a3b"
 # the selection rules between stages (§4.1): the Qwen3 study picks, per scoring × grouping, the
 # (K, scaling) with the lowest pre-distill PPL; the base teacher (Table 8) and the cross-model sweeps
 # (Tables 16/17) distill each scoring at several K, one student per scoring × K
-RULE_PAIR = {"best_by": "ppl_pre", "per": ["scoring", "grouping"], "over": ["K", "dp_scaling"]}
+RULE_PAIR = default_rule()  # the paper's §4.1 rule, every sweep's default (db/axes.py)
 RULE_BASE = {"best_by": "ppl_pre", "per": ["scoring", "K"], "over": ["grouping", "dp_scaling"]}
 RULE_CROSS = {"best_by": "ppl_pre", "per": ["scoring", "K"], "over": ["dp_scaling"]}
 

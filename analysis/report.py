@@ -26,6 +26,7 @@ from analysis import figures as fg
 from analysis import moe_tables as mt
 from analysis import tables as tb
 from analysis.derived import (
+    DESIGN_AXES,
     baseline_avg,
     best_by_scoring_k,
     code_versions,
@@ -649,7 +650,7 @@ def _seed_lines(sd: dict[str, Any] | None, who: str) -> list[str]:
                 vals = ", ".join(f"{v:{fmt}}" for v in p["values"])
                 se = f", item SE {p['item_se']:.2f}" if p.get("item_se") is not None else ""
                 parts.append(f"{name} {vals} → {p['mean']:{fmt}}{_pm(p['sd'])}{se}")
-        axes = _cell({a: st[a] for a in ("scoring", "grouping", "dp_scaling", "K")})
+        axes = _cell({a: st[a] for a in DESIGN_AXES})
         out.append(f"  - {axes}: " + "; ".join(parts) + ".")
     return out
 

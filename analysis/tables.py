@@ -12,6 +12,7 @@ from typing import Any
 import pandas as pd
 
 from analysis.derived import (
+    DESIGN_AXES,
     PRIOR_WORK,
     distilled_rows,
     grid_rows,
@@ -317,7 +318,7 @@ def distilled_is_pairwise(view: View) -> bool:
 
 def distilled_table(view: View, ref: View | None, stem: str) -> Table | None:
     """Table 12 layout: one row per scoring×grouping pair, its (K, scaling), PPLs and accuracies."""
-    d = sort_rows(distilled_rows(view.rows), ["scoring", "grouping", "dp_scaling", "K"])
+    d = sort_rows(distilled_rows(view.rows), list(DESIGN_AXES))
     if d.empty:
         return None
     best = {s: g["avg"].max() for s, g in d.groupby("scoring")}

@@ -108,7 +108,7 @@ def svg_curve(curves: dict[str, list[tuple[int, float]]], width: int = 560, heig
 
 templates = Jinja2Templates(directory=str(HERE / "templates"))
 templates.env.filters.update(ppl=_ppl, pct=_pct, num=_num, dur=_dur, seg=_seg, last_line=D.last_line)
-templates.env.globals.update(statuses=D.STATUSES, poll_ms=POLL_MS)
+templates.env.globals.update(statuses=D.STATUSES, poll_ms=POLL_MS, labels=D.LABELS)
 
 
 def _store(request: Request) -> Store:
@@ -167,25 +167,7 @@ def sweep_page(request: Request) -> Response:
         selected_only=q.get("selected") == "1",
         search=q.get("q") or None,
     )
-    shown = [
-        c
-        for c in (
-            "kind",
-            "baseline",
-            "scoring",
-            "grouping",
-            "dp_scaling",
-            "K",
-            "output",
-            "recovery",
-            "merging",
-            "editing",
-            "variant",
-            "distill_loss",
-            "teacher_top_k",
-        )
-        if any(r[c] is not None for r in found)
-    ]
+    shown = [c for c in D.TABLE_AXES if any(r[c] is not None for r in found)]
     return _page(
         request,
         "sweep.html",
@@ -260,6 +242,7 @@ def config_page(request: Request) -> Response:
         request,
         "config.html",
         cfg=cfg,
+        fields=D.CONFIG_PAGE_FIELDS,
         plan=D.plan(store, cid),
         metrics=D.metrics(store, cid),
         curve=svg_curve(curve),

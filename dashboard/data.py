@@ -11,55 +11,67 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from db import axes
 from db.store import Store, owner_dead
 
 STATUSES = ("succeeded", "running", "failed", "pending")
-# the results table: the columns shown, those a visitor may filter on (axes) and sort by
-RESULT_COLUMNS = (
-    "config_id",
-    "config_key",
-    "model",
-    "kind",
-    "baseline",
-    "scoring",
-    "grouping",
-    "dp_scaling",
-    "K",
-    "output",
-    "recovery",
-    "merging",
-    "editing",
-    "top_k",
-    "variant",
-    "distill_loss",
-    "teacher_top_k",
-    "distill_tokens",
-    "ppl_pre",
-    "ppl_pre_kind",
-    "ppl_post",
-    "ppl_post_kind",
-    "avg_acc",
-    "params",
-    "selected_for_distill",
-    "duplicate_of",
-)
-FILTER_AXES = (
-    "model",
-    "kind",
-    "baseline",
-    "scoring",
-    "grouping",
-    "dp_scaling",
-    "K",
-    "output",
-    "recovery",
-    "merging",
-    "editing",
-    "variant",
-    "distill_loss",
-    "teacher_top_k",
-)
-INT_AXES = frozenset({"K", "teacher_top_k", "top_k"})
+# the results table: the columns shown, those a visitor may filter on (axes) and sort by; the axes come
+# from db/axes.py in its reading order, with the configuration's description around them
+DESCRIBED_BY = ("model", "kind", "baseline")  # before the axes
+VARIED_BY = ("variant", "distill_loss", "teacher_top_k")  # after them: what a distillation variant changes
+NUMBERS = ("ppl_pre", "ppl_pre_kind", "ppl_post", "ppl_post_kind", "avg_acc", "params")
+
+
+def result_columns() -> tuple[str, ...]:
+    return (
+        "config_id",
+        "config_key",
+        *DESCRIBED_BY,
+        *axes.listed(),
+        "top_k",
+        *VARIED_BY,
+        "distill_tokens",
+        *NUMBERS,
+        "selected_for_distill",
+        "duplicate_of",
+    )
+
+
+def filter_axes() -> tuple[str, ...]:
+    return (*DESCRIBED_BY, *axes.listed(), *VARIED_BY)
+
+
+def table_axes() -> tuple[str, ...]:
+    """The columns of the results page between the id and the numbers (shown where a row has a value)."""
+    return tuple(a for a in filter_axes() if a != "model")
+
+
+def config_page_fields() -> tuple[str, ...]:
+    """What a configuration's page lists (each where it has a value)."""
+    return (
+        *DESCRIBED_BY,
+        *axes.listed(),
+        "top_k",
+        "settings",
+        *VARIED_BY,
+        "distill_tokens",
+        "duplicate_of",
+        "variant_of",
+        "plan_key",
+    )
+
+
+def labels() -> dict[str, str]:
+    """Column → its title (the axes' labels; any other column is titled by its name)."""
+    return axes.labels()
+
+
+RESULT_COLUMNS = result_columns()
+FILTER_AXES = filter_axes()
+TABLE_AXES = table_axes()
+CONFIG_PAGE_FIELDS = config_page_fields()
+LABELS = labels()
+INT_AXES = axes.int_axes() | {"teacher_top_k", "top_k"}
 SORTABLE = frozenset(RESULT_COLUMNS) - {"ppl_pre_kind", "ppl_post_kind"}
 
 
@@ -78,14 +90,13 @@ def rows(store: Store, sql: str, params: dict[str, Any] | None = None) -> list[d
     return [dict(zip(cols, r, strict=True)) for r in found]
 
 
-def stage_order() -> list[str]:
-    from orchestrator.stage import stages
+def stage_order(store: Store) -> list[str]:
+    """The stages in launch order, read from the database (the order the orchestrator recorded, then
+    as the jobs first name them): the dashboard never imports the orchestrator."""
+    return store.stage_order()
 
-    return [s.name for s in stages()]
 
-
-def _ordered(stage_names) -> list[str]:
-    order = stage_order()
+def _ordered(stage_names, order: list[str]) -> list[str]:
     return sorted(set(stage_names), key=lambda s: (order.index(s) if s in order else len(order), s))
 
 
@@ -144,7 +155,8 @@ def stage_counts(store: Store, sweep: str | None = None) -> dict[str, dict[str, 
             st = "dead"
         per = out.setdefault(r["sweep"], {}).setdefault(r["stage"], {})
         per[st] = per.get(st, 0) + 1
-    return {sw: {stage: per[stage] for stage in _ordered(per)} for sw, per in out.items()}
+    order = stage_order(store)
+    return {sw: {stage: per[stage] for stage in _ordered(per, order)} for sw, per in out.items()}
 
 
 def sweeps(store: Store) -> list[SweepRow]:
@@ -300,7 +312,7 @@ def config_jobs(store: Store, config_id: int) -> list[dict[str, Any]]:
         "JOIN jobs j ON j.id = cj.job_id WHERE cj.config_id = :c",
         {"c": config_id},
     )
-    order = stage_order()
+    order = stage_order(store)
     return sorted(found, key=lambda r: order.index(r["stage"]) if r["stage"] in order else len(order))
 
 
@@ -323,7 +335,7 @@ def sweep_jobs(
         f"JOIN jobs j ON j.id = sj.job_id WHERE {' AND '.join(where)} ORDER BY j.id",
         params,
     )
-    order = stage_order()
+    order = stage_order(store)
     return sorted(found, key=lambda r: order.index(r["stage"]) if r["stage"] in order else len(order))
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dashboard.data import rows
+from db import axes
 from db.store import Store
 
 # the LaTeX the tables write (analysis/latex.py), back to plain characters
@@ -216,7 +217,9 @@ def _captions(index: Path) -> dict[str, str]:
 
 
 # ---- the side-by-side view against the paper ------------------------------------------------------
-MATCH_AXES = ("kind", "baseline", "scoring", "grouping", "dp_scaling", "K", "output", "variant")
+# a dense student's design axes (db/axes.py) with what says which configuration it is
+MATCH_AXES = ("kind", "baseline", *axes.design_axes("dense"), "output", "variant")
+INT_AXES = axes.int_axes()
 
 
 def compare(store: Store, name: str) -> dict[str, Any]:
@@ -289,6 +292,6 @@ def _match_key(r: dict[str, Any]) -> tuple:
             return "dense"
         if v is None or v != v:  # NaN from pandas
             return None
-        return int(v) if a == "K" else v
+        return int(v) if a in INT_AXES else v
 
     return tuple(norm(a) for a in MATCH_AXES)

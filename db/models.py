@@ -66,6 +66,15 @@ class Job(Base):
     inputs_json: Mapped[str | None] = mapped_column(Text)
 
 
+class StageOrder(Base):
+    """The order a launch runs its stages in, as the orchestrator last recorded it (readers order stages
+    by it instead of importing the orchestrator's registry)."""
+
+    __tablename__ = "stages"
+    name: Mapped[str] = mapped_column(String(40), primary_key=True)
+    position: Mapped[int] = mapped_column(Integer)
+
+
 class SweepJob(Base):
     __tablename__ = "sweep_jobs"
     __table_args__ = (UniqueConstraint("sweep_id", "job_id"),)

@@ -1,15 +1,18 @@
 """The selection rule between stages (paper §4.1): for each group of `per` axes, the configuration
 with the lowest finite metric over the `over` axes. Shared by the orchestrator (what to distill) and
-analysis (which picks a grid implies), so both always agree."""
+analysis (which picks a grid implies), so both always agree. The default rule (the paper's) is stated in
+db/axes.py: `DEFAULT_RULE`."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
+from db.axes import DEFAULT_RULE
+
 
 def select_best_rows(
-    rows: list[dict[str, Any]], per: list[str], over: list[str], by: str = "ppl_pre"
+    rows: list[dict[str, Any]], per: list[str], over: list[str], by: str = DEFAULT_RULE["best_by"]
 ) -> list[dict[str, Any]]:
     """Per group of `per`, the row with the lowest finite `by`; ties go to the smallest str() of `over`.
     A row whose `<by>_kind` says inf/nan (a diverged model, the paper's "–") never wins."""

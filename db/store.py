@@ -23,8 +23,9 @@ from typing import Any
 
 from sqlalchemy import Connection, create_engine, delete, event, func, insert, inspect, select, text, update
 from sqlalchemy.engine import URL, Engine, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, NoSuchModuleError, SQLAlchemyError
 
+from db.axes import config_fields
 from db.items import item_row
 from db.models import (
     Artifact,
@@ -35,6 +36,7 @@ from db.models import (
     LayerDiagnostic,
     Metric,
     PlanRow,
+    StageOrder,
     Sweep,
     SweepJob,
 )
@@ -56,31 +58,7 @@ METRIC_FIELDS = (
     "num_fewshot",
     "headline",
 )
-CONFIG_FIELDS = (
-    "model",
-    "teacher_variant",
-    "family",
-    "kind",
-    "baseline",
-    "scoring",
-    "grouping",
-    "dp_scaling",
-    "K",
-    "top_k",
-    "distill_loss",
-    "teacher_top_k",
-    "distill_tokens",
-    "source_table",
-    "selected_for_distill",
-    "plan_key",
-    "note",
-    "variant",
-    "output",
-    "recovery",
-    "merging",
-    "editing",
-    "settings",
-)
+CONFIG_FIELDS = config_fields()  # its description and axes (db/axes.py)
 
 
 def home() -> Path:
@@ -285,6 +263,40 @@ class Store:
     def sweep_id(self, name: str) -> int | None:
         with self.tx() as c:
             return c.scalar(select(Sweep.id).where(Sweep.name == name))
+
+    # ---- stages ---------------------------------------------------------------------------
+    def record_stages(self, names: Iterable[str]) -> None:
+        """Record the order a launch runs its stages in (table `stages`), so readers order stages without
+        the orchestrator's registry; a launch with another order replaces it, one with the same writes
+        nothing."""
+        want = {name: i for i, name in enumerate(dict.fromkeys(names))}
+        for attempt in (1, 2):
+            try:
+                with self.tx() as c:
+                    have = dict(c.execute(select(StageOrder.name, StageOrder.position)).all())
+                    if have == want:
+                        return
+                    gone = [n for n in have if n not in want]
+                    if gone:
+                        c.execute(delete(StageOrder).where(StageOrder.name.in_(gone)))
+                    for name, pos in want.items():
+                        if name not in have:
+                            c.execute(insert(StageOrder).values(name=name, position=pos))
+                        elif have[name] != pos:
+                            c.execute(update(StageOrder).where(StageOrder.name == name).values(position=pos))
+                return
+            except IntegrityError:  # another launch inserted the same stage meanwhile: read it and go on
+                if attempt == 2:
+                    raise
+
+    def stage_order(self) -> list[str]:
+        """The stages in launch order as the orchestrator recorded it, then any other stage the jobs name,
+        in the order they first appear (a database no launch has recorded an order in yet: that order)."""
+        with self._errors(), self.engine.connect() as c:
+            names = list(c.scalars(select(StageOrder.name).order_by(StageOrder.position, StageOrder.name)))
+            names += c.scalars(select(Job.stage).group_by(Job.stage).order_by(func.min(Job.id)))
+            c.rollback()
+        return list(dict.fromkeys(names))
 
     # ---- jobs -----------------------------------------------------------------------------
     def register_jobs(self, sweep_id: int, jobs: Iterable[dict[str, Any]]) -> dict[str, int]:

@@ -1,118 +1,44 @@
-"""The axes of a sweep's grid, declared once.
+"""The axes of a sweep's grid, as the orchestrator uses them.
 
-An axis is a typed column of `configurations` and of the `results` view; its allowed values are the
-names of a method registry (read from the registry's source, so validating a sweep imports no torch),
-a fixed set of choices, or any positive integer. A configuration's jobs hash the code of the registry
-entries they name (orchestrator/codever.py), so editing one method recomputes exactly the
-configurations that use it. Some axes apply to some outputs only (scoring chooses the experts of a dense
-student or a pruned MoE; merging and editing make a merged or an edited MoE; grouping and dp_scaling shape
-a dense student; recovery applies to the three smaller MoEs): a sub-grid of another output may not name
-them, and its configurations leave them NULL.
+The axes themselves are declared once, in db/axes.py (plain data every reader derives from): a typed column
+of `configurations` and of the `results` view each. Here each gets its allowed values: the names of a
+method registry (read from the registry's source, so validating a sweep imports no torch), a fixed set of
+choices, or any positive integer. A configuration's jobs hash the code of the registry entries they name
+(orchestrator/codever.py), so editing one method recomputes exactly the configurations that use it. Some
+axes apply to some outputs only (scoring chooses the experts of a dense student or a pruned MoE; merging
+and editing make a merged or an edited MoE; grouping and dp_scaling shape a dense student; recovery applies
+to the three smaller MoEs): a sub-grid of another output may not name them, and its configurations leave
+them NULL.
 
-Adding an axis: one `Axis(...)` line here, its column in a migration (configurations + results view),
-and its test.
+Adding an axis: see db/axes.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import fields
 
+import db.axes
 from workers.core.registry import registry_names
 
 
-@dataclass(frozen=True)
-class Axis:
-    name: str
-    kind: type  # str: a registry's names or the choices; int: positive integers
-    registry: tuple[str, str] | None  # (module, dict) whose names are the allowed values
-    help: str
-    default: tuple | None = None  # the grid's value when a sub-grid leaves the axis out (None: required)
-    outputs: tuple[str, ...] | None = None  # the outputs it applies to (None: every output)
-    choices: tuple[str, ...] = ()  # allowed values of a str axis without a registry
-    named: bool = False  # written `name=value` in configuration keys (else the bare value)
-    after_student: bool = False  # changes the student after its conversion (a different final model)
+class Axis(db.axes.Axis):
+    """An axis of db/axes.py with the values a sweep file may give it."""
 
     def allowed(self) -> list[str]:
         return registry_names(*self.registry) if self.registry else list(self.choices)
 
-    def applies(self, output: str) -> bool:
-        return self.outputs is None or output in self.outputs
+
+def grid_axes() -> dict[str, Axis]:
+    """db/axes.py's table, in its order, each axis able to say its allowed values."""
+    return {name: Axis(**{f.name: getattr(a, f.name) for f in fields(a)}) for name, a in db.axes.AXES.items()}
 
 
-MOE_OUTPUTS = ("moe", "merged", "edited")  # the outputs that keep a router (a smaller MoE)
-
-AXES: dict[str, Axis] = {
-    a.name: a
-    for a in (
-        Axis(
-            "output",
-            str,
-            ("workers.models.outputs", "OUTPUTS"),
-            "a dense student, or a smaller MoE: pruned (moe), merged or edited",
-            ("dense",),
-        ),
-        Axis(
-            "scoring",
-            str,
-            ("workers.methods.scoring", "SCORINGS"),
-            "how experts are scored and the K kept are chosen",
-            outputs=("dense", "moe"),
-        ),
-        Axis(
-            "merging",
-            str,
-            ("workers.methods.moe_merging", "MERGINGS"),
-            "how the E experts are merged into K",
-            outputs=("merged",),
-        ),
-        Axis(
-            "editing",
-            str,
-            ("workers.methods.editing", "EDITINGS"),
-            "how every expert is factorised to the size of K",
-            outputs=("edited",),
-        ),
-        Axis(
-            "grouping",
-            str,
-            ("workers.methods.grouping", "GROUPINGS"),
-            "how the K kept experts form k groups",
-            ("RR",),
-            outputs=("dense",),
-        ),
-        Axis(
-            "dp_scaling",
-            str,
-            ("workers.methods.scaling", "SCALINGS"),
-            "the down-projection scale α of each group",
-            ("uniform",),
-            outputs=("dense",),
-        ),
-        Axis(
-            "K",
-            int,
-            None,
-            "experts kept per layer (k ≤ K ≤ E); for editing, the parameter budget of K experts",
-            named=True,
-        ),
-        Axis(
-            "recovery",
-            str,
-            None,
-            "what recovers a smaller MoE before evaluation",
-            ("none",),
-            outputs=MOE_OUTPUTS,
-            choices=("none", "router_kd", "full_kd"),
-            named=True,
-            after_student=True,
-        ),
-    )
-}
+AXES: dict[str, Axis] = grid_axes()
 
 
 def method_registries() -> list[tuple[str, str]]:
     """The registries whose entries are code components of their own (never followed from a stage)."""
-    return [a.registry for a in AXES.values() if a.registry]
+    return db.axes.method_registries()
 
 
 def config_key(values: dict) -> str:

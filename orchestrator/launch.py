@@ -556,6 +556,7 @@ def launch(
         description=spec.description,
         select_json=P.select_json(spec),
     )
+    store.record_stages(s.name for s in stages())  # readers order stages by it (the dashboard)
     store.release_stale(stale_after_s)
     cfg_ids = store.upsert_configs(sid, configs)
     as_lines = show_progress and not console.is_terminal

@@ -19,6 +19,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 
+from db.axes import default_rule
 from orchestrator.axes import AXES
 from orchestrator.schema import Data, Resources, SpecError, Strict, Teacher, artifact_root, known  # noqa: F401  (re-exported)
 from orchestrator.stage import get_stage, stages
@@ -32,9 +33,9 @@ class Select(Strict):
     """The selection rule between pre-distillation evaluation and distillation (§4.1): for each group of
     `per` axes, the configuration with the lowest `best_by` over the `over` axes."""
 
-    best_by: Literal["ppl_pre"] = "ppl_pre"
-    per: list[str] = Field(default_factory=lambda: ["scoring", "grouping"])
-    over: list[str] = Field(default_factory=lambda: ["K", "dp_scaling"])
+    best_by: Literal["ppl_pre"] = default_rule()["best_by"]
+    per: list[str] = Field(default_factory=lambda: default_rule()["per"])
+    over: list[str] = Field(default_factory=lambda: default_rule()["over"])
 
     @field_validator("per", "over")
     @classmethod

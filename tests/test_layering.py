@@ -194,3 +194,28 @@ def test_no_module_imports_itself_back():
 def test_the_circle_check_sees_a_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert circles({"a": {"b"}, "b": set()}) == []
+
+
+# ---- the dashboard reads the database only ---------------------------------------------------------------
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for m in graph.get(todo.pop(), ()):
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return seen
+
+
+def test_no_dashboard_module_imports_the_orchestrator():
+    """Not directly, nor through the modules it imports: what it shows (stage order included) comes from
+    the database."""
+    graph = module_graph()
+    mods = sorted(m for m in graph if m == "dashboard" or m.startswith("dashboard."))
+    assert len(mods) >= 5
+    bad = {
+        m: sorted(r for r in reachable(graph, m) if r == "orchestrator" or r.startswith("orchestrator."))
+        for m in mods
+    }
+    assert {m: r for m, r in bad.items() if r} == {}
+    assert reachable({"a": {"b"}, "b": {"orchestrator.stage"}}, "a") == {"b", "orchestrator.stage"}

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 from pydantic import Discriminator, StrictInt, Tag, create_model, field_validator, model_validator
 
+from db.axes import method_axes
 from orchestrator.axes import AXES, config_key
 from orchestrator.schema import Strict, known
 from orchestrator.stage import JobSpec, Stage, SweepContext
@@ -35,7 +36,7 @@ def _axis_validator(name: str):
     return field_validator(name)(classmethod(check))
 
 
-METHOD_AXES = ("scoring", "merging", "editing")  # the axes whose value names a method that may take settings
+METHOD_AXES = method_axes()  # the axes whose value names a method that may take settings
 
 
 class SubGrid(Strict):
