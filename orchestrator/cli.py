@@ -55,14 +55,20 @@ def main(
     """Experiment sweeps and a results database for MoE→dense compression research."""
 
 
-def _store(db: str | None, migrate: bool = True, read_only: bool = False):
+def _store(db: str | None, migrate: bool = True, read_only: bool = False, missing_ok: bool = False):
     """The database of --db (else $MOESWEEP_DB, else the default file); any problem opening it is one line
-    and exit 2. Read-only: an existing database at the current schema, opened so nothing can change it."""
+    and exit 2. Read-only: an existing database at the current schema, opened so nothing can change it.
+    `missing_ok`: a database file that does not exist yet is None (nothing is done there yet), said in a line."""
     from db.store import Store, StoreError
 
     try:
         return Store(db, migrate=migrate, read_only=read_only)
     except StoreError as e:
+        if missing_ok and str(e).startswith("no database at "):
+            err.print(
+                str(e).split(" (", 1)[0] + " yet: planned as for a new one (nothing created)", highlight=False
+            )
+            return None
         source = "--db" if db else "$MOESWEEP_DB" if os.environ.get("MOESWEEP_DB") else "database URL"
         _fail(f"{source}: {e}" if e.about_url else str(e))
 
@@ -103,13 +109,7 @@ def launch(
         from orchestrator.dryrun import dry_run as show
 
         try:
-            show(
-                spec,
-                _store(db, read_only=True)
-                if db or os.environ.get("MOESWEEP_DB") or _default_db_exists()
-                else None,
-                out,
-            )
+            show(spec, _store(db, read_only=True, missing_ok=True), out)
         except SpecError as e:
             _fail(str(e) if str(e).startswith(str(path)) else f"{path}: {e}")
         return

@@ -88,6 +88,21 @@ class JobLog:
             self.file = None
 
 
+LM_EVAL_STAGES = frozenset({"evaluate"})  # the stages whose jobs run lm-eval's simple_evaluate
+
+
+def _no_git_probe() -> None:
+    """lm-eval stores `git describe` of the working directory in its results: meaningless for a job (moesweep
+    records its own code version per job), and outside a git checkout git prints `fatal: not a git
+    repository` straight to the terminal, past the job's log. The job's environment, not its code, so no key
+    changes."""
+    try:
+        import lm_eval.evaluator as evaluator
+    except ImportError:
+        return
+    evaluator.get_git_commit_hash = lambda: None
+
+
 def run_payload(
     payload: dict[str, Any], cache: dict, progress: Progress | None, where: dict[str, Any] | None = None
 ) -> tuple[dict | None, str | None]:
@@ -106,6 +121,8 @@ def run_payload(
             try:
                 from workers.run.jobs import run_job
 
+                if payload.get("stage") in LM_EVAL_STAGES:
+                    _no_git_probe()
                 t0 = time.perf_counter()
                 result = run_job(payload, cache, cb)
                 result.setdefault("compute_s", time.perf_counter() - t0)

@@ -213,3 +213,20 @@ def test_errors_do_not_wrap_in_a_pipe(tmp_path):
     assert proc.stderr == f"error: no database at {deep} (moesweep launch or moesweep migrate creates one)\n"
     assert len(proc.stderr) > 120
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("how", ["--db", "MOESWEEP_DB"])
+def test_a_dry_run_plans_for_a_database_that_does_not_exist_yet_and_creates_nothing(
+    tmp_path, monkeypatch, how
+):
+    path = tmp_path / "later" / "new.db"
+    args = ["launch", str(SWEEP), "--dry-run"]
+    if how == "--db":
+        args += ["--db", f"sqlite:///{path}"]
+    else:
+        monkeypatch.setenv("MOESWEEP_DB", f"sqlite:///{path}")
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "convert" in result.stdout and "ppl_pre" in result.stdout  # the plan
+    assert result.stderr.strip() == f"no database at {path} yet: planned as for a new one (nothing created)"
+    assert not path.exists() and not path.parent.exists()

@@ -717,3 +717,32 @@ def test_launch_prints_one_line_per_task_not_run(capsys):
     }
     after(SimpleNamespace(jobs={"evaluate": jobs}, outputs={"evaluate": outputs}))
     assert capsys.readouterr().err.splitlines() == [f"evaluate: gsm8k not run (2 models): {why}"]
+
+
+def test_an_evaluate_job_runs_without_lm_evals_git_probe(tmp_path, monkeypatch):
+    """lm-eval's `git describe` of the working directory (noise on the terminal outside a checkout, and a
+    hash that says nothing about the job) is switched off in an evaluate job's environment."""
+    import lm_eval.evaluator as evaluator
+
+    import orchestrator.execute as ex
+    import workers.run.jobs as jobs
+
+    monkeypatch.setattr(evaluator, "get_git_commit_hash", evaluator.get_git_commit_hash)  # restored after
+    seen = {}
+
+    import subprocess
+
+    git_runs = []
+    real = subprocess.check_output
+    monkeypatch.setattr(
+        subprocess, "check_output", lambda cmd, *a, **k: git_runs.append(cmd) or real(cmd, *a, **k)
+    )
+
+    def fake_run_job(payload, cache, cb):
+        seen[payload["stage"]] = evaluator.get_git_commit_hash()
+        return {"outputs": {}}
+
+    monkeypatch.setattr(jobs, "run_job", fake_run_job)
+    monkeypatch.chdir(tmp_path)  # not a git checkout
+    result, err = ex.run_payload({"key": "k" * 32, "stage": "evaluate", "log_path": None}, {}, None)
+    assert err is None and seen == {"evaluate": None} and git_runs == []  # git was never asked

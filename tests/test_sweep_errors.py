@@ -207,6 +207,17 @@ CASES = [
         "execution.resources: unknown stage 'train'; allowed: teacher",
     ),
     (
+        "the tiny suite for a teacher that is not the tiny one",
+        ("evaluate", {"suite": "tiny"}),
+        "evaluate: suite: tiny is built from the tiny teacher's corpus, and this sweep's teacher is not the "
+        "tiny one; name another suite",
+    ),
+    (
+        "the tiny generative task for a teacher that is not the tiny one",
+        ("evaluate", {"suite": "paper", "generative": ["tiny_gen"]}),
+        "evaluate: generative: tiny_gen is built from the tiny teacher's corpus",
+    ),
+    (
         "negative retries",
         ("execution.retries", -1),
         "execution.retries: Input should be greater than or equal to 0",

@@ -4,9 +4,9 @@ the teacher."""
 from __future__ import annotations
 
 import sys
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import field_validator
+from pydantic import AfterValidator, ValidationInfo, field_validator
 
 from orchestrator.schema import PosInt, Strict
 from orchestrator.stage import JobSpec, Stage, SweepContext, unique
@@ -52,6 +52,31 @@ class Evaluate(Strict):
 
         validate_runs(v)
         return v
+
+
+def _needs_the_tiny_corpus(v: Evaluate) -> list[str]:
+    """What of the section reads the tiny teacher's held-out corpus: the suite "tiny", the task "tiny_gen"."""
+    needs = ["suite: tiny"] if v.suite == "tiny" else []
+    for g in v.generative:
+        if (g if isinstance(g, str) else g.get("task")) == "tiny_gen":
+            needs.append("generative: tiny_gen")
+    return needs
+
+
+def _with_teacher(v: Evaluate, info: ValidationInfo) -> Evaluate:
+    """The section read against the teacher sections (validated before it): the tiny suite and task are
+    built from the tiny teacher's corpus, so they need a `tiny` teacher or dense teacher."""
+    needs = _needs_the_tiny_corpus(v)
+    teachers = [info.data.get(name) for name in ("teacher", "dense_teacher")]
+    if needs and not any(t is not None and t.source == "tiny" for t in teachers):
+        raise ValueError(
+            f"{' and '.join(needs)} is built from the tiny teacher's corpus, and this sweep's teacher is not "
+            f"the tiny one; name another suite (allowed: 'paper' or a list of tasks)"
+        )
+    return v
+
+
+EvaluateSection = Annotated[Evaluate, AfterValidator(_with_teacher)]
 
 
 def seeded_runs(runs: list[dict[str, Any]] | None, offset: int) -> list[dict[str, Any]]:
@@ -159,7 +184,7 @@ STAGE = Stage(
     run="workers.run.evaluate:stage_evaluate",
     jobs=jobs,
     section="evaluate",
-    params=Evaluate,
+    params=EvaluateSection,
     upstream=("distill", "router_kd"),
     records=frozenset({"outputs", "metrics", "artifacts", "item_scores"}),
     estimate=estimate,
