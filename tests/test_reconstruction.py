@@ -144,6 +144,27 @@ def test_twins_are_redundant_every_search_reaches_zero_loss(name):
     assert max(random_losses) > 1.0  # a random half usually keeps both copies of a pair
 
 
+@pytest.mark.parametrize("name", RL)
+def test_zero_loss_ties_go_to_the_lower_id_not_to_rounding(name):
+    """Experts 4..7 are never in a token's top-2 (renormalising router): every K = 5 set holding 0..3 reproduces
+    the layer, its loss zero up to rounding (~1e-14, different per set). An exact tie: the lower id, 4, is
+    the fifth expert, whether the search starts from 0..3 (forced) or, for RL-exhaustive, from nothing."""
+    for seed in range(4):
+        ctx = synthetic(8, k=2, seed=seed)
+        logits = torch.randn(16, 8, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        logits[:, 4:] -= 30.0
+        ctx.stats.sample["p"] = torch.softmax(logits, 1)
+        runs = [select(name, ctx, 5, forced=(0, 1, 2, 3))]
+        if name == "RL-exhaustive":
+            runs.append(select(name, ctx, 5))
+        for sel in runs:
+            assert sel.extras["recon_loss"] == pytest.approx(0.0, abs=1e-9)
+            assert sorted(sel.selected) == [0, 1, 2, 3, 4], (seed, sel.selected)
+        loss = LayerLoss(ctx, "routed_subset")
+        zero = [loss([0, 1, 2, 3, e]) for e in range(4, 8)]
+        assert max(zero) < 1e-9 and len(set(zero)) > 1  # tied in exact arithmetic, not in floating point
+
+
 @pytest.mark.parametrize("name", ["RL-greedy", "CFES"])
 def test_searches_beat_random_subsets(name):
     """On random layers, greedy and coarse-to-fine do better than the median random K-subset and never worse

@@ -7,6 +7,8 @@ import torch
 
 from tests.test_grouping import make_ctx
 from workers.methods.grouping import get_grouping, rank_order
+from workers.methods.planning import plan_layer
+from workers.methods.scoring import ps
 from workers.methods.sinkhorn import balanced_capacity, greedy_round, sinkhorn
 
 
@@ -96,3 +98,62 @@ def test_greedy_rounding_at_real_shape_is_fast_enough_to_run_per_step():
     soft = torch.rand(12288, 96, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     owner = greedy_round(soft, [128] * 96)
     assert sorted(torch.bincount(torch.tensor(owner), minlength=96).tolist()) == [128] * 96
+
+
+def _near_duplicate_top_two(seed: int):
+    """A random layer and kept set whose two top-scored kept experts have near-identical outputs
+    (cosine ≈ 1 − 5e-7), with K a multiple of k."""
+    g = torch.Generator().manual_seed(seed)
+    k = int(torch.randint(2, 5, (1,), generator=g))
+    K = k * int(torch.randint(2, 5, (1,), generator=g))
+    E = K + int(torch.randint(0, 5, (1,), generator=g))
+    ctx = make_ctx(E=E, seed=seed)
+    selected = torch.randperm(E, generator=g)[:K].tolist()
+    scores = torch.rand(E, generator=g, dtype=torch.float64)
+    top = sorted(selected, key=lambda e: (-float(scores[e]), e))  # the statement: score desc, ties → lower id
+    f = torch.randn(64, E, 6, generator=g, dtype=torch.float64)
+    f[:, top[1]] = f[:, top[0]] + 1e-3 * torch.randn(64, 6, generator=g, dtype=torch.float64)
+    ctx.stats.gram = torch.einsum("ned,nfd->ef", f, f)
+    ctx.stats.n_tokens = 64
+    return ctx, selected, scores, k, K, top[:k]
+
+
+def test_ot_near_duplicate_top_experts_each_anchor_their_own_balanced_group():
+    """The k top-scored experts anchor the groups: over 200 random layers whose two top experts are
+    near-duplicates, every anchor lies in a different group, heads it, and every group holds K/k experts."""
+    for seed in range(200):
+        ctx, selected, scores, k, K, anchors = _near_duplicate_top_two(seed)
+        groups = get_grouping("OT")(ctx, selected, scores, k)
+        assert len(groups) == k and sorted(e for g in groups for e in g) == sorted(selected), seed
+        assert [len(g) for g in groups] == [K // k] * k, (seed, groups)
+        assert [sum(a in g for a in anchors) for g in groups] == [1] * k, (seed, anchors, groups)
+        assert [g[0] for g in groups] == anchors, (seed, anchors, groups)  # each anchor heads its group
+
+
+def test_ot_anchors_head_their_groups_in_the_plan():
+    """Through plan_layer (PS scores, top-K selection): the plan's group g starts with the g-th best-scored
+    kept expert and gives it the group's largest merge weight, even when the two best have parallel outputs;
+    K = 10, k = 3: group sizes 4, 3, 3 (the best-ranked anchor's group holds the extra expert)."""
+    for seed in range(10):
+        ctx = make_ctx(E=12, k=3, seed=seed)
+        s = ps(ctx)
+        best = sorted(range(12), key=lambda e: (-float(s[e]), e))
+        f = torch.randn(64, 12, 6, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        f[:, best[1]] = f[:, best[0]] * 1.01
+        ctx.stats.gram = torch.einsum("ned,nfd->ef", f, f)
+        plan = plan_layer(0, ctx, "PS", "OT", "uniform", 10)
+        assert sorted(plan.selected) == sorted(best[:10])
+        assert [g[0] for g in plan.groups] == best[:3], (seed, plan.groups)
+        assert [len(g) for g in plan.groups] == [4, 3, 3]
+        assert all(w[0] == max(w) for w in plan.merge_weights)
+
+
+def test_ot_exact_ties_go_to_the_lower_id():
+    """Equal scores and identical outputs (every affinity and soft mass exactly equal): the anchors are the
+    lowest ids, and the rest fill the groups in id order, the lower ids to the lower-id anchor."""
+    E = 8
+    ctx = make_ctx(E=E, seed=0)
+    ctx.stats.gram = torch.full((E, E), 2.5, dtype=torch.float64)
+    ones = torch.ones(E, dtype=torch.float64)
+    assert get_grouping("OT")(ctx, [5, 3, 7, 0, 6, 1, 4, 2], ones, 2) == [[0, 2, 3, 4], [1, 5, 6, 7]]
+    assert get_grouping("OT")(ctx, [7, 6, 5, 4, 3, 2], ones, 3) == [[2, 5], [3, 6], [4, 7]]

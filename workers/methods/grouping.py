@@ -174,21 +174,30 @@ OT_TAU, OT_ITERS = 0.1, 50  # DOT-MoE's Sinkhorn settings (Table 6)
 
 def ot_grouping(ctx: LayerContext, selected: list[int], scores: torch.Tensor, k: int) -> list[list[int]]:
     """OT: a balanced AB/OC (DOT-MoE's assignment, App. B.2–B.3, applied to expert grouping). The k
-    top-scored experts anchor the groups; the affinity of expert e to group g is the cosine of their
-    outputs on calibration tokens (Ḡ as in OC); log-domain Sinkhorn (τ = 0.1, 50 iterations) with mass 1
-    per expert and capacity K/k per group (when k does not divide K, the best-ranked anchors' groups hold
-    one more), then greedy rounding, so every group gets exactly its capacity. Ties: lower rank first."""
+    top-scored experts anchor the groups: each heads its own group, placed before any transport, so two
+    near-duplicate top experts never share one. The other K − k experts are transported into the remaining
+    capacity K/k − 1 per group (when k does not divide K, the best-ranked anchors' groups hold one more):
+    the affinity of expert e to group g is the cosine of e's and anchor g's outputs on calibration tokens
+    (Ḡ as in OC); log-domain Sinkhorn (τ = 0.1, 50 iterations) with mass 1 per expert, then greedy
+    rounding, so every group gets exactly its capacity."""
     from workers.methods.sinkhorn import balanced_capacity, greedy_round, sinkhorn
 
     _check(selected, k)
     order = rank_order(selected, scores)
-    idx = torch.as_tensor(order, dtype=torch.long)
-    gbar = ctx.stats.gram.detach().to("cpu", torch.float64)[idx][:, idx] / max(1, ctx.stats.n_tokens)
-    rho = 1.0 - cosine_distance_from_gram(gbar)  # [K, K], ρ = 0 for a zero output
-    capacity = balanced_capacity(len(order), k)
-    soft = sinkhorn(rho[:, :k], torch.tensor(capacity, dtype=torch.float64), OT_TAU, OT_ITERS)
-    owner = greedy_round(soft, capacity)
-    return canonical([[order[i] for i in range(len(order)) if owner[i] == g] for g in range(k)], order, k)
+    groups = [[a] for a in order[:k]]  # the anchors, one per group, before any transport
+    rest = order[k:]
+    if rest:
+        idx = torch.as_tensor(order, dtype=torch.long)
+        gbar = ctx.stats.gram.detach().to("cpu", torch.float64)[idx][:, idx] / max(1, ctx.stats.n_tokens)
+        rho = 1.0 - cosine_distance_from_gram(gbar)  # [K, K], ρ = 0 for a zero output
+        room = [c - 1 for c in balanced_capacity(len(order), k)]  # each anchor already fills one place
+        bins = [g for g in range(k) if room[g] > 0]  # K < 2k leaves some groups at their anchor alone
+        cap = [room[g] for g in bins]
+        soft = sinkhorn(rho[k:][:, bins], torch.tensor(cap, dtype=torch.float64), OT_TAU, OT_ITERS)
+        # Exact ties (equal soft masses) go to the better-ranked expert and group; equal scores → lower id.
+        for e, b in zip(rest, greedy_round(soft, cap), strict=True):
+            groups[bins[b]].append(e)
+    return canonical(groups, order, k)
 
 
 GROUPINGS: dict[str, Grouping] = {

@@ -15,8 +15,11 @@ Three searches of the same loss (scorings in workers.methods.scoring.SCORINGS):
   step partitions the candidates into ⌈|candidates|/S⌉ groups (the first of S experts each, the last the
   rest), scores Sel ∪ G for every group (coarse), then Sel ∪ {e} for e in the best group (fine):
   O(K·√(4E + 2 − 2K)) evaluations with S = round(√(E + (1 − K)/2)), O(n^1.5).
-Ties go to the lower group index / expert id (values within TIE_RTOL are ties). With `forced` experts
-(protected super experts), the searches start from them and choose the other K − |forced|.
+Ties go to the lower group index / expert id (RL-exhaustive: the lexicographically first subset). Losses
+within TIE_RTOL·max(|d_min|, ‖Y‖_F) of the lowest d_min are ties (64 ulps of ‖Y‖_F where that is coarser:
+float32 on a GPU): rounding noise scales with ‖Y‖_F, so subsets that reproduce Y up to rounding (zero loss)
+are decided by id, not by which one happens to round lower. With `forced` experts (protected super experts),
+the searches start from them and choose the other K − |forced|.
 
 Settings (a sub-grid's `settings: {CFES: {...}}`, LayerContext.settings):
 - `target`: `routed_subset` (default; the pruned MoE itself: each token routed among the kept experts, top-k
@@ -144,6 +147,10 @@ class LayerLoss:
         self.k, self.renormalized, self.target = ctx.top_k, ctx.renormalized, target
         self.rows = torch.arange(self.T, device=dev)[:, None]
         self.reference = self.routed(list(range(self.E)))  # Y: the full layer (Algorithm 1 line 4)
+        # Losses closer than this to the lowest are ties: rounding noise scales with ‖Y‖, not with d.
+        self.tie_atol = max(TIE_RTOL, 64 * torch.finfo(dtype).eps) * float(
+            torch.linalg.vector_norm(self.reference.double())
+        )
         self.evals = 0
 
     def routed(self, kept: list[int]) -> torch.Tensor:
@@ -161,18 +168,13 @@ class LayerLoss:
         return float(torch.linalg.vector_norm((self.reference - self.output(kept)).double()))
 
 
-def _better(d: float, best: float | None) -> bool:
-    return best is None or d < best - TIE_RTOL * abs(best)
-
-
-def _argmin(items: list, loss_of: Callable[[Any], float]) -> tuple[Any, float | None]:
-    """The first item of the lowest loss (a later one wins only by more than the tie tolerance), and it."""
-    best, best_d = None, None
-    for it in items:
-        d = loss_of(it)
-        if _better(d, best_d):
-            best, best_d = it, d
-    return best, best_d
+def _argmin(items: list, loss_of: Callable[[Any], float], atol: float) -> tuple[Any, float]:
+    """The first item (lowest id / group index) among those tied with the lowest loss, and its loss."""
+    losses = [loss_of(it) for it in items]
+    low = min(losses)
+    # Exact and rounding-level ties (within TIE_RTOL·|low| or atol of the lowest) resolve by position = id.
+    i = next(i for i, d in enumerate(losses) if d <= low + max(TIE_RTOL * abs(low), atol))
+    return items[i], losses[i]
 
 
 def default_group_size(E: int, K: int) -> int:
@@ -190,19 +192,17 @@ def exhaustive(loss: LayerLoss, K: int, forced: list[int], s: ReconSettings) -> 
             f"RL-exhaustive: C({len(rest)}, {K - len(forced)}) = {n} subsets exceed max_subsets="
             f"{s.max_subsets}; use RL-greedy or CFES, or raise max_subsets"
         )
-    best, best_d = None, None
-    for c in combinations(rest, K - len(forced)):
-        d = loss([*forced, *c])
-        if _better(d, best_d):
-            best, best_d = [*forced, *c], d
-    return best, {"recon_loss": best_d}
+    best, best_d = _argmin(
+        list(combinations(rest, K - len(forced))), lambda c: loss([*forced, *c]), loss.tie_atol
+    )
+    return [*forced, *best], {"recon_loss": best_d}
 
 
 def greedy(loss: LayerLoss, K: int, forced: list[int], s: ReconSettings) -> tuple[list[int], dict]:
     """Add the expert whose addition gives the smallest loss, K − |forced| times (§4.1, layer-wise greedy)."""
     sel, cand, steps = list(forced), [e for e in range(loss.E) if e not in forced], []
     for _ in range(K - len(forced)):
-        best, best_d = _argmin(cand, lambda e: loss([*sel, e]))
+        best, best_d = _argmin(cand, lambda e: loss([*sel, e]), loss.tie_atol)
         sel.append(best)
         cand.remove(best)
         steps.append(best_d)
@@ -224,8 +224,9 @@ def coarse_to_fine(loss: LayerLoss, K: int, forced: list[int], s: ReconSettings)
             else [cand[i] for i in torch.randperm(len(cand), generator=gen)]
         )
         groups = [order[i : i + S] for i in range(0, len(order), S)]
-        best_g, _ = _argmin(groups, lambda g: loss([*sel, *g]))  # coarse: Sel ∪ G_k
-        best, best_d = _argmin(sorted(best_g), lambda e: loss([*sel, e]))  # fine: Sel ∪ {e}, e ∈ G*
+        best_g, _ = _argmin(groups, lambda g: loss([*sel, *g]), loss.tie_atol)  # coarse: Sel ∪ G_k
+        # fine: Sel ∪ {e}, e ∈ G*
+        best, best_d = _argmin(sorted(best_g), lambda e: loss([*sel, e]), loss.tie_atol)
         sel.append(best)
         cand.remove(best)
         steps.append(best_d)
