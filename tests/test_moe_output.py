@@ -117,8 +117,10 @@ def test_axes_that_do_not_apply_to_an_output_are_errors(tmp_path, grid, expect):
 def test_a_real_sweep_writes_smaller_moes_that_reload_with_fewer_experts(tmp_path, monkeypatch):
     """The tiny teacher pruned (REAP, SF; EAN keeping super experts), merged (HC-SMoE, M-SMoE) and edited
     (MoBE, TD-MoE) to the size of K experts per layer, as converted, after Router KD and (one) after full
-    KD: each evaluated and its checkpoint reloaded from disk — pruned and merged with K experts of the
-    teacher's class, edited with every expert factorised — Router KD changing only routers."""
+    KD: each evaluated and its checkpoint reloaded from disk — pruned with K experts of the teacher's class,
+    merged with the seeds' summed gates (all E experts and router rows, each cluster stored once: the
+    `params` of results counts it once), edited with every expert factorised — Router KD changing only
+    routers."""
     import json
     import math
 
@@ -177,6 +179,13 @@ def test_a_real_sweep_writes_smaller_moes_that_reload_with_fewer_experts(tmp_pat
     ]
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir)
     E = teacher.config.num_experts
+    routed = (
+        sum(  # the routed experts' parameters per expert, over all MoE layers
+            t.numel() for n, t in teacher.named_parameters() if ".mlp.experts." in n
+        )
+        // E
+    )
+    unique = {K: teacher_params - (E - K) * routed for K in (2, 4)}  # each cluster once, the rest as it is
     by_id = {r[0]: r for r in rows}
     students = {}
     for cid, p in saved.items():
@@ -189,6 +198,10 @@ def test_a_real_sweep_writes_smaller_moes_that_reload_with_fewer_experts(tmp_pat
             with safe_open(str(Path(p) / "model.safetensors"), framework="pt") as fh:
                 on_disk = sum(math.prod(fh.get_slice(k).get_shape()) for k in fh.keys())
             assert on_disk < sum(t.numel() for t in teacher.state_dict().values())
+        elif output == "merged":  # summed gates: E router rows over members tied to K stored clusters
+            assert type(m).__name__.endswith("MergedForCausalLM") and m.config.num_experts == E
+            assert all(t.shape[0] == E for n, t in m.state_dict().items() if n.endswith("mlp.gate.weight"))
+            assert by_id[cid][4] == sum(t.numel() for t in m.parameters()) == unique[K]
         else:
             assert type(m) is type(teacher) and m.config.num_experts == K < E
         assert m.config.num_experts_per_tok == teacher.config.num_experts_per_tok

@@ -424,3 +424,37 @@ def test_router_kd_data_is_truncated_documents_unless_packing_is_asked():
     assert RouterKDSpec(packing=True).packing is True
     with pytest.raises(ValueError, match="RouterKDSpec.packing: 'yes' is not allowed"):
         RouterKDSpec(packing="yes")
+
+
+# ---- a merged student with summed gates: all E router rows ------------------------------------------------
+@pytest.mark.parametrize("rule, rows", [("summed", 6), ("weighted", 4)])
+def test_merged_student_trains_the_router_rows_its_rule_keeps(rule, rows):
+    """HC-SMoE merged from E = 6 to K = 4 (the product's student, workers.models.outputs.write_student): with the
+    seeds' summed gates the router keeps its 6 rows over the tied members and Router KD trains all 6 (the
+    Router KD paper's HC-SMoE-R / M-SMoE-R trained 128-row routers); a collapsed `weighted` router trains 4.
+    Nothing but the routers moves, and the KL to the teacher on the calibration windows goes down."""
+    from workers.calibration.calibrate import collect_stats
+    from workers.methods.moe_merging import merge_layer
+    from workers.models.convert import layer_contexts
+    from workers.models.outputs import write_student
+
+    teacher = make_teacher("qwen3_moe")
+    adapter = get_adapter(teacher)
+    x = ids(8, 16, seed=5)
+    ctxs = layer_contexts(teacher, adapter, collect_stats(teacher, adapter, [(x, torch.ones_like(x))], 64))
+    plans = [merge_layer(layer, c, "HC-SMoE", 4, {"router_rows": rule}) for layer, c in ctxs.items()]
+    student = write_student("merged", teacher, adapter, plans, share_weights=False)
+    assert student.config.num_experts == rows
+    before = state(student)
+    spec = RouterKDSpec(batch_size=4, grad_accum=1, lr=1e-2, max_len=16, epochs=5)
+    train = calibration_batches(ids(32, 16, seed=3), spec)
+    start = heldout_kd(student, teacher, train, spec)
+    rec = router_kd(student, teacher, adapter, train, spec)
+    H, layers = teacher.config.hidden_size, adapter.moe_layers(teacher)
+    assert rec["router_params"] == [f"model.layers.{layer}.mlp.gate.weight" for layer in layers]
+    assert all(rec["router_delta"][n].shape == (rows, H) for n in rec["router_params"])
+    assert rec["trainable_params"] == len(layers) * rows * H
+    assert heldout_kd(student, teacher, train, spec) < start
+    after = state(student)
+    # exact: an untrained tensor (the stored clusters included) keeps its bytes; a trained one moved
+    assert all(torch.equal(after[n], t) != (n in rec["router_delta"]) for n, t in before.items())

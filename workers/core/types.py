@@ -197,13 +197,15 @@ class LayerContext:
 class MergedLayer:
     """One MoE layer of a merged MoE (workers.methods.moe_merging): merged expert j = Σ_i weights[j][i] ·
     perm_i(expert groups[j][i]), where perm_i reorders the intermediate units of member i (unit u of the
-    permuted expert = its unit perms[i][u]; identity when absent). Its router row follows `router_rows`:
+    permuted expert = its unit perms[i][u]; identity when absent). The router follows `router_rows`:
+    "summed" = all E rows kept, every member of cluster j computing merged expert j (the gates of a
+    cluster's selected members sum; workers.models.merged_model), or one row per merged expert:
     "weighted" = the members' rows (and per-expert router biases) averaged with the same weights,
     "dominant" = the row of dominant[j]."""
 
     groups: list[list[int]]  # M clusters of teacher expert ids, in the merged layer's expert order
     weights: list[list[float]]  # same shape as groups; each inner list sums to 1
-    router_rows: str  # "weighted" | "dominant"
+    router_rows: str  # "summed" | "weighted" | "dominant"
     dominant: list[int]  # per cluster, its most frequent member (an element of the cluster)
     perms: dict[int, torch.Tensor] = field(default_factory=dict)  # expert id → LongTensor [I]
 

@@ -200,9 +200,10 @@ class FamilyAdapter(ABC):
         """A model of the same HF class whose config has M = len(merged[l].groups) routed experts in every
         MoE layer l: merged expert j's tensors are the weighted average of its cluster's expert tensors
         (each member's intermediate units permuted first), its router row (and any per-expert router
-        bias) combined by the layer's router_rows rule; new tensors, everything else copied, top-k and
-        renormalization unchanged. Every MoE layer must be listed with the same M >= k (one-line
-        ValueError)."""
+        bias) combined by the layer's router_rows rule (`weighted` or `dominant`; `summed`, which keeps all E
+        router rows, is written by workers.models.merged_model from the adapter's expert tensors); new
+        tensors, everything else copied, top-k and renormalization unchanged. Every MoE layer must be
+        listed with the same M >= k (one-line ValueError)."""
         ...
 
     # --- student ---------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Expert merging to a smaller MoE: M merged experts per layer, each the frequency-weighted average of a
 cluster of the teacher's experts (HC-SMoE, M-SMoE; REAP paper App. B.4). Pure tensor code: no
-transformers import. A family adapter's `merged_moe_student` writes the checkpoint from `merged_layers`.
+transformers import. workers.models.outputs.merged_student writes the checkpoint from `merged_layers` (with
+the router rule `summed`: workers.models.merged_model; `weighted`, `dominant`: the family adapter's
+`merged_moe_student`).
 
 A merged layer's plan (LayerPlan):
 - `groups`: the M clusters, ordered by their smallest member id (ascending); inside a cluster the members
@@ -13,12 +15,25 @@ A merged layer's plan (LayerPlan):
   whose members was ever routed; `alpha`: 1 per cluster (a merged MoE keeps its router's scale).
 - `extras["student"]`: {"merge", "router_rows", "permute"}, what shapes the model besides the clusters.
 
-Router rows. The seed methods are one-shot merges that "sum the gates" of a cluster's members, i.e. the
-merged expert receives Σ_{i∈C} g_i(t). A linear router with M rows cannot reproduce that sum (the softmax
-of a sum of rows is not a sum of softmaxes), so a merged router row is one of:
-- `weighted`: the members' rows (and per-expert router / score-correction biases) averaged with the
-  same frequency weights as the experts (HC-SMoE's default here);
-- `dominant`: the row of the cluster's most frequent member (M-SMoE's dominant expert; its default).
+Router rows (`router_rows`). The seed methods are one-shot merges that "sum the gates" of a cluster's
+members (the REAP paper's Eq. 3; the REAP repository writes the merged tensor into every member, the official
+HC-SMoE code rebinds the member modules, and the Router KD paper §3.5 keeps the router's dimensionality):
+- `summed` (the default of both methods): the router keeps all E rows and every member of a cluster computes
+  the cluster's merged expert, so a token's selected members of cluster C contribute
+  Σ_{i∈C∩S(t)} g_i(t) · f_C(x) = (Σ g_i) f_C(x): the summed gate, exactly, through the family's own routing
+  (top-k, renormalisation, group limits and biases unchanged). Written by workers.models.merged_model: a
+  registered class storing each cluster once and an E → cluster map;
+- `weighted`: a router collapsed to K rows, the members' rows (and per-expert router / score-correction
+  biases) averaged with the same frequency weights as the experts (not the seeds' rule: the softmax of an
+  averaged row is not the sum of the members' gates);
+- `dominant`: a router collapsed to K rows, each the row of the cluster's most frequent member.
+
+M-SMoE's similarity (`similarity`): `logits` (default; MC-SMoE's `router-logits` and the REAP repository's
+M-SMoE) is the cosine over the calibration tokens of two experts' raw router logits z_e(t) = w_e · x(t),
+from Σ_t z zᵀ = W (Σ_t x xᵀ) Wᵀ (the router's linear map W and the router input's second moment; a router
+logit bias, GPT-OSS's, is left out: calibration keeps no Σ_t x); `probabilities` the cosine of the softmax
+probabilities p_e(t) (Σ_t p pᵀ). Dominant experts are picked per layer (the original picks them across
+layers; an HF config holds one expert count).
 
 Permutation alignment (`permute`): before averaging, each non-dominant member's intermediate units are
 permuted to match the cluster's dominant expert (weight matching, Git Re-Basin): the permutation π
@@ -39,19 +54,23 @@ from scipy.optimize import linear_sum_assignment
 from workers.core.registry import lookup
 from workers.core.types import ExpertWeights, LayerContext, LayerPlan, MergedLayer
 
-ROUTER_ROWS = ("weighted", "dominant")
+ROUTER_ROWS = ("summed", "weighted", "dominant")
+SIMILARITIES = ("logits", "probabilities")
 LINKAGES = ("average", "single", "complete")
 DISTANCES = ("cosine", "euclidean")
 
 
 @dataclass(frozen=True)
 class Merging:
-    """A merging method: `cluster(ctx, K, settings)` → (clusters, pairwise distance [E, E] used, extras)."""
+    """A merging method: `cluster(ctx, K, settings)` → (clusters, pairwise distance [E, E] used, extras);
+    `defaults` its settings, `choices` each setting's allowed values. The choices live in the registry entry,
+    so a new value changes the code version of the merged conversions only, not of every conversion."""
 
     name: str
     cluster: Callable[[LayerContext, int, dict], tuple[list[list[int]], torch.Tensor, dict]]
     defaults: dict = field(default_factory=dict)
     doc: str = ""
+    choices: dict = field(default_factory=dict)
 
 
 # ---- distances ---------------------------------------------------------------------------------
@@ -80,8 +99,9 @@ def euclidean_distance(x: torch.Tensor) -> torch.Tensor:
 
 def router_gate_distance(gram_p: torch.Tensor) -> torch.Tensor:
     """D = 1 − S, S_ij = gram_p[i,j] / sqrt(gram_p[i,i]·gram_p[j,j]): cosine between two experts' router
-    gate values over the calibration tokens. An expert whose gate values are all 0 (no tokens) has
-    S = 0 to every other expert (D = 1) and D = 0 to itself."""
+    values over the calibration tokens, from their Gram matrix (Σ_t p pᵀ of the gates, or Σ_t z zᵀ of the
+    raw logits: router_logit_gram). An expert whose values are all 0 (no tokens) has S = 0 to every other
+    expert (D = 1) and D = 0 to itself."""
     g = gram_p.detach().to("cpu", torch.float64)
     diag = g.diagonal().clamp(min=0.0).sqrt()
     denom = diag[:, None] * diag[None, :]
@@ -90,6 +110,12 @@ def router_gate_distance(gram_p: torch.Tensor) -> torch.Tensor:
     d = (d + d.T) / 2  # exactly symmetric (see cosine_distance)
     d.fill_diagonal_(0.0)
     return d
+
+
+def router_logit_gram(router_weight: torch.Tensor, sum_xx: torch.Tensor) -> torch.Tensor:
+    """[E, E] Σ_t z(t) z(t)ᵀ of the raw router logits z(t) = W x(t), as W (Σ_t x xᵀ) Wᵀ (float64)."""
+    w = router_weight.detach().to("cpu", torch.float64)
+    return w @ sum_xx.detach().to("cpu", torch.float64) @ w.T
 
 
 # ---- HC-SMoE: agglomerative clustering ---------------------------------------------------------
@@ -162,14 +188,20 @@ def by_frequency(ids: list[int], nu: torch.Tensor) -> list[int]:
 def m_smoe_cluster(ctx: LayerContext, K: int, settings: dict) -> tuple[list[list[int]], torch.Tensor, dict]:
     """M-SMoE (merge stage of MC-SMoE, Li et al. 2024; REAP paper App. B.4): the K most frequently routed
     experts are dominant (ties lower id); every other expert joins the dominant expert it is most similar
-    to by router gates over the calibration tokens (D = 1 − S, ties lower dominant id). Deviation: the
-    original picks the dominant experts globally across layers (different counts per layer); an HF config
-    has one expert count, so they are picked per layer."""
-    ctx.stats.require("gram_p")
+    to over the calibration tokens (D = 1 − S, ties lower dominant id): by raw router logits (setting
+    `similarity: logits`, the default, as MC-SMoE and the REAP repository) or softmax probabilities
+    (`probabilities`). Deviation: the original picks the dominant experts globally across layers
+    (different counts per layer); an HF config has one expert count, so they are picked per layer."""
+    if settings["similarity"] == "logits":
+        ctx.stats.require("sum_xx")
+        gram = router_logit_gram(ctx.router_weight, ctx.stats.sum_xx)
+    else:
+        ctx.stats.require("gram_p")
+        gram = ctx.stats.gram_p
     nu = ctx.stats.count.detach().to("cpu", torch.float64)
     E = nu.shape[0]
     dominant = sorted(by_frequency(list(range(E)), nu)[:K])
-    d = router_gate_distance(ctx.stats.gram_p)
+    d = router_gate_distance(gram)
     members: dict[int, list[int]] = {e: [e] for e in dominant}
     dom_idx = torch.tensor(dominant, dtype=torch.long)
     for e in range(E):
@@ -180,7 +212,7 @@ def m_smoe_cluster(ctx: LayerContext, K: int, settings: dict) -> tuple[list[list
     return (
         [sorted(members[e]) for e in dominant],
         d,
-        {"similarity": "router_gates_over_tokens", "dominant": dominant},
+        {"similarity": f"router_{settings['similarity']}_over_tokens", "dominant": dominant},
     )
 
 
@@ -188,18 +220,18 @@ MERGINGS: dict[str, Merging] = {
     "HC-SMoE": Merging(
         "HC-SMoE",
         hc_smoe_cluster,
-        {"distance": "cosine", "linkage": "average", "permute": False, "router_rows": "weighted"},
+        {"distance": "cosine", "linkage": "average", "permute": False, "router_rows": "summed"},
         "hierarchical clustering of expert outputs over all tokens, frequency-weighted average",
+        {"distance": DISTANCES, "linkage": LINKAGES, "permute": (False, True), "router_rows": ROUTER_ROWS},
     ),
     "M-SMoE": Merging(
         "M-SMoE",
         m_smoe_cluster,
-        {"permute": True, "router_rows": "dominant"},
-        "dominant experts by routing frequency, router-gate similarity, aligned weighted average",
+        {"permute": True, "router_rows": "summed", "similarity": "logits"},
+        "dominant experts by routing frequency, router-logit similarity, aligned weighted average",
+        {"permute": (False, True), "router_rows": ROUTER_ROWS, "similarity": SIMILARITIES},
     ),
 }
-
-_CHOICES = {"distance": DISTANCES, "linkage": LINKAGES, "router_rows": ROUTER_ROWS, "permute": (False, True)}
 
 
 def merge_settings(method: str, settings: dict | None) -> dict:
@@ -211,8 +243,8 @@ def merge_settings(method: str, settings: dict | None) -> dict:
         raise ValueError(f"unknown {method} settings {', '.join(unknown)}; allowed: {', '.join(m.defaults)}")
     out = {**m.defaults, **settings}
     for name, value in out.items():
-        if not any(value == c and type(value) is type(c) for c in _CHOICES[name]):
-            allowed = ", ".join(map(str, _CHOICES[name]))
+        if not any(value == c and type(value) is type(c) for c in m.choices[name]):
+            allowed = ", ".join(map(str, m.choices[name]))
             raise ValueError(f"{method} setting {name}={value!r}; allowed: {allowed}")
     return out
 
@@ -284,8 +316,9 @@ def dominant_member(group: list[int], nu: list[float]) -> int:
 
 
 def merged_layers(plans: list[LayerPlan], experts: dict[int, ExpertWeights]) -> dict[int, MergedLayer]:
-    """The adapter's input (FamilyAdapter.merged_moe_student) from merged plans: clusters, frequency
-    weights, router-row rule, dominant members (largest score ν, ties lower id) and, when the plan's
+    """The merged student's input (FamilyAdapter.merged_moe_student for the router rules `weighted` and
+    `dominant`, workers.models.merged_model.summed_moe_student for `summed`) from merged plans: clusters,
+    frequency weights, router-row rule, dominant members (largest score ν, ties lower id) and, when the plan's
     student asks to permute, each non-dominant member's permutation aligning it to its dominant."""
     out: dict[int, MergedLayer] = {}
     for p in plans:

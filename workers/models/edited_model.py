@@ -17,8 +17,9 @@ weights. Router, shared experts, attention, norms and dense layers are the teach
 family adapter (`workers.families.get_adapter`) works on the model as it is.
 
 Loading: `import workers.models.edited_model` registers the config and model classes with transformers'
-AutoConfig / AutoModelForCausalLM; then `AutoModelForCausalLM.from_pretrained(dir)` loads an edited
-checkpoint (offline; `workers.run.runtime.load_model` imports this module first).
+AutoConfig / AutoModelForCausalLM (and, importing workers.models.merged_model, those of merged MoEs with
+summed gates); then `AutoModelForCausalLM.from_pretrained(dir)` loads an edited (or merged) checkpoint
+(offline; `workers.run.runtime.load_model` and the DDP worker import this module first).
 """
 
 from __future__ import annotations
@@ -331,3 +332,7 @@ def edited_moe_student(
     if getattr(model, "generation_config", None) is not None:
         student.generation_config = copy.deepcopy(model.generation_config)
     return student.eval()
+
+
+# merged MoEs with the summed-gate router are a registered class too: importing this module registers both kinds
+import workers.models.merged_model  # noqa: E402, F401

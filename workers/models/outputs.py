@@ -7,7 +7,10 @@ unchanged), each built from the same calibration statistics:
   rows (the REAP paper's pruning; with K = k it is the dense student's exact counterpart with
   input-dependent gates instead of the static α);
 - `merged`: the E experts merged into K clusters, each stored once (HC-SMoE, M-SMoE:
-  workers/methods/moe_merging.py), the teacher's class with K experts;
+  workers/methods/moe_merging.py): with the seeds' summed gates (`router_rows: summed`, the default) the
+  router keeps its E rows and every member computes its cluster's expert (a registered class tying the members:
+  workers/models/merged_model.py); with a router collapsed to K rows (`weighted`, `dominant`) the teacher's
+  class with K experts;
 - `edited`: every expert kept but factorised to the parameter budget of K experts (MoBE, TD-MoE:
   workers/methods/editing.py), a registered model class that stores the factors (workers/models/edited_model.py).
 """
@@ -59,11 +62,22 @@ def merged_student(
     share_weights: bool,
     plan_path: str | None = None,
 ) -> nn.Module:
-    """The teacher's class with each layer's clusters merged into one expert each (stored once)."""
+    """Each layer's clusters merged into one expert each (stored once): router_rows `summed` keeps the E
+    router rows and ties every member to its cluster's expert (workers.models.merged_model); `weighted` and
+    `dominant` collapse the router to K rows in the teacher's class with K experts (the family adapter)."""
     from workers.methods.moe_merging import merged_layers
 
     experts = {p.layer: adapter.expert_weights(model, p.layer) for p in plans}
-    return adapter.merged_moe_student(model, merged_layers(plans, experts))
+    merged = merged_layers(plans, experts)
+    rules = sorted({m.router_rows for m in merged.values()})
+    if "summed" not in rules:
+        return adapter.merged_moe_student(model, merged)
+    if rules != ["summed"]:
+        raise ValueError(f"router_rows {rules} across layers: one merged MoE has one router rule")
+    from workers.models.merged_model import summed_moe_student
+
+    methods = sorted({str(p.extras["student"].get("merge")) for p in plans})
+    return summed_moe_student(model, adapter, merged, methods[0] if len(methods) == 1 else ", ".join(methods))
 
 
 def edited_student(
