@@ -109,7 +109,10 @@ class Table:
                     if "multicolumn" not in c:
                         widths[i] = max(widths.get(i, 0), _plain_len(c))
         width = max(14.0, 3.0 + sum(0.2 * w + 0.45 for w in widths.values()))
-        text_lines = math.ceil(len(self.caption) * 0.19 / max(width - 3.0, 1.0)) + len(self.notes) * 2
+        per_line = max(width - 3.0, 1.0)
+        text_lines = math.ceil(len(self.caption) * 0.19 / per_line) + sum(
+            max(2, math.ceil(len(n) * 0.17 / per_line) + 1) for n in self.notes
+        )
         height = 5.0 + 0.5 * (len(self.head) + len(self.rows)) + 0.5 * text_lines
         return round(width, 1), round(height, 1)
 

@@ -9,10 +9,17 @@ budget of K experts) and `recovery` what ran after it (none; Router KD: only the
 KD: every parameter distilled). The papers' smaller MoEs are reference sweeps of their own
 (analysis/reference.py: the Router KD paper's Tables 2/3, the REAP paper's Table 2); `match_moe_reference`
 picks the one of the same model.
+
+The same method name is not always the same implementation: each published smaller MoE stores what its
+paper ran (`settings` JSON: `implementation`, `settings`, `calibration`, and `vs_ours` — same, differs,
+unknown or none — with the `difference`; analysis/data/method_implementations.csv), and the table's caption
+says per method whether ours is that implementation or how it differs; its notes give the paper's settings
+and calibration.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pandas as pd
@@ -97,6 +104,78 @@ def _cells(view: View, r: dict[str, Any] | None, tasks: list[str], shared: bool 
     return out
 
 
+def _settings(r: dict[str, Any]) -> dict[str, Any]:
+    try:
+        out = json.loads(r.get("settings") or "{}")
+    except ValueError:
+        return {}
+    return out if isinstance(out, dict) else {}
+
+
+def _flags(settings: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(settings.items()))
+
+
+def _sentence(text: str) -> str:
+    return text if text.endswith(".") else text + "."
+
+
+def implementation_notes(
+    mine: dict[tuple, dict[str, Any]], theirs: dict[tuple, dict[str, Any]], order: list[tuple]
+) -> tuple[str, list[str]]:
+    """Per method of the paper's rows (in table order): the caption's sentences on whether ours is the
+    implementation the paper ran (its rows' stored `settings`: `vs_ours` and `difference`) and the notes
+    with the paper's settings, calibration and source. Settings our own rows were given (their `settings`
+    JSON) are named beside the method."""
+    imp: dict[str, dict[str, Any]] = {}
+    cals: dict[str, list[str]] = {}
+    for key in order:
+        if key in theirs:
+            s = imp.setdefault(key[1], _settings(theirs[key]))
+            cal = _settings(theirs[key]).get("calibration") or s.get("calibration")
+            if cal and cal not in cals.setdefault(key[1], []):
+                cals[key[1]].append(cal)
+    ours: dict[str, list[str]] = {}
+    for key, r in mine.items():
+        flags = _flags(_settings(r))
+        if flags and flags not in ours.setdefault(key[1], []):
+            ours[key[1]].append(flags)
+
+    def named(m: str) -> str:
+        return f"{m} (our runs set {'; '.join(ours[m])})" if ours.get(m) else m
+
+    same = [named(m) for m, s in imp.items() if s.get("implementation") and s.get("vs_ours") == "same"]
+    parts = [f"Same implementation as ours: {', '.join(same)}."] if same else []
+    for m, s in imp.items():
+        status, diff = s.get("vs_ours"), _sentence(s.get("difference") or "")
+        if not s.get("implementation"):
+            parts.append(
+                f"{m}: the paper's implementation is not recorded (moesweep import-paper stores it)."
+            )
+        elif status == "none":
+            parts.append(f"{m}: {s['implementation']}; {diff}")
+        elif status != "same":
+            what = "not our implementation" if status == "differs" else "perhaps not our implementation"
+            parts.append(f"{named(m)}, {what}: the paper ran {s['implementation']}; {diff}")
+    notes = [
+        f"{m}, the paper's settings: {_flags(s['settings'])}." for m, s in imp.items() if s.get("settings")
+    ]
+    for label, per in (
+        ("Calibration", {m: " | ".join(c) for m, c in cals.items() if c}),
+        ("Source", {m: s["source"] for m, s in imp.items() if s.get("source")}),
+    ):
+        groups: dict[str, list[str]] = {}
+        for m, text in per.items():
+            groups.setdefault(text, []).append(m)
+        for text, ms in groups.items():
+            notes.append(
+                f"{label} ({', '.join(ms)}): {_sentence(text)}"
+                if len(groups) > 1
+                else f"{label}: {_sentence(text)}"
+            )
+    return " ".join(parts), notes
+
+
 def moe_table(view: View, ref: View | None, stem: str) -> Table | None:
     """Rows: the teacher, then method × K × recovery (ours and the paper's, matched on all three);
     columns: our headline tasks and Avg, then the paper's values on the tasks it shares with ours and
@@ -124,13 +203,14 @@ def moe_table(view: View, ref: View | None, stem: str) -> Table | None:
         return t[0] if t else None
 
     rows: list[list[str] | str] = []
+    order = sorted(set(mine) | set(theirs), key=_sort_key)
     t_ours, t_ref = teacher(view), teacher(ref) if ref is not None else None
     if t_ours is not None or t_ref is not None:
         line = ["", "Teacher", "", "", *_cells(view, t_ours, view.tasks)]
         if ref is not None:
             line += _cells(ref, t_ref, common, shared)
         rows += [line, r"\midrule"]
-    for key in sorted(set(mine) | set(theirs), key=_sort_key):
+    for key in order:
         out, s, K, rec, variant = key
         line = [
             PARADIGM[out],
@@ -155,11 +235,21 @@ def moe_table(view: View, ref: View | None, stem: str) -> Table | None:
             if pub
             else f"the mean of its {len(ref.tasks)} headline tasks ({', '.join(ref.tasks)})"
         )
+        said, notes = implementation_notes(mine, theirs, order)
         cap += (
-            f" Paper ({ref.label}): the published numbers of the same method, K and recovery, on the tasks "
-            f"it shares with ours; its Avg is {what}"
+            f" Paper ({ref.label}): the published numbers under the same method name, K and recovery, on the "
+            f"tasks it shares with ours; its Avg is {what}"
             + ("; Shared: its mean over the tasks shown." if shared else ".")
+            + (f" {said}" if said else "")
+            + (
+                " The paper's settings and calibration per method are in the notes; our runs calibrate every "
+                "method on this sweep's calibration data."
+                if notes
+                else ""
+            )
         )
+    else:
+        notes = []
     return Table(
         stem,
         cap,
@@ -168,4 +258,5 @@ def moe_table(view: View, ref: View | None, stem: str) -> Table | None:
         rows,
         index_caption=f"Smaller MoEs by method, K and recovery, {view.label}"
         + (f", beside {ref.label}" if ref is not None else ""),
+        notes=notes,
     )

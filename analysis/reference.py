@@ -20,6 +20,7 @@ main configuration they vary (stored as `configurations.variant_of`).
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 from typing import Any
 
@@ -557,7 +558,9 @@ def architectures() -> dict[str, Any]:
 # orchestrator.axes.config_key; tests check they agree). The method names are our registries' (REAP,
 # EAN, frequency, CFES, HC-SMoE, M-SMoE, MoBE, TD-MoE). The same name in two papers need not be the same
 # implementation (the Router KD paper ran each method's official code; the REAP paper's HC-SMoE is its
-# own re-implementation, merging by frequency-weighted averaging), nor ours: `settings` says which.
+# own re-implementation, merging by frequency-weighted averaging), nor ours: each published smaller MoE
+# carries its implementation, settings and calibration in `settings` (JSON, from
+# analysis/data/method_implementations.csv), with whether ours is the same (`vs_ours`) and how it differs.
 ROUTER_KD_TITLE = (
     "Hyeon and Do, Is Retraining-Free Enough? The Necessity of Router Calibration for Efficient MoE "
     "Compression (the Router KD paper)"
@@ -633,6 +636,61 @@ REAP_TASK_NAME = {
 REAP_AVERAGES = {"code_avg": "Code Avg", "math_avg": "Math Avg", "mc_avg": "MC Avg"}
 
 
+IMPLEMENTATIONS_TABLE = "method_implementations"
+# vs_ours: same (our method of that name is this implementation), differs (`difference` says how),
+# unknown (the paper does not say enough to tell; `difference` says what is open), none (not ours)
+VS_OURS = ("same", "differs", "unknown", "none")
+
+
+def implementations() -> dict[tuple[str, str], dict[str, Any]]:
+    """(paper, method) → what the paper ran under that name: `implementation`, `settings` (its flags as
+    printed, a dict of strings), `calibration`, `vs_ours`, `difference` and `source`
+    (analysis/data/method_implementations.csv; `paper` is router_kd, reap or c2f)."""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in read_table(IMPLEMENTATIONS_TABLE):
+        key = (r["paper"], r["method"])
+        where = f"{IMPLEMENTATIONS_TABLE}: {r['paper']} {r['method']}"
+        if key in out:
+            raise ValueError(f"{where}: listed twice")
+        if r["vs_ours"] not in VS_OURS:
+            raise ValueError(f"{where}: vs_ours {r['vs_ours']!r}; allowed: {', '.join(VS_OURS)}")
+        if (r["vs_ours"] == "same") == bool(r["difference"]):
+            raise ValueError(f"{where}: `difference` must be empty exactly when vs_ours is same")
+        settings: dict[str, str] = {}
+        for part in (p.strip() for p in r["settings"].split(";")):
+            name, eq, value = part.partition("=")
+            if not part:
+                continue
+            if not eq or not name.strip():
+                raise ValueError(f"{where}: setting {part!r}; expected NAME=VALUE, separated by ';'")
+            settings[name.strip()] = value.strip()
+        out[key] = {
+            "implementation": r["implementation"],
+            "settings": settings,
+            "calibration": r["calibration"],
+            "vs_ours": r["vs_ours"],
+            "difference": r["difference"],
+            "source": r["source"],
+        }
+    return out
+
+
+def implementation_json(
+    imps: dict[tuple[str, str], dict[str, Any]], paper: str, method: str, calibration: str | None = None
+) -> str:
+    """The `settings` JSON of a published smaller MoE: what `paper` ran as `method` (a row's own
+    calibration, where the table varies it, replaces the method's)."""
+    imp = imps.get((paper, method))
+    if imp is None:
+        raise ValueError(
+            f"{IMPLEMENTATIONS_TABLE}: no row for paper {paper!r}, method {method!r}; listed: "
+            f"{', '.join(m for p, m in imps if p == paper) or 'none'}"
+        )
+    if calibration is not None:
+        imp = {**imp, "calibration": calibration}
+    return json.dumps(imp, sort_keys=True)
+
+
 def moe_key(method: str, K: int, recovery: str, output: str = "moe") -> str:
     """The config_key our sweeps give a smaller MoE (orchestrator.axes.config_key's format)."""
     return f"{output}|{method}|K={K}|recovery={recovery}"
@@ -679,6 +737,7 @@ def router_kd() -> dict[str, Any]:
     """The Router KD paper's Tables 2 and 3: Qwen3-30B-A3B-Instruct-2507 at 62.5% expert retention,
     six compression methods each without and with Router KD (the "-R" columns), 25 benchmarks."""
     common = {"model": ROUTER_KD_MODEL, "teacher_variant": "instruct", "top_k": 8}
+    imps = implementations()
     out: list[dict[str, Any]] = []
     original: list[dict[str, Any]] | None = None
     for table, name in ROUTER_KD_TABLES.items():
@@ -720,6 +779,7 @@ def router_kd() -> dict[str, Any]:
                     **common,
                     "table": table,
                     "note": f"{paradigm}, 62.5% expert retention ({col})",
+                    "settings": implementation_json(imps, "router_kd", method),
                     "metrics": _router_kd_metrics(rows, col, table),
                 }
             )
@@ -739,6 +799,7 @@ def reap(model: str) -> dict[str, Any]:
     if model not in REAP_MODELS:
         raise ValueError(f"REAP Table 2: model {model!r}; allowed: {', '.join(REAP_MODELS)}")
     E, k = REAP_MODELS[model]
+    imps = implementations()
     out = []
     for r in read_table(REAP_TABLE):
         if r["model"] != model:
@@ -797,7 +858,14 @@ def reap(model: str) -> dict[str, Any]:
         note = f"{r['ratio']} of the experts pruned or merged per layer"
         if method == "M-SMoE":  # the REAP paper, Sec. 5: cluster counts from global usage frequency
             note += "; M-SMoE's cluster count varies per layer, K is its mean"
-        out.append({**moe_fields(method, paradigm, K, "none"), **common, "note": note})
+        out.append(
+            {
+                **moe_fields(method, paradigm, K, "none"),
+                **common,
+                "note": note,
+                "settings": implementation_json(imps, "reap", method),
+            }
+        )
     return {
         "name": f"paper:reap-{model.lower()}",
         "source": REAP_SOURCE,
@@ -834,6 +902,7 @@ def c2f() -> dict[str, Any]:
     as our seed003 sweep writes them: the mixed run is the main configuration, a single-domain or DCDM run
     a variant of it (`…|calibration=<name>`)."""
     out: list[dict[str, Any]] = []
+    imps = implementations()
     main = moe_key("CFES", 64, "none")
     seen: set[str] = set()
     for r in read_table(C2F_TABLE):
@@ -895,6 +964,7 @@ def c2f() -> dict[str, Any]:
                 **fields,
                 **common,
                 "note": f"{r['method']}, 50% of the routed experts pruned, calibrated on {cal}",
+                "settings": implementation_json(imps, "c2f", method, cal),
             }
         )
     return {

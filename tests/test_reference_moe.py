@@ -6,6 +6,7 @@ the REAP paper's averages and its claims in the text) come out of the DB."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -341,19 +342,27 @@ def test_reap_claims_in_the_text(store):
 
 
 # ---- the report's table of smaller MoEs -------------------------------------------------------------
-def _own_moe_sweep(store: Store, name: str, model: str, configs: list[tuple[str, int, str, float]]) -> None:
-    """An own sweep of smaller MoEs with three headline tasks, written the way the stages write it."""
+def _own_moe_sweep(
+    store: Store,
+    name: str,
+    model: str,
+    configs: list[tuple[str, int, str, float]],
+    settings: dict[str, dict] | None = None,
+) -> None:
+    """An own sweep of smaller MoEs with three headline tasks, written the way the stages write it (a
+    merging or editing method makes a merged or edited output; `settings`: method → its settings)."""
     sid = store.upsert_sweep(name, spec_yaml=f"name: {name}")
     cfgs = [
         {
-            "config_key": f"moe|{s}|K={K}|recovery={r}",
+            "config_key": key_of(s, K, r),
             "model": model,
             "kind": "moe2dense",
-            "output": "moe",
-            "scoring": s,
+            "output": OUTPUT_OF.get(s, "moe"),
+            METHOD_AXIS[OUTPUT_OF.get(s, "moe")]: s,
             "K": K,
             "recovery": r,
             "top_k": 8,
+            **({"settings": json.dumps(settings[s], sort_keys=True)} if s in (settings or {}) else {}),
         }
         for s, K, r, _ in configs
     ] + [{"config_key": "teacher", "model": model, "kind": "teacher", "top_k": 8}]
@@ -438,6 +447,175 @@ def test_report_shows_smaller_moes_beside_the_paper(store, tmp_path):
         refs,
     )
     assert not any(p.name == "moe.tex" for p in dense)
+
+
+def _caption(tex: str) -> str:
+    line = next(ln for ln in tex.splitlines() if ln.startswith(r"\caption{"))
+    return line[len(r"\caption{") : -1].replace("\\", "")
+
+
+def _notes(tex: str) -> list[str]:
+    return [
+        ln[len(r"{\footnotesize ") : -1].replace("\\", "")
+        for ln in tex.splitlines()
+        if ln.startswith(r"{\footnotesize ")
+    ]
+
+
+def _stored(store: Store, sweep: str) -> dict[str, dict]:
+    """method → the implementation stored on the sweep's published smaller MoEs (all rows agree but for
+    the calibration, which the C2F rows vary)."""
+    _, rows = store.query(
+        "SELECT COALESCE(scoring, merging, editing), settings FROM results WHERE sweep = :s "
+        "AND kind = 'moe2dense'",
+        {"s": sweep},
+    )
+    out: dict[str, dict] = {}
+    for m, js in rows:
+        imp = json.loads(js)
+        first = out.setdefault(m, imp)
+        assert {k: v for k, v in imp.items() if k != "calibration"} == {
+            k: v for k, v in first.items() if k != "calibration"
+        }, (sweep, m)
+    return out
+
+
+def test_import_paper_stores_each_methods_implementation_and_settings(tmp_path):
+    """`moesweep import-paper` stores, on every published smaller MoE, what its paper ran under that name:
+    the Router KD paper's official HC-SMoE / M-SMoE / TD-MoE / MoBE code with their flags and calibration,
+    not the REAP paper's re-implementations of the same names."""
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+
+    url = f"sqlite:///{tmp_path}/m.db"
+    r = CliRunner().invoke(app, ["import-paper", "--db", url])
+    assert r.exit_code == 0, r.output
+    store = Store(url)
+    _, rows = store.query(
+        "SELECT c.config_key, c.settings FROM configurations c JOIN sweeps s ON s.id = c.sweep_id "
+        "WHERE s.name = :s AND c.kind = 'moe2dense'",
+        {"s": RKD},
+    )
+    got = {k: json.loads(v) for k, v in rows}
+    assert len(got) == 12  # six methods, each without and with Router KD
+    for method in ("HC-SMoE", "M-SMoE", "TD-MoE", "MoBE"):
+        for rec in ("none", "router_kd"):
+            imp = got[key_of(method, 80, rec)]
+            assert imp["implementation"].startswith(f"the official {method} code"), imp
+            assert imp["calibration"] and imp["source"].startswith("Router KD paper")
+            assert imp["vs_ours"] == "differs" and imp["difference"].startswith("ours ")
+    hc = got[key_of("HC-SMoE", 80, "none")]
+    assert "ZipIt merge, group limit 4, silhouette stop, average linkage" in hc["implementation"]
+    assert {
+        k: hc["settings"][k] for k in ("MERGE_METHOD", "GROUP_LIMIT", "STOP_METRIC", "LINKAGE_METHOD")
+    } == {
+        "MERGE_METHOD": "zipit",
+        "GROUP_LIMIT": "4",
+        "STOP_METRIC": "silhouette",
+        "LINKAGE_METHOD": "average",
+    }
+    assert "frequency-weighted average" in hc["difference"] and "no ZipIt" in hc["difference"]
+    assert got[key_of("M-SMoE", 80, "none")]["settings"]["similarity_base"] == "router-logits"
+    assert got[key_of("M-SMoE", 80, "none")]["calibration"] == "c4"
+    assert got[key_of("TD-MoE", 80, "none")]["settings"]["RATIO"] == "0.4"
+    assert got[key_of("TD-MoE", 80, "none")]["calibration"].startswith("c4")
+    mobe = got[key_of("MoBE", 80, "router_kd")]["settings"]
+    assert (mobe["bases"], mobe["truncation"], mobe["num_epochs"]) == ("8", "768", "10000")
+    assert got[key_of("CFES", 80, "none")]["settings"]["num_routed_expert"] == "80"
+    assert got[key_of("REAP", 80, "none")]["vs_ours"] == "unknown"  # the repository's commit is not given
+    # the REAP paper's HC-SMoE is another implementation under the same name
+    reap_hc = _stored(store, REAP_QWEN)["HC-SMoE"]
+    assert reap_hc["implementation"].startswith("the REAP paper's re-implementation")
+    assert reap_hc["settings"]["merge_method"] == "frequency_weighted_average"
+    assert "zipit" not in json.dumps(reap_hc).lower()
+    # every published smaller MoE carries one, readable through the results view
+    for sweep in (*MOE_SWEEPS, "paper:c2f-qwen3-30b-a3b-thinking"):
+        for m, imp in _stored(store, sweep).items():
+            assert imp["implementation"] and imp["vs_ours"] in ("same", "differs", "unknown", "none"), (
+                sweep,
+                m,
+            )
+    c2f = store.query(
+        "SELECT config_key, settings FROM results WHERE sweep = 'paper:c2f-qwen3-30b-a3b-thinking' "
+        "AND scoring = 'CFES'"
+    )[1]
+    cals = {k: json.loads(v)["calibration"] for k, v in c2f}
+    assert cals["moe|CFES|K=64|recovery=none|calibration=c4"] == "c4 only" and len(set(cals.values())) == 5
+
+
+def test_implementations_table_is_checked(monkeypatch, tmp_path):
+    import analysis.reference as ref
+
+    monkeypatch.setattr(ref, "DATA", tmp_path)
+    head = "paper,method,implementation,settings,calibration,vs_ours,difference,source\n"
+    for body, says in (
+        ("reap,EAN,x,,c,similar,,s\n", "vs_ours 'similar'; allowed: same, differs, unknown, none"),
+        ("reap,EAN,x,,c,differs,,s\n", "`difference` must be empty exactly when vs_ours is same"),
+        ("reap,EAN,x,a=1; b,c,same,,s\n", "setting 'b'; expected NAME=VALUE"),
+        ("reap,EAN,x,,c,same,,s\nreap,EAN,x,,c,same,,s\n", "reap EAN: listed twice"),
+    ):
+        (tmp_path / "method_implementations.csv").write_text(head + body)
+        with pytest.raises(ValueError, match=re.escape(says)):
+            ref.implementations()
+    (tmp_path / "method_implementations.csv").write_text(head + "reap,EAN,x,,c,same,,s\n")
+    with pytest.raises(ValueError, match="no row for paper 'reap', method 'REAP'; listed: EAN"):
+        ref.implementation_json(ref.implementations(), "reap", "REAP")
+
+
+def test_compare_caption_says_where_our_implementation_differs(store, tmp_path):
+    """The caption never calls a method "the same" when the paper ran another implementation of it: per
+    method of the paper's rows it says same, not ours (how), perhaps not ours (what is open), and the
+    notes give the paper's flags and calibration."""
+    from analysis.load import load_frames
+    from analysis.report import write_report
+
+    model = "Qwen3-30B-A3B-Instruct-2507"
+    _own_moe_sweep(
+        store,
+        "own-impl",
+        model,
+        [("HC-SMoE", 80, "none", 0.40), ("HC-SMoE", 80, "router_kd", 0.42), ("REAP", 80, "none", 0.41)],
+        settings={"HC-SMoE": {"linkage": "single"}},
+    )
+    refs = load_frames(store.engine, list(SWEEPS))
+    write_report(load_frames(store.engine, ["own-impl"]), "own-impl", tmp_path / "rkd", refs)
+    tex = (tmp_path / "rkd" / "tables" / "moe.tex").read_text()
+    cap, notes = _caption(tex), _notes(tex)
+    assert not re.search(r"the same method(?! name)", cap) and "the same method name" in cap
+    stored = _stored(store, RKD)
+    for m, imp in stored.items():
+        assert imp["vs_ours"] != "same"
+        assert "Same implementation as ours" not in cap
+        said = "not our implementation" if imp["vs_ours"] == "differs" else "perhaps not our implementation"
+        assert f", {said}: the paper ran {imp['implementation']}; {imp['difference']}." in cap, m
+    # HC-SMoE: the official code (ZipIt, group limit 4, silhouette stop) vs ours, with the settings we gave
+    assert (
+        "HC-SMoE (our runs set linkage=single), not our implementation: the paper ran the official HC-SMoE "
+        "code: ZipIt merge, group limit 4, silhouette stop, average linkage" in cap
+    )
+    assert "frequency-weighted average of its members (no ZipIt)" in cap
+    hc_note = next(n for n in notes if n.startswith("HC-SMoE, the paper's settings:"))
+    assert "GROUP_LIMIT=4" in hc_note and "MERGE_METHOD=zipit" in hc_note
+    assert "Calibration (M-SMoE): c4." in notes and "Source: Router KD paper, Sec. 5.1 and App. F." in notes
+    # the REAP paper: frequency and EAN are ours; its HC-SMoE and M-SMoE are re-implementations
+    _own_moe_sweep(store, "own-impl-reap", "Qwen3-30B-A3B", [("HC-SMoE", 96, "none", 0.5)])
+    write_report(load_frames(store.engine, ["own-impl-reap"]), "own-impl-reap", tmp_path / "reap", refs)
+    cap = _caption((tmp_path / "reap" / "tables" / "moe.tex").read_text())
+    assert "Same implementation as ours: EAN, frequency." in cap
+    assert "HC-SMoE, perhaps not our implementation: the paper ran the REAP paper's re-implementation" in cap
+    assert "M-SMoE, not our implementation: the paper ran the REAP paper's re-implementation" in cap
+    assert "ZipIt" not in cap
+    assert "REAP, perhaps not our implementation:" in cap and "our REAP-p" in cap
+
+
+def test_caption_without_stored_implementations_claims_nothing():
+    from analysis.moe_tables import implementation_notes
+
+    key = ("merged", "HC-SMoE", 80, "none", "")
+    said, notes = implementation_notes({}, {key: {"settings": None}}, [key])
+    assert said == "HC-SMoE: the paper's implementation is not recorded (moesweep import-paper stores it)."
+    assert notes == []
 
 
 def test_moe_table_compiles_alone(store, tmp_path):
