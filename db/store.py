@@ -587,18 +587,20 @@ class Store:
     def link(self, links: Iterable[tuple[int, str, int]]) -> None:
         """(config_id, stage, job_id): which job produced a configuration's numbers for a stage."""
         with self.tx() as c:
+            # one atomic upsert per link: two launches linking the same configuration at once (a select, then
+            # an insert) both saw no row and the second insert broke the unique (config_id, stage)
+            if c.dialect.name == "postgresql":
+                from sqlalchemy.dialects.postgresql import insert as upsert
+            else:
+                from sqlalchemy.dialects.sqlite import insert as upsert
             for config_id, stage, job_id in links:
-                cur = c.scalar(
-                    select(ConfigJob.job_id).where(ConfigJob.config_id == config_id, ConfigJob.stage == stage)
-                )
-                if cur is None:
-                    c.execute(insert(ConfigJob).values(config_id=config_id, stage=stage, job_id=job_id))
-                elif cur != job_id:
-                    c.execute(
-                        update(ConfigJob)
-                        .where(ConfigJob.config_id == config_id, ConfigJob.stage == stage)
-                        .values(job_id=job_id)
+                stmt = upsert(ConfigJob).values(config_id=config_id, stage=stage, job_id=job_id)
+                c.execute(
+                    stmt.on_conflict_do_update(
+                        index_elements=[ConfigJob.config_id, ConfigJob.stage],
+                        set_={"job_id": stmt.excluded.job_id},
                     )
+                )
 
     def unlink(self, config_ids: Iterable[int], stage: str) -> int:
         """Forget which job produced these configurations' numbers for a stage (the job itself stays):
