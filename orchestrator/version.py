@@ -37,15 +37,18 @@ def git_commit(root: Path = ROOT) -> str | None:
     return head.stdout.strip() + ("+dirty" if dirty else "")
 
 
+def pins(path: Path) -> dict[str, str]:
+    """{normalised distribution name: pinned version} of one requirements file (`name==version` lines)."""
+    text = path.read_text() if path.is_file() else ""
+    return {
+        re.sub(r"[-_.]+", "-", m.group(1)).lower(): m.group(2)
+        for m in re.finditer(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", text, re.M)
+    }
+
+
 def locked_versions(root: Path = ROOT) -> dict[str, str]:
     """{distribution: pinned version} from the checkout's requirements/ lock files (empty when there are none)."""
-    out: dict[str, str] = {}
-    for name in ("lock.txt", "torch-cpu.txt"):
-        path = root / "requirements" / name
-        if path.is_file():
-            for m in re.finditer(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", path.read_text(), re.M):
-                out[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
-    return out
+    return {**pins(root / "requirements" / "lock.txt"), **pins(root / "requirements" / "torch-cpu.txt")}
 
 
 def version_text(root: Path = ROOT) -> str:

@@ -21,10 +21,12 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from orchestrator.version import pins
+
 ROOT = Path(__file__).resolve().parents[1]
 REQ = ROOT / "requirements"
 PACKAGES = ("orchestrator", "workers", "db", "analysis", "dashboard", "sweeps")
-PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)")
+PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)")  # a pin line, for the hash check
 
 
 def _lock_script():
@@ -32,15 +34,6 @@ def _lock_script():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def pins(path: Path) -> dict[str, str]:
-    out = {}
-    for line in path.read_text().splitlines():
-        m = PIN.match(line)
-        if m:
-            out[canonicalize_name(m.group(1))] = m.group(2)
-    return out
 
 
 def project() -> dict:

@@ -5,25 +5,15 @@ the registry's names and file stems are unique."""
 from __future__ import annotations
 
 import pytest
-from test_report import OWN, build_own_sweep
+from test_report import OWN, store  # noqa: F401  (the report tests' database fixture)
 
 from analysis import report as R
 from analysis.latex import Table
 from analysis.load import load_frames
-from analysis.reference import reference_sweeps
-from db.store import Store
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory) -> Store:
-    s = Store(f"sqlite:///{tmp_path_factory.mktemp('db')}/r.db")
-    s.import_reference(reference_sweeps())
-    build_own_sweep(s)
-    return s
-
-
-@pytest.fixture(scope="module")
-def frames(store):
+def frames(store):  # noqa: F811
     return load_frames(store.engine, [OWN])
 
 
@@ -109,7 +99,7 @@ def test_registry_entries_are_unique_and_well_formed():
         R.Artefact("bad", "per_layer", "table", "bad", _toy_table)
 
 
-def test_a_report_with_no_table_or_figure_still_writes_its_index(store, tmp_path):
+def test_a_report_with_no_table_or_figure_still_writes_its_index(store, tmp_path):  # noqa: F811
     """A reference sweep with nothing to tabulate alone (paper:architectures, no --compare): facts.json and
     index.md into a folder that did not exist."""
     name = "paper:architectures"

@@ -52,7 +52,7 @@ def greedy_round(soft: torch.Tensor, capacity: list[int]) -> list[int]:
     while bool((owner < 0).any()):
         live = (owner[rows] < 0) & (cap[bins] > 0)
         rows, bins = rows[live], bins[live]  # pairs still possible, in visiting order
-        is_first = torch.ones(rows.numel(), dtype=torch.bool)  # each free row's first remaining pair
+        # each free row's first remaining pair: its lowest position among the live pairs
         seen_at = torch.full((n,), rows.numel(), dtype=torch.long).scatter_reduce(
             0, rows, torch.arange(rows.numel()), reduce="amin"
         )
