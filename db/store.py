@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Connection, create_engine, delete, event, func, insert, inspect, select, text, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, NoSuchModuleError, SQLAlchemyError
 
@@ -112,6 +113,12 @@ def classify(value: float | None) -> tuple[float | None, str]:
     if math.isinf(v):
         return None, "inf" if v > 0 else "-inf"
     return v, "finite"
+
+
+def _upsert(c: Connection, table: Any) -> Any:
+    """The dialect's INSERT, which has ON CONFLICT (SQLite and PostgreSQL): the atomic insert-or-update
+    that two launches writing the same rows at once need."""
+    return (postgresql if c.dialect.name == "postgresql" else sqlite).insert(table)
 
 
 class StoreError(Exception):
@@ -253,12 +260,17 @@ class Store:
 
     @staticmethod
     def _upsert_sweep(c: Connection, name: str, **values: Any) -> int:
+        # a new name is one atomic upsert: two launches of one sweep at once (a select, then an insert) both
+        # saw no row and the second insert broke the unique name
         values["updated_at"] = now()
         sid = c.scalar(select(Sweep.id).where(Sweep.name == name))
-        if sid is None:
-            return c.execute(insert(Sweep).values(name=name, **values)).inserted_primary_key[0]
-        c.execute(update(Sweep).where(Sweep.id == sid).values(**values))
-        return sid
+        if sid is not None:  # the common case first: PostgreSQL's ON CONFLICT spends a sequence number
+            c.execute(update(Sweep).where(Sweep.id == sid).values(**values))
+            return sid
+        stmt = _upsert(c, Sweep).values(name=name, **values)
+        return c.scalar(
+            stmt.on_conflict_do_update(index_elements=[Sweep.name], set_=values).returning(Sweep.id)
+        )
 
     def sweep_id(self, name: str) -> int | None:
         with self.tx() as c:
@@ -303,11 +315,13 @@ class Store:
         """Insert jobs that do not exist yet (by key) and link all of them to the sweep."""
         ids: dict[str, int] = {}
         with self.tx() as c:
+            # insert-or-ignore, then read: atomic when two launches register the same job at once
             for j in jobs:
                 jid = c.scalar(select(Job.id).where(Job.key == j["key"]))
                 if jid is None:
-                    jid = c.execute(
-                        insert(Job).values(
+                    c.execute(
+                        _upsert(c, Job)
+                        .values(
                             key=j["key"],
                             stage=j["stage"],
                             params_json=json.dumps(j["params"], sort_keys=True),
@@ -316,12 +330,18 @@ class Store:
                             code_version=j.get("code_version"),
                             code_json=j.get("code_json"),
                         )
-                    ).inserted_primary_key[0]
+                        .on_conflict_do_nothing(index_elements=[Job.key])
+                    )
+                    jid = c.scalar(select(Job.id).where(Job.key == j["key"]))
                 if (
                     c.scalar(select(SweepJob.id).where(SweepJob.sweep_id == sweep_id, SweepJob.job_id == jid))
                     is None
                 ):
-                    c.execute(insert(SweepJob).values(sweep_id=sweep_id, job_id=jid))
+                    c.execute(
+                        _upsert(c, SweepJob)
+                        .values(sweep_id=sweep_id, job_id=jid)
+                        .on_conflict_do_nothing(index_elements=[SweepJob.sweep_id, SweepJob.job_id])
+                    )
                 ids[j["key"]] = jid
         return ids
 
@@ -573,15 +593,21 @@ class Store:
                         Configuration.sweep_id == sweep_id, Configuration.config_key == cfg["config_key"]
                     )
                 )
-                if cid is None:
-                    cid = c.execute(
-                        insert(Configuration).values(
-                            sweep_id=sweep_id, config_key=cfg["config_key"], **values
-                        )
-                    ).inserted_primary_key[0]
-                else:
+                if (
+                    cid is not None
+                ):  # the common case first: PostgreSQL's ON CONFLICT spends a sequence number
                     c.execute(update(Configuration).where(Configuration.id == cid).values(**values))
-                ids[cfg["config_key"]] = cid
+                    ids[cfg["config_key"]] = cid
+                    continue
+                stmt = _upsert(c, Configuration).values(
+                    sweep_id=sweep_id, config_key=cfg["config_key"], **values
+                )
+                ids[cfg["config_key"]] = c.scalar(
+                    stmt.on_conflict_do_update(
+                        index_elements=[Configuration.sweep_id, Configuration.config_key],
+                        set_=values or {"config_key": stmt.excluded.config_key},
+                    ).returning(Configuration.id)
+                )
         return ids
 
     def link(self, links: Iterable[tuple[int, str, int]]) -> None:
@@ -589,12 +615,8 @@ class Store:
         with self.tx() as c:
             # one atomic upsert per link: two launches linking the same configuration at once (a select, then
             # an insert) both saw no row and the second insert broke the unique (config_id, stage)
-            if c.dialect.name == "postgresql":
-                from sqlalchemy.dialects.postgresql import insert as upsert
-            else:
-                from sqlalchemy.dialects.sqlite import insert as upsert
             for config_id, stage, job_id in links:
-                stmt = upsert(ConfigJob).values(config_id=config_id, stage=stage, job_id=job_id)
+                stmt = _upsert(c, ConfigJob).values(config_id=config_id, stage=stage, job_id=job_id)
                 c.execute(
                     stmt.on_conflict_do_update(
                         index_elements=[ConfigJob.config_id, ConfigJob.stage],

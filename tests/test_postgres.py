@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect, text
+from sqlalchemy import insert, inspect, text
 from typer.testing import CliRunner
 
-from db.models import Base
+from db.models import Base, Configuration, Job, Sweep
 from db.store import VERSION_TABLE, Store, head_revision
 from orchestrator.cli import app
 from tests import test_migrations, test_store
@@ -216,3 +216,72 @@ def test_upgrade_from_0001_keeps_every_row_on_postgresql(pg_database):
     with pytest.raises(Exception, match="foreign key"), store.tx() as c:
         c.execute(text("UPDATE configurations SET variant_of = 99 WHERE id = 2"))
     store.engine.dispose()
+
+
+def _second_writer_waits_then_succeeds(url: str, table, row: dict, second) -> object:
+    """`row` goes into `table` in a transaction left open; `second()` writes the same row from another
+    connection meanwhile. It must wait on the row's lock and then go on: the old select-then-insert saw no
+    row and broke the unique constraint when the first committed."""
+    import threading
+    import time
+
+    holder = Store(url)
+    out: dict[str, object] = {}
+    with holder.engine.connect() as a:
+        a.execute(insert(table).values(**row))
+        t = threading.Thread(target=lambda: out.setdefault("r", _catch(second)))
+        t.start()
+        for _ in range(600):  # until the second writer waits on the first's row lock (not a timing assert)
+            waiting = a.execute(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
+                )
+            ).scalar()
+            if waiting or not t.is_alive():
+                break
+            time.sleep(0.05)
+        assert waiting, "the second writer never waited on the first's row"
+        a.commit()
+    t.join(60)
+    holder.engine.dispose()
+    assert not isinstance(out["r"], BaseException), out["r"]
+    return out["r"]
+
+
+def _catch(f):
+    try:
+        return f()
+    except BaseException as e:  # handed to the main thread, which fails with it
+        return e
+
+
+def test_two_launches_writing_the_same_rows_at_once_wait_and_update_on_postgresql(pg_database):
+    """Two launches of one sweep at once (the Ray cluster test's two launches) write the same sweep,
+    configurations, jobs and links; each write is one atomic upsert, so the later one waits and updates."""
+    url = pg_database("upserts")
+    s = Store(url)
+    sid = _second_writer_waits_then_succeeds(
+        url,
+        Sweep,
+        {"name": "twice"},
+        lambda: s.upsert_sweep("twice", spec_hash="h2"),
+    )
+    assert s.sweep_id("twice") == sid
+    ids = _second_writer_waits_then_succeeds(
+        url,
+        Configuration,
+        {"sweep_id": sid, "config_key": "c", "model": "old", "kind": "dense"},
+        lambda: s.upsert_configs(sid, [{"config_key": "c", "model": "new", "kind": "dense"}]),
+    )
+    assert [c["model"] for c in s.configs(sid)] == ["new"]  # the later write updated the row
+    jids = _second_writer_waits_then_succeeds(
+        url,
+        Job,
+        {"key": "k", "stage": "score", "params_json": "{}"},
+        lambda: s.register_jobs(sid, [{"key": "k", "stage": "score", "params": {}}]),
+    )
+    assert set(s.jobs(["k"])) == {"k"} and jids == {"k": s.jobs(["k"])["k"]["id"]}
+    s.link([(ids["c"], "score", jids["k"])])
+    with s.engine.connect() as c:
+        assert c.execute(text("SELECT count(*) FROM sweep_jobs")).scalar() == 1
+    s.engine.dispose()
