@@ -27,17 +27,17 @@ import pandas as pd
 from analysis.derived import order_key, pct, plain, records
 from analysis.latex import Table, esc, fmt_pct
 from analysis.tables import View, _group_header, make_view, task_header
-from db.axes import MOE_OUTPUTS, method_axis
+from db.axes import MOE_OUTPUTS, OUTPUTS, RECOVERIES, method_axis
 
-RECOVERY_LABEL = {"none": "none", "router_kd": "Router KD", "full_kd": "full KD"}
+RECOVERY_LABEL = {r.name: r.label for r in RECOVERIES.values()}
 SMALLER = MOE_OUTPUTS  # the outputs that keep a router
-PARADIGM = {"moe": "prune", "merged": "merge", "edited": "edit"}
+PARADIGM = {o: OUTPUTS[o].paradigm for o in SMALLER}  # moe: prune, merged: merge, edited: edit
 METHOD_AXIS = {o: method_axis(o) for o in SMALLER}  # moe: scoring, merged: merging, edited: editing
 
 
 def moe_rows(results: pd.DataFrame) -> pd.DataFrame:
     """The smaller MoEs among `results` rows."""
-    return results[(results["kind"] == "moe2dense") & results["output"].isin(SMALLER)]
+    return results[(results["kind"] == "moe2moe") & results["output"].isin(SMALLER)]
 
 
 def method_of(r: dict[str, Any]) -> str:
@@ -68,7 +68,7 @@ def moe_view(label: str, results: pd.DataFrame, tasks: pd.DataFrame, model: str)
     rows = results[
         (results["model"] == model) & (results["output"].isin(SMALLER) | (results["kind"] == "teacher"))
     ]
-    rows = rows[(rows["kind"] == "teacher") | (rows["kind"] == "moe2dense")]
+    rows = rows[(rows["kind"] == "teacher") | (rows["kind"] == "moe2moe")]
     return make_view(label, rows, tasks)
 
 

@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from db.axes import default_rule
+from db.axes import default_rule, kind_of
 
 DATA = Path(__file__).parent / "data"
 PAPER = "arXiv:2605.28207"
@@ -701,7 +701,7 @@ def moe_fields(method: str, paradigm: str, K: int, recovery: str) -> dict[str, A
     output, axis = PARADIGM_OUTPUT[paradigm]
     return {
         "config_key": moe_key(method, K, recovery, output),
-        "kind": "moe2dense",
+        "kind": kind_of(output),
         "output": output,
         axis: method,
         "K": K,

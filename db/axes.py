@@ -15,7 +15,121 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import MappingProxyType
 
-MOE_OUTPUTS = ("moe", "merged", "edited")  # the outputs that keep a router (a smaller MoE)
+
+@dataclass(frozen=True)
+class Output:
+    """What a conversion writes (the `output` axis), as every reader needs to know it. The worker side of an
+    output (its plans and its student) is in workers/models: its builder in `OUTPUTS` of
+    workers/models/outputs.py, its own settings in `OUTPUT_SETTINGS` of workers/models/plans.py; a test
+    holds those to this table."""
+
+    name: str
+    method_axis: str  # the axis whose value names the method that makes it (scoring, merging, editing)
+    keeps_router: bool  # a smaller MoE (top-k routing kept) rather than a dense student
+    settings: tuple[str, ...]  # its own settings in a sub-grid's `settings: {<output>: {...}}`
+    kind: str  # configurations.kind of its rows: moe2dense (a dense student) or moe2moe (a smaller MoE)
+    paradigm: str  # how the smaller-MoE table names what it does to the experts (prune, merge, edit)
+    label: str
+    help: str
+
+
+OUTPUTS: MappingProxyType[str, Output] = MappingProxyType(
+    {
+        o.name: o
+        for o in (
+            Output(
+                "dense",
+                "scoring",
+                False,
+                ("shared_gate",),
+                "moe2dense",
+                "convert",
+                "dense student",
+                "the kept experts grouped, merged and concatenated into one FFN per layer (Algorithm 1)",
+            ),
+            Output(
+                "moe",
+                "scoring",
+                True,
+                ("super_experts",),
+                "moe2moe",
+                "prune",
+                "pruned MoE",
+                "the teacher keeping K scored experts per layer and their router rows",
+            ),
+            Output(
+                "merged",
+                "merging",
+                True,
+                (),
+                "moe2moe",
+                "merge",
+                "merged MoE",
+                "the E experts merged into K clusters (HC-SMoE, M-SMoE)",
+            ),
+            Output(
+                "edited",
+                "editing",
+                True,
+                (),
+                "moe2moe",
+                "edit",
+                "edited MoE",
+                "every expert kept, factorised to the parameter budget of K experts (MoBE, TD-MoE)",
+            ),
+        )
+    }
+)
+MOE_OUTPUTS = tuple(o.name for o in OUTPUTS.values() if o.keeps_router)  # the smaller MoEs
+DENSE_OUTPUTS = tuple(o.name for o in OUTPUTS.values() if not o.keeps_router)
+CONVERTED_KINDS = tuple(
+    dict.fromkeys(o.kind for o in OUTPUTS.values())
+)  # the grid's rows: moe2dense, moe2moe
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """A value of the `recovery` axis: what runs on a smaller MoE between its conversion and its evaluation."""
+
+    name: str
+    stage: str | None  # the stage that recovers it (None: evaluated as converted)
+    label: str  # how tables name it
+    help: str
+
+
+RECOVERIES: MappingProxyType[str, Recovery] = MappingProxyType(
+    {
+        r.name: r
+        for r in (
+            Recovery("none", None, "none", "evaluated as converted"),
+            Recovery("router_kd", "router_kd", "Router KD", "only the routers retrained to the teacher's"),
+            Recovery(
+                "full_kd",
+                "distill",
+                "full KD",
+                "every parameter distilled with the distill section's settings",
+            ),
+        )
+    }
+)
+
+
+def recovered_by(config: dict) -> str | None:
+    """The stage whose model a configuration is evaluated as: its recovery's stage, `ppl_pre` for a smaller
+    MoE evaluated as converted (that stage holds the converted student), None for a dense student (the
+    selection rule decides whether it is distilled)."""
+    rec = RECOVERIES.get(config.get("recovery") or "")
+    return None if rec is None else rec.stage or "ppl_pre"
+
+
+def outputs_of(method_axis: str) -> tuple[str, ...]:
+    """The outputs whose method is named by `method_axis` (scoring: dense and moe)."""
+    return tuple(o.name for o in OUTPUTS.values() if o.method_axis == method_axis)
+
+
+def kind_of(output: str | None) -> str:
+    """configurations.kind of a grid configuration of `output` (None: a dense student)."""
+    return OUTPUTS[output or "dense"].kind
 
 
 @dataclass(frozen=True)
@@ -59,7 +173,7 @@ AXES: MappingProxyType[str, Axis] = MappingProxyType(
                 str,
                 ("workers.methods.scoring", "SCORINGS"),
                 "how experts are scored and the K kept are chosen",
-                outputs=("dense", "moe"),
+                outputs=outputs_of("scoring"),
                 method=True,
                 order=1,
             ),
@@ -68,7 +182,7 @@ AXES: MappingProxyType[str, Axis] = MappingProxyType(
                 str,
                 ("workers.methods.moe_merging", "MERGINGS"),
                 "how the E experts are merged into K",
-                outputs=("merged",),
+                outputs=outputs_of("merging"),
                 method=True,
                 order=7,
             ),
@@ -77,7 +191,7 @@ AXES: MappingProxyType[str, Axis] = MappingProxyType(
                 str,
                 ("workers.methods.editing", "EDITINGS"),
                 "how every expert is factorised to the size of K",
-                outputs=("edited",),
+                outputs=outputs_of("editing"),
                 method=True,
                 order=8,
             ),
@@ -87,7 +201,7 @@ AXES: MappingProxyType[str, Axis] = MappingProxyType(
                 ("workers.methods.grouping", "GROUPINGS"),
                 "how the K kept experts form k groups",
                 ("RR",),
-                outputs=("dense",),
+                outputs=DENSE_OUTPUTS,
                 order=2,
             ),
             Axis(
@@ -96,7 +210,7 @@ AXES: MappingProxyType[str, Axis] = MappingProxyType(
                 ("workers.methods.scaling", "SCALINGS"),
                 "the down-projection scale α of each group",
                 ("uniform",),
-                outputs=("dense",),
+                outputs=DENSE_OUTPUTS,
                 order=3,
             ),
             Axis(
@@ -114,7 +228,7 @@ AXES: MappingProxyType[str, Axis] = MappingProxyType(
                 "what recovers a smaller MoE before evaluation",
                 ("none",),
                 outputs=MOE_OUTPUTS,
-                choices=("none", "router_kd", "full_kd"),
+                choices=tuple(RECOVERIES),
                 named=True,
                 after_student=True,
                 order=6,
@@ -192,7 +306,7 @@ def method_axes() -> tuple[str, ...]:
 
 def method_axis(output: str) -> str | None:
     """The axis naming the method that makes a student of `output` (a smaller MoE: moe → scoring)."""
-    return next((a.name for a in AXES.values() if a.method and a.applies(output)), None)
+    return OUTPUTS[output].method_axis if output in OUTPUTS else None
 
 
 def method_registries() -> list[tuple[str, str]]:

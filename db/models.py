@@ -94,7 +94,7 @@ class Configuration(Base):
     model: Mapped[str] = mapped_column(String(200))
     teacher_variant: Mapped[str | None] = mapped_column(String(50))
     family: Mapped[str | None] = mapped_column(String(50))
-    kind: Mapped[str] = mapped_column(String(20))  # moe2dense | baseline | teacher
+    kind: Mapped[str] = mapped_column(String(20))  # moe2dense | moe2moe | dense2moe | baseline | teacher
     baseline: Mapped[str | None] = mapped_column(String(200))
     scoring: Mapped[str | None] = mapped_column(String(50), index=True)
     grouping: Mapped[str | None] = mapped_column(String(50), index=True)

@@ -98,7 +98,7 @@ def test_micro_sweep_of_a_new_family(family, grid, outputs, tmp_path, monkeypatc
         == 0
     )
     rows = store.query(
-        "SELECT output, config_key, ppl_pre FROM results WHERE kind = 'moe2dense' ORDER BY config_id"
+        "SELECT output, config_key, ppl_pre FROM results WHERE kind IN ('moe2dense', 'moe2moe') ORDER BY config_id"
     )[1]
     assert [r[0] for r in rows] == outputs
     assert all(r[2] is not None and r[2] == r[2] and 1 < r[2] < 1e6 for r in rows), rows

@@ -63,7 +63,7 @@ def test_dense_and_moe_outputs_in_one_sweep(fake, tmp_path):  # noqa: F811
     rows = store.query(
         "SELECT config_key, output, grouping, dp_scaling, recovery, selected_for_distill, "
         "duplicate_of IS NOT NULL, avg_acc IS NOT NULL FROM results WHERE sweep = 'fake' "
-        "AND kind = 'moe2dense' ORDER BY config_id"
+        "AND kind IN ('moe2dense', 'moe2moe') ORDER BY config_id"
     )[1]
     dense = [r for r in rows if r[1] == "dense"]
     moe = [r for r in rows if r[1] == "moe"]

@@ -387,7 +387,7 @@ def test_a_sweep_selects_by_reconstruction_for_a_dense_student_and_a_pruned_moe(
         == 0
     )
     rows = store.query(
-        "SELECT config_key, output, ppl_pre FROM results WHERE kind = 'moe2dense' ORDER BY config_id"
+        "SELECT config_key, output, ppl_pre FROM results WHERE kind IN ('moe2dense', 'moe2moe') ORDER BY config_id"
     )[1]
     assert {r[0] for r in rows} == {
         "CFES|RR|uniform|K=2",

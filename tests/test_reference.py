@@ -48,7 +48,7 @@ def test_every_shipped_table_is_imported_with_known_fields():
             assert set(c) <= set(CONFIG_FIELDS) | {"config_key", "table", "metrics", "variant_of_key"}, c[
                 "config_key"
             ]
-            assert c["kind"] in ("moe2dense", "baseline", "teacher", "dense2moe")
+            assert c["kind"] in ("moe2dense", "moe2moe", "baseline", "teacher", "dense2moe")
             for m in c["metrics"]:
                 assert set(m) <= set(METRIC_FIELDS) | {"extra"}, m
                 if m["name"] in ("acc", "acc_norm"):  # stored as fractions (the CSVs are percentages)

@@ -178,7 +178,7 @@ def test_axes_are_our_axes():
             if c["kind"] == "teacher":
                 assert c["config_key"] == "teacher" and c.get("output") is None
                 continue
-            assert c["kind"] == "moe2dense" and c["output"] in AXES["output"].allowed()
+            assert c["kind"] == "moe2moe" and c["output"] in AXES["output"].allowed()
             assert c["recovery"] in AXES["recovery"].allowed()
             axis = METHOD_AXIS[c["output"]]
             method = c[axis]
@@ -356,7 +356,7 @@ def _own_moe_sweep(
         {
             "config_key": key_of(s, K, r),
             "model": model,
-            "kind": "moe2dense",
+            "kind": "moe2moe",
             "output": OUTPUT_OF.get(s, "moe"),
             METHOD_AXIS[OUTPUT_OF.get(s, "moe")]: s,
             "K": K,
@@ -467,7 +467,7 @@ def _stored(store: Store, sweep: str) -> dict[str, dict]:
     the calibration, which the C2F rows vary)."""
     _, rows = store.query(
         "SELECT COALESCE(scoring, merging, editing), settings FROM results WHERE sweep = :s "
-        "AND kind = 'moe2dense'",
+        "AND kind = 'moe2moe'",
         {"s": sweep},
     )
     out: dict[str, dict] = {}
@@ -494,7 +494,7 @@ def test_import_paper_stores_each_methods_implementation_and_settings(tmp_path):
     store = Store(url)
     _, rows = store.query(
         "SELECT c.config_key, c.settings FROM configurations c JOIN sweeps s ON s.id = c.sweep_id "
-        "WHERE s.name = :s AND c.kind = 'moe2dense'",
+        "WHERE s.name = :s AND c.kind = 'moe2moe'",
         {"s": RKD},
     )
     got = {k: json.loads(v) for k, v in rows}
@@ -717,7 +717,7 @@ def test_report_shows_a_dcdm_variant_beside_the_paper(store, tmp_path):
     sid = store.upsert_sweep("own-c2f", spec_yaml="name: own-c2f")
     base = {
         "model": C2F_MODEL,
-        "kind": "moe2dense",
+        "kind": "moe2moe",
         "output": "moe",
         "scoring": "CFES",
         "K": 64,

@@ -33,7 +33,11 @@ def test_a_sweep_asking_a_refused_output_is_a_one_line_error(no_dense_qwen3):
 
 def test_the_sweep_without_it_is_accepted():
     spec, path, _ = load_spec("tests/sweeps/micro.yaml")
-    grid = [c for c in build_configs(spec, model_shape(spec, str(path))) if c.get("kind") == "moe2dense"]
+    grid = [
+        c
+        for c in build_configs(spec, model_shape(spec, str(path)))
+        if c.get("kind") in ("moe2dense", "moe2moe")
+    ]
     assert len(grid) == 8 and {c.get("output", "dense") for c in grid} == {"dense"}
 
 

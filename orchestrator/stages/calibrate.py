@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, StrictBool, StrictInt, field_validator, model_serializer, model_validator
 
+from db.axes import CONVERTED_KINDS
 from orchestrator.schema import Data, PosInt, Strict
 from orchestrator.stage import JobSpec, Stage, SweepContext
 from orchestrator.stages.teacher import teacher_ref
@@ -106,7 +107,7 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
     tparams, tdeps, resident = teacher_ref(ctx)
     params = {"teacher": tparams, **calibration_params(ctx.spec.calibration)}
     job = ctx.job("calibrate", params, tdeps, resident=resident)
-    out = {c["config_key"]: job for c in ctx.configs if c["kind"] == "moe2dense"}
+    out = {c["config_key"]: job for c in ctx.configs if c["kind"] in CONVERTED_KINDS}
     return out | seeded_calibrations(ctx, params, tdeps, resident)
 
 

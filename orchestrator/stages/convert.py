@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 from pydantic import Discriminator, StrictInt, Tag, create_model, field_validator, model_validator
 
-from db.axes import method_axes
+from db.axes import CONVERTED_KINDS, kind_of, method_axes
 from orchestrator.axes import AXES, config_key
 from orchestrator.schema import Strict, known
 from orchestrator.stage import JobSpec, Stage, SweepContext
@@ -114,7 +114,7 @@ def grid_configs(spec, model: str, top_k: int | None) -> list[dict[str, Any]]:
                 {
                     "config_key": key,
                     "model": model,
-                    "kind": "moe2dense",
+                    "kind": kind_of(axes.get("output")),
                     "settings": settings,
                     "teacher_variant": spec.teacher.variant,
                     "top_k": top_k,
@@ -136,7 +136,7 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
     out = {}
     for c in ctx.configs:
         calib = ctx.jobs.get("calibrate", {}).get(c.get("dcdm_of") or c["config_key"])
-        if c["kind"] != "moe2dense" or calib is None:
+        if c["kind"] not in CONVERTED_KINDS or calib is None:
             continue
         params = {
             "teacher": tparams,

@@ -33,6 +33,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from db.axes import CONVERTED_KINDS
 from orchestrator.axes import AXES
 from orchestrator.schema import Data, SpecError, Strict, typed_setting, worker_settings
 from orchestrator.stage import JobSpec, Stage, SweepContext
@@ -202,7 +203,7 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
     chosen = [
         c
         for c in ctx.configs
-        if c["kind"] == "moe2dense"
+        if c["kind"] in CONVERTED_KINDS
         and c.get("dcdm_of") is None
         and c["config_key"] in calib
         and matches(c, d.apply_to)

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from db.axes import CONVERTED_KINDS, recovered_by
 from orchestrator.schema import Data, Strict, worker_settings
 from orchestrator.stage import JobSpec, Stage, SweepContext
 from orchestrator.stages.teacher import teacher_ref
@@ -134,7 +135,7 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
     full = [
         c["config_key"]
         for c in ctx.configs
-        if c.get("recovery") == "full_kd"
+        if recovered_by(c) == "distill"
         and c["config_key"] in ppl
         and ctx.succeeded("ppl_pre", c["config_key"]) is not None
     ]
@@ -163,9 +164,9 @@ def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, An
     spec = ctx.spec
     if spec.distill is None:
         return []
-    moe = [c for c in ctx.configs if c["kind"] == "moe2dense" and c.get("output") in (None, "dense")]
-    full = sum(1 for c in ctx.configs if c.get("recovery") == "full_kd")
-    others = [c for c in ctx.configs if c["kind"] != "moe2dense"]
+    moe = [c for c in ctx.configs if c["kind"] == "moe2dense"]  # the dense students
+    full = sum(1 for c in ctx.configs if recovered_by(c) == "distill")
+    others = [c for c in ctx.configs if c["kind"] not in CONVERTED_KINDS]
     sel = spec.select
     groups = len(set(product(*[sorted({str(c[a]) for c in moe}) for a in sel.per]))) if sel else len(moe)
     base = sum(1 for c in others if c["kind"] == "baseline" and not c["baseline"].startswith("d2d:"))

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, ValidationInfo, field_validator
 
+from db.axes import recovered_by
 from orchestrator.schema import PosInt, Strict
 from orchestrator.stage import JobSpec, Stage, SweepContext, unique
 from orchestrator.stages.teacher import teacher_ref
@@ -130,14 +131,10 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
     teacher = ctx.jobs.get("ppl_pre", {}).get("teacher")
     if teacher is not None:
         out["teacher"] = evaluate_job(ctx, teacher)
-    for (
-        c
-    ) in ctx.configs:  # every smaller MoE is evaluated: as converted, routers retrained, or distilled (above)
-        ck, recovery = c["config_key"], c.get("recovery")
-        if recovery == "none" and ctx.succeeded("ppl_pre", ck) is not None:
-            out[ck] = evaluate_job(ctx, ctx.jobs["ppl_pre"][ck])
-        elif recovery == "router_kd" and ctx.succeeded("router_kd", ck) is not None:
-            out[ck] = evaluate_job(ctx, ctx.jobs["router_kd"][ck])
+    for c in ctx.configs:  # every smaller MoE: the model of the stage its recovery names (distill's: above)
+        ck, stage = c["config_key"], recovered_by(c)
+        if stage not in (None, "distill") and ctx.succeeded(stage, ck) is not None:
+            out[ck] = evaluate_job(ctx, ctx.jobs[stage][ck])
     return out
 
 
@@ -147,7 +144,7 @@ def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, An
     if ev is None:
         return []
     teacher = int(any(c["kind"] == "teacher" for c in ctx.configs))
-    moe = sum(1 for c in ctx.configs if c.get("recovery") in ("none", "router_kd"))  # full_kd: in distill's
+    moe = sum(1 for c in ctx.configs if recovered_by(c) not in (None, "distill"))  # distill's: counted there
     n = dist["named"] + teacher + moe
     suite = ev.suite if isinstance(ev.suite, str) else "custom"
     gen = [e if isinstance(e, str) else e["task"] for e in ev.generative]

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from db.axes import CONVERTED_KINDS
 from orchestrator.schema import Data, PosInt, Strict
 from orchestrator.stage import JobSpec, Stage, SweepContext
 from orchestrator.stages.convert import subgrids
@@ -62,7 +63,7 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
     for cfg in ctx.configs:
         if cfg.get("variant_of") is not None and cfg["config_key"] not in ctx.jobs.get("convert", {}):
             continue  # a distillation variant: its base's student (a DCDM mixture has a conversion of its own)
-        if cfg["kind"] == "moe2dense" and ctx.succeeded("convert", cfg["config_key"]) is None:
+        if cfg["kind"] in CONVERTED_KINDS and ctx.succeeded("convert", cfg["config_key"]) is None:
             continue  # its conversion failed: nothing downstream of it runs
         out[cfg["config_key"]] = ppl_job(ctx, cfg)
     return out
@@ -81,7 +82,7 @@ def after(ctx: SweepContext) -> None:
 
 def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     plans = {j.key for j in ctx.jobs.get("convert", {}).values()}
-    others = [c for c in ctx.configs if c["kind"] != "moe2dense"]
+    others = [c for c in ctx.configs if c["kind"] not in CONVERTED_KINDS]
     k = ctx.shape.top_k
     collapse = 0
     for g in subgrids(ctx.spec):

@@ -76,8 +76,7 @@ def _picked(ctx: SweepContext) -> list[dict[str, Any]]:
         c
         for c in ctx.configs
         if c["config_key"] in chosen
-        and c["kind"] == "moe2dense"
-        and c.get("output") in (None, "dense")
+        and c["kind"] == "moe2dense"  # a dense student
         and c.get("variant_of") is None
     ]
 
