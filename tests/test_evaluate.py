@@ -202,15 +202,16 @@ def test_tiny_suite_runs_and_matches_direct_scoring(model, tok, tiny_dir, tmp_pa
     json.dumps(rj, default=str)  # storable as the artifact
 
 
-def test_response_cache_is_keyed_by_model_key(model, tok, tiny_dir, tmp_path):
+def test_stored_results_are_keyed_by_model_key(model, tok, tiny_dir, tmp_path):
     other = dense(tok, 7)
     a = run(model, tok, "tiny", tmp_path, key="model-a", tiny_dir=tiny_dir, limit=4)
     same_key = run(other, tok, "tiny", tmp_path, key="model-a", tiny_dir=tiny_dir, limit=4)
     own_key = run(other, tok, "tiny", tmp_path, key="model-b", tiny_dir=tiny_dir, limit=4)
     bpb = [r["tasks"][1]["other"]["bits_per_byte"] for r in (a, same_key, own_key)]
-    assert bpb[1] == bpb[0], "same key: answered from the cache"
+    assert bpb[1] == bpb[0], "same key: read back from the stored results"
     assert bpb[2] != bpb[0], "another key: the other model is really evaluated"
-    assert len(list((tmp_path / "responses").glob("*/hf/lm_rank0.db"))) == 2
+    assert len(list((tmp_path / "runs").iterdir())) == 2
+    assert not (tmp_path / "responses").exists(), "no lm-eval response cache (pickles) under cache_dir"
 
 
 # ---- offline copies of real benchmarks --------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Downstream evaluation of one model on a suite with lm-eval's ``simple_evaluate`` (after distillation).
 
 The HF backend wraps the in-memory model (no checkpoint needed); the vLLM backend (the ``[gpu]`` extra)
-loads ``model_path`` (the model is saved to ``workdir`` first when there is none). lm-eval's response
-cache ignores model identity, so each (model_key, backend) gets its own cache file under cache_dir.
+loads ``model_path`` (the model is saved to ``workdir`` first when there is none). lm-eval's own
+response cache (`use_cache`, a SqliteDict of pickles) is not used: whoever can write a pickle where it
+is read runs code in the evaluating process, and the stored task results below already spare re-runs.
 Task hashes are lm-eval's own (sha256 over every sample's doc, prompt and target hashes, as its
 EvaluationTracker computes them); the stored results JSON leaves the samples out, but each task keeps
 its per-item scores (`items`: per leaf task, lm-eval's doc_id, every numeric per-sample metric such as
@@ -15,6 +16,9 @@ run model-written code (allow_code_eval). Otherwise they are reported in `not_ru
 and no number. Several runs of one model (`runs`: seed, num_fewshot, limit) are evaluated one after the
 other; each task's result of a run is stored under cache_dir/runs/<model key>/ and read back, not
 recomputed, when the same model, task definition, run settings and evaluation code ask for it again.
+A stored result is read back only when it verifies: it carries the key it was stored under and the sha256
+of its content, and its accuracies are what its per-item scores give (`_stored_problem`); one that does
+not (edited, truncated, another run's file) is recomputed and replaced, with one line on stderr.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +83,7 @@ def run_suite(
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if not model_key:
         raise ValueError(
-            "model_key must be a non-empty content key of the model (it keys lm-eval's response cache)"
+            "model_key must be a non-empty content key of the model (it keys the stored task results)"
         )
     validate_runs(runs)
     import lm_eval
@@ -219,9 +224,7 @@ class Evaluation:
     ) -> None:
         self.lm, self.tiny_dir, self.backend, self.limit = lm, tiny_dir, backend, limit
         self.allow_cpu, self.allow_code_eval, self.cache = allow_cpu, allow_code_eval, cache
-        key = hashlib.sha256(model_key.encode()).hexdigest()[:24]
-        self.responses = cache / "responses" / key / backend
-        self.stored = cache / "runs" / key
+        self.stored = cache / "runs" / hashlib.sha256(model_key.encode()).hexdigest()[:24]
 
     def one_run(
         self, suite: str | list[dict[str, Any]], entries: list[dict[str, Any]], run: dict[str, Any]
@@ -243,8 +246,16 @@ class Evaluation:
             else self.limit
             for t in tasks
         }
-        paths = {t.label: self._stored_path(t, limits[t.label], run.get("seed")) for t in tasks}
-        stored = {label: json.loads(p.read_text()) for label, p in paths.items() if p.is_file()}
+        keys = {t.label: self._stored_key(t, limits[t.label], run.get("seed")) for t in tasks}
+        paths = {label: self.stored / f"{label}-{key[:24]}.json" for label, key in keys.items()}
+        stored = {}
+        for label, p in paths.items():
+            if p.is_file():
+                doc, problem = _read_stored(p, keys[label], label)
+                if problem is None:
+                    stored[label] = doc
+                else:
+                    print(f"evaluate: cache {p} did not verify ({problem}): recomputed", file=sys.stderr)
         todo = [t for t in tasks if t.label not in stored]
         merged: dict[str, Any] = {}
         hashes: dict[str, str] = {}
@@ -259,7 +270,7 @@ class Evaluation:
                     "row": _row(t, merged, hashes) | {"items": items},
                     "sections": _sections(merged, t.name),
                 }
-                _write_json(paths[t.label], stored[t.label])
+                _write_json(paths[t.label], _seal({"key": keys[t.label], **stored[t.label]}))
             else:
                 _merge(merged, stored[t.label]["sections"])
             rows.append(stored[t.label]["row"])
@@ -300,10 +311,11 @@ class Evaluation:
         except ValueError as e:  # one line: its local data or the tiny corpus is not there
             return None, str(e)
 
-    def _stored_path(self, t: SuiteTask, limit: int | float | None, seed: int | None) -> Path:
-        """Where a task's result for these run settings lives; keyed by everything that shapes it."""
+    def _stored_key(self, t: SuiteTask, limit: int | float | None, seed: int | None) -> str:
+        """The key of a task's result for these run settings: everything that shapes it (its file name
+        holds the first 24 hex digits, the file itself all of them)."""
         blob = json.dumps([t.label, t.config_sha, limit, seed, self.backend, _versions(), _code_sha()])
-        return self.stored / f"{t.label}-{hashlib.sha256(blob.encode()).hexdigest()[:24]}.json"
+        return hashlib.sha256(blob.encode()).hexdigest()
 
     def _evaluate(
         self,
@@ -317,7 +329,6 @@ class Evaluation:
         import lm_eval
         from lm_eval.tasks import TaskManager
 
-        self.responses.mkdir(parents=True, exist_ok=True)
         includes = sorted({t.include_path for t in tasks if t.include_path})
         manager = TaskManager(include_path=includes or None, include_defaults=False)
         seeds = (
@@ -338,7 +349,6 @@ class Evaluation:
                     model=self.lm(),
                     tasks=[t.spec for t in group],
                     task_manager=manager,
-                    use_cache=str(self.responses / "lm"),
                     limit=lim,
                     log_samples=True,
                     confirm_run_unsafe_code=code and self.allow_code_eval,
@@ -370,6 +380,73 @@ def _sections(res: dict[str, Any], name: str) -> dict[str, Any]:
     return {
         k: {n: v for n, v in res[k].items() if n in names} for k in _SECTIONS if isinstance(res.get(k), dict)
     }
+
+
+def _digest(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _seal(body: dict[str, Any]) -> dict[str, Any]:
+    """`body` as JSON reads it back, with the sha256 of that content (`sha256`) beside it."""
+    body = json.loads(json.dumps(body, default=str))
+    return {**body, "sha256": _digest(body)}
+
+
+def _read_stored(path: Path, key: str, label: str) -> tuple[dict[str, Any] | None, str | None]:
+    """A stored task result and None, or None and why it is not trusted (one line)."""
+    try:
+        doc = json.loads(path.read_text())
+        problem = _stored_problem(doc, key, label)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        problem = f"unreadable: {type(e).__name__}: {e}".replace("\n", " ")
+    return (doc, None) if problem is None else (None, problem)
+
+
+def _stored_problem(doc: Any, key: str, label: str) -> str | None:
+    """Why a stored result is not what was stored for `key` (None: it verifies). Its content hash catches
+    an edit, truncation or decay of the file (not one that rewrites the hash too); its key, another run's
+    file under this name; and its accuracies are recomputed from its per-item scores, so an edited
+    aggregate shows even with the hash rewritten."""
+    if not isinstance(doc, dict) or "sha256" not in doc:
+        return "no content hash"
+    body = {k: v for k, v in doc.items() if k != "sha256"}
+    if _digest(body) != doc["sha256"]:
+        return "its content does not match its sha256"
+    if body.get("key") != key or set(body) != {"key", "row", "sections"}:
+        return "it was stored for other settings"
+    row = body["row"]
+    if row["task"] != label:
+        return f"it holds task {row['task']!r}"
+    return _items_disagree(row, body["sections"])
+
+
+def _items_disagree(row: dict[str, Any], sections: dict[str, Any]) -> str | None:
+    """Where a row's n, acc or acc_norm (and each leaf's in lm-eval's results) is not what its per-item
+    scores give; None when they agree or it has no per-item scores of that metric."""
+    items = row.get("items") or []
+    if not items:
+        return None
+    n = sum(len(i["doc_ids"]) for i in items)
+    if n != row["n"]:
+        return f"n is {row['n']} but it has {n} per-item scores"
+    results = sections.get("results", {})
+    for m in ("acc", "acc_norm"):
+        scores = [i["metrics"].get(m) for i in items]
+        if row.get(m) is None or not all(scores) or any(math.isnan(x) for s in scores for x in s):
+            continue
+        means = [sum(s) / len(s) for s in scores]
+        for i, mean in zip(items, means, strict=True):
+            leaf = results.get(i["subtask"], {}).get(f"{m},none")
+            if leaf is not None and not _close(leaf, mean):
+                return f"{i['subtask']} {m} is {leaf} but its per-item scores give {mean}"
+        pooled = sum(sum(s) for s in scores) / n
+        if not (_close(row[m], pooled) or _close(row[m], sum(means) / len(means))):
+            return f"{m} is {row[m]} but its per-item scores give {pooled}"
+    return None
+
+
+def _close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
 
 
 def _write_json(path: Path, obj: Any) -> None:

@@ -7,8 +7,12 @@ Everything is cached under ``$MOESWEEP_HOME/cache/tiny`` (default ``./.moesweep/
 content key: ``corpus/<key>`` (key: builder version, Python version, corpus_chars, corpus_seed),
 ``tokenizer/<key>`` (corpus hash, vocab, library versions) and ``model/<key>`` (kind, every spec
 field, corpus and tokenizer hashes, torch/transformers versions). A cached model is copied into
-``out`` instead of being retrained. Cache entries are built in a temporary directory and renamed
-into place (under a file lock where the OS has fcntl), so parallel workers never see half an entry.
+``out`` instead of being retrained, once it matches its manifest ``model/<key>.manifest.json`` (the
+sha256 of every file, recorded when the entry was built): one that does not (a changed, missing or
+added file; no manifest) is rebuilt, with one line on stderr. A rebuild whose files (all but
+tiny_meta.json, which holds wall-clock times) differ from the recorded ones says so in one line:
+training on the CPU is meant to be deterministic. Cache entries are built in a temporary directory and
+renamed into place (under a file lock where the OS has fcntl), so parallel workers never see half an entry.
 
 Choices: untied input/output embeddings (as in Qwen3-30B-A3B and the measured recipe), norm_topk_prob
 on, every layer sparse; a per-layer load-balancing loss instead of HF's aux loss, which pools the
@@ -117,17 +121,28 @@ def _lock(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def cached_dir(path: Path, build: Callable[[Path], None]) -> bool:
+def cached_dir(
+    path: Path, build: Callable[[Path], None], verify: Callable[[Path], str | None] | None = None
+) -> bool:
     """Make ``path`` by ``build(tmp)`` once; a complete entry always exists under its final name.
+    ``verify(path)``: why an existing entry is not to be used (one line), or None; one that does not
+    verify is removed and built again, with one line on stderr.
 
     Returns True when the entry was already there.
     """
-    if path.is_dir():
+    if path.is_dir() and (verify is None or verify(path) is None):
         return True
     path.parent.mkdir(parents=True, exist_ok=True)
     with _lock(path.parent / f"{path.name}.lock"):
         if path.is_dir():
-            return True
+            problem = None if verify is None else verify(path)
+            if problem is None:
+                return True
+            print(f"tiny cache {path} did not verify ({problem}): rebuilt", file=sys.stderr)
+            aside = path.parent / f"{path.name}.bad-{os.getpid()}"
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(path, aside)
+            shutil.rmtree(aside, ignore_errors=True)
         tmp = path.parent / f"{path.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
@@ -136,6 +151,68 @@ def cached_dir(path: Path, build: Callable[[Path], None]) -> bool:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return False
+
+
+def manifest(path: Path) -> dict[str, str]:
+    """{POSIX path relative to ``path``: content hash (sha256)} of every file under it."""
+    from workers.core.artifacts import content_hash
+
+    return {f.relative_to(path).as_posix(): content_hash(f) for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+def _manifest_path(entry: Path) -> Path:
+    return entry.parent / f"{entry.name}.manifest.json"
+
+
+def _recorded(entry: Path, key: str) -> dict[str, str] | None:
+    """The manifest recorded for the entry of ``key``; None when there is none (or it is not one)."""
+    try:
+        rec = json.loads(_manifest_path(entry).read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(rec, dict) and rec.get("key") == key and isinstance(rec.get("files"), dict)
+    return rec["files"] if ok else None
+
+
+def _differences(recorded: dict[str, str], now: dict[str, str], skip: tuple[str, ...] = ()) -> str | None:
+    """The files that differ between two manifests (one line), or None."""
+    out = []
+    for name in sorted((set(recorded) | set(now)) - set(skip)):
+        if name not in now:
+            out.append(f"{name} missing")
+        elif name not in recorded:
+            out.append(f"{name} not recorded")
+        elif recorded[name] != now[name]:
+            out.append(f"{name} changed")
+    return ", ".join(out) or None
+
+
+def _verify(entry: Path, key: str) -> str | None:
+    recorded = _recorded(entry, key)
+    if recorded is None:
+        return "no manifest recorded for it"
+    try:
+        return _differences(recorded, manifest(entry))
+    except OSError as e:  # a file went away while it was hashed
+        return f"unreadable: {e}"
+
+
+def _record_manifest(entry: Path, built: Path, key: str) -> None:
+    """Record the manifest of ``built`` (about to become ``entry``); say so when it differs from the one
+    recorded before for the same key (all but tiny_meta.json, which holds wall-clock times)."""
+    now = manifest(built)
+    before = _recorded(entry, key)
+    changed = None if before is None else _differences(before, now, skip=("tiny_meta.json",))
+    if changed:
+        print(
+            f"tiny teacher {key}: the rebuilt model did not reproduce the recorded one ({changed}); "
+            "training was not deterministic here",
+            file=sys.stderr,
+        )
+    path = _manifest_path(entry)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"key": key, "files": now}, indent=1, sort_keys=True))
+    os.replace(tmp, path)
 
 
 def prepare_data(spec: TinyTeacherSpec, cache_dir: Path | str | None = None) -> dict[str, Any]:
@@ -276,7 +353,12 @@ def _train_cached(kind: str, spec: TinyTeacherSpec, out: Path, progress, cache_d
         }
     )
     mdir = cache_root(cache_dir) / "model" / key
-    hit = cached_dir(mdir, lambda tmp: _train(kind, spec, tmp, data, key, progress))
+
+    def build(tmp: Path) -> None:
+        _train(kind, spec, tmp, data, key, progress)
+        _record_manifest(mdir, tmp, key)
+
+    hit = cached_dir(mdir, build, verify=lambda entry: _verify(entry, key))
     shutil.copytree(mdir, out, dirs_exist_ok=True)
     record = json.loads((out / "tiny_meta.json").read_text())["record"]
     if hit and progress is not None:
