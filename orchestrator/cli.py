@@ -493,6 +493,29 @@ def report(
 
 
 @app.command()
+def export(
+    config_key: Annotated[str, typer.Argument(help="the configuration's key, e.g. 'SF|RR|uniform|K=8'")],
+    out_dir: Annotated[Path, typer.Option("--out", help="the folder to write (absent or empty)")],
+    sweep: Annotated[str | None, typer.Option(help="the sweep (needed when several have the key)")] = None,
+    force: Annotated[bool, typer.Option(help="replace a folder that is not empty")] = False,
+    db: DbOpt = None,
+) -> None:
+    """A configuration's final model as a self-contained Hugging Face folder: the checkpoint its sweep
+    wrote (a distilled student, a saved evaluation model, a DOT-MoE), checked against its record, with its
+    tokenizer, a model card (recipe, scores, provenance) and moesweep.json. The database is read, never
+    written."""
+    from orchestrator.export import ExportError
+    from orchestrator.export import export as write
+
+    store = _store(db, read_only=True)
+    try:
+        path = write(store, config_key, out_dir, sweep=sweep, force=force)
+    except ExportError as e:
+        _fail(f"export {config_key}: {e}")
+    out.print(f"exported {config_key} to {path}/ (model card: {path / 'README.md'})", highlight=False)
+
+
+@app.command()
 def serve(
     db: DbOpt = None,
     host: Annotated[

@@ -309,3 +309,60 @@ def test_report_from_the_micro_run(ray_run, tmp_path):
     assert any("curve" in f or "val" in f for f in figures), figures
     grid = next(p for p in paths if p.suffix == ".tex" and "ppl" in p.stem).read_text()
     assert "\\toprule" in grid and "DO-ACP" in grid
+
+
+def test_export_a_distilled_student_of_the_micro_run(ray_run, tmp_path):
+    """`moesweep export`: the distilled student as a folder transformers loads, with the same weights as
+    the checkpoint the sweep wrote, a card naming its recipe and scores; a second export into the same
+    folder, an unknown key and a changed checkpoint are one-line refusals that write nothing."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+
+    store = ray_run["store"]
+    url = str(store.engine.url)
+    key, acc = store.query(
+        "SELECT config_key, avg_acc FROM results WHERE sweep = 'micro' AND kind = 'moe2dense' "
+        "AND selected_for_distill = 1 AND variant IS NULL ORDER BY config_id LIMIT 1"
+    )[1][0]
+    out = tmp_path / "student"
+    r = CliRunner().invoke(app, ["export", key, "--out", str(out), "--db", url])
+    assert r.exit_code == 0, r.output
+    facts = json.loads((out / "moesweep.json").read_text())
+    assert facts["config_key"] == key and facts["provenance"]["stage"] == "distill"
+    assert facts["scores"]["avg_acc"] == acc and facts["output"] == "dense"
+    card = (out / "README.md").read_text()
+    assert key in card and facts["provenance"]["job_key"] in card
+    (src,) = store.query(
+        "SELECT a.path FROM artifacts a JOIN config_jobs cj ON cj.job_id = a.job_id "
+        "JOIN configurations c ON c.id = cj.config_id WHERE c.config_key = :k AND cj.stage = 'distill' "
+        "AND a.kind = 'student'",
+        {"k": key},
+    )[1][0]
+    loaded, original = AutoModelForCausalLM.from_pretrained(out), AutoModelForCausalLM.from_pretrained(src)
+    ids = AutoTokenizer.from_pretrained(out)("a test of the exported student", return_tensors="pt").input_ids
+    with torch.no_grad():
+        # exact: the same weights file read twice, the same CPU kernels
+        assert torch.equal(loaded(ids).logits, original(ids).logits)
+
+    again = CliRunner().invoke(app, ["export", key, "--out", str(out), "--db", url])
+    assert (
+        again.exit_code != 0 and "not empty" in again.output and len(again.output.strip().splitlines()) == 1
+    )
+    unknown = CliRunner().invoke(app, ["export", "nonesuch", "--out", str(tmp_path / "x"), "--db", url])
+    assert unknown.exit_code != 0 and "no configuration 'nonesuch'" in unknown.output
+    assert not (tmp_path / "x").exists()
+
+    weights = next(Path(src).glob("*.safetensors"))
+    saved = weights.read_bytes()
+    try:
+        weights.write_bytes(saved[:-8] + bytes(8))  # the checkpoint changed after it was recorded
+        bad = CliRunner().invoke(app, ["export", key, "--out", str(tmp_path / "y"), "--db", url])
+        assert bad.exit_code != 0 and "changed since it was recorded" in bad.output
+        assert not (tmp_path / "y").exists()
+    finally:
+        weights.write_bytes(saved)
