@@ -516,6 +516,70 @@ def export(
 
 
 @app.command()
+def slurm(
+    name: Annotated[str, typer.Argument(help="the sweep (a name or a sweep file), as `launch` takes it")],
+    nodes: Annotated[
+        int, typer.Option(help="nodes of the allocation (Ray: the head and nodes - 1 workers)")
+    ] = 1,
+    gpus_per_node: Annotated[int, typer.Option(help="GPUs per node")] = 0,
+    cpus_per_node: Annotated[int, typer.Option(help="CPUs per node (Slurm's --cpus-per-task)")] = 8,
+    time: Annotated[str, typer.Option(help="Slurm's --time, e.g. 12:00:00 or 2-00:00:00")] = "24:00:00",
+    partition: Annotated[str | None, typer.Option(help="Slurm's --partition")] = None,
+    account: Annotated[str | None, typer.Option(help="Slurm's --account")] = None,
+    resource: Annotated[
+        list[str] | None, typer.Option(help="a Ray custom resource per node, NAME=N (repeatable)")
+    ] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="an override passed to launch (repeatable)")
+    ] = None,
+    out_file: Annotated[
+        Path | None, typer.Option("--out", help="write the script here (default: print it)")
+    ] = None,
+) -> None:
+    """An sbatch script that runs the sweep on a Slurm allocation: a Ray cluster (head on the first node,
+    a worker per other node, by srun), `moesweep launch` against it, the cluster stopped afterwards; the
+    launch's exit code is the job's. Needs MOESWEEP_DB (a database every node reaches) when it runs."""
+    from orchestrator.slurm import SlurmJob, render
+    from orchestrator.spec import SpecError, load_spec
+
+    try:
+        load_spec(name)  # a sweep that does not exist or does not validate fails here, not on the cluster
+    except SpecError as e:
+        _fail(str(e))
+    resources: dict[str, float] = {}
+    for r in resource or []:
+        key, sep, value = r.partition("=")
+        try:
+            resources[key] = float(value) if sep else float("nan")
+        except ValueError:
+            resources[key] = float("nan")
+        if not sep or not resources[key] > 0:
+            _fail(f"--resource {r!r}: allowed: NAME=positive number, e.g. a100_80g=8")
+    args = [a for s in set_ or [] for a in ("--set", s)]
+    job = SlurmJob(
+        name,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        cpus_per_node=cpus_per_node,
+        time=time,
+        partition=partition,
+        account=account,
+        resources=resources,
+        workdir=str(Path.cwd()),
+        launch_args=args,
+    )
+    try:
+        text = render(job)
+    except ValueError as e:
+        _fail(str(e))
+    if out_file is None:
+        sys.stdout.write(text)
+        return
+    out_file.write_text(text)
+    out.print(f"wrote {out_file}: submit it with sbatch {out_file}", highlight=False)
+
+
+@app.command()
 def serve(
     db: DbOpt = None,
     host: Annotated[
