@@ -79,6 +79,14 @@ class BadRequest(ValueError):
     """A query parameter that cannot be used (one line, shown to the visitor as a 400)."""
 
 
+INT_MAX = 2**31 - 1  # the integer axes are counts (K, top-k): anything above cannot be in the database
+
+
+def shown(value: str, limit: int = 40) -> str:
+    """A visitor's value quoted for a one-line message, cut to `limit` characters."""
+    return repr(value if len(value) <= limit else value[:limit] + "…")
+
+
 def _q(name: str) -> str:
     """A column name from the fixed lists above, quoted (`K` is upper case)."""
     assert name in RESULT_COLUMNS, name
@@ -194,9 +202,12 @@ def sweep(store: Store, name: str) -> SweepRow | None:
 def _axis_value(axis: str, value: str) -> Any:
     if axis in INT_AXES:
         try:
-            return int(value)
+            v = int(value)
         except ValueError:
-            raise BadRequest(f"{axis}: {value!r} is not an integer") from None
+            raise BadRequest(f"{axis}: {shown(value)} is not an integer") from None
+        if not 0 <= v <= INT_MAX:
+            raise BadRequest(f"{axis}: {shown(value)} is out of range; allowed: 0 to {INT_MAX}")
+        return v
     return value
 
 

@@ -7,6 +7,7 @@ report is rendered again only after the database changed.
 
 from __future__ import annotations
 
+import atexit
 import html
 import json
 import re
@@ -16,6 +17,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from markupsafe import Markup
 
 from dashboard.data import rows
 from db import axes
@@ -52,11 +55,11 @@ _MULTI = re.compile(r"^\\multicolumn\{(\d+)\}\{[^}]*\}\{(.*)\}$")
 @dataclass
 class HtmlTable:
     stem: str
-    caption: str
+    caption: Markup  # HTML already (untex escapes): the template must not escape it again
     head: list[list[tuple[str, int]]]  # rows of (cell HTML, colspan)
     body: list[list[tuple[str, int]]]
     rules_before: set[int] = field(default_factory=set)  # body rows that start a new block (a \midrule)
-    notes: list[str] = field(default_factory=list)
+    notes: list[Markup] = field(default_factory=list)
 
 
 @dataclass
@@ -67,6 +70,7 @@ class Report:
     tables: list[HtmlTable]
     compared: bool  # with the paper's numbers beside ours
     warning: str | None = None
+    other_models: list[tuple[str, str]] = field(default_factory=list)  # (ours, the paper's) that differ
 
 
 def untex(s: str) -> str:
@@ -96,7 +100,7 @@ def parse_table(tex: str, stem: str) -> HtmlTable:
     """The rows of a table file `report` wrote (analysis/latex.Table.tex), its caption and notes."""
     lines = tex.splitlines()
     cap = next((ln[len(r"\caption{") : -1] for ln in lines if ln.startswith(r"\caption{")), stem)
-    t = HtmlTable(stem, untex(cap), [], [])
+    t = HtmlTable(stem, Markup(untex(cap)), [], [])
     part = None
     for ln in lines:
         s = ln.strip()
@@ -119,7 +123,7 @@ def parse_table(tex: str, stem: str) -> HtmlTable:
         elif part == "body":
             t.body.append(_cells(s))
         elif s.startswith(r"{\footnotesize "):
-            t.notes.append(untex(s[len(r"{\footnotesize ") : -1]))
+            t.notes.append(Markup(untex(s[len(r"{\footnotesize ") : -1])))
     return t
 
 
@@ -157,12 +161,23 @@ def reference_ready(store: Store) -> bool:
 
 
 class ReportCache:
-    """Rendered reports in a temporary folder, one per sweep and database state; one render at a time."""
+    """Rendered reports in a temporary folder, one per sweep and database state; one render at a time.
+
+    The folder ($TMPDIR/moesweep-serve-*) is made at the first report and removed by `close()`, which the
+    app calls when the server shuts down (Ctrl-C, SIGTERM) and, as a fallback, at interpreter exit."""
 
     def __init__(self, root: Path | None = None) -> None:
-        self.root = Path(root or tempfile.mkdtemp(prefix="moesweep-serve-"))
+        self._given = Path(root) if root else None
+        self._root = self._given
         self._lock = threading.Lock()
         self._done: dict[str, tuple[str, Report]] = {}
+
+    @property
+    def root(self) -> Path:
+        if self._root is None:
+            self._root = Path(tempfile.mkdtemp(prefix="moesweep-serve-"))
+            atexit.register(self.close)
+        return self._root
 
     def get(self, store: Store, name: str) -> Report:
         with self._lock:
@@ -177,7 +192,17 @@ class ReportCache:
             return rep
 
     def close(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+        """Remove the folder (waiting a little for a render in progress, never forever: at exit, a
+        render may be stuck in a thread that will not finish)."""
+        locked = self._lock.acquire(timeout=10)
+        try:
+            if self._root is not None:
+                shutil.rmtree(self._root, ignore_errors=True)
+            self._root = self._given
+            self._done.clear()
+        finally:
+            if locked:
+                self._lock.release()
 
 
 def render(store: Store, name: str, out: Path) -> Report:
@@ -203,7 +228,9 @@ def render(store: Store, name: str, out: Path) -> Report:
     )
     tables = [parse_table(p.read_text(), p.stem) for p in tex]
     line = code_versions_line(code_versions(frames.code[frames.code["sweep"] == name]))
-    return Report(name, out, figures, tables, compare is not None, line or None)
+    matched = json.loads((out / "facts.json").read_text()).get("compare") or {}
+    other = sorted((ours, m["model"]) for ours, m in matched.items() if m.get("model") != ours)
+    return Report(name, out, figures, tables, compare is not None, line or None, other)
 
 
 def _captions(index: Path) -> dict[str, str]:
@@ -261,6 +288,7 @@ def compare(store: Store, name: str) -> dict[str, Any]:
                 "model": model,
                 "ref_sweep": m[0],
                 "ref_model": m[1],
+                "same_model": m[1] == model,  # else the closest study: no difference is a replication check
                 "pairs": pairs,
                 "matched": sum(p["paper"] is not None for p in pairs),
                 "picks": _picks(mine, theirs),

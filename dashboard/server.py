@@ -1,16 +1,22 @@
 """Running the dashboard: bind the socket first (so a port in use is one line, before anything starts),
-then hand it to uvicorn. Tests start the same server on a free loopback port in a thread."""
+then hand it to uvicorn. Tests start the same server on a free loopback port in a thread.
+
+The names the dashboard answers to (its Host check) follow the address it listens on: the loopback
+names always; a specific address adds itself (and this machine's name); every interface (0.0.0.0, ::)
+means any name: whoever exposes the dashboard to a network chose that (it has no login either).
+"""
 
 from __future__ import annotations
 
 import errno
+import ipaddress
 import socket
 import threading
 import time
 
 import uvicorn
 
-from dashboard.app import create_app
+from dashboard.app import LOOPBACK_HOSTS, create_app
 from db.store import Store
 
 
@@ -37,9 +43,38 @@ def bind(host: str, port: int) -> socket.socket:
         raise ServeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-def make_server(store: Store, sock: socket.socket, quiet: bool = False) -> uvicorn.Server:
+def trusted_hosts(*addresses: str | None) -> frozenset[str] | None:
+    """The Host names (without port) the dashboard answers to when it listens on `addresses` (the bound
+    address, and the --host it was given): None, any name, for an unspecified address (every interface)."""
+    out = set(LOOPBACK_HOSTS)
+    for a in addresses:
+        a = (a or "").strip().lower().removeprefix("[").removesuffix("]")
+        if not a:
+            continue
+        try:
+            ip = ipaddress.ip_address(a.split("%")[0])
+        except ValueError:  # a name (--host dash.example): itself
+            out.add(a.rstrip("."))
+            continue
+        if ip.is_unspecified:
+            return None
+        out.add(f"[{ip}]" if ip.version == 6 else str(ip))
+        if not ip.is_loopback:
+            out.add(socket.gethostname().lower())
+    return frozenset(out)
+
+
+def make_server(
+    store: Store, sock: socket.socket, quiet: bool = False, host: str | None = None
+) -> uvicorn.Server:
+    """The server over `sock`, answering to the names `trusted_hosts` gives for its address and `host`.
+    Its shutdown (Ctrl-C, SIGTERM) removes the reports' temporary folder (the app's lifespan)."""
+    hosts = trusted_hosts(sock.getsockname()[0], host)
     config = uvicorn.Config(
-        create_app(store), log_level="warning" if quiet else "info", access_log=not quiet, lifespan="off"
+        create_app(store, hosts=hosts),
+        log_level="warning" if quiet else "info",
+        access_log=not quiet,
+        lifespan="on",
     )
     return uvicorn.Server(config)
 
@@ -50,7 +85,7 @@ class Background:
     def __init__(self, store: Store, host: str = "127.0.0.1", port: int = 0) -> None:
         self.sock = bind(host, port)
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
-        self.server = make_server(store, self.sock, quiet=True)
+        self.server = make_server(store, self.sock, quiet=True, host=host)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True, name="moesweep-serve"
         )

@@ -605,7 +605,7 @@ def serve(
         highlight=False,
         soft_wrap=True,
     )
-    make_server(store, sock).run(sockets=[sock])
+    make_server(store, sock, host=host).run(sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -1,5 +1,14 @@
-// Live progress: a page with [data-poll] fetches that JSON every data-every ms and updates the stage bars,
+// The pages' scripts (their Content-Security-Policy allows no inline script, style or handler):
+// a [data-autosubmit] field submits its form when it changes (the filters);
+// live progress: a page with [data-poll] fetches that JSON every data-every ms and updates the stage bars,
 // the sweep status badges and the job rows in place (new jobs are appended), without a reload.
+(function () {
+  "use strict";
+  document.querySelectorAll("[data-autosubmit]").forEach(function (f) {
+    f.addEventListener("change", function () { if (f.form) f.form.submit(); });
+  });
+})();
+
 (function () {
   "use strict";
   var root = document.querySelector("[data-poll]");
@@ -28,7 +37,7 @@
       row.appendChild(el("span", "stage-name", stage));
       var bar = el("span", "bar");
       ORDER.forEach(function (st) {
-        if (per[st]) { var i = el("i", "s-" + st); i.style.width = (100 * per[st] / total).toFixed(1) + "%"; bar.appendChild(i); }
+        if (per[st]) bar.appendChild(el("i", "s-" + st + " w" + Math.round(100 * per[st] / total)));
       });
       row.appendChild(bar);
       row.appendChild(el("span", "stage-n", (per.succeeded || 0) + "/" + total));
