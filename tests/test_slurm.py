@@ -105,7 +105,7 @@ def test_the_script_refuses_without_a_shared_database_and_when_nodes_do_not_join
 def test_the_sbatch_header_and_bad_options():
     text = render(
         SlurmJob(
-            "sweeps/seed002-reap.yaml",
+            "sweeps/seed002-reap-qwen3-30b-a3b.yaml",
             nodes=2,
             gpus_per_node=4,
             time="2-00:00:00",
@@ -115,13 +115,13 @@ def test_the_sbatch_header_and_bad_options():
     )
     header = [line for line in text.splitlines() if line.startswith("#SBATCH")]
     assert header == [
-        "#SBATCH --job-name=moesweep-seed002-reap",
+        "#SBATCH --job-name=moesweep-seed002-reap-qwen3-30b-a3b",
         "#SBATCH --nodes=2",
         "#SBATCH --ntasks-per-node=1",
         "#SBATCH --gpus-per-node=4",
         "#SBATCH --cpus-per-task=8",
         "#SBATCH --time=2-00:00:00",
-        "#SBATCH --output=moesweep-seed002-reap-%j.out",
+        "#SBATCH --output=moesweep-seed002-reap-qwen3-30b-a3b-%j.out",
         "#SBATCH --partition=gpu",
         "#SBATCH --account=lab",
     ]

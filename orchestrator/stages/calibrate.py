@@ -65,7 +65,7 @@ class Calibration(Strict):
         if not v:
             raise ValueError("name at least one source (name: {data, weight})")
         for name in v:
-            if not SOURCE_NAME.match(name):
+            if not SOURCE_NAME.fullmatch(name):
                 raise ValueError(
                     f"{name!r} is not a source name; allowed: letters, digits, '_', '-' "
                     "(starting with a letter or digit, at most 64)"
