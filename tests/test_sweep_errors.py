@@ -1,5 +1,5 @@
 """Malformed sweep files: each gets one line on stderr naming the file, the field and what is allowed,
-exit code 2, and no database is created (the README's table lists these cases and their messages)."""
+exit code 2, and no database is created (docs/sweep-files.md's table lists these cases and their messages)."""
 
 from __future__ import annotations
 
@@ -112,6 +112,11 @@ CASES = [
         "a source name with a dot",
         ("calibration.sources", {"a.b": {"data": {}, "weight": 1.0}}),
         "calibration.sources: 'a.b' is not a source name; allowed: letters, digits, '_', '-'",
+    ),
+    (
+        "a source name ending in a newline",
+        ("calibration.sources", {"web\n": {"data": {"source": "tiny"}, "weight": 1.0}}),
+        "calibration.sources: 'web\\n' is not a source name; allowed: letters, digits, '_', '-'",
     ),
     (
         "a source weight of zero",
