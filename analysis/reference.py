@@ -574,8 +574,9 @@ ROUTER_KD_SWEEP = "paper:router-kd-qwen3-30b-a3b"
 ROUTER_KD_MODEL = "Qwen3-30B-A3B-Instruct-2507"  # 128 routed experts, top-8 (Sec. 5.2)
 # 62.5% expert retention of 128 experts (Sec. 5.1): the pruning methods (REAP; CFES with
 # num_routed_expert=80) and the merging methods (HC-SMoE, M-SMoE) keep 80 experts per layer; the
-# editing methods (MoBE, TD-MoE) keep all 128 and factorise them to the same parameter budget, which our
-# `edited` output states as K = 80 (the budget of 80 experts)
+# editing methods (MoBE, TD-MoE) keep all 128 and factorise them (MoBE to the same parameter budget, which
+# our `edited` output states as K = 80, the budget of 80 experts; the paper's TD-MoE run removed 40% of the
+# expert parameters of 18 of 48 layers instead, which seed001 sets as its TD-MoE settings)
 ROUTER_KD_METHODS = {
     "REAP": ("pruning", 80),
     "CFES": ("pruning", 80),

@@ -75,7 +75,7 @@ OUTPUTS: MappingProxyType[str, Output] = MappingProxyType(
                 "moe2moe",
                 "edit",
                 "edited MoE",
-                "every expert kept, factorised to the parameter budget of K experts (MoBE, TD-MoE)",
+                "every expert kept, factorised to a parameter budget, by default that of K experts (MoBE, TD-MoE)",
             ),
         )
     }

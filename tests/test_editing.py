@@ -1,4 +1,5 @@
-"""Expert editing (workers.methods.editing: MoBE, TD-MoE) and the edited checkpoint (workers.models.edited_model).
+"""Expert editing (workers.methods.editing: MoBE, Tucker2-experts; TD-MoE's numerics in test_td_moe.py) and
+the edited checkpoint (workers.models.edited_model).
 
 The edited model's reference is the teacher itself with every MoE layer's expert weights replaced by the
 reconstructed ones (written into the family's fused layout here, not by the module under test): the
@@ -29,8 +30,8 @@ from workers.methods.editing import (
     reconstruct,
     routed_params,
     solve_rank,
-    td_moe_params,
     tucker2,
+    tucker2_experts_params,
     whitening,
 )
 
@@ -70,7 +71,7 @@ def synthetic_ctx(
 
 
 # ---- the budget -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("method", ["MoBE", "TD-MoE"])
+@pytest.mark.parametrize("method", ["MoBE", "Tucker2-experts"])
 @pytest.mark.parametrize("K,bias", [(3, False), (4, False), (5, True)])
 def test_the_largest_rank_within_the_budget_of_pruning_to_K(method, K, bias):
     E, I, H = 6, 12, 8  # noqa: E741
@@ -80,13 +81,13 @@ def test_the_largest_rank_within_the_budget_of_pruning_to_K(method, K, bias):
     cost = (
         (lambda q: mobe_params(E, I, H, q, 2, bias))
         if method == "MoBE"
-        else (lambda q: td_moe_params(E, I, H, q, True, bias))
+        else (lambda q: tucker2_experts_params(E, I, H, q, True, bias))
     )
     assert plan.extras["params_routed"] == sum(t.numel() for t in tensors.values()) == cost(r)
     assert plan.extras["params_routed_original"] == routed_params(E, I, H, bias)
     assert cost(r) <= limit < cost(r + 1)
     assert all(name.startswith("layer.3.") for name in tensors)
-    if method == "TD-MoE":  # every projection factored: U, core, V each
+    if method == "Tucker2-experts":  # every projection factored: U, core, V each
         assert {n.split(".", 2)[2] for n in tensors} >= {"gate.U", "gate.core", "gate.V", "down.core"}
 
 
@@ -119,7 +120,15 @@ def test_k_out_of_range_and_unknown_method():
             edit_layer(0, ctx, "TD-MoE", K)
     with pytest.raises(ValueError, match="unknown editing"):
         edit_layer(0, ctx, "SVD", 4)
-    assert list(EDITINGS) == registry_names("workers.methods.editing", "EDITINGS") == ["MoBE", "TD-MoE"]
+    assert (
+        list(EDITINGS)
+        == registry_names("workers.methods.editing", "EDITINGS")
+        == [
+            "MoBE",
+            "TD-MoE",
+            "Tucker2-experts",
+        ]
+    )
 
 
 # ---- MoBE ------------------------------------------------------------------------------------------------
@@ -155,9 +164,9 @@ def test_mobe_adam_lowers_the_error_and_is_reproducible_per_seed():
     assert err(fit_mobe(W, 3, 2, steps=40)) < 0.99 * err(fit_mobe(W, 3, 2, steps=0))
 
 
-# ---- TD-MoE ----------------------------------------------------------------------------------------------
+# ---- Tucker2-experts --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("whiten", [False, True])
-def test_td_moe_with_full_ranks_is_exact(whiten):
+def test_tucker2_experts_with_full_ranks_is_exact(whiten):
     ctx = synthetic_ctx(E=5, I=12, H=8, scales=torch.logspace(-1, 1, 8, dtype=torch.float64))
     S = whitening(ctx.stats.sum_xx, ctx.stats.n_tokens) if whiten else None
     for W, white in ((ctx.experts.gate, S), (ctx.experts.down, None)):  # down's input is not the block's
@@ -166,7 +175,7 @@ def test_td_moe_with_full_ranks_is_exact(whiten):
         torch.testing.assert_close(reconstruct({"kind": "tucker"}, f), W, rtol=1e-9, atol=1e-9)
 
 
-def test_td_moe_whitening_fits_the_calibration_outputs_better_on_anisotropic_inputs():
+def test_tucker2_experts_whitening_fits_the_calibration_outputs_better_on_anisotropic_inputs():
     scales = torch.logspace(-2, 1, 8, dtype=torch.float64)  # inputs mostly along the last coordinates
     ctx = synthetic_ctx(E=6, I=12, H=8, scales=scales)
     S = whitening(ctx.stats.sum_xx, ctx.stats.n_tokens, ridge=0.0)
@@ -179,22 +188,22 @@ def test_td_moe_whitening_fits_the_calibration_outputs_better_on_anisotropic_inp
     assert not torch.allclose(reconstruct({"kind": "tucker"}, white), reconstruct({"kind": "tucker"}, plain))
     assert output_err(white) < 0.8 * output_err(plain)
     # and through edit_layer: whiten=False gives other factors for gate/up, the same for down (unwhitened)
-    p1, t1 = edit_layer(0, ctx, "TD-MoE", 4)
-    p0, t0 = edit_layer(0, ctx, "TD-MoE", 4, {"whiten": False})
+    p1, t1 = edit_layer(0, ctx, "Tucker2-experts", 4)
+    p0, t0 = edit_layer(0, ctx, "Tucker2-experts", 4, {"whiten": False})
     assert not torch.allclose(t1["layer.0.gate.core"], t0["layer.0.gate.core"])
     # exact: down is factored unwhitened either way: the same tucker2 call on the same tensor
     assert torch.equal(t1["layer.0.down.core"], t0["layer.0.down.core"])
     assert p1.signature() != p0.signature()
 
 
-def test_td_moe_down_keep_leaves_down_dense_and_needs_the_input_statistic():
+def test_tucker2_experts_down_keep_leaves_down_dense_and_needs_the_input_statistic():
     ctx = synthetic_ctx()
-    plan, tensors = edit_layer(0, ctx, "TD-MoE", 4, {"down": "keep"})
+    plan, tensors = edit_layer(0, ctx, "Tucker2-experts", 4, {"down": "keep"})
     assert torch.equal(tensors["layer.0.down.weight"], ctx.experts.down)  # exact: kept dense, a copy
     assert plan.extras["student"]["factored"] == ["gate", "up"]
     ctx.stats.sum_xx = None
     with pytest.raises(ValueError, match="lack sum_xx"):
-        edit_layer(0, ctx, "TD-MoE", 4)
+        edit_layer(0, ctx, "Tucker2-experts", 4)
 
 
 def test_edit_layer_plan_keeps_every_expert():
@@ -276,7 +285,14 @@ EDITABLE = [f for f in FAMILIES if "edited" not in adapter_named(f).refused_outp
 
 
 @pytest.mark.parametrize(
-    "family,method", [(f, "TD-MoE") for f in EDITABLE] + [("qwen3_moe", "MoBE"), ("gpt_oss", "MoBE")]
+    "family,method",
+    [(f, "TD-MoE") for f in EDITABLE]
+    + [
+        ("qwen3_moe", "MoBE"),
+        ("gpt_oss", "MoBE"),
+        ("qwen3_moe", "Tucker2-experts"),
+        ("gpt_oss", "Tucker2-experts"),
+    ],
 )
 def test_edited_model_computes_the_teacher_with_the_reconstructed_experts(family, method, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -327,7 +343,12 @@ def test_edited_model_needs_a_plan_for_every_moe_layer():
 
 def test_edited_checkpoint_reloads_in_a_fresh_interpreter(tmp_path):
     """Save, then load with AutoModelForCausalLM after nothing but `import workers.models.edited_model`."""
-    cases = [("qwen3_moe", "MoBE"), ("gpt_oss", "TD-MoE"), ("deepseek_v2", "TD-MoE")]
+    cases = [
+        ("qwen3_moe", "MoBE"),
+        ("gpt_oss", "TD-MoE"),
+        ("deepseek_v2", "TD-MoE"),
+        ("olmoe", "Tucker2-experts"),
+    ]
     x = ids(2, 9, seed=11)
     want = {}
     for family, method in cases:

@@ -1,7 +1,8 @@
 """Expert editing: keep all E routed experts of a layer but factorise their weights to a parameter budget.
 
-Two methods (Router KD paper, App. E/F; they hit the same routed-expert parameter budget as pruning to K
-of the E experts, so the three kinds of smaller MoE compare at equal size):
+Three methods (Router KD paper, App. E/F). MoBE and Tucker2-experts hit the routed-expert parameter budget
+of pruning to K of the E experts, so the three kinds of smaller MoE compare at equal size; TD-MoE does too
+by default, or, as published, removes a `ratio` of the parameters of the `layers` it decomposes.
 
 MoBE (Mixture of Basis Experts, Chen et al. 2025, arXiv 2508.05257, Eq. 2–4): per projection p in
 {gate, up}, W_e [I, H] ≈ A_e [I, r] · act(Σ_j c_ej B_j), with m basis matrices B_j [r, H] shared by the
@@ -15,25 +16,53 @@ paper's flags) on the MSE, the best iterate kept (`steps` defaults to 300 here; 
 initialised by least squares so the initial mixtures equal the group SVD bases, and A is refitted by
 least squares given the bases before and after Adam (A enters linearly, so this can only lower the error).
 
-TD-MoE (Router KD paper, App. E/F: "whitening, then joint tensor decomposition"): per projection the
-layer's experts stacked into a tensor [E, out, in]; the input mode of gate/up is whitened with S, the
-Cholesky factor of Σ_t x xᵀ / N + ridge·mean(diag)·I (the block input's second moment, so that
-Σ_e ‖(W_e − Ŵ_e) S‖² is the squared output error over the calibration tokens), then a truncated Tucker-2
-decomposition shared across experts (HOSVD, refined by `iters` HOOI sweeps): W_e ≈ U · G_e · Vᵀ S⁻¹ with
-U [out, r_out] and V [in, r_in] shared and a core G_e [r_out, r_in] per expert; Vᵀ S⁻¹ is stored as one
-[r_in, in] factor (same size as V). The down projection's input (the expert's intermediate activation) has
-no statistic: `down="plain"` (default) factors it unwhitened, `down="keep"` leaves it dense.
+TD-MoE (Anonymous 2025c, "TD-MoE: Tensor Decomposition for MoE Models"; Router KD paper, App. E/F:
+"whitening, then joint tensor decomposition"): per projection the layer's experts stacked into a 3-way
+tensor W [E, out, in] and decomposed across the experts by a 3-D Tucker decomposition
+W ≈ G ×₁ U_e ×₂ U_out ×₃ U_in (core G [r_e, r_out, r_in]; factors U_e [E, r_e], U_out [out, r_out],
+U_in [in, r_in]; every mode, the experts' included, may be compressed), fitted by HOSVD plus `iters` HOOI
+sweeps on the whitened tensor T_e = A W_e B and un-whitened after (multilinear whitening, `whiten`):
+- input side (input, both): B = S_in with S_in S_inᵀ = Σ_x + ridge·mean(diag)·I, Σ_x = Σ_t x xᵀ / N the
+  block input's second moment (calibration's sum_xx), so that ‖(W_e − Ŵ_e) S_in‖² is the squared output
+  error over the calibration tokens;
+- output side (output, both): A = S_out⁻¹ with S_out S_outᵀ = Σ_y + ridge·mean(diag)·I,
+  Σ_y = (1/E) Σ_e W_e Σ_x W_eᵀ the second moment of the outputs y = W_e x, averaged over the experts. The
+  published code whitens the output side by the covariance of the loss gradient at the output (a backward
+  pass); calibration collects no output-side statistic, so this one is computed from the input's
+  (E[y yᵀ] = W E[x xᵀ] Wᵀ). With `both` it makes Σ_e T_e T_eᵀ = E·I up to the ridge: the whitened output
+  mode has a flat spectrum, and its factor comes from the HOOI sweeps alone.
+Only gate and up are whitened: the down projection's input (the expert's intermediate activation) has no
+statistic and neither has its output's Gram, so down is decomposed unwhitened. Stored (kind `tucker`) as
+core, Ue = U_e, U = S_out U_out [out, r_out] and V = U_inᵀ S_in⁻¹ [r_in, in].
+Ranks: `ratio` is the fraction of a decomposed projection's parameters removed (the published code's
+RATIO): r_e r_out r_in + E r_e + out r_out + in r_in ≤ (1 − ratio)·E·out·in (expert biases stay dense and
+count too). As in the published rank search r_in is the largest that fits given (r_e, r_out); of those
+(r_e, r_out) the one with the smallest HOSVD error bound (the whitened tensor's mode-n energy beyond r_n,
+summed over the modes) is taken, where the published search takes the count nearest the budget.
+`expert_rank` fixes r_e (the code the Router KD run used keeps r_e = E). `layers` names the decoder layers
+decomposed (all; a list; {every: N, start: s}; {count: n, of: L}: n of L spread evenly); the other layers
+keep their experts as they are. Defaults: ratio 1 − K/E (the budget of K experts), every layer, input
+whitening, 2 HOOI sweeps.
+
+Tucker2-experts (what this module called TD-MoE before; not the published method): per projection a
+Tucker-2 decomposition of the expert stack [E, out, in] sharing U [out, r] and V [r, in] across the experts,
+one core G_e [r, r] per expert (the expert mode is never compressed), W_e ≈ U · G_e · Vᵀ S⁻¹, gate/up
+input-whitened with S = S_in above (HOSVD, refined by `iters` HOOI sweeps), one rank r for all factored
+projections of a layer, every layer at the budget K/E. The down projection's input has no statistic:
+`down="plain"` (default) factors it unwhitened, `down="keep"` leaves it dense.
 
 Budget: K of E means ≤ K/E of the layer's routed-expert parameters (gate, up, down and any expert biases;
-biases stay dense; the router is unchanged). The largest rank within it is taken (one rank r for all
-factored projections of a layer; a Tucker mode's rank is capped at that mode's size, MoBE's rank at
-min(I, H)). Pure tensor code: no transformers import.
+biases stay dense; the router is unchanged). MoBE and Tucker2-experts take the largest rank within it (a
+Tucker mode's rank is capped at that mode's size, MoBE's rank at min(I, H)). Pure tensor code: no
+transformers import.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 
@@ -68,10 +97,93 @@ def tucker_params(E: int, out: int, inp: int, r: int) -> int:
     return out * ro + E * ro * ri + ri * inp
 
 
-def td_moe_params(E: int, I: int, H: int, r: int, factor_down: bool = True, bias: bool = False) -> int:  # noqa: E741
-    """TD-MoE's routed parameters: Tucker-2 gate and up (and down unless it is kept dense), any biases."""
+def tucker2_experts_params(
+    E: int,
+    I: int,  # noqa: E741
+    H: int,
+    r: int,
+    factor_down: bool = True,
+    bias: bool = False,
+) -> int:
+    """Tucker2-experts' routed parameters: Tucker-2 gate and up (and down unless kept dense), any biases."""
     down = tucker_params(E, H, I, r) if factor_down else E * H * I
     return 2 * tucker_params(E, I, H, r) + down + (E * (2 * I + H) if bias else 0)
+
+
+# ---- TD-MoE's count (the published rank search's: core and the three factors) ----------------------------
+def tucker3_params(E: int, out: int, inp: int, ranks: tuple[int, int, int]) -> int:
+    """One 3-D Tucker factored projection: core [r_e, r_out, r_in], Ue [E, r_e], U [out, r_out], V [r_in, in]."""
+    re_, ro, ri = ranks
+    return re_ * ro * ri + E * re_ + out * ro + inp * ri
+
+
+def td_moe_budget(E: int, out: int, inp: int, keep: Fraction, bias: bool = False) -> int:
+    """The most factor parameters of one decomposed projection: floor(keep · its parameters), keep = 1 −
+    ratio, less its dense bias [E, out] when it has one (the bias counts against the budget too)."""
+    dense = E * out * inp + (E * out if bias else 0)
+    return math.floor(keep * dense) - (E * out if bias else 0)
+
+
+def td_moe_keep(ratio: float | None, K: int, E: int) -> Fraction:
+    """The fraction of a decomposed projection's parameters kept: 1 − ratio, or K/E when no ratio is set."""
+    return Fraction(K, E) if ratio is None else 1 - Fraction(str(ratio))
+
+
+def td_moe_model_params(
+    total: int,
+    E: int,
+    I: int,  # noqa: E741
+    H: int,
+    n_layers: int,
+    ratio: float,
+    bias: bool = False,
+) -> int:
+    """A model's parameters after TD-MoE at `ratio` on `n_layers` of its MoE layers, at the budget (every
+    decomposed projection at td_moe_budget; a fit is at most that, and below it by less than
+    r_e·r_out + in per projection, since r_in is the largest that fits): `total` (the model's) less those
+    layers' routed-expert parameters plus their budgets and dense biases."""
+    keep = 1 - Fraction(str(ratio))
+    layer = sum(td_moe_budget(E, o, i, keep, bias) for o, i in ((I, H), (I, H), (H, I)))
+    layer += E * (2 * I + H) if bias else 0
+    return total - n_layers * (routed_params(E, I, H, bias) - layer)
+
+
+def td_moe_ranks(
+    E: int,
+    out: int,
+    inp: int,
+    limit: int,
+    tails: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    expert_rank: int | None = None,
+) -> tuple[int, int, int]:
+    """(r_e, r_out, r_in) within `limit` parameters (tucker3_params): for each r_e (or `expert_rank`) and
+    r_out, r_in the largest that fits (capped at in); of these the one with the smallest Σ_n tails[n][r_n],
+    tails[n][r] = the energy of mode n beyond its r leading directions (the HOSVD error bound; None: flat
+    spectra, i.e. the most parameters). One-line ValueError when not even ranks (1, 1, 1) fit."""
+    if tails is None:
+        tails = tuple(1.0 - torch.arange(n + 1, dtype=torch.float64) / n for n in (E, out, inp))
+    if expert_rank is not None and not 1 <= expert_rank <= E:
+        raise ValueError(f"TD-MoE: expert_rank={expert_rank} must be in 1..{E}")
+    best: tuple[float, tuple[int, int, int]] | None = None
+    r_out = torch.arange(1, out + 1, dtype=torch.int64)
+    for re_ in [expert_rank] if expert_rank is not None else range(1, E + 1):
+        r_in = torch.div(limit - E * re_ - out * r_out, re_ * r_out + inp, rounding_mode="floor").clamp(
+            max=inp
+        )
+        ok = r_in >= 1
+        if not bool(ok.any()):
+            continue
+        bound = tails[0][re_] + tails[1][r_out[ok]] + tails[2][r_in[ok]]
+        j = int(torch.argmin(bound))
+        if best is None or float(bound[j]) < best[0]:
+            best = (float(bound[j]), (re_, int(r_out[ok][j]), int(r_in[ok][j])))
+    if best is None:
+        need = tucker3_params(E, out, inp, (expert_rank or 1, 1, 1))
+        raise ValueError(
+            f"TD-MoE: no ranks fit the budget of {limit} parameters for a [{E}, {out}, {inp}] projection "
+            f"(ranks 1 need {need}); use a smaller ratio (or a larger K)"
+        )
+    return best[1]
 
 
 def solve_rank(cost: Callable[[int], int], limit: int, r_max: int, what: str) -> int:
@@ -116,8 +228,9 @@ def reconstruct(spec: dict, t: dict[str, torch.Tensor]) -> torch.Tensor:
     if kind == "mobe":
         mix = torch.einsum("em,mrh->erh", mobe_coefficients(t["coef"], spec["coef"]), t["bases"])
         return t["A"] @ _act(mix, spec["activation"])
-    if kind == "tucker":
-        return t["U"] @ t["core"] @ t["V"]
+    if kind == "tucker":  # per expert U · core_e · V; a 3-D Tucker's core_e = Σ_a Ue[e, a] core[a]
+        core = t["core"] if "Ue" not in t else torch.einsum("ea,arq->erq", t["Ue"], t["core"])
+        return t["U"] @ core @ t["V"]
     raise ValueError(f"projection kind={kind!r}; allowed: dense, mobe, tucker")
 
 
@@ -210,17 +323,33 @@ def fit_mobe(
     return {k: v.to(W.dtype) for k, v in out.items()}
 
 
-# ---- TD-MoE (Router KD paper, App. E/F: whitening + Tucker-2 shared across experts) -----------------------
+# ---- whitening (TD-MoE and Tucker2-experts) and Tucker-2 (Tucker2-experts) --------------------------------
 def whitening(sum_xx: torch.Tensor, n_tokens: int, ridge: float = 1e-3) -> torch.Tensor:
     """S [H, H] lower triangular with S Sᵀ = Σ_t x xᵀ / N + ridge·mean(diag)·I, so ‖W S‖² = mean_t ‖W x‖²
     (+ the ridge)."""
     if n_tokens <= 0:
         raise ValueError(f"n_tokens={n_tokens}: TD-MoE's whitening needs calibration tokens")
     c = sum_xx.detach().to(torch.float64) / n_tokens
-    c = c + ridge * c.diagonal().mean().clamp_min(1e-30) * torch.eye(
-        c.shape[0], dtype=c.dtype, device=c.device
-    )
-    return torch.linalg.cholesky(c)
+    return _ridged_cholesky(c, ridge)
+
+
+def _ridged_cholesky(c: torch.Tensor, ridge: float) -> torch.Tensor:
+    eye = torch.eye(c.shape[0], dtype=c.dtype, device=c.device)
+    return torch.linalg.cholesky(c + ridge * c.diagonal().mean().clamp_min(1e-30) * eye)
+
+
+def output_whitening(
+    W: torch.Tensor, sum_xx: torch.Tensor, n_tokens: int, ridge: float = 1e-3
+) -> torch.Tensor:
+    """S_out [out, out] lower triangular with S_out S_outᵀ = (1/E) Σ_e W_e Σ_x W_eᵀ + ridge·mean(diag)·I,
+    Σ_x = sum_xx / N: the second moment of the outputs y = W_e x over the calibration inputs, averaged over
+    the E experts of W [E, out, in]."""
+    if n_tokens <= 0:
+        raise ValueError(f"n_tokens={n_tokens}: TD-MoE's whitening needs calibration tokens")
+    w = W.detach().to(torch.float64)
+    cx = sum_xx.detach().to(w) / n_tokens
+    cy = torch.einsum("eoi,epi->op", w @ cx, w) / w.shape[0]
+    return _ridged_cholesky((cy + cy.T) / 2, ridge)
 
 
 def _top_eigvecs(gram: torch.Tensor, r: int) -> torch.Tensor:
@@ -250,6 +379,71 @@ def tucker2(
     if S is not None:  # V_wᵀ S⁻¹: X S = V_wᵀ
         Vt = torch.linalg.solve_triangular(S.to(T), Vt, upper=False, left=False)
     return {"U": U.to(dtype), "core": core.to(dtype), "V": Vt.to(dtype)}
+
+
+# ---- TD-MoE: 3-D Tucker across the experts (TD-MoE paper; Router KD paper, App. F) -------------------------
+def _spectrum(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(eigenvalues, eigenvectors) of a symmetric PSD Gram matrix, in decreasing order, eigenvalues ≥ 0."""
+    vals, vecs = torch.linalg.eigh(gram)
+    return vals.flip(-1).clamp_min(0), vecs.flip(-1)
+
+
+def _tails(vals: torch.Tensor) -> torch.Tensor:
+    """tails[r] = Σ_{i ≥ r} vals[i], r = 0..n: a mode's energy beyond its r leading directions."""
+    tail = vals.flip(0).cumsum(0).flip(0)
+    return torch.cat([tail, tail.new_zeros(1)])
+
+
+def tucker3(
+    W: torch.Tensor,
+    ranks: tuple[int, int, int] | None = None,
+    *,
+    limit: int | None = None,
+    expert_rank: int | None = None,
+    S_out: torch.Tensor | None = None,
+    S_in: torch.Tensor | None = None,
+    iters: int = 2,
+) -> tuple[dict[str, torch.Tensor], tuple[int, int, int]]:
+    """3-D Tucker factors {core [r_e, r_out, r_in], Ue [E, r_e], U [out, r_out], V [r_in, in]} of W
+    [E, out, in] with W_e ≈ U (Σ_a Ue[e, a] core[a]) V, and the ranks: HOSVD + `iters` HOOI sweeps of the
+    whitened T_e = S_out⁻¹ W_e S_in (either side I when None), un-whitened after (U = S_out U_w,
+    V = V_wᵀ S_in⁻¹). `ranks`, or those td_moe_ranks picks within `limit` parameters from T's spectra."""
+    dtype, (E, out, inp) = W.dtype, W.shape
+    T = W.detach().to(torch.float64)
+    if S_out is not None:
+        T = torch.linalg.solve_triangular(S_out.to(T), T, upper=False)
+    if S_in is not None:
+        T = T @ S_in.to(T)
+    flat = T.reshape(E * out, inp)
+    spectra = [
+        _spectrum(T.reshape(E, -1) @ T.reshape(E, -1).T),
+        _spectrum(torch.einsum("eoi,epi->op", T, T)),
+        _spectrum(flat.T @ flat),
+    ]
+    if ranks is None:
+        if limit is None:
+            raise ValueError("tucker3: give the ranks or a parameter limit")
+        ranks = td_moe_ranks(E, out, inp, limit, tuple(_tails(v) for v, _ in spectra), expert_rank)
+    re_, ro, ri = ranks
+    if not (1 <= re_ <= E and 1 <= ro <= out and 1 <= ri <= inp):
+        raise ValueError(f"tucker3: ranks {tuple(ranks)} out of range for a [{E}, {out}, {inp}] tensor")
+    Ue, U, V = (vecs[:, :r] for (_, vecs), r in zip(spectra, ranks, strict=True))
+    for _ in range(int(iters)):  # HOOI: each factor from T projected on the other two
+        TV = T @ V
+        Y = torch.einsum("eoq,or->erq", TV, U).reshape(E, -1)
+        Ue = _top_eigvecs(Y @ Y.T, re_)
+        Y = torch.einsum("ea,eoq->aoq", Ue, TV)
+        U = _top_eigvecs(torch.einsum("aoq,apq->op", Y, Y), ro)
+        Y = torch.einsum("ea,eri->ari", Ue, U.T @ T).reshape(-1, inp)
+        V = _top_eigvecs(Y.T @ Y, ri)
+    core = torch.einsum("ea,erq->arq", Ue, U.T @ T @ V)
+    if S_out is not None:
+        U = S_out.to(T) @ U
+    Vt = V.T
+    if S_in is not None:  # X S_in = V_wᵀ
+        Vt = torch.linalg.solve_triangular(S_in.to(T), Vt, upper=False, left=False)
+    factors = {"core": core, "Ue": Ue, "U": U, "V": Vt}
+    return {k: v.to(dtype) for k, v in factors.items()}, (re_, ro, ri)
 
 
 # ---- one layer -----------------------------------------------------------------------------------------
@@ -293,7 +487,7 @@ MOBE_DEFAULTS = {
 
 
 def edit_mobe(
-    ctx: LayerContext, K: int, settings: dict
+    layer: int, ctx: LayerContext, K: int, settings: dict
 ) -> tuple[dict, dict[str, dict[str, torch.Tensor]], dict]:
     """MoBE on gate and up at the largest rank within the budget; down kept dense."""
     s = {**MOBE_DEFAULTS, **settings}
@@ -317,24 +511,29 @@ def edit_mobe(
     return student | {"projections": specs}, factors, {"rank": r, "bases": m}
 
 
-TD_MOE_DEFAULTS = {"ridge": 1e-3, "iters": 2, "down": "plain", "whiten": True, "rank": None}
+TUCKER2_EXPERTS_DEFAULTS = {"ridge": 1e-3, "iters": 2, "down": "plain", "whiten": True, "rank": None}
 
 
-def edit_td_moe(
-    ctx: LayerContext, K: int, settings: dict
+def edit_tucker2_experts(
+    layer: int, ctx: LayerContext, K: int, settings: dict
 ) -> tuple[dict, dict[str, dict[str, torch.Tensor]], dict]:
-    """TD-MoE: whitened Tucker-2 of gate and up (input = the block input), down per `down` (plain / keep)."""
-    s = {**TD_MOE_DEFAULTS, **settings}
+    """Tucker2-experts: whitened Tucker-2 of gate and up (input = the block input), down per `down` (plain /
+    keep), one rank at the budget of K experts."""
+    s = {**TUCKER2_EXPERTS_DEFAULTS, **settings}
     if s["down"] not in ("plain", "keep"):
-        raise ValueError(f"TD-MoE: down={s['down']!r}; allowed: plain (factor unwhitened), keep (dense)")
+        raise ValueError(
+            f"Tucker2-experts: down={s['down']!r}; allowed: plain (factor unwhitened), keep (dense)"
+        )
     ew = ctx.experts
     E, I, H, bias = ew.num_experts, ew.intermediate, ew.hidden, ew.gate_bias is not None  # noqa: E741
     factor_down = s["down"] == "plain"
     limit = budget(E, I, H, K, bias)
-    cost = lambda r: td_moe_params(E, I, H, r, factor_down, bias)  # noqa: E731
-    r = solve_rank(cost, limit, max(I, H), "TD-MoE") if s["rank"] is None else int(s["rank"])
+    cost = lambda r: tucker2_experts_params(E, I, H, r, factor_down, bias)  # noqa: E731
+    r = solve_rank(cost, limit, max(I, H), "Tucker2-experts") if s["rank"] is None else int(s["rank"])
     if cost(r) > limit:
-        raise ValueError(f"TD-MoE: rank={r} needs {cost(r)} routed parameters, over the budget of {limit}")
+        raise ValueError(
+            f"Tucker2-experts: rank={r} needs {cost(r)} routed parameters, over the budget of {limit}"
+        )
     S = None
     if s["whiten"]:
         ctx.stats.require("sum_xx")
@@ -352,7 +551,7 @@ def edit_td_moe(
         factors["down"], specs["down"] = {"weight": w["down"].clone()}, {"kind": "dense"}
     ranks = {p: [min(r, w[p].shape[1]), min(r, w[p].shape[2])] for p in factored}
     student = {
-        "method": "TD-MoE",
+        "method": "Tucker2-experts",
         "rank": r,
         "ranks": ranks,
         "factored": factored,
@@ -361,15 +560,127 @@ def edit_td_moe(
     return student | {"projections": specs}, factors, {"rank": r, "bases": 0}
 
 
+TD_MOE_DEFAULTS = {
+    "ratio": None,
+    "layers": "all",
+    "whiten": "input",
+    "expert_rank": None,
+    "iters": 2,
+    "ridge": 1e-3,
+}
+WHITENINGS = ("input", "output", "both", "none")
+
+
+def td_moe_settings(settings: dict) -> dict:
+    """TD-MoE's settings, checked (one-line ValueError naming the setting), defaults filled in: `ratio`
+    (0 < ratio < 1, the fraction of a decomposed projection's parameters removed; None: 1 − K/E),
+    `layers` ("all", a list of layer indices, {every: N, start: s} or {count: n, of: L}), `whiten`
+    (input, output, both, none), `expert_rank` (None: searched; an int fixes r_e), `iters` (HOOI sweeps
+    after the HOSVD, ≥ 0) and `ridge` (≥ 0)."""
+    unknown = sorted(set(settings) - set(TD_MOE_DEFAULTS))
+    if unknown:
+        raise ValueError(
+            f"TD-MoE: unknown setting {', '.join(unknown)}; allowed: {', '.join(TD_MOE_DEFAULTS)}"
+        )
+    s = {**TD_MOE_DEFAULTS, **settings}
+    if s["ratio"] is not None and not (
+        isinstance(s["ratio"], int | float) and not isinstance(s["ratio"], bool) and 0 < s["ratio"] < 1
+    ):
+        raise ValueError(f"TD-MoE: ratio={s['ratio']!r}; allowed: a number in (0, 1), the fraction removed")
+    if s["whiten"] not in WHITENINGS:
+        raise ValueError(f"TD-MoE: whiten={s['whiten']!r}; allowed: {', '.join(WHITENINGS)}")
+    for name, low in (("expert_rank", 1), ("iters", 0)):
+        v = s[name]
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
+            raise ValueError(f"TD-MoE: {name}={v!r}; allowed: an integer >= {low}")
+    if s["iters"] is None:
+        raise ValueError("TD-MoE: iters=None; allowed: an integer >= 0")
+    if isinstance(s["ridge"], bool) or not isinstance(s["ridge"], int | float) or s["ridge"] < 0:
+        raise ValueError(f"TD-MoE: ridge={s['ridge']!r}; allowed: a number >= 0")
+    td_moe_layers(s["layers"])
+    return s
+
+
+def td_moe_layers(spec: object) -> Callable[[int], bool]:
+    """Whether a decoder layer is decomposed, per the `layers` setting: "all"; a list of layer indices;
+    {every: N, start: s} (s, s + N, s + 2N, ...; s defaults to 0); {count: n, of: L}: n of layers 0..L−1
+    spread evenly (floor((i + 1/2)·L/n), i < n). One-line ValueError for anything else."""
+    allowed = "allowed: all, a list of layer indices, {every: N, start: S} or {count: N, of: L}"
+
+    def ints(*vals: object) -> bool:
+        return all(isinstance(v, int) and not isinstance(v, bool) for v in vals)
+
+    if spec == "all":
+        return lambda layer: True
+    if isinstance(spec, list) and spec and ints(*spec) and min(spec) >= 0 and len(set(spec)) == len(spec):
+        chosen = frozenset(spec)
+        return lambda layer: layer in chosen
+    if isinstance(spec, dict) and set(spec) in ({"every"}, {"every", "start"}):
+        n, start = spec["every"], spec.get("start", 0)
+        if ints(n, start) and n >= 1 and start >= 0:
+            return lambda layer: layer >= start and (layer - start) % n == 0
+    if isinstance(spec, dict) and set(spec) == {"count", "of"}:
+        n, total = spec["count"], spec["of"]
+        if ints(n, total) and 1 <= n <= total:
+            chosen = frozenset((2 * i + 1) * total // (2 * n) for i in range(n))
+            return lambda layer: layer in chosen
+    raise ValueError(f"TD-MoE: layers={spec!r}; {allowed}")
+
+
+def edit_td_moe(
+    layer: int, ctx: LayerContext, K: int, settings: dict
+) -> tuple[dict, dict[str, dict[str, torch.Tensor]], dict]:
+    """TD-MoE (module docstring): a layer `layers` names gets every projection decomposed by a whitened
+    3-D Tucker at `ratio` (default 1 − K/E); any other layer keeps its experts dense, as they are."""
+    s = td_moe_settings(settings)
+    ew = ctx.experts
+    E, bias = ew.num_experts, ew.gate_bias is not None
+    w = _weights(ew)
+    keep = td_moe_keep(s["ratio"], K, E)
+    student = {"method": "TD-MoE", **{k: s[k] for k in TD_MOE_DEFAULTS}}
+    if not td_moe_layers(s["layers"])(layer):
+        dense = {p: {"weight": w[p].clone()} for p in PROJECTIONS}
+        specs = {p: {"kind": "dense"} for p in PROJECTIONS}
+        return student | {"decomposed": False, "projections": specs}, dense, {"decomposed": False}
+    S_in, ridge = None, float(s["ridge"])
+    if s["whiten"] != "none":
+        ctx.stats.require("sum_xx")
+    if s["whiten"] in ("input", "both"):
+        S_in = whitening(ctx.stats.sum_xx, ctx.stats.n_tokens, ridge).to(ew.gate.device)
+    factors, ranks = {}, {}
+    for p in PROJECTIONS:
+        _, out, inp = w[p].shape
+        S_out = None
+        # down's input (the expert's intermediate activation) and output Gram have no statistic: unwhitened
+        if p != "down" and s["whiten"] in ("output", "both"):
+            S_out = output_whitening(w[p], ctx.stats.sum_xx, ctx.stats.n_tokens, ridge)
+        factors[p], ranks[p] = tucker3(
+            w[p],
+            limit=td_moe_budget(E, out, inp, keep, bias),
+            expert_rank=s["expert_rank"],
+            S_out=S_out,
+            S_in=S_in if p != "down" else None,
+            iters=int(s["iters"]),
+        )
+    specs = {p: {"kind": "tucker"} for p in PROJECTIONS}
+    numeric = {"decomposed": True, "keep": float(keep)}
+    student |= {"decomposed": True, "ranks": {p: list(r) for p, r in ranks.items()}, "keep": str(keep)}
+    return student | {"projections": specs}, factors, numeric
+
+
 @dataclass(frozen=True)
 class Editing:
-    """`edit(ctx, K, settings) -> (student settings incl. per-projection specs, factors per projection,
-    numeric extras)`."""
+    """`edit(layer, ctx, K, settings) -> (student settings incl. per-projection specs, factors per
+    projection, numeric extras)`."""
 
-    edit: Callable[[LayerContext, int, dict], tuple[dict, dict[str, dict[str, torch.Tensor]], dict]]
+    edit: Callable[[int, LayerContext, int, dict], tuple[dict, dict[str, dict[str, torch.Tensor]], dict]]
 
 
-EDITINGS: dict[str, Editing] = {"MoBE": Editing(edit_mobe), "TD-MoE": Editing(edit_td_moe)}
+EDITINGS: dict[str, Editing] = {
+    "MoBE": Editing(edit_mobe),
+    "TD-MoE": Editing(edit_td_moe),
+    "Tucker2-experts": Editing(edit_tucker2_experts),
+}
 
 
 def get_editing(name: str) -> Editing:
@@ -397,7 +708,7 @@ def edit_layer(
     E = ctx.experts.num_experts
     if not ctx.top_k <= K <= E:
         raise ValueError(f"K={K} out of range; allowed k <= K <= E: {ctx.top_k}..{E}")
-    student, factors, numeric = ed.edit(ctx, int(K), dict(settings or {}))
+    student, factors, numeric = ed.edit(layer, ctx, int(K), dict(settings or {}))
     orig = _weights(ctx.experts)
     approx = {p: reconstruct(student["projections"][p], factors[p]) for p in PROJECTIONS}
     per_expert, rel = relative_errors(orig, approx)
