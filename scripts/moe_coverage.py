@@ -1,8 +1,9 @@
 """List the MoE model types of the installed transformers that no moesweep adapter supports.
 
 Run it in the environment of a new lock (`make lock`, then `.venv/bin/python scripts/moe_coverage.py`):
-each type is marked `left out` where the README's left-out list names it (with its reason there) and `NEW`
-where it does not. Exit status 1 when any is new: write an adapter or add it, with its reason, to the README.
+each type is marked `left out` where the left-out list of docs/families.md names it (with its reason there)
+and `NEW` where it does not. Exit status 1 when any is new: write an adapter or add it, with its reason, to
+that list.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import transformers  # noqa: E402
 
 from workers.families.coverage import covered, left_out, moe_model_types, unsupported  # noqa: E402
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+FAMILIES_PAGE = Path(__file__).resolve().parents[1] / "docs" / "families.md"
 
 
 def main() -> int:
-    named = left_out(README.read_text())
+    named = left_out(FAMILIES_PAGE.read_text())
     gaps = unsupported()
     new = [d for d in gaps if not covered(d, named)]
     print(

@@ -2,7 +2,7 @@
 
 `LocalCluster` starts a head node (`ray start --head --block`) and a worker node (`ray start --address
 ... --block`), each a process of its own with its own temporary folder, ports and resources, the way
-the README's recipe starts them on separate machines. Every process either starts carries a token in
+the recipe in docs/scale.md starts them on separate machines. Every process either starts carries a token in
 its environment; `stop()` ends both nodes (SIGTERM, then SIGKILL) and kills whatever still carries the
 token, so nothing is left behind even when a test fails. No `ray stop`: it would end every Ray on the
 machine. The fake stage functions stand in for the real ones in the workers (the launch is real).

@@ -54,9 +54,9 @@ def layout_block(readme: str) -> str:
 
 
 def must_name() -> list[str]:
-    """What the README's Layout must name: every top-level folder, every package of the product (as `name/`),
-    and every module of the orchestrator, db, analysis, dashboard and each wing of workers (families' adapters
-    are one per MoE family and named by the family table instead)."""
+    """What the Layout (docs/internals.md) must name: every top-level folder, every package of the product
+    (as `name/`), and every module of the orchestrator, db, analysis, dashboard and each wing of workers
+    (families' adapters are one per MoE family and named by the family table instead)."""
     names = [
         "sweeps/",
         "orchestrator/",
@@ -82,10 +82,10 @@ def must_name() -> list[str]:
 
 
 def test_the_layout_names_every_package_and_module():
-    block = layout_block((ROOT / "README.md").read_text())
+    block = layout_block((ROOT / "docs" / "internals.md").read_text())
     words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*/?", block))
     missing = [n for n in must_name() if n not in words]
-    assert not missing, f"README ## Layout does not name: {missing}"
+    assert not missing, f"docs/internals.md ## Layout does not name: {missing}"
 
 
 def test_the_layout_check_sees_a_missing_module():

@@ -1,6 +1,6 @@
 """Every MoE model of the locked transformers is either supported by an adapter or named, with its reason, in
-the README's left-out list: moving the lock to a transformers that brings a new MoE family fails here until it
-is one or the other (`scripts/moe_coverage.py` lists the gap)."""
+the left-out list of docs/families.md: moving the lock to a transformers that brings a new MoE family fails
+here until it is one or the other (`scripts/moe_coverage.py` lists the gap)."""
 
 from __future__ import annotations
 
@@ -11,20 +11,20 @@ from pathlib import Path
 from workers.families.coverage import covered, left_out, moe_model_types, supported_types, unsupported
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
+FAMILIES_PAGE = ROOT / "docs" / "families.md"
 
 
 def test_every_moe_model_is_supported_or_left_out_with_a_reason():
-    named = left_out(README.read_text())
+    named = left_out(FAMILIES_PAGE.read_text())
     missing = [d for d in unsupported() if not covered(d, named)]
     assert not missing, (
-        f"MoE models neither supported nor in the README's left-out list: {missing} "
+        f"MoE models neither supported nor in the left-out list of docs/families.md: {missing} "
         "(scripts/moe_coverage.py lists them)"
     )
 
 
 def test_no_supported_family_is_also_left_out():
-    assert not supported_types() & left_out(README.read_text())
+    assert not supported_types() & left_out(FAMILIES_PAGE.read_text())
 
 
 def test_the_scan_sees_known_moe_models():

@@ -117,8 +117,8 @@ def test_the_readme_table_and_bad_settings():
     assert text.count("\n") == 13 and "| 4 | ddp | replicated | on |" in text
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert "  " + text.replace("\n", "\n  ") in readme  # the README shows what the function computes
+    page = (Path(__file__).resolve().parents[1] / "docs" / "scale.md").read_text()
+    assert "  " + text.replace("\n", "\n  ") in page  # docs/scale.md shows what the function computes
     with pytest.raises(ValueError, match="sharding: 'zero' is not allowed; allowed: ddp, fsdp"):
         per_rank_bytes(QWEN3_30B_A3B, STUDENT_3B, 4, "zero")
     with pytest.raises(ValueError, match="teacher_offload: needs sharding fsdp"):

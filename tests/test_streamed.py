@@ -215,7 +215,7 @@ def test_memory_needed_for_qwen3_30b_and_235b_by_hand():
     assert m["expert_chunk"] == 128 * 2048 * (2 * 768 + 2048) * 2
     assert m["stats_float64"] == 8 * (2 * 128 * 128 + 128 * 2048 + 2048 * 2048)
     assert m["total"] == 2 * 623_120_640 + (n + b) * 4096 + 128 * 2048 * 3584 * 2 + m["stats_float64"]
-    assert m["total"] == 11_784_692_224 and round(m["total"] / GiB, 1) == 11.0  # the README's numbers
+    assert m["total"] == 11_784_692_224 and round(m["total"] / GiB, 1) == 11.0  # docs/scale.md's numbers
     off = memory_needed(623_120_640, 151936 * 2048, 2048, 128, 768, n, b, c, offload=True)
     assert off["hidden_states"] == 2 * b * 2048 * 2
     assert off["total"] == 3_228_312_064 and round(off["total"] / GiB, 1) == 3.0

@@ -1,9 +1,9 @@
 """Which MoE model types an installed transformers ships, and which of them no adapter supports.
 
 A model directory counts as a mixture of experts when its modeling code names a config field that counts
-routed experts. The README keeps a left-out list (each such model type no adapter supports, with its reason);
-`left_out(readme_text)` reads the names from it. `scripts/moe_coverage.py` prints the gap when the lock moves
-to a new transformers; tests/test_family_coverage.py fails on it for the locked one.
+routed experts. docs/families.md keeps a left-out list (each such model type no adapter supports, with its
+reason); `left_out(page_text)` reads the names from it. `scripts/moe_coverage.py` prints the gap when the lock
+moves to a new transformers; tests/test_family_coverage.py fails on it for the locked one.
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ def supported_types() -> set[str]:
     return {mt for a in ADAPTERS for mt in a.model_types}
 
 
-def left_out(readme_text: str) -> set[str]:
-    """The model types the README's left-out list names (a "use `x`" pointer at a supported family is not one)."""
-    start = readme_text.index(LEFT_OUT_HEADING)
-    section = readme_text[start:]
+def left_out(page_text: str) -> set[str]:
+    """The model types the left-out list of docs/families.md names (a "use `x`" pointer at a supported family
+    is not one)."""
+    start = page_text.index(LEFT_OUT_HEADING)
+    section = page_text[start:]
     section = section[: section.index("\n\n", section.index("\n- "))]
     section = re.sub(r"use `[a-z0-9_]+`", "", section)
     return set(re.findall(r"`([a-z0-9_]+)`", section))
