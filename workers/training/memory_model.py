@@ -1,4 +1,4 @@
-"""Bytes per rank of a distillation run: which sharding settings fit a GPU (README, "Running at scale").
+"""Bytes per rank of a distillation run: which sharding settings fit a GPU (docs/scale.md, "Multi-GPU distillation").
 
 A model, not a measurement: it counts the tensors the loop in `workers.training.distill` keeps, per rank, for
 the three placements `distill.sharding` offers (ddp, fsdp with the teacher sharded, fsdp with the
@@ -196,7 +196,7 @@ SETTINGS = [
 
 
 def table(ranks_list: tuple[int, ...] = (4, 8), card_gb: float = 80.0, tokens: int = 4096) -> str:
-    """The README's table: Qwen3-30B-A3B → 3.3B, GB per rank by part at `tokens` per rank's micro-batch,
+    """The table in docs/scale.md: Qwen3-30B-A3B → 3.3B, GB per rank by part at `tokens` per rank's micro-batch,
     whether it fits, and the most sequences of `tokens` a micro-batch could hold."""
     head = (
         "| ranks | sharding | teacher | checkpointing | teacher | student weights + grads + AdamW | "
