@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -200,6 +201,15 @@ def test_tiny_suite_runs_and_matches_direct_scoring(model, tok, tiny_dir, tmp_pa
     rj = res["results_json"]
     assert "samples" not in rj and set(rj["task_hashes"]) >= {"tiny_mc", "tiny_ppl"}
     json.dumps(rj, default=str)  # storable as the artifact
+    # when and where it ran is kept apart: the stored results of identical runs are identical files
+    assert not {"date", "start_time", "end_time", "total_evaluation_time_seconds", "git_hash"} & set(rj)
+    assert "date" in res["run_info"]
+    shutil.rmtree(tmp_path / "runs")  # computed afresh, not read back
+    again = run(model, tok, "tiny", tmp_path, tiny_dir=tiny_dir, limit=n)
+    assert again["runs"][0]["reused"] == []
+    assert json.dumps(again["results_json"], sort_keys=True, default=str) == json.dumps(
+        rj, sort_keys=True, default=str
+    )
 
 
 def test_stored_results_are_keyed_by_model_key(model, tok, tiny_dir, tmp_path):

@@ -47,6 +47,17 @@ BACKENDS = ("hf", "vllm")
 RUN_FIELDS = ("seed", "num_fewshot", "limit")
 _ACC = ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")
 # the per-task sections of a simple_evaluate result (kept with a stored task result)
+# what a simple_evaluate result says about when and on what it ran (recorded in the job's outputs, not in
+# lm_eval_results.json, whose content is hashed: identical runs write identical files)
+_VOLATILE = (
+    "date",
+    "start_time",
+    "end_time",
+    "total_evaluation_time_seconds",
+    "git_hash",
+    "upper_git_hash",
+    "pretty_env_info",
+)
 _SECTIONS = (
     "results",
     "groups",
@@ -104,6 +115,7 @@ def run_suite(
         "lm_eval_version": lm_eval.__version__,
         "results_json": results,
         "runs": [{k: v for k, v in r.items() if k != "results_json"} for r in done],
+        "run_info": {k: str(v) for k, v in env.run_info.items()},
     }
 
 
@@ -225,6 +237,7 @@ class Evaluation:
         self.lm, self.tiny_dir, self.backend, self.limit = lm, tiny_dir, backend, limit
         self.allow_cpu, self.allow_code_eval, self.cache = allow_cpu, allow_code_eval, cache
         self.stored = cache / "runs" / hashlib.sha256(model_key.encode()).hexdigest()[:24]
+        self.run_info: dict[str, Any] = {}
 
     def one_run(
         self, suite: str | list[dict[str, Any]], entries: list[dict[str, Any]], run: dict[str, Any]
@@ -355,6 +368,8 @@ class Evaluation:
                     **seeds,
                 )
             samples = res.pop("samples", None) or {}
+            # when and where it ran differs between identical runs: kept out of the stored results
+            self.run_info |= {k: res.pop(k) for k in _VOLATILE if k in res}
             hashes |= {name: _hash_samples(s) for name, s in samples.items()}
             per_item |= {name: item_scores(name, s) for name, s in samples.items()}
             _merge(merged, res)

@@ -71,6 +71,8 @@ def stage_evaluate(payload: dict, cache: dict, progress) -> dict:
     out = Path(payload["workdir"]) / "lm_eval_results.json"
     out.write_text(json.dumps(res["results_json"], indent=1, default=str, sort_keys=True))
     outputs = {"avg": res.get("average"), **({"student": saved[0]["path"]} if saved else {})}
+    if res.get("run_info"):  # when and on what lm-eval ran: here, not in the hashed results file
+        outputs["lm_eval_run"] = res["run_info"]
     if res["not_run"]:
         outputs["not_run"] = res["not_run"]
     if ev.get("runs") is not None:
