@@ -218,6 +218,29 @@ def test_item_scores_from_samples_and_their_records():
     ]
 
 
+def test_a_task_with_several_filters_gets_each_metric_per_filter():
+    """lm-eval logs one sample per document and filter (gsm8k: strict-match, flexible-extract)."""
+
+    def gen(doc_id: int, f: str, em: float) -> dict:
+        return {
+            "doc_id": doc_id,
+            "filter": f,
+            "metrics": ["exact_match"],
+            "exact_match": em,
+            "filtered_resps": ["7"],
+        }
+
+    samples = [gen(1, "strict-match", 0.0), gen(0, "strict-match", 1.0), gen(0, "flexible-extract", 1.0)]
+    samples.append(gen(1, "flexible-extract", 1.0))
+    it = item_scores("gsm8k", samples)
+    assert it["doc_ids"] == [0, 1] and it["metrics"] == {
+        "exact_match,strict-match": [1.0, 0.0],
+        "exact_match,flexible-extract": [1.0, 1.0],
+    }
+    with pytest.raises(ValueError, match="filters logged different documents"):
+        item_scores("gsm8k", samples[:3])
+
+
 # ---- stored packed, read back, and in the results view ---------------------------------------------
 def test_item_scores_are_stored_packed_and_read_back(tmp_path):
     assert unpack_ids(pack_ids([3, 1, 2])).tolist() == [3, 1, 2]

@@ -514,7 +514,19 @@ def _hash_samples(samples: list[dict[str, Any]]) -> str:
 def item_scores(subtask: str, samples: list[dict[str, Any]]) -> dict[str, Any]:
     """One leaf task's per-item scores from lm-eval's logged samples, sorted by doc_id: every numeric
     per-sample metric (acc, acc_norm, exact_match, ...) and, for log-likelihood tasks, each choice's
-    log-likelihood (`loglik`, ragged: `loglik_doc` repeats the doc_id once per choice)."""
+    log-likelihood (`loglik`, ragged: `loglik_doc` repeats the doc_id once per choice). lm-eval logs one
+    sample per document and filter: a task with several filters (gsm8k's strict-match and flexible-extract)
+    gets each metric per filter, named as lm-eval names its results (`exact_match,strict-match`)."""
+    by_filter: dict[str, list[dict[str, Any]]] = {}
+    for s in samples:
+        by_filter.setdefault(str(s.get("filter", "none")), []).append(s)
+    if len(by_filter) > 1:
+        parts = {f: item_scores(subtask, [{**s, "filter": f} for s in ss]) for f, ss in by_filter.items()}
+        first = next(iter(parts.values()))
+        if any(p["doc_ids"] != first["doc_ids"] for p in parts.values()):
+            raise ValueError(f"task {subtask!r}: lm-eval's filters logged different documents")
+        first["metrics"] = {f"{m},{f}": v for f, p in parts.items() for m, v in p["metrics"].items()}
+        return first
     rows = sorted(samples, key=lambda s: int(s["doc_id"]))
     doc_ids = [int(s["doc_id"]) for s in rows]
     if len(set(doc_ids)) != len(doc_ids):
