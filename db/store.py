@@ -2,19 +2,23 @@
 
 SQLite by default (WAL, busy timeout, foreign keys, BEGIN IMMEDIATE for every transaction so a
 read-then-write never loses an update); any SQLAlchemy URL works. Only the orchestrator writes;
-`moesweep sql` and `status` open the database with `Store(url, read_only=True)`, which cannot change it.
+`moesweep sql` and `status` open the database with `Store(url, read_only=True)`, which cannot change it
+(nor, on PostgreSQL, the server's files: a privileged login reads as the role `moesweep_reader`).
 Every problem opening a database is one `StoreError` with a one-line message.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import re
 import socket
 import sqlite3
+import stat
 import textwrap
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
@@ -25,6 +29,7 @@ from sqlalchemy import Connection, create_engine, delete, event, func, insert, i
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, NoSuchModuleError, SQLAlchemyError
+from sqlalchemy.pool import NullPool
 
 from db.axes import config_fields
 from db.items import item_row
@@ -140,19 +145,25 @@ def head_revision() -> str:
 
 
 class Store:
-    """`Store(url)` opens a database to read and write, creating and migrating it where needed.
-    `Store(url, read_only=True)` opens an existing one for reading only: it never migrates, never creates
-    a database, and refuses every write, DDL, ATTACH and state-changing PRAGMA (SQLite: `mode=ro`,
-    `query_only` and an authorizer; PostgreSQL: read-only transactions). Every problem opening the
-    database is one `StoreError`."""
+    """`Store(url)` opens a database to read and write, creating and migrating it where needed;
+    `Store(url, create=False)` only one that exists at this moesweep's schema (it creates and migrates
+    nothing). `Store(url, read_only=True)` opens an existing one for reading only: it never migrates, never
+    creates a database, and refuses every write, DDL, ATTACH and state-changing PRAGMA (SQLite: `mode=ro`,
+    `query_only` and an authorizer; PostgreSQL: read-only transactions, one query at a time, and a role
+    that cannot touch the server's files). Every problem opening the database is one `StoreError`, and so
+    is a database found damaged or read-only later."""
 
-    def __init__(self, url: str | None = None, migrate: bool = True, read_only: bool = False) -> None:
+    def __init__(
+        self, url: str | None = None, migrate: bool = True, read_only: bool = False, create: bool = True
+    ) -> None:
         self.url = url or default_url()
         self.read_only = read_only
         self.shown = shown_url(self.url)
-        self.engine = make_engine(self.url, read_only=read_only)
+        self.engine = make_engine(self.url, read_only=read_only, create=create)
+        if read_only:  # disposed of when the store goes, at the latest at exit: see _sqlite_reader
+            weakref.finalize(self, self.engine.dispose)
         try:
-            if read_only:
+            if read_only or not create:
                 self.check_revision()
             elif migrate:
                 self.migrate()
@@ -230,8 +241,14 @@ class Store:
 
     @contextmanager
     def tx(self) -> Iterator[Connection]:
-        with self.engine.begin() as conn:
-            yield conn
+        """One transaction; a database that turns out damaged or read-only is one StoreError."""
+        try:
+            with self.engine.begin() as conn:
+                yield conn
+        except DBAPIError as e:
+            if not unusable(e):
+                raise
+            raise StoreError(explain(self.url, e, self.read_only)) from None
 
     # ---- sweeps ---------------------------------------------------------------------------
     def upsert_sweep(
@@ -655,7 +672,12 @@ class Store:
     # ---- reading ----------------------------------------------------------------------------
     def query(self, sql: str, params: dict[str, Any] | None = None) -> tuple[list[str], list[tuple]]:
         """Run one statement. On a read-only store nothing is ever committed and every error is one
-        StoreError (a refused write says so)."""
+        StoreError (a refused write says so); on PostgreSQL it must be a query (SELECT, WITH, VALUES, TABLE,
+        SHOW, EXPLAIN) that calls no function touching the server's files or the session's role."""
+        if self.read_only and self.engine.dialect.name == "postgresql":
+            why = pg_refusal(sql)
+            if why is not None:
+                raise StoreError(why)
         if not self.read_only:
             with self.engine.connect() as c:
                 res = c.execute(text(sql), params or {})
@@ -673,6 +695,8 @@ class Store:
                 finally:
                     c.rollback()
         except DBAPIError as e:
+            if unusable(e):
+                raise StoreError(explain(self.url, e, True)) from None
             raise StoreError(refusal(sql, e) or " ".join(str(e.orig).split())) from None
         except SQLAlchemyError as e:  # raised before the database sees it, e.g. a `:name` with no value
             msg = re.sub(r"^\(sqlalchemy[\w.]*\) ", "", str(e).splitlines()[0])
@@ -811,6 +835,23 @@ WRITING_KEYWORDS = frozenset(
     }
 )
 UNSAFE_FUNCTIONS = frozenset({"load_extension", "fts3_tokenizer"})
+# PostgreSQL: the statements a reader may run...
+PG_QUERIES = frozenset({"SELECT", "WITH", "VALUES", "TABLE", "SHOW", "EXPLAIN"})
+# ...and the functions it may not call: they read or write the server's files or signal its processes,
+# run SQL text of their own, or change the session's role (a query that set its role back would lift
+# the restriction below); U&"..." spells an identifier in escapes, which would hide a name from this list
+PG_REFUSED = re.compile(
+    r"\b(set_config|query_to_xml\w*|cursor_to_xml\w*|ts_stat|ts_rewrite|lo_import|lo_export"
+    r"|pg_read_file|pg_read_binary_file|pg_ls_\w+|pg_stat_file|pg_file_\w+|pg_logdir_ls|dblink\w*"
+    r"|pg_reload_conf|pg_rotate_logfile\w*|pg_terminate_backend|pg_cancel_backend|pg_switch_wal"
+    r"|pg_promote|pg_create_restore_point|pg_backup_start|pg_backup_stop|pg_\w*replication\w*)\b"
+    r"|\bu&[\"']",
+    re.IGNORECASE,
+)
+# the login's rights that let SQL read or write the server's files or run programs there
+PG_PRIVILEGED_ROLES = ("pg_read_server_files", "pg_write_server_files", "pg_execute_server_program")
+READER_ROLE = "moesweep_reader"  # what a reader with those rights reads as: SELECT on the schema, no more
+_LEADING = re.compile(r"(?:\s+|--[^\n]*|/\*.*?\*/|\()*", re.DOTALL)
 _READING = frozenset(
     {
         sqlite3.SQLITE_SELECT,
@@ -825,9 +866,15 @@ _READING = frozenset(
 def read_only_authorizer(
     action: int, arg1: str | None, arg2: str | None, _db: str | None, _trigger: str | None
 ) -> int:
-    """sqlite3 authorizer of a read-only connection: reading, functions, BEGIN/COMMIT/ROLLBACK and the
-    reporting PRAGMAs; everything else (writes, DDL, ATTACH/DETACH, VACUUM, REINDEX, ANALYZE,
-    SAVEPOINT, PRAGMA x=value, load_extension) is denied when the statement is prepared."""
+    """sqlite3 authorizer of a read-only connection: reading, functions, BEGIN/COMMIT/ROLLBACK, the
+    reporting PRAGMAs and their table-valued functions (`SELECT name FROM pragma_table_info('jobs')`);
+    everything else (writes, DDL, ATTACH/DETACH, VACUUM, REINDEX, ANALYZE, SAVEPOINT, PRAGMA x=value,
+    load_extension) is denied when the statement is prepared."""
+    if action == sqlite3.SQLITE_UPDATE and arg1 == "sqlite_master":
+        # SQLite asks this while it sets up a table-valued function (pragma_table_info, json_each); a
+        # real UPDATE of the schema table also needs PRAGMA writable_schema=ON, denied below, and
+        # query_only and mode=ro refuse it as well
+        return sqlite3.SQLITE_OK
     if action in _READING:
         return (
             sqlite3.SQLITE_DENY
@@ -867,6 +914,37 @@ def sqlite_path(u: URL) -> Path | None:
     return Path(db[5:].split("?", 1)[0] if db.startswith("file:") else db)
 
 
+def first_keyword(sql: str) -> str:
+    """The statement's first word, upper-case, after comments, blanks and opening parentheses."""
+    m = re.match(r"[A-Za-z_]+", sql[_LEADING.match(sql).end() :])
+    return m.group(0).upper() if m else ""
+
+
+def pg_refusal(sql: str) -> str | None:
+    """Why a PostgreSQL reader refuses `sql` (one line), or None: only queries, and no function that
+    reaches out of the database or changes the session."""
+    head = textwrap.shorten(" ".join(sql.split()), 60, placeholder=" …")
+    first = first_keyword(sql)
+    if first not in PG_QUERIES:
+        return (
+            f"refused {head!r}: moesweep sql only reads: {first or 'it'} is not a query; allowed: "
+            f"{', '.join(sorted(PG_QUERIES))} (nothing was run)"
+        )
+    m = PG_REFUSED.search(sql)
+    if m:
+        return (
+            f"refused {head!r}: a reader may not call {m.group(0)!r} (it reaches the server's files or "
+            "processes, runs SQL of its own or changes the session's role); nothing was run"
+        )
+    return None
+
+
+def unusable(e: DBAPIError) -> bool:
+    """Whether a database error means the file itself cannot be used: damaged, or not writable."""
+    msg = str(e.orig).lower()
+    return any(w in msg for w in ("malformed", "file is not a database", "readonly database"))
+
+
 def explain(url: str, e: BaseException, read_only: bool = False) -> str:
     """One line for a database that cannot be opened or used: what, where, and what to do."""
     where = shown_url(url)
@@ -887,6 +965,11 @@ def explain(url: str, e: BaseException, read_only: bool = False) -> str:
         return f"{where}: the database or its folder is read-only; it cannot be written"
     if "file is not a database" in low:
         return f"{where} is not a SQLite database"
+    if "malformed" in low:
+        return (
+            f"{where} is a damaged SQLite database ({msg}): restore it from a backup (`sqlite3 {where} "
+            "'.recover'` may save what is left)"
+        )
     if "database is locked" in low:
         return f"{where} is locked by another process (gave up after 30 s); try again when it is done"
     if "connection" in low and any(w in low for w in ("refused", "failed", "timeout", "timed out")):
@@ -904,7 +987,7 @@ def refusal(sql: str, e: DBAPIError) -> str | None:
             "WITH query (nothing was changed)"
         )
     code = getattr(e.orig, "sqlstate", None)
-    first = (sql.split(None, 1) or [""])[0].upper()
+    first = first_keyword(sql)
     refused = (
         "not authorized",
         "authorization denied",
@@ -921,9 +1004,9 @@ def refusal(sql: str, e: DBAPIError) -> str | None:
     return None
 
 
-def make_engine(url: str, read_only: bool = False) -> Engine:
-    """An engine for `url`; StoreError (one line) for a malformed URL, a missing driver or, read-only,
-    a database that does not exist. Read-write SQLite creates the database's folder."""
+def make_engine(url: str, read_only: bool = False, create: bool = True) -> Engine:
+    """An engine for `url`; StoreError (one line) for a malformed URL, a missing driver or, read-only or
+    with `create=False`, a database that does not exist. Read-write SQLite creates the database's folder."""
     u = parse_url(url)
     backend = u.get_backend_name()
     try:
@@ -939,7 +1022,7 @@ def make_engine(url: str, read_only: bool = False) -> Engine:
     if driver is None or backend == "sqlite" and driver != "pysqlite":
         raise unknown
     if backend == "sqlite":
-        return _sqlite_engine(url, u, read_only)
+        return _sqlite_engine(url, u, read_only, create)
     if read_only and (backend, driver) != ("postgresql", "psycopg"):
         raise StoreError(
             f"{shown_url(url)}: read-only access needs SQLite or PostgreSQL through psycopg: "
@@ -974,10 +1057,11 @@ def make_engine(url: str, read_only: bool = False) -> Engine:
 def _pg_read_only(engine: Engine) -> None:
     """Every transaction read-only, its mode fixed before the caller's statement (SET TRANSACTION READ
     WRITE is then refused); statements are prepared, so one call cannot smuggle in a COMMIT and a second
-    statement."""
+    statement. A login that may touch the server's files reads as READER_ROLE (`_restrict`)."""
 
     @event.listens_for(engine, "connect")
     def _session(dbapi_conn, _record) -> None:
+        _restrict(dbapi_conn, engine.url.render_as_string(hide_password=True))
         with dbapi_conn.cursor() as cur:
             cur.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
         dbapi_conn.commit()
@@ -998,42 +1082,150 @@ def _pg_read_only(engine: Engine) -> None:
         return True
 
 
-def _sqlite_engine(url: str, u: URL, read_only: bool) -> Engine:
+_PRIVILEGED_SQL = "SELECT current_user, rolsuper{} FROM pg_roles WHERE rolname = current_user".format(
+    "".join(f" OR pg_has_role(current_user, '{r}', 'MEMBER')" for r in PG_PRIVILEGED_ROLES)
+)
+
+
+# whether the reader role may already use the schema and read every table and view in it
+_GRANTED_SQL = (
+    "SELECT has_schema_privilege(%(r)s, %(s)s, 'USAGE') AND coalesce(bool_and(has_table_privilege(%(r)s, "
+    "c.oid, 'SELECT')), true) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+    "WHERE n.nspname = %(s)s AND c.relkind IN ('r', 'v', 'm', 'p', 'f')"
+)
+
+
+def _restrict(conn: Any, where: str) -> None:
+    """A reader's PostgreSQL session whose login may read or write the server's files or run programs
+    there (a superuser, say: COPY ... TO PROGRAM, pg_read_file) continues as READER_ROLE (SET ROLE), a
+    role that cannot log in and may only read the current schema's tables and views. The login creates
+    the role and grants it what it lacks (a superuser may); else the reader is refused in one line."""
+    import psycopg
+    from psycopg import sql
+
+    with conn.cursor() as cur:
+        user, privileged = cur.execute(_PRIVILEGED_SQL).fetchone()
+        if not privileged:
+            conn.commit()
+            return
+        role = sql.Identifier(READER_ROLE)
+        for attempt in (1, 2, 3):  # two readers creating the role or granting at once: the second retries
+            try:
+                if not cur.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", [READER_ROLE]).fetchall():
+                    cur.execute(sql.SQL("CREATE ROLE {} NOLOGIN NOINHERIT").format(role))
+                schema = cur.execute("SELECT current_schema()").fetchone()[0]
+                if (
+                    schema is not None
+                    and not cur.execute(_GRANTED_SQL, {"r": READER_ROLE, "s": schema}).fetchone()[0]
+                ):
+                    for grant in (
+                        "GRANT USAGE ON SCHEMA {} TO {}",
+                        "GRANT SELECT ON ALL TABLES IN SCHEMA {} TO {}",
+                    ):
+                        cur.execute(sql.SQL(grant).format(sql.Identifier(schema), role))
+                cur.execute(sql.SQL("SET ROLE {}").format(role))
+                still = cur.execute(_PRIVILEGED_SQL).fetchone()[1]
+                conn.commit()
+                break
+            except psycopg.Error as e:
+                conn.rollback()
+                if attempt == 3 or isinstance(e, psycopg.errors.InsufficientPrivilege):
+                    raise StoreError(
+                        f"{where}: the role {user!r} may read or write the server's files or run "
+                        f"programs there (superuser, or {', '.join(PG_PRIVILEGED_ROLES)}), and cannot read "
+                        f"through the restricted role {READER_ROLE} ({' '.join(str(e).split())}); read as "
+                        "a role without those rights: CREATE ROLE r LOGIN; GRANT USAGE ON SCHEMA public TO "
+                        "r; GRANT SELECT ON ALL TABLES IN SCHEMA public TO r; then "
+                        "--db postgresql+psycopg://r@HOST/DB"
+                    ) from None
+    if still:
+        raise StoreError(
+            f"{where}: the role {READER_ROLE} that moesweep reads through may itself read or write the "
+            f"server's files (superuser, or {', '.join(PG_PRIVILEGED_ROLES)}): revoke that, e.g. "
+            f"ALTER ROLE {READER_ROLE} NOSUPERUSER"
+        )
+
+
+def _writable(path: Path) -> bool:
+    """Whether this process may write `path` (a file, or a folder to create files in)."""
+    return os.access(path, os.W_OK, effective_ids=os.access in os.supports_effective_ids)
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    """The database file's status, None where there is none; a path that cannot be used is one StoreError."""
+    try:
+        return path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        if e.errno == errno.ENAMETOOLONG:
+            longest = max(len(os.fsencode(part)) for part in path.parts)
+            raise StoreError(
+                f"{path}: the path is too long for the file system (its longest name has {longest} "
+                "bytes; allowed: at most 255 bytes a name, 4096 in all); choose a shorter one"
+            ) from None
+        raise StoreError(f"{path}: cannot use it: {e.strerror}") from None
+
+
+_KINDS = {
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
+
+
+def _sqlite_engine(url: str, u: URL, read_only: bool, create: bool = True) -> Engine:
+    if u.host or u.username or u.port:
+        rest = "/".join(p for p in (u.host, u.database) if p)
+        raise StoreError(
+            f"{url!r}: a SQLite URL names no host; a path follows three slashes, sqlite:///{rest} "
+            "(four for an absolute path, sqlite:////abs/path/x.db)",
+            about_url=True,
+        )
     path = sqlite_path(u)
-    if read_only:
-        if path is None:
+    if path is None:
+        if read_only:
             raise StoreError(
                 f"{url!r}: an in-memory database cannot be opened read-only; give a file, sqlite:///PATH",
                 about_url=True,
             )
-        if not path.exists():
-            raise StoreError(f"no database at {path} (moesweep launch or moesweep migrate creates one)")
-        if path.is_dir():
-            raise StoreError(f"{path} is a folder, not a database file")
-        uri = f"{path.resolve().as_uri()}?mode=ro"
-
-        def connect() -> sqlite3.Connection:
-            conn = sqlite3.connect(uri, uri=True, timeout=30, isolation_level=None, check_same_thread=False)
-            conn.execute("PRAGMA query_only=ON")
-            conn.set_authorizer(read_only_authorizer)  # last: the PRAGMA above needs no permission
-            return conn
-
-        engine = create_engine(u, creator=connect)
-
-        @event.listens_for(engine, "begin")
-        def _begin_deferred(conn) -> None:
-            conn.exec_driver_sql("BEGIN")  # BEGIN IMMEDIATE would take a write lock
-
-        return engine
-    if path is not None:
+        raise StoreError(
+            f"{url!r}: an in-memory database keeps nothing once the command ends (a launch would run and "
+            "leave no results); give a file, sqlite:///PATH",
+            about_url=True,
+        )
+    if "\0" in str(path):
+        raise StoreError(
+            f"{url!r}: the path holds a NUL character (%00), which no file name may hold", about_url=True
+        )
+    st = _stat(path)
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise StoreError(f"{path} is a folder, not a database file")
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+        raise StoreError(f"{path} is {kind}, not a database file; a SQLite database is a regular file")
+    if st is None and (read_only or not create):
+        raise StoreError(f"no database at {path} (moesweep launch or moesweep migrate creates one)")
+    if read_only:
+        return _sqlite_reader(u, path)
+    readers = "moesweep sql, status, report and serve only read it"
+    if st is not None and not _writable(path):
+        raise StoreError(
+            f"{path} is read-only (may you write it?): this command writes the database; {readers}"
+        )
+    if st is not None and not _writable(path.parent):
+        raise StoreError(
+            f"{path}: its folder {path.parent} is read-only (may you write it?): SQLite writes the "
+            f"database's -wal and -shm files there; {readers}"
+        )
+    if create:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except FileExistsError:
             raise StoreError(f"{path}: cannot create it: {path.parent} is a file, not a folder") from None
         except OSError as e:
             raise StoreError(f"{path}: cannot create its folder {path.parent}: {e.strerror}") from None
-        if path.is_dir():
-            raise StoreError(f"{path} is a folder, not a database file")
     engine = create_engine(u, connect_args={"timeout": 30, "isolation_level": None})
 
     @event.listens_for(engine, "connect")
@@ -1048,5 +1240,58 @@ def _sqlite_engine(url: str, u: URL, read_only: bool) -> Engine:
     @event.listens_for(engine, "begin")
     def _begin(conn) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def _sqlite_reader(u: URL, path: Path) -> Engine:
+    """A read-only engine (`mode=ro`, `query_only`, the authorizer) that leaves no file behind.
+
+    A WAL database needs its -shm (and -wal) file to be read; a `mode=ro` connection creates them where
+    they are missing but never deletes them (only a connection that may write does, when it is the last
+    to close). So: in a folder this process cannot write, with no -shm there (no launch is writing), each
+    connection reads the file as `immutable=1`, which needs neither file, and connections are not kept
+    (the next one looks again); else, where this reader found neither file, disposing of the engine opens
+    and closes one plain connection, and SQLite removes them if no one else has the database open."""
+    side = Path(f"{path}-wal"), Path(f"{path}-shm")
+    base = path.resolve().as_uri()
+    folder_writable = _writable(path.parent)
+
+    def connect() -> sqlite3.Connection:
+        uri = f"{base}?mode=ro"
+        if not folder_writable and not side[1].exists():
+            if side[0].exists() and side[0].stat().st_size > 0:
+                raise StoreError(
+                    f"{path}: its {side[0].name} holds changes not yet in the database file, and SQLite "
+                    f"cannot read them without creating {side[1].name} in {path.parent}, a folder you may "
+                    "not write: open it once with write access (e.g. moesweep migrate), or copy the folder"
+                )
+            uri += "&immutable=1"
+        conn = sqlite3.connect(uri, uri=True, timeout=30, isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA query_only=ON")
+        conn.set_authorizer(read_only_authorizer)  # last: the PRAGMA above needs no permission
+        return conn
+
+    engine = create_engine(u, creator=connect, **({} if folder_writable else {"poolclass": NullPool}))
+
+    @event.listens_for(engine, "begin")
+    def _begin_deferred(conn) -> None:
+        conn.exec_driver_sql("BEGIN")  # BEGIN IMMEDIATE would take a write lock
+
+    if folder_writable and not any(p.exists() for p in side):
+
+        @event.listens_for(engine, "engine_disposed")
+        def _tidy(_engine) -> None:
+            if not any(p.exists() for p in side):
+                return
+            try:
+                conn = sqlite3.connect(f"{base}?mode=rw", uri=True, timeout=0)
+                try:
+                    conn.execute("PRAGMA query_only=ON")
+                    conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
+                finally:
+                    conn.close()
+            except sqlite3.Error:
+                pass  # in use or not writable: whoever writes it removes them
 
     return engine
