@@ -29,6 +29,16 @@ Faults (`--faults`, comma-separated):
                    during distillation; then it is made larger and the sweep relaunched with --retry-failed
   corrupt          between launches of a completed sweep: the calibration statistics overwritten with
                    random bytes of the same size; then a distilled student truncated to half its size
+  bitrot           a completed sweep's calibration statistics rot with their size and mtime kept (each
+                   float tensor's elements in reverse order: still valid safetensors, other statistics,
+                   as after bit rot or a `cp -p`/rsync restore of a bad copy), and one conversion's plan
+                   is deleted, so that the relaunch recomputes a job that reads the statistics; then
+                   `moesweep verify` (which must find everything as recorded) and a relaunch
+  special          special files in place of artifacts of a completed sweep, each then relaunched: the
+                   statistics a symlink to /dev/zero; a FIFO in a student's folder (its mtime restored),
+                   found by `moesweep verify` first; a student's weights a symlink to an identical copy
+                   outside the job's folder. A launch or verify that does not end within `--hang-s` is
+                   killed and noted
 
 Columns: injected faults; sweeps completed (a sweep is complete when a launch exits 0); rows lost (result
 rows of the reference missing), duplicated (a configuration with several result rows, or a job with more
@@ -38,7 +48,9 @@ MOESWEEP_HOME, Ray's included, seen while it ran or when it ended) still alive `
 after the last launch of the fault kind until none of them was left (polled up to `--drain-s`).
 
   .venv/bin/python benchmarks/fault_injection.py                  # every fault, 20 kills per executor
-  .venv/bin/python benchmarks/fault_injection.py --smoke          # 2 kills (serial), a raising job, corrupt
+  .venv/bin/python benchmarks/fault_injection.py --smoke          # 2 kills (serial), a raising job, corrupt,
+                                                                  # bitrot, special
+  .venv/bin/python benchmarks/fault_injection.py --smoke --faults bitrot,special   # only those
   .venv/bin/python benchmarks/fault_injection.py --faults kill-ray,kill-ray-pid --kills 5 --no-watchdog
 """
 
@@ -70,8 +82,10 @@ ALL = [
     "db-lock",
     "disk-full",
     "corrupt",
+    "bitrot",
+    "special",
 ]
-SMOKE = ["kill-serial", "raise", "corrupt"]
+SMOKE = ["kill-serial", "raise", "corrupt", "bitrot", "special"]
 RESULT_COLS = (
     "config_key",
     "kind",
@@ -125,6 +139,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="processes of a launch still alive this long after it ended are left behind",
     )
     ap.add_argument("--drain-s", type=float, default=120.0, help="how long to wait for the last of them")
+    ap.add_argument(
+        "--hang-s",
+        type=float,
+        default=300.0,
+        help="bitrot, special: a launch or verify still running after this long is killed (a hang)",
+    )
     ap.add_argument(
         "--no-watchdog",
         action="store_true",
@@ -351,20 +371,24 @@ class Bench:
                 os.kill(p.pid, signal.SIGKILL)
         p.wait()
 
-    def run_to_end(self, kind: Kind, home: Path, executor: str, retry: bool = False, **extra: str) -> int:
+    def run_to_end(
+        self, kind: Kind, home: Path, executor: str, retry: bool = False, limit_s: float = 900, **extra: str
+    ) -> int:
         p = self.start(home, executor, retry, **extra)
-        rc, seen = self.wait(p, home, 900)
+        rc, seen = self.wait(p, home, limit_s)
         if rc is None:
             self.kill(p)
             rc = -9
-            kind.notes.append("a launch ran 900 s and was killed")
+            kind.notes.append(f"a launch ran {limit_s:.0f} s and was killed")
         self.ended(kind, home, seen)
         return rc
 
-    def complete(self, kind: Kind, home: Path, executor: str, retry: bool = True) -> bool:
+    def complete(
+        self, kind: Kind, home: Path, executor: str, retry: bool = True, limit_s: float = 900
+    ) -> bool:
         """Relaunch (with --retry-failed) until a launch exits 0; at most 4 launches."""
         for _ in range(4):
-            rc = self.run_to_end(kind, home, executor, retry=retry)
+            rc = self.run_to_end(kind, home, executor, retry=retry, limit_s=limit_s)
             if rc == 0:
                 kind.completed += 1
                 return True
@@ -614,6 +638,93 @@ class Bench:
                 self.compare(kind, home, "serial")
             kind.notes.append(f"{what}: {count(home, 'attempts > 1')} job(s) recomputed so far")
 
+    def verify(self, kind: Kind, home: Path) -> tuple[int | None, str]:
+        """`moesweep verify` of the home's database: (exit code or None when killed after --hang-s, output)."""
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "_cli",
+            "verify",
+            "--db",
+            f"sqlite:///{home}/moesweep.db",
+        ]
+        try:
+            r = subprocess.run(
+                cmd, cwd=self.work, env=self.env(home), capture_output=True, text=True, timeout=self.a.hang_s
+            )
+        except subprocess.TimeoutExpired:
+            kind.notes.append(f"verify ran {self.a.hang_s:.0f} s and was killed")
+            return None, ""
+        return r.returncode, r.stdout + r.stderr
+
+    def bitrot(self, kind: Kind) -> None:
+        self.reference("serial")
+        home = self.home(kind.name)
+        if self.run_to_end(kind, home, "serial") != 0:
+            kind.notes.append("the first launch exited non-zero")
+            return
+        stats = Path(one(home, "SELECT path FROM artifacts WHERE kind = 'calibration_stats'"))
+        rot_keeping_mtime(stats)
+        plan = Path(
+            one(
+                home,
+                "SELECT a.path FROM artifacts a JOIN jobs j ON j.id = a.job_id "
+                "WHERE j.stage = 'convert' AND a.kind = 'plan' ORDER BY j.key LIMIT 1",
+            )
+        )
+        plan.unlink()  # its conversion runs again, reading the statistics
+        kind.injected += 1
+        if self.complete(kind, home, "serial", retry=False, limit_s=self.a.hang_s):
+            self.compare(kind, home, "serial")
+        rc, out = self.verify(kind, home)
+        kind.notes.append(
+            f"verify after the relaunch exited {rc}"
+            + (" (everything as recorded)" if rc == 0 else f": {out.strip().splitlines()[-1:]}")
+        )
+        if rc != 0 and self.complete(kind, home, "serial", retry=False, limit_s=self.a.hang_s):
+            self.compare(kind, home, "serial")
+        kind.notes.append(f"{count(home, 'attempts > 1')} job(s) recomputed")
+
+    def special(self, kind: Kind) -> None:
+        self.reference("serial")
+        home = self.home(kind.name)
+        if self.run_to_end(kind, home, "serial") != 0:
+            kind.notes.append("the first launch exited non-zero")
+            return
+        for what in ("dev-zero", "fifo", "outside"):
+            student = Path(
+                one(
+                    home,
+                    "SELECT a.path FROM artifacts a JOIN jobs j ON j.id = a.job_id "
+                    "WHERE j.stage = 'distill' ORDER BY j.key LIMIT 1",
+                )
+            )
+            if what == "dev-zero":
+                stats = Path(one(home, "SELECT path FROM artifacts WHERE kind = 'calibration_stats'"))
+                stats.unlink()
+                stats.symlink_to("/dev/zero")
+            elif what == "fifo":
+                st = student.stat()
+                os.mkfifo(student / "pipe")
+                for p in (student / "pipe", student):  # size and mtime as recorded: only verify sees it
+                    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+                rc, out = self.verify(kind, home)
+                said = [ln for ln in out.splitlines() if "refused" in ln]
+                kind.notes.append(f"fifo: verify exited {rc}" + (f": {said[0]}" if said else ""))
+            else:
+                weights = max((f for f in student.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+                outside = home / "elsewhere" / weights.name
+                outside.parent.mkdir(exist_ok=True)
+                shutil.copy2(weights, outside)  # the same bytes, size and mtime
+                weights.unlink()
+                weights.symlink_to(outside)
+            kind.injected += 1
+            if self.complete(kind, home, "serial", retry=False, limit_s=self.a.hang_s):
+                self.compare(kind, home, "serial")
+            else:
+                kind.notes.append(f"{what}: the sweep did not complete")
+        kind.notes.append(f"{count(home, 'attempts > 1')} job(s) recomputed")
+
     def drain(self, kind: Kind) -> None:
         t0 = time.monotonic()
         while alive(kind.procs) and time.monotonic() - t0 < self.a.drain_s:
@@ -662,6 +773,28 @@ def snapshot(home: Path) -> tuple[list[tuple], dict[str, int]]:
     return rows, metrics
 
 
+def rot_keeping_mtime(path: Path) -> None:
+    """A safetensors file with each float tensor's elements in reverse order: valid, of the same size,
+    with other values; its mtime as it was."""
+    import json
+    import struct
+
+    import numpy as np
+
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + n])
+    dtypes = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
+    for t in header.values():
+        if isinstance(t, dict) and t.get("dtype") in dtypes:
+            a, b = (8 + n + o for o in t["data_offsets"])
+            data[a:b] = np.frombuffer(bytes(data[a:b]), dtype=dtypes[t["dtype"]])[::-1].tobytes()
+    assert bytes(data) != path.read_bytes() and len(data) == st.st_size
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
 def smoke_sweep(text: str) -> str:
     """crash.yaml with a smaller grid (2 conversions), one baseline and a shorter evaluation."""
     import yaml
@@ -706,6 +839,8 @@ def main(argv: list[str] | None = None) -> int:
                 "db-lock": b.db_lock,
                 "disk-full": b.disk_full,
                 "corrupt": b.corrupt,
+                "bitrot": b.bitrot,
+                "special": b.special,
             }[f](kind)
             b.drain(kind)
             print(
