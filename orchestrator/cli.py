@@ -14,8 +14,25 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperGroup
+
+
+class _Commands(TyperGroup):
+    """The commands; a database found unusable part-way through one (a damaged file, one that cannot be
+    written) is one line and exit 2, as a problem opening it is."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except Exception as e:
+            store = sys.modules.get("db.store")  # not imported: no StoreError can have been raised
+            if store is None or not isinstance(e, store.StoreError):
+                raise
+            _fail(str(e))
+
 
 app = typer.Typer(
+    cls=_Commands,
     add_completion=False,
     no_args_is_help=True,
     help="Experiment sweeps and a results database for MoE→dense compression research.",
@@ -53,16 +70,26 @@ def main(
     ] = False,
 ) -> None:
     """Experiment sweeps and a results database for MoE→dense compression research."""
+    if "MOESWEEP_HOME" in os.environ and not os.environ["MOESWEEP_HOME"].strip():
+        del os.environ["MOESWEEP_HOME"]  # set but empty: unset (.moesweep), not the current folder
 
 
-def _store(db: str | None, migrate: bool = True, read_only: bool = False, missing_ok: bool = False):
+def _store(
+    db: str | None,
+    migrate: bool = True,
+    read_only: bool = False,
+    missing_ok: bool = False,
+    create: bool = True,
+):
     """The database of --db (else $MOESWEEP_DB, else the default file); any problem opening it is one line
     and exit 2. Read-only: an existing database at the current schema, opened so nothing can change it.
-    `missing_ok`: a database file that does not exist yet is None (nothing is done there yet), said in a line."""
+    `create=False`: an existing database at the current schema, opened to write (nothing is created or
+    migrated). `missing_ok`: a database file that does not exist yet is None (nothing is done there yet),
+    said in a line."""
     from db.store import Store, StoreError
 
     try:
-        return Store(db, migrate=migrate, read_only=read_only)
+        return Store(db, migrate=migrate, read_only=read_only, create=create)
     except StoreError as e:
         if missing_ok and str(e).startswith("no database at "):
             err.print(
@@ -79,13 +106,36 @@ def _fail(msg: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def _spec(name: str):
-    from orchestrator.spec import SpecError, load_spec
+def _spec(name: str, overrides: list[str] | None = None):
+    from orchestrator.spec import SpecError, load_spec, one_line
 
     try:
-        return load_spec(name)
+        return load_spec(name, overrides or ())
     except SpecError as e:
-        _fail(str(e))
+        _fail(one_line(str(e)))
+
+
+def _spec_fail(e: Exception, path, overrides: list[str]) -> None:
+    """A sweep problem found after loading (the teacher's config, K against it, data paths, --until,
+    --only): one line naming the file, and the --set behind the field where one is."""
+    from orchestrator.spec import OptionError, blame, one_line, parse_override
+
+    msg = str(e)
+    if isinstance(e, OptionError):
+        _fail(one_line(msg))
+    msg = msg.removeprefix(f"{path}: ")
+    _fail(one_line(f"{path}: {blame(msg, [parse_override(o) for o in overrides])}"))
+
+
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        metavar="PATH=VALUE",
+        help="override the sweep file: a dotted path into it and a YAML value, e.g. grid.K=[4,8] "
+        "(repeatable, applied in order; stored with the sweep)",
+    ),
+]
 
 
 @app.command()
@@ -100,26 +150,60 @@ def launch(
     num_cpus: Annotated[int | None, typer.Option(help="CPUs for a local Ray")] = None,
     max_concurrent: Annotated[int | None, typer.Option(help="at most this many jobs at once")] = None,
     retry_failed: Annotated[bool, typer.Option("--retry-failed", help="run failed jobs again")] = False,
+    set_: SetOpt = None,
+    until: Annotated[
+        str | None,
+        typer.Option(
+            "--until",
+            metavar="STAGE",
+            help="run the stages up to and including STAGE (`moesweep stages` lists them in order); "
+            "with ppl_pre, the selection for distillation is stored",
+        ),
+    ] = None,
+    only: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--only",
+            metavar="CONFIG_KEY",
+            help="run only the jobs this configuration needs, e.g. 'SF|RR|uniform|K=8' or teacher "
+            "(repeatable; what derives from it included)",
+        ),
+    ] = None,
 ) -> None:
     """Run a named sweep, or resume it: every job that already succeeded is skipped."""
-    spec, path, text = _spec(name)
+    from orchestrator.scope import Scope
     from orchestrator.spec import SpecError
 
+    overrides = list(set_ or [])
+    scope = Scope(until=until, only=tuple(dict.fromkeys(only or ())))
+    try:
+        scope.check_until()  # a typo in --until is said before the sweep is read
+    except SpecError as e:
+        _fail(str(e))
+    spec, path, text = _spec(name, overrides)
+
     if dry_run:
+        from orchestrator import configs as P
         from orchestrator.dryrun import dry_run as show
 
-        try:
-            show(spec, _store(db, read_only=True, missing_ok=True), out)
+        try:  # the options are checked before the database is looked at
+            scope.prepare(spec, P.build_configs(spec, P.stated_shape(spec)))
         except SpecError as e:
-            _fail(str(e) if str(e).startswith(str(path)) else f"{path}: {e}")
+            _spec_fail(e, path, overrides)
+        store = _store(db, read_only=True, missing_ok=True)
+        try:
+            show(spec, store, out, scope=scope, overrides=overrides)
+        except SpecError as e:
+            _spec_fail(e, path, overrides)
         return
     from orchestrator.launch import launch as run
     from orchestrator.launch import prepare
 
     try:
         prepared = prepare(spec, str(path))  # every sweep-file error before the database is opened
+        scope.prepare(spec, prepared[1])
     except SpecError as e:
-        _fail(str(e) if str(e).startswith(str(path)) else f"{path}: {e}")
+        _spec_fail(e, path, overrides)
     store = _store(db)
     if executor == "serial":
         from orchestrator.execute import SerialExecutor
@@ -137,10 +221,18 @@ def launch(
         _fail(f"--executor {executor!r}: allowed: ray, serial")
     try:
         code = run(
-            spec, text, store, ex, retry_failed=retry_failed, console=err, path=str(path), prepared=prepared
+            spec,
+            text,
+            store,
+            ex,
+            retry_failed=retry_failed,
+            console=err,
+            path=str(path),
+            prepared=prepared,
+            scope=scope,
         )
     except SpecError as e:
-        _fail(str(e) if str(e).startswith(str(path)) else f"{path}: {e}")
+        _spec_fail(e, path, overrides)
     raise typer.Exit(code)
 
 
@@ -157,7 +249,7 @@ def sweeps(db: DbOpt = None) -> None:
     --db and $MOESWEEP_DB, only when the default one exists."""
     import yaml
 
-    from orchestrator.spec import find_sweep, list_sweeps
+    from orchestrator.spec import find_sweep, list_sweeps, sweep_dirs
 
     store = (
         _store(db, read_only=True) if db or os.environ.get("MOESWEEP_DB") or _default_db_exists() else None
@@ -171,14 +263,15 @@ def sweeps(db: DbOpt = None) -> None:
     t = Table("name", "file", "status", "jobs done", "description")
     listed = set()
     for n in list_sweeps():
-        f = find_sweep(n)
+        f = next(d / f"{n}.yaml" for d in sweep_dirs() if os.path.lexists(d / f"{n}.yaml"))
         try:
+            f = find_sweep(n)  # a FIFO, a symlink loop: never opened
             doc = yaml.safe_load(f.read_text()) or {}
             desc, name = doc.get("description", ""), str(doc.get("name") or n)
         except Exception:  # a broken file is still listed; `launch` will explain it
             desc, name = "(unreadable)", n
         listed.add(name)
-        shown = os.path.relpath(f) if f.resolve().is_relative_to(Path.cwd()) else str(f)
+        shown = os.path.relpath(f) if Path(os.path.realpath(f)).is_relative_to(Path.cwd()) else str(f)
         t.add_row(name, shown, *_db_status(in_db.get(name), store), _short(desc))
     for name, s in in_db.items():
         if name not in listed:
@@ -214,6 +307,7 @@ def status(name: str, db: DbOpt = None) -> None:
     (computed by code that has changed since), duplicate (configurations served by another configuration's
     job), and the failures."""
     from db.store import owner_dead
+    from orchestrator.spec import spec_notes
     from orchestrator.stage import is_stale, stages
 
     store = _store(db, read_only=True)
@@ -261,6 +355,19 @@ def status(name: str, db: DbOpt = None) -> None:
             "–" if shared_by_design else str(dup_by_stage.get(stage, 0)),
         )
     out.print(t)
+    _, spec_rows = store.query("SELECT spec_yaml FROM sweeps WHERE id = :s", {"s": sid})
+    extends, sets = spec_notes(spec_rows[0][0] if spec_rows else None)
+    if extends or sets:
+        out.print(
+            "spec of the last launch: "
+            + "; ".join(
+                ([f"extends {' → '.join(extends)}"] if extends else [])
+                + ([" ".join(f"--set {o}" for o in sets)] if sets else [])
+            ),
+            highlight=False,
+            soft_wrap=True,
+            markup=False,
+        )
     out.print(
         "stale = computed by code that has changed since (the next launch recomputes what the sweep uses); "
         "duplicate = configurations served by another configuration's job (same content key)",
@@ -310,10 +417,13 @@ def verify(
 ) -> None:
     """Rehash every recorded artifact (of a sweep, or all) and compare it with its record: one line per
     problem and a summary. The job that produced a changed or missing artifact is marked stale (the next
-    launch recomputes it, and what read other content). Exit 1 if anything was wrong, else 0."""
+    launch recomputes it, and what read other content), and so is every job that may have read changed
+    content (it recorded no hash of what it read, or another one). A device, FIFO, socket or a symlink out
+    of its job's folder is refused unread. Exit 1 if anything was wrong, else 0."""
+    from orchestrator.launch import stale_readers
     from workers.core.artifacts import check
 
-    store = _store(db)
+    store = _store(db, create=False)  # a database that is there: a mistyped --db creates or migrates nothing
     sid = None
     if name is not None:
         sid = store.sweep_id(name)
@@ -321,14 +431,16 @@ def verify(
             _fail(f"no sweep {name!r} in {store.url}")
     jobs = store.artifact_jobs(sid)
     arts = store.artifacts(j["key"] for j in jobs)
-    n, bad = 0, 0
+    n, bad, readers = 0, 0, 0
     for j in jobs:
-        problems = []
+        problems, changed = [], {}
         for a in arts[j["key"]]:
             n += 1
             c = check(a, full=True)
             if c.problem:
                 problems.append(c.problem)
+                if c.changed and a["content_hash"]:
+                    changed[a["path"]] = a["content_hash"]
                 out.print(f"{j['stage']} {j['key'][:12]}: {c.problem}", highlight=False, soft_wrap=True)
             elif c.mtime is not None or c.size is not None:
                 store.update_artifact(a["id"], mtime=c.mtime, size_bytes=c.size)
@@ -337,11 +449,16 @@ def verify(
             store.mark_stale(
                 j["key"], problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
             )
+        if changed:
+            for stage, key, why in stale_readers(store, j["key"], changed, f"{j['stage']} {j['key'][:8]}…"):
+                readers += 1
+                out.print(f"{stage} {key[:12]}: {why}; marked stale", highlight=False, soft_wrap=True)
     where = f"sweep {name}" if name else "every sweep"
     if bad:
+        also = f", and {readers} job(s) that may have read changed content" if readers else ""
         out.print(
             f"{n} artifact(s) of {len(jobs)} job(s) in {where}: {bad} job(s) with a changed or missing "
-            "artifact marked stale; the next launch recomputes them",
+            f"artifact marked stale{also}; the next launch recomputes them",
             highlight=False,
             soft_wrap=True,
         )
@@ -379,21 +496,32 @@ def families_cmd() -> None:
             print(f"  refused output {output}: {reason}")
 
 
-@app.command()
+# a query that starts with a `--` comment is the query, not an unknown option
+@app.command(context_settings={"ignore_unknown_options": True})
 def sql(
     query: Annotated[
-        str, typer.Argument(help='SQL, e.g. "SELECT scoring, AVG(ppl_pre) FROM results GROUP BY scoring"')
-    ],
+        str | None,
+        typer.Argument(
+            help='SQL, e.g. "SELECT scoring, AVG(ppl_pre) FROM results GROUP BY scoring"; - reads it from stdin',
+            show_default=False,
+        ),
+    ] = None,
     db: DbOpt = None,
     format: Annotated[str, typer.Option("--format", "-f", help="table | csv | json")] = "table",
+    file: Annotated[
+        Path | None, typer.Option("--file", metavar="PATH", help="read the query from this file")
+    ] = None,
 ) -> None:
     """Run one read-only query (SELECT / WITH) against the results database and print the rows.
 
-    The database is opened read-only: writes, DDL, ATTACH and PRAGMA changes are refused."""
+    The query: the argument (it may start with a -- comment), --file PATH, or - to read stdin. The database
+    is opened read-only: writes, DDL, ATTACH and PRAGMA changes are refused; on PostgreSQL only queries run,
+    and a login that may touch the server's files (a superuser) reads as the role moesweep_reader."""
     from db.store import StoreError
 
     if format not in ("table", "csv", "json"):
         _fail(f"--format {format!r}: allowed: table, csv, json")
+    query = _query_text(query, file)
     store = _store(db, read_only=True)
     try:
         cols, rows = store.query(query)
@@ -410,6 +538,26 @@ def sql(
         for r in rows:
             t.add_row(*("" if v is None else f"{v:.6g}" if isinstance(v, float) else str(v) for v in r))
         out.print(t)
+
+
+def _query_text(query: str | None, file: Path | None) -> str:
+    """The query of `moesweep sql`: the argument, the --file, or stdin for `-`; one line if none or two."""
+    if file is not None and query is not None:
+        _fail(f"--file {file} and a query {_short(query)!r}: give one of them")
+    if file is not None:
+        try:
+            query = file.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            _fail(f"--file {file}: not UTF-8 text; allowed: a file holding one SQL query")
+        except OSError as e:
+            _fail(f"--file {file}: cannot read it: {e.strerror}")
+    elif query == "-":
+        query = sys.stdin.read()
+    if query is None:
+        _fail('no query: give one, e.g. moesweep sql "SELECT 1", or --file PATH, or - to read it from stdin')
+    if not query.strip():
+        _fail(f"the query{f' in {file}' if file else ''} is empty; allowed: one SQL query (SELECT, WITH, …)")
+    return query
 
 
 @app.command()

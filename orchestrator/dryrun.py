@@ -10,24 +10,40 @@ from rich.table import Table
 
 from orchestrator import configs as P
 from orchestrator.axes import AXES
+from orchestrator.scope import Scope
 from orchestrator.spec import SweepSpec
 from orchestrator.stage import SweepContext, TeacherShape, stages, unique
 from orchestrator.stages.convert import subgrids
 
 
-def plan_counts(spec: SweepSpec, shape: TeacherShape | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+def plan_counts(
+    spec: SweepSpec, shape: TeacherShape | None = None, scope: Scope | None = None
+) -> tuple[list[dict[str, Any]], list[str]]:
     """(per stage: jobs named by configurations, distinct jobs, a note; the keys of the jobs planned
-    without running anything). Pure, for tests too."""
+    without running anything). Pure, for tests too. `scope` (--until, --only; checked against the sweep
+    here): the stages up to --until, the --only configurations and those their selection compares."""
     shape = shape or P.stated_shape(spec)
-    ctx = SweepContext(spec, shape, P.build_configs(spec, shape))
+    configs = P.build_configs(spec, shape)
+    scope = scope or Scope()
+    scope.prepare(spec, configs)
+    if scope.only:
+        configs = [c for c in configs if c["config_key"] in {*scope.only, *scope.group}]
+    ctx = SweepContext(spec, shape, configs)
+    names = {st.name for st in scope.stages()}
+    best_by = spec.select.best_by if spec.select is not None else "ppl_pre"
+    shown = names | ({"select"} if best_by in names else set())
     rows: list[dict[str, Any]] = []
     keys: list[str] = []
     for st in stages():
         if st.estimate is not None:
-            rows += st.estimate(ctx, rows)
+            rows += [
+                _bounded(r, scope) for r in st.estimate(ctx, rows) if r["stage"] in shown or st.name in names
+            ]
             continue
-        jobs = st.jobs(ctx)
-        ctx.jobs[st.name] = jobs
+        if st.name not in names:
+            continue
+        ctx.jobs[st.name] = st.jobs(ctx)
+        jobs = scope.keep(st.name, ctx.jobs[st.name], ctx.configs)
         distinct = unique(jobs.values())
         keys += [j.key for j in distinct]
         if jobs:
@@ -47,9 +63,22 @@ def plan_counts(spec: SweepSpec, shape: TeacherShape | None = None) -> tuple[lis
     return rows, keys
 
 
-def dry_run(spec: SweepSpec, store, console: Console) -> None:
+def _bounded(row: dict[str, Any], scope: Scope) -> dict[str, Any]:
+    """An estimate's row for --only: the estimates count from the whole grid, so what they say of the
+    distinct jobs of a few configurations is bounded by the jobs those configurations name."""
+    named, distinct = row["named"], row["distinct"]
+    if scope.only and isinstance(named, int) and isinstance(distinct, int) and not 0 <= distinct <= named:
+        return {**row, "distinct": named, "note": "at most (fewer where plans coincide)"}
+    return row
+
+
+def dry_run(
+    spec: SweepSpec, store, console: Console, scope: Scope | None = None, overrides: list[str] | None = None
+) -> None:
+    """Print the plan. `overrides`: the --set options it was loaded with, named in its first line."""
     shape = P.stated_shape(spec)
-    rows, keys = plan_counts(spec, shape)
+    scope = scope or Scope()
+    rows, keys = plan_counts(spec, shape, scope)
     grids = "; ".join(
         " × ".join(f"{len(v)} {a}" for a, v in g.model_dump().items() if v is not None and a in AXES)
         for g in subgrids(spec)
@@ -58,6 +87,13 @@ def dry_run(spec: SweepSpec, store, console: Console) -> None:
         f"[bold]{spec.name}[/]: teacher {P.teacher_label(spec)} (E={shape.num_experts}, k={shape.top_k}, "
         f"from the {shape.source}); {grids}"
     )
+    if overrides:
+        console.print("with " + " ".join(f"--set {o}" for o in overrides), highlight=False, markup=False)
+    if scope.partial:
+        what = f"partial launch ({scope.describe()})"
+        if scope.group:
+            what += f": and {len(scope.group)} configuration(s) the selection compares them with"
+        console.print(what, highlight=False, markup=False)
     t = Table("stage", "named by configs", "distinct jobs", "notes", title="jobs (nothing is run)")
     for r in rows:
         t.add_row(r["stage"], str(r["named"]), str(r["distinct"]), r["note"])

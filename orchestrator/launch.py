@@ -7,9 +7,12 @@ result in its own transaction as it arrives. A crash loses at most the jobs in f
 Artifacts are checked before they are used again. A succeeded job is reused only if its own artifacts
 match their records (size and mtime; the content hash where either moved) and the upstream artifacts it
 read are still the ones recorded when it ran; a job runs only once the artifacts it reads match their
-records. Otherwise the job that wrote the artifact goes back to `pending` with the error `stale: <why>`,
-the launch says so in one line and recomputes it (first, when a later job is about to read it), and
-every job that had read other content than the recomputed one is recomputed in turn. A background
+records, hashed in full (once per launch: a change that kept size and mtime is found before it is read),
+and records the hashes of what it read (`HASHED`). Otherwise the job that wrote the artifact goes back to
+`pending` with the error `stale: <why>`, the launch says so in one line and recomputes it (first, when a
+later job is about to read it), and every job that had read other content than the recomputed one is
+recomputed in turn; content found changed also makes stale every job that may have read it
+(`stale_readers`). A device, FIFO, socket or symlink out of its job's folder is refused, never read. A background
 thread heartbeats every job the launch holds, whatever the executor is doing.
 """
 
@@ -35,10 +38,12 @@ from db.store import STALE_AFTER_S, Store, explain, home, owner_id
 from orchestrator import configs as P
 from orchestrator.axes import AXES
 from orchestrator.schema import artifact_root
+from orchestrator.scope import Scope, competes, is_d2d
 from orchestrator.spec import SpecError, SweepSpec, check_local_paths, spec_hash
 from orchestrator.stage import JobSpec, Stage, SweepContext, TeacherShape, stages, unique
+from workers.core.artifacts import LAYOUT, is_url, same_content, sealed
 from workers.core.artifacts import check as artifact_check
-from workers.core.artifacts import is_url
+from workers.core.artifacts import name as artifact_name
 
 
 @dataclass
@@ -169,6 +174,10 @@ class Runner:
         self._consumed: dict[str, dict[str, dict[str, str]]] = {}  # job key -> the input artifacts it reads
         self._recomputing: set[str] = set()
         self._announced: set[str] = set()  # stale jobs this launch already named on the console
+        # (path, content hash) of the artifacts this launch hashed in full (or its jobs wrote): each is
+        # hashed once per launch, before the first job that reads it runs
+        self._verified: set[tuple[str, str]] = set()
+        self._bridged: dict[tuple[str, str, str], bool] = {}  # (path, hash before `p1:`, `p1:` record)
         self.artifacts = artifacts_root(spec)  # None: artifacts stay under $MOESWEEP_HOME
 
     def held(self) -> list[str]:
@@ -201,7 +210,8 @@ class Runner:
         pending = list(jobs)
         while pending:
             self._inputs_ready(pending)
-            self._check_reuse(st, [j for j in pending if j.key not in checked], rep)
+            if self._check_reuse(st, [j for j in pending if j.key not in checked], rep):
+                self._inputs_ready(pending)  # what the jobs just found stale read: hashed before they run
             checked.update(j.key for j in pending)
             rows = self.store.jobs([j.key for j in pending] + [d for j in pending for d in j.deps.values()])
             arts = self.store.artifacts(d for j in pending for d in j.deps.values())
@@ -233,7 +243,7 @@ class Runner:
                         soft_wrap=True,
                     )
                     rep.stale += 1
-                self._consumed[j.key] = _inputs_of(j, arts)
+                self._consumed[j.key] = self._read_inputs(j, arts)
                 payloads.append(self._payload(st, j, rows, arts))
             retry: list[JobSpec] = []
             by_key = {j.key: j for j in pending}
@@ -266,6 +276,7 @@ class Runner:
                         f"stage {stage!r} returned {stray}; it declares records {sorted(st.records)}",
                     )
                 if err is None and result is not None:
+                    result = self._sealed(result)
                     try:
                         self.store.finish(
                             key,
@@ -327,17 +338,65 @@ class Runner:
     # ---- artifacts: checked before they are used again -----------------------------------------
     def _problem(self, rows: list[dict[str, Any]], full: bool = False) -> str | None:
         """One line on what is wrong with a job's artifacts (None: all as recorded). An artifact whose
-        size or mtime moved but whose content is the same gets its new size and mtime stored."""
+        size or mtime moved but whose content is the same gets its new size and mtime stored. `full`:
+        every artifact hashed (once per launch: one this launch hashed or wrote is checked as without).
+        Content found other than recorded makes the jobs that may have read it stale (`stale_readers`)."""
         problems = []
+        changed: dict[str, str] = {}
         for a in rows:
-            c = artifact_check(a, full=full)
+            # hashed once per launch: after that, size and mtime (a hash again only where either moved)
+            c = artifact_check(a, full=full and (a["path"], a["content_hash"]) not in self._verified)
             if c.problem:
                 problems.append(c.problem)
-            elif c.mtime is not None or c.size is not None:
+                if c.changed and a.get("content_hash"):
+                    changed[a["path"]] = a["content_hash"]
+                continue
+            if c.mtime is not None or c.size is not None:
                 self.store.update_artifact(a["id"], mtime=c.mtime, size_bytes=c.size)
+            if full and a.get("content_hash"):
+                self._verified.add((a["path"], a["content_hash"]))
+        if changed:
+            key = rows[0]["key"]
+            up = f"{self.known[key][0].name} {key[:8]}…" if key in self.known else f"{key[:8]}…"
+            stale_readers(self.store, key, changed, up)
         if not problems:
             return None
         return problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+
+    def _hash_inputs(self, rows: list[dict[str, Any]]) -> str | None:
+        """`_problem` of an upstream job's artifacts that a job is about to read, hashed in full: content
+        that kept its size and mtime (bit rot, a `cp -p` or rsync restore) is found before it is read."""
+        return self._problem(rows, full=True)
+
+    def _read_inputs(self, j: JobSpec, arts: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+        """What a job about to run reads ({upstream key: {path: content hash}}), with `HASHED` when every
+        one of those hashes is of the content as this launch hashed it (not only copied from the record)."""
+        out: dict[str, Any] = _inputs_of(j, arts)
+        read = [a for d in j.deps.values() for a in arts.get(d, [])]
+        if j.deps and all((a["path"], a["content_hash"]) in self._verified for a in read):
+            out[HASHED] = True
+        return out
+
+    def _sealed(self, result: dict[str, Any]) -> dict[str, Any]:
+        """A job's result with its folder artifacts' hashes made `p1:` (over relative paths too), and its
+        artifacts counted as hashed by this launch (their worker hashed them as it wrote them)."""
+        if not result.get("artifacts"):
+            return result
+        arts = [sealed(a) for a in result["artifacts"]]
+        self._verified.update((a["path"], a["content_hash"]) for a in arts if a.get("content_hash"))
+        return {**result, "artifacts": arts}
+
+    def _same(self, was: str | None, now: str | None, path: str, key: str) -> bool:
+        """Whether a job that read `was` at `path` read what is recorded there now (`now`); a hash from
+        before `p1:` against a `p1:` record of its recomputation is compared on the content (hashed once)."""
+        if was == now:
+            return True
+        if not (was and now and now.startswith(LAYOUT)) or was.startswith(LAYOUT):
+            return False
+        k = (path, was, now)
+        if k not in self._bridged:
+            self._bridged[k] = same_content(path, was, now, key)
+        return self._bridged[k]
 
     def _stale(self, st: Stage, key: str, why: str, rep: StageReport | None) -> bool:
         """Mark a succeeded job stale and say so in one line; False if it was not succeeded any more."""
@@ -349,38 +408,48 @@ class Runner:
             rep.stale += 1
         return True
 
-    def _check_reuse(self, st: Stage, jobs: list[JobSpec], rep: StageReport) -> None:
+    def _check_reuse(self, st: Stage, jobs: list[JobSpec], rep: StageReport) -> int:
         """Succeeded jobs about to be reused: their own artifacts as recorded, and every upstream artifact
         they read still the one recorded then (an upstream job recomputed with other content makes them
-        stale too). Stale ones go back to pending and run in this call."""
+        stale too). Stale ones go back to pending and run in this call; returns how many."""
         rows = self.store.jobs(j.key for j in jobs)
         done = [j for j in jobs if rows.get(j.key, {}).get("status") == "succeeded"]
         if not done:
-            return
+            return 0
         arts = self.store.artifacts([j.key for j in done] + [d for j in done for d in j.deps.values()])
+        n = 0
         for j in done:
             why = self._problem(arts[j.key])
             recorded = json.loads(rows[j.key].get("inputs_json") or "null") or {}
             if why is None and recorded:
                 now = _inputs_of(j, arts)
                 for d in j.deps.values():
-                    if d in recorded and recorded[d] != now.get(d):
-                        changed = sorted(
-                            {
-                                Path(p).name
-                                for p in set(recorded[d]) | set(now.get(d, {}))
-                                if recorded[d].get(p) != now.get(d, {}).get(p)
-                            }
-                        )
+                    if d not in recorded:
+                        continue
+                    was, cur = recorded[d], now.get(d, {})
+                    changed = sorted(
+                        {
+                            Path(p).name
+                            for p in set(was) | set(cur)
+                            if not self._same(was.get(p), cur.get(p), p, d)
+                        }
+                    )
+                    if changed:
                         up = self.known[d][0].name if d in self.known else "upstream"
                         why = f"its input {up} {d[:8]}… was recomputed with other content ({', '.join(changed)})"
                         break
-            if why is not None:
-                self._stale(st, j.key, why, rep)
+            if why is not None and self._stale(st, j.key, why, rep):
+                n += 1
+        return n
+
+    def _will_run(self, row: dict[str, Any] | None) -> bool:
+        status = (row or {}).get("status")
+        return status in ("pending", "running") or (status == "failed" and self.retry_failed)
 
     def _inputs_ready(self, jobs: list[JobSpec]) -> None:
-        """The artifacts these jobs read are checked (size and mtime; hash where either moved); a broken
-        one's producer is marked stale and recomputed now, before anything reads it."""
+        """The artifacts these jobs read are checked: hashed in full (once per launch) for a job about to
+        run, size and mtime (hash where either moved) for one that succeeded; a broken one's producer is
+        marked stale and recomputed now, before anything reads it."""
         deps = list(
             dict.fromkeys(
                 d for j in jobs for d in j.deps.values() if d in self.known and d not in self._recomputing
@@ -388,10 +457,11 @@ class Runner:
         )
         if not deps:
             return
-        rows = self.store.jobs(deps)
+        rows = self.store.jobs(deps + [j.key for j in jobs])
+        full = {d for j in jobs if self._will_run(rows.get(j.key)) for d in j.deps.values()}
         arts = self.store.artifacts(d for d in deps if rows.get(d, {}).get("status") == "succeeded")
         for d, recs in arts.items():
-            why = self._problem(recs)
+            why = self._hash_inputs(recs) if d in full else self._problem(recs)
             if why is None:
                 continue
             st, spec = self.known[d]
@@ -478,6 +548,36 @@ def _inputs_of(j: JobSpec, arts: dict[str, list[dict[str, Any]]]) -> dict[str, d
     return {d: {a["path"]: a["content_hash"] for a in arts.get(d, [])} for d in j.deps.values()}
 
 
+# in `jobs.inputs_json`: every hash in it is of the content as the launch hashed it right before the job
+# ran (a job recorded without it, as every job was before, has hashes copied from the upstream records)
+HASHED = "~hashed"
+
+
+def stale_readers(
+    store: Store, producer: str, changed: dict[str, str], label: str
+) -> list[tuple[str, str, str]]:
+    """An artifact of `producer` (`label` names it) was found with other content than recorded
+    (`changed`: {path: recorded hash}): every succeeded job that read one of them goes back to pending
+    (`stale: …`), unless it recorded the hash of the content it read (`HASHED`) and that is the recorded
+    one (it read the content as recorded, before it changed). Returns (stage, key, why) of those marked."""
+    _, rows = store.query(
+        "SELECT stage, key, inputs_json FROM jobs WHERE status = 'succeeded' AND inputs_json LIKE :p",
+        {"p": f'%"{producer}"%'},
+    )
+    out = []
+    for stage, key, text in rows:
+        inputs = json.loads(text or "null") or {}
+        read = inputs.get(producer)
+        touched = [p for p in changed if isinstance(read, dict) and p in read]
+        if not touched or (inputs.get(HASHED) and all(read[p] == changed[p] for p in touched)):
+            continue
+        names = ", ".join(sorted({artifact_name(p) for p in touched}))
+        why = f"it may have read {names} of {label}, found changed since it was recorded"
+        if store.mark_stale(key, why):
+            out.append((stage, key, why))
+    return out
+
+
 def _fetch_of(j: JobSpec, arts: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, str]]:
     """{upstream job's prefix: {artifact URL: content hash}} for the upstream artifacts recorded at URLs. A
     job's artifacts were uploaded under `<root>/<stage>/<its key>/`, so its prefix ends at its key."""
@@ -542,13 +642,17 @@ def launch(
     heartbeat_s: float = 10.0,
     stale_after_s: float = STALE_AFTER_S,
     lines_s: float | None = None,
+    scope: Scope | None = None,
 ) -> int:
     """Run the sweep; returns the process exit code (0 = everything succeeded). `owner` (default
     host:pid) names this launch on the jobs it claims; it heartbeats them every `heartbeat_s`, and takes
     over another host's running job only when its heartbeat is older than `stale_after_s`. Progress shows
-    as bars on a terminal, else as lines every `lines_s` (default: progress_interval())."""
+    as bars on a terminal, else as lines every `lines_s` (default: progress_interval()). `scope`: a
+    partial launch (--until, --only; orchestrator/scope.py), checked against the sweep here."""
     console = console or Console(stderr=True)
     shape, configs = prepared or prepare(spec, path)
+    scope = scope or Scope()
+    scope.prepare(spec, configs)
     sid = store.upsert_sweep(
         spec.name,
         spec_yaml=spec_text,
@@ -584,17 +688,34 @@ def launch(
     previous = _on_sigint(runner)
     beat = Heartbeat(store, runner.owner, runner.held, heartbeat_s).start()
     lines = ProgressLines(progress, console, lines_s or progress_interval()).start() if as_lines else None
+    planned: dict[str, tuple[Stage, JobSpec]] = {}  # a partial launch: every job planned, by key
+    ran: set[str] = set()  # … and those it ran
+    chosen: list[str] | None = None
     try:
         with progress:
-            for stage in stages():
+            for stage in scope.stages():
                 jobs = stage.jobs(ctx)
                 ctx.jobs[stage.name] = jobs
-                ctx.outputs[stage.name] = runner.run_stage(stage, jobs.values())
-                _link(store, cfg_ids, jobs, stage.name)
+                kept = scope.keep(stage.name, jobs, ctx.configs)
+                if scope.partial:
+                    for j in jobs.values():
+                        planned.setdefault(j.key, (stage, j))
+                    _run_upstream(runner, ctx, kept.values(), planned, ran)
+                    ran.update(j.key for j in kept.values())
+                ctx.outputs[stage.name] = runner.run_stage(stage, kept.values())
+                _link(store, cfg_ids, kept, stage.name, scope.considered(stage.name, ctx.configs))
                 if stage.identity:
-                    _mark_duplicates(store, cfg_ids, jobs, ctx)
+                    _mark_duplicates(
+                        store,
+                        cfg_ids,
+                        _linked(store, sid, stage.name)
+                        if scope.partial
+                        else {k: j.key for k, j in jobs.items()},
+                        ctx,
+                    )
                 if stage.after is not None:
                     stage.after(ctx)
+            chosen = _select_early(spec, scope, ctx)
         if runner.interrupted:
             raise KeyboardInterrupt
     except BaseException as e:
@@ -637,7 +758,72 @@ def launch(
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
         executor.close()
-    return _summary(console, runner.reports, store, sid)
+    code = _summary(console, runner.reports, store, sid)
+    if scope.partial:
+        _partial_note(console, spec, scope, chosen)
+    return code
+
+
+def _run_upstream(
+    runner: Runner,
+    ctx: SweepContext,
+    jobs: Iterable[JobSpec],
+    planned: dict[str, tuple[Stage, JobSpec]],
+    ran: set[str],
+) -> None:
+    """A partial launch: run the jobs these jobs read that earlier stages planned but left out (e.g. the
+    calibration of a seed repeat), each before what reads it, counted in its own stage's report."""
+    order: list[tuple[Stage, JobSpec]] = []
+
+    def visit(j: JobSpec) -> None:
+        for d in j.deps.values():
+            if d in ran or d not in planned:
+                continue
+            ran.add(d)
+            visit(planned[d][1])
+            order.append(planned[d])
+
+    for j in jobs:
+        visit(j)
+    for st, j in order:
+        rep = next((r for r in reversed(runner.reports) if r.stage == st.name), None)
+        if rep is None:
+            rep = StageReport(st.name)
+            runner.reports.append(rep)
+        rep.total += 1
+        ctx.outputs.setdefault(st.name, {}).update(runner.run_stage(st, [j], rep=rep))
+
+
+def _select_early(spec: SweepSpec, scope: Scope, ctx: SweepContext) -> list[str] | None:
+    """A launch that stopped before distillation but ran the stage the selection rule reads stores the
+    selection (the configurations a full launch distils); None when it does not apply."""
+    names = [s.name for s in scope.stages()]
+    best_by = spec.select.best_by if spec.select is not None else "ppl_pre"
+    if spec.distill is None or "distill" in names or best_by not in names or ctx.select is None:
+        return None
+    return ctx.select()
+
+
+def _partial_note(console: Console, spec: SweepSpec, scope: Scope, chosen: list[str] | None) -> None:
+    """What a partial launch left out, and how the rest runs."""
+    names = [s.name for s in scope.stages()]
+    left = [s.name for s in stages() if s.name not in names]
+    parts = [f"partial launch ({scope.describe()})"]
+    if left:
+        parts.append(f"stages not run: {', '.join(left)}")
+    if scope.only:
+        group = f", and up to {scope.best_by} the {len(scope.group)} their selection compares them with"
+        parts.append(
+            f"{len(scope.only)} configuration(s), those derived from them" + (group if scope.group else "")
+        )
+    if chosen is not None:
+        parts.append(f"selected for distillation: {len(chosen)} configuration(s)")
+    console.print(
+        "; ".join(parts) + f". `moesweep launch {spec.name}` runs the rest and reuses every job done",
+        highlight=False,
+        soft_wrap=True,
+        markup=False,
+    )
 
 
 def _context(
@@ -687,28 +873,50 @@ def _on_sigint(runner: Runner):
         return None
 
 
-def _link(store: Store, cfg_ids: dict[str, int], jobs: dict[str, JobSpec], stage: str) -> None:
+def _link(
+    store: Store,
+    cfg_ids: dict[str, int],
+    jobs: dict[str, JobSpec],
+    stage: str,
+    considered: set[str] | None = None,
+) -> None:
     """config_jobs: which job produced a configuration's numbers for a stage. A configuration the stage
-    has no job for now (an earlier launch's selection distilled it, this one's does not) loses its link."""
+    has no job for now (an earlier launch's selection distilled it, this one's does not) loses its link;
+    in a partial launch only among the `considered` configurations (the others keep theirs)."""
     linked = {ck: j for ck, j in jobs.items() if ck in cfg_ids}
-    store.unlink((cid for ck, cid in cfg_ids.items() if ck not in linked), stage)
+    store.unlink(
+        (cid for ck, cid in cfg_ids.items() if ck not in linked and (considered is None or ck in considered)),
+        stage,
+    )
     if not linked:
         return
     rows = store.jobs(j.key for j in linked.values())
     store.link([(cfg_ids[ck], stage, rows[j.key]["id"]) for ck, j in linked.items() if j.key in rows])
 
 
-def _mark_duplicates(
-    store: Store, cfg_ids: dict[str, int], jobs: dict[str, JobSpec], ctx: SweepContext
-) -> None:
+def _linked(store: Store, sid: int, stage: str) -> dict[str, str]:
+    """{config key: the key of the job linked to it for `stage`}: what a partial launch marks duplicates
+    by (the configurations it did not run keep the jobs earlier launches linked)."""
+    _, rows = store.query(
+        "SELECT c.config_key, j.key FROM config_jobs cj JOIN configurations c ON c.id = cj.config_id "
+        "JOIN jobs j ON j.id = cj.job_id WHERE c.sweep_id = :s AND cj.stage = :st",
+        {"s": sid, "st": stage},
+    )
+    return dict(rows)
+
+
+def _mark_duplicates(store: Store, cfg_ids: dict[str, int], jobs: dict[str, str], ctx: SweepContext) -> None:
     """Configurations sharing one student (the same job, and the same values of the axes that change a
-    student after its conversion, such as recovery) are marked duplicates of the first of them."""
+    student after its conversion, such as recovery) are marked duplicates of the first of them. `jobs`:
+    {config key: its job's key}."""
     later = [a.name for a in AXES.values() if a.after_student]
+    known = {c["config_key"] for c in ctx.configs}
     first: dict[tuple, int] = {}
     updates: dict[int, dict[str, Any]] = {}
-    for ck, j in sorted(((ck, j) for ck, j in jobs.items() if ck in cfg_ids), key=lambda kv: cfg_ids[kv[0]]):
+    mine = ((ck, k) for ck, k in jobs.items() if ck in cfg_ids and ck in known)
+    for ck, key in sorted(mine, key=lambda kv: cfg_ids[kv[0]]):
         cid = cfg_ids[ck]
-        ident = (j.key, *(ctx.config(ck).get(a) for a in later))
+        ident = (key, *(ctx.config(ck).get(a) for a in later))
         first.setdefault(ident, cid)
         updates[cid] = {"duplicate_of": None if first[ident] == cid else first[ident]}
     store.set_config_fields(updates)
@@ -722,12 +930,12 @@ def _select(spec: SweepSpec, store: Store, sid: int, cfg_ids: dict[str, int]) ->
     main = [r for r in rows if r.get("variant_of") is None and r["config_id"] in key_of]
     # the rule picks dense students to distill (a smaller MoE is recovered by its own `recovery` axis);
     # duplicates compete too: same numbers
-    moe = [r for r in main if r["kind"] == "moe2dense" and r.get("output") in (None, "dense")]
+    moe = [r for r in main if competes(r)]
     picked = P.select_best(moe, spec.select.per, spec.select.over) if spec.select else moe
     chosen = [key_of[r["config_id"]] for r in picked]
     base = [r for r in main if r["kind"] == "baseline"]
-    chosen += [key_of[r["config_id"]] for r in base if not (r["baseline"] or "").startswith("d2d:")]
-    d2d = [dict(r, family="d2d") for r in base if (r["baseline"] or "").startswith("d2d:")]
+    chosen += [key_of[r["config_id"]] for r in base if not is_d2d(r)]
+    d2d = [dict(r, family="d2d") for r in base if is_d2d(r)]
     chosen += [key_of[r["config_id"]] for r in P.select_best(d2d, ["family"], ["baseline"])]
     store.set_config_fields(
         {r["config_id"]: {"selected_for_distill": int(key_of[r["config_id"]] in chosen)} for r in main}

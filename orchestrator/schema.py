@@ -17,6 +17,35 @@ class SpecError(ValueError):
     """A sweep file problem, already phrased as one line for the user."""
 
 
+class OptionError(SpecError):
+    """A command-line option's problem (`--set`, `--until`, `--only`), one line naming the option: it is
+    shown as it is, not as a problem of the sweep file."""
+
+
+SHOWN = 80  # at most this many characters of a value are echoed in an error line
+
+
+def shown(value: Any, limit: int = SHOWN) -> str:
+    """repr(value) for an error line, cut to `limit` characters with … (a sweep file may hold a value of
+    megabytes; the line names it, it does not repeat it)."""
+    if isinstance(value, str) and len(value) > 4 * limit:
+        value = value[: 4 * limit] + "…"  # repr of the head only, not of megabytes
+    try:
+        text = repr(value)
+    except (RecursionError, ValueError):
+        text = f"<a {type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def one_line(message: str, word: int = 1024, limit: int = 4096) -> str:
+    """`message` as one line: whitespace runs become one space, a run of more than `word` characters
+    without a space (a value echoed without `shown`: paths are shorter) is cut to SHOWN with …, and a line
+    still longer than `limit` is cut at the end."""
+    words = [w if len(w) <= word else w[: SHOWN - 1] + "…" for w in message.split()]
+    line = " ".join(words)
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
 class Strict(BaseModel):
     """Unknown keys are errors; values are not coerced between types (K: "4" or 4.0 is not 4)."""
 
@@ -169,9 +198,9 @@ def known(values: list[Any], allowed, what: str) -> list[Any]:
     seen: set[Any] = set()
     for v in values:
         if v not in allowed:
-            raise ValueError(f"unknown {what} {v!r}; allowed: {', '.join(map(str, allowed))}")
+            raise ValueError(f"unknown {what} {shown(v)}; allowed: {', '.join(map(str, allowed))}")
         if v in seen:
-            raise ValueError(f"{what} {v!r} is listed twice")
+            raise ValueError(f"{what} {shown(v)} is listed twice")
         seen.add(v)
     return values
 
