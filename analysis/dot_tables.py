@@ -1,10 +1,10 @@
 """Tables of dense → MoE models (configurations of kind `dense2moe`: DOT-MoE and its baselines).
 
-Ours: per method and dense source (the dense teacher, or a distilled dense student), E experts and the
-top-k it was aligned at, the dense model's perplexity and the extracted MoE's at every top-k it was
-evaluated at (the inference sparsity sweep, no retraining). The DOT-MoE paper's numbers are on other
-models (LLaMA-2/3, Qwen2.5) and tasks than ours, so with `--compare` they come as a table of their own,
-for context, matched on nothing.
+Ours: per method and dense source (the dense teacher, or a distilled dense student), E experts (for CMoE
+and LLaMA-MoE-v2 S of them shared, always on: "(S=…)" after the method) and the top-k it was aligned at,
+the dense model's perplexity and the extracted MoE's at every top-k it was evaluated at (the inference
+sparsity sweep, no retraining). The DOT-MoE paper's numbers are on other models (LLaMA-2/3, Qwen2.5) and
+tasks than ours, so with `--compare` they come as a table of their own, for context, matched on nothing.
 """
 
 from __future__ import annotations
@@ -58,9 +58,10 @@ def dot_table(rows: pd.DataFrame, metrics: pd.DataFrame, label: str, stem: str) 
         source = s.get("source") or ""
         if s.get("source_config"):
             source += f" ({s['source_config']})"
+        method = s["method"] + (f" (S={s['shared']})" if s.get("shared") else "")
         body.append(
             [
-                esc(s["method"]),
+                esc(method),
                 esc(source),
                 str(s.get("experts", "")),
                 str(s.get("top_k", "")),
@@ -72,7 +73,9 @@ def dot_table(rows: pd.DataFrame, metrics: pd.DataFrame, label: str, stem: str) 
         stem,
         f"Dense to MoE ({label}): per method and dense source, E experts, the top-k k it was "
         "aligned at, the dense model's held-out perplexity and the extracted MoE's at every evaluated "
-        "top-k (inference sparsity, no retraining). Blank: not evaluated.",
+        "top-k (inference sparsity, no retraining). The baselines built without training (cmoe, "
+        "llama\\_moe\\_v2) count S always-on shared experts in E and route k of the other E - S. "
+        "Blank: not evaluated.",
         "ll" + "r" * (3 + len(ks)),
         head,
         body,

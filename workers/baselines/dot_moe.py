@@ -10,7 +10,8 @@ frozen: only A and W_r train, against KL to the dense model + CE + router z-loss
 
 Baselines that share everything but the assignment: `random` (a fixed random balanced split, as
 LLaMA-MoE) and `cluster` (balanced k-means of the neurons' gate/up weight vectors, as MoEfication/LTE);
-both train only the router.
+both train only the router. The baselines built without training (CMoE, LLaMA-MoE-v2) pass through the
+same `install` → `align` → `extract` calls to workers.baselines.dense_to_moe_baselines.
 
 Supported dense classes: Qwen3 (`model_type` qwen3, full attention) → a Qwen3-MoE with the same
 attention, norms and embeddings. A width d that E does not divide is padded with zero neurons (exact:
@@ -29,31 +30,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from workers.baselines.dot_moe_spec import METHODS, DotMoeSpec
+from workers.baselines.dot_moe_spec import BASELINES, COPIED_CONFIG_KEYS, METHODS, SUPPORTED, DotMoeSpec
 from workers.core.steplog import StepLog
 from workers.methods.sinkhorn import greedy_round, sinkhorn
-
-SUPPORTED = ("qwen3",)  # dense model_type → extracted as workers.models.dot_moe_hf.DotQwen3MoeForCausalLM
-_COPY = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "hidden_act",
-    "max_position_embeddings",
-    "initializer_range",
-    "rms_norm_eps",
-    "use_cache",
-    "tie_word_embeddings",
-    "rope_parameters",
-    "attention_bias",
-    "attention_dropout",
-    "pad_token_id",
-    "bos_token_id",
-    "eos_token_id",
-)
 
 
 # ---- the dense model --------------------------------------------------------------------------------
@@ -201,6 +180,10 @@ class DotMoeFFN(nn.Module):
 
 def install(model: nn.Module, experts: int, top_k: int, method: str, spec: DotMoeSpec) -> list[DotMoeFFN]:
     """Wrap every dense FFN of `model` (in place) and freeze everything else; returns the wrappers."""
+    if method in BASELINES:  # built from calibration statistics in `align`, nothing trained
+        from workers.baselines.dense_to_moe_baselines import install_baseline
+
+        return install_baseline(model, experts, top_k, method, spec)
     mlps = dense_mlps(model)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -300,7 +283,12 @@ def align(
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Train A and W_r only (App. D, Table 6): AdamW, warm-up + cosine, clipping, τ annealing. Returns the
-    per-step curve of the loss, its terms and τ, and the number of trained parameters."""
+    per-step curve of the loss, its terms and τ, and the number of trained parameters. The baselines built
+    without training read their calibration windows from `batches` instead."""
+    if any(f.method in BASELINES for f in ffns):
+        from workers.baselines.dense_to_moe_baselines import construct
+
+        return construct(model, ffns, batches, spec, progress)
     params = [p for f in ffns for p in f.trainable()]
     opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
     curve: list[dict[str, float]] = []
@@ -335,7 +323,7 @@ def moe_config(dense_config: Any, experts: int, top_k: int, width: int, combine:
     from workers.models.dot_moe_hf import DotQwen3MoeConfig
 
     d = dense_config.to_dict()
-    kw = {k: d[k] for k in _COPY if k in d}
+    kw = {k: d[k] for k in COPIED_CONFIG_KEYS if k in d}
     kw.setdefault("head_dim", dense_config.hidden_size // dense_config.num_attention_heads)
     return DotQwen3MoeConfig(
         moe_combine=combine,
@@ -372,6 +360,10 @@ def expert_tensors(ffn: DotMoeFFN, owner: list[int]) -> tuple[torch.Tensor, torc
 
 def extract(model: nn.Module, ffns: list[DotMoeFFN], combine: str = "unit") -> nn.Module:
     """The MoE checkpoint of the aligned model: sliced frozen weights, the learned routers (App. E)."""
+    if any(f.method in BASELINES for f in ffns):
+        from workers.baselines.dense_to_moe_baselines import extract_baseline
+
+        return extract_baseline(model, ffns)
     from workers.models.dot_moe_hf import DotQwen3MoeForCausalLM
 
     f0 = ffns[0]
