@@ -6,8 +6,8 @@ true`, artifact `student`: a smaller MoE as converted or after Router KD), else 
 `dot_moe`). Its content is checked against the record first (a changed or missing checkpoint is refused in
 one line), then copied with its tokenizer, and beside it go a model card (`README.md`: the recipe, the
 scores, the provenance) and the same facts as JSON (`moesweep.json`). The folder loads with
-`AutoModelForCausalLM.from_pretrained(DIR)`; a merged or edited MoE is a registered class of moesweep's own
-(its card says so), which needs `import workers.models.merged_model` / `edited_model` first.
+`AutoModelForCausalLM.from_pretrained(DIR)`; a merged or edited MoE, a DOT-MoE or a dense-to-MoE baseline is a
+class of moesweep's own, registered by importing its module first (the card names it).
 """
 
 from __future__ import annotations
@@ -110,6 +110,7 @@ def export(store: Store, config_key: str, out: Path, sweep: str | None = None, f
         else:
             shutil.copytree(art["path"], model)
         facts = card_facts(store, row, stage, job, art)
+        facts["registers"] = registering_module(model)
         (model / "moesweep.json").write_text(json.dumps(facts, indent=1, sort_keys=True, default=str) + "\n")
         (model / "README.md").write_text(model_card(facts))
         if out.exists():
@@ -159,13 +160,41 @@ def card_facts(
             "stage": stage,
             "job_key": job["key"],
             "code_version": job.get("code_version"),
-            "checkpoint_sha256": art.get("content_hash"),
+            "checkpoint_hash": art.get("content_hash"),
             "sweep_spec_sha256": spec_hash[0][0] if spec_hash else None,
             "libraries": json.loads(job["versions_json"]) if job.get("versions_json") else None,
             "exported_by": version_text().splitlines()[0],
         },
-        "custom_class": output in ("merged", "edited"),
     }
+
+
+# the modules that register moesweep's own model classes with transformers' Auto classes
+CUSTOM_MODULES = (
+    "workers.models.merged_model",
+    "workers.models.edited_model",
+    "workers.models.dot_moe_hf",
+    "workers.baselines.dense_to_moe_baselines",
+)
+
+
+def registering_module(folder: Path) -> str | None:
+    """The module to import before `from_pretrained` loads the checkpoint in `folder` (None: transformers
+    knows its model type)."""
+    import importlib
+
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    if model_type in CONFIG_MAPPING_NAMES:  # transformers' own (not one registered at run time)
+        return None
+    for mod in CUSTOM_MODULES:
+        importlib.import_module(mod)
+    if model_type in CONFIG_MAPPING:
+        return CONFIG_MAPPING[model_type].__module__
+    raise ExportError(
+        f"its model type {model_type!r} is neither transformers' nor a class moesweep registers"
+    )
 
 
 def model_card(f: dict[str, Any]) -> str:
@@ -208,7 +237,7 @@ def model_card(f: dict[str, Any]) -> str:
         "## Provenance",
         "",
         f"- job `{p['job_key']}` (code version `{p['code_version']}`)",
-        f"- checkpoint content hash `{p['checkpoint_sha256']}`",
+        f"- checkpoint content hash `{p['checkpoint_hash']}`",
         f"- sweep file hash `{p['sweep_spec_sha256']}`",
         f"- exported by {p['exported_by']}",
         "",
@@ -216,9 +245,10 @@ def model_card(f: dict[str, Any]) -> str:
         "",
         "```python",
     ]
-    if f["custom_class"]:
-        mod = "merged_model" if f["output"] == "merged" else "edited_model"
-        lines.append(f"import workers.models.{mod}  # registers moesweep's {f['output']} MoE class")
+    if f.get("registers"):
+        lines.append(
+            f"import {f['registers']}  # registers moesweep's model class (from a moesweep checkout)"
+        )
     lines += [
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "model = AutoModelForCausalLM.from_pretrained('.')",

@@ -334,7 +334,7 @@ def test_export_a_distilled_student_of_the_micro_run(ray_run, tmp_path):
     assert r.exit_code == 0, r.output
     facts = json.loads((out / "moesweep.json").read_text())
     assert facts["config_key"] == key and facts["provenance"]["stage"] == "distill"
-    assert facts["scores"]["avg_acc"] == acc and facts["output"] == "dense"
+    assert facts["scores"]["avg_acc"] == acc and facts["output"] == "dense" and facts["registers"] is None
     card = (out / "README.md").read_text()
     assert key in card and facts["provenance"]["job_key"] in card
     (src,) = store.query(
