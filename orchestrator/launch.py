@@ -628,6 +628,24 @@ def prepare(spec: SweepSpec, path: str | None = None) -> tuple[TeacherShape, lis
 
 
 def launch(
+    spec: SweepSpec, spec_text: str, store: Store, executor, *, console: Console | None = None, **kw: Any
+) -> int:
+    """Run the sweep (`run_launch`), its progress on `console` (default: stderr). A console that writes
+    wherever sys.stderr points at the time is held to the stream of this launch's start while it runs: the
+    serial executor points sys.stderr at each job's log during the job, and the launch's progress lines and
+    bars belong on the terminal, not in job logs."""
+    console = console or Console(stderr=True)
+    follows = console._file is None  # rich resolves sys.stderr / sys.stdout at each write
+    if follows:
+        console.file = console.file
+    try:
+        return run_launch(spec, spec_text, store, executor, console=console, **kw)
+    finally:
+        if follows:
+            console._file = None
+
+
+def run_launch(
     spec: SweepSpec,
     spec_text: str,
     store: Store,
