@@ -69,7 +69,7 @@ CONFIG_FIELDS = config_fields()  # its description and axes (db/axes.py)
 
 def home() -> Path:
     """Where moesweep keeps its DB and artifacts unless told otherwise."""
-    return Path(os.environ.get("MOESWEEP_HOME", ".moesweep")).resolve()
+    return Path(os.environ.get("MOESWEEP_HOME", "").strip() or ".moesweep").resolve()  # empty: unset
 
 
 def default_url() -> str:

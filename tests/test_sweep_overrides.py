@@ -317,3 +317,12 @@ def test_an_empty_moesweep_home_is_unset(tmp_path, monkeypatch):
     assert res.stderr.strip() == (
         f"no database at {tmp_path / '.moesweep' / 'moesweep.db'} yet: planned as for a new one (nothing created)"
     )
+
+
+def test_an_empty_moesweep_home_is_unset_for_the_store_too(tmp_path, monkeypatch):
+    from db.store import home
+
+    monkeypatch.chdir(tmp_path)
+    for value in ("", "  "):
+        monkeypatch.setenv("MOESWEEP_HOME", value)
+        assert home() == tmp_path / ".moesweep"  # not the current folder itself
