@@ -39,6 +39,11 @@ Faults (`--faults`, comma-separated):
                    found by `moesweep verify` first; a student's weights a symlink to an identical copy
                    outside the job's folder. A launch or verify that does not end within `--hang-s` is
                    killed and noted
+  caches           the caches a recompute reads, in a completed sweep: every kept lm-eval task result edited
+                   to accuracy 0.875 and resealed with a matching sha256, then the evaluations recomputed;
+                   the cached tiny teacher's weights rotted (size and mtime kept), then the teacher
+                   recomputed. (A planted pickle is tests/test_eval_cache.py's: it needs the exact requests
+                   of an evaluation, which only an in-process run sees.)
 
 Columns: injected faults; sweeps completed (a sweep is complete when a launch exits 0); rows lost (result
 rows of the reference missing), duplicated (a configuration with several result rows, or a job with more
@@ -84,8 +89,9 @@ ALL = [
     "corrupt",
     "bitrot",
     "special",
+    "caches",
 ]
-SMOKE = ["kill-serial", "raise", "corrupt", "bitrot", "special"]
+SMOKE = ["kill-serial", "raise", "corrupt", "bitrot", "special", "caches"]
 RESULT_COLS = (
     "config_key",
     "kind",
@@ -725,6 +731,50 @@ class Bench:
                 kind.notes.append(f"{what}: the sweep did not complete")
         kind.notes.append(f"{count(home, 'attempts > 1')} job(s) recomputed")
 
+    def caches(self, kind: Kind) -> None:
+        """The caches a recompute reads: every kept lm-eval task result edited to accuracy 0.875 and
+        resealed with a matching sha256 (an edit that rewrites the hash too), then the evaluations
+        recomputed; the cached tiny teacher's weights rotted, then the teacher recomputed."""
+        import json
+
+        sys.path.insert(0, str(REPO))
+        from workers.evaluation.evaluate import _seal
+
+        self.reference("serial")
+        home = self.home(kind.name)
+        if self.run_to_end(kind, home, "serial") != 0:
+            kind.notes.append("the first launch exited non-zero")
+            return
+        stored = sorted((home / "lm_eval_cache" / "runs").glob("*/*.json"))
+        for f in stored:
+            doc = {k: v for k, v in json.loads(f.read_text()).items() if k != "sha256"}
+            for m in ("acc", "acc_norm"):
+                if doc["row"].get(m) is not None:
+                    doc["row"][m] = 0.875
+            f.write_text(json.dumps(_seal(doc)))
+        for row in _q(
+            home,
+            "SELECT a.path FROM artifacts a JOIN jobs j ON j.id = a.job_id WHERE j.stage = 'evaluate' AND a.kind = 'lm_eval_results'",
+        ):
+            Path(row[0]).unlink()  # each evaluation runs again, reading the kept results
+        kind.injected += 1
+        kind.notes.append(f"evaluation cache: {len(stored)} kept task results edited and resealed")
+        if self.complete(kind, home, "serial", retry=False, limit_s=self.a.hang_s):
+            self.compare(kind, home, "serial")
+        models = [d for d in (home / "cache" / "tiny" / "model").glob("*") if d.is_dir()]
+        for d in models:
+            rot_keeping_mtime(max((f for f in d.rglob("*.safetensors")), key=lambda f: f.stat().st_size))
+        teacher = one(
+            home,
+            "SELECT a.path FROM artifacts a JOIN jobs j ON j.id = a.job_id WHERE j.stage = 'teacher' AND a.kind = 'model'",
+        )
+        shutil.rmtree(teacher)  # the teacher runs again, from its cache
+        kind.injected += 1
+        kind.notes.append(f"tiny teacher cache: {len(models)} cached model(s) rotted")
+        if self.complete(kind, home, "serial", retry=False, limit_s=self.a.hang_s):
+            self.compare(kind, home, "serial")
+        kind.notes.append(f"{count(home, 'attempts > 1')} job(s) recomputed")
+
     def drain(self, kind: Kind) -> None:
         t0 = time.monotonic()
         while alive(kind.procs) and time.monotonic() - t0 < self.a.drain_s:
@@ -841,6 +891,7 @@ def main(argv: list[str] | None = None) -> int:
                 "corrupt": b.corrupt,
                 "bitrot": b.bitrot,
                 "special": b.special,
+                "caches": b.caches,
             }[f](kind)
             b.drain(kind)
             print(

@@ -30,7 +30,7 @@ SCRIPTS = {  # script → lines its smoke run must print (numbers, never checked
     # faults injected, sweeps completed ≥ 1; rows lost, duplicated, differing and processes left behind: 0
     "fault_injection.py": [
         rf"^\| {kind} \| [1-9]\d* \| [1-9]\d* \| 0 \| 0 \| 0 \| 0 \|"
-        for kind in ("kill-serial", "raise", "corrupt", "bitrot", "special")
+        for kind in ("kill-serial", "raise", "corrupt", "bitrot", "special", "caches")
     ],
     "bench_rounding.py": [r"^sequential / greedy_round: \d+\.\d+x$", r"^same assignment  : True$"],
     "bench_orchestration.py": [
