@@ -106,13 +106,34 @@ def _bar_labels(ax, bars, values, fmt: str = "{:.2f}", size: float = 6.5) -> Non
             )
 
 
-def _ylim(ax, values: list[float]) -> None:
-    v = [x for x in values if x is not None and np.isfinite(x)]
-    if not v:
+def _ylim(ax, values: list[float], errs: list[float] | None = None) -> None:
+    """A bar chart's y range: from 0 (a bar's length is its value; a cut axis would exaggerate the
+    differences) to above the highest bar or error bar, with room for the value labels."""
+    errs = errs or [0.0] * len(values)
+    tops = [x + (e or 0.0) for x, e in zip(values, errs, strict=False) if x is not None and np.isfinite(x)]
+    if not tops:
         return
-    lo, hi = min(v), max(v)
-    pad = max(hi - lo, 1.0)
-    ax.set_ylim(max(0.0, lo - 0.8 * pad - 1.0), hi + 0.35 * pad + 0.5)
+    ax.set_ylim(min(0.0, *tops), max(tops) * 1.12 + 0.5)
+
+
+# marginal panels of another axis than scoring: one colour, a hatch per value, so no two bars look alike
+HATCHES = ("", "...", "xxx", "ooo", "+++", "---", "oo..", "xx--")  # never "///": the paper's bars
+# Figure 5: lines of one scoring share its colour; the grouping gives each its own line style
+GROUPING_STYLE = {
+    "RR": "-",
+    "WC": "--",
+    "RC": "-.",
+    "OC": ":",
+    "AB": (0, (5, 1.5, 1, 1.5)),
+    "OT": (0, (1, 1)),
+}
+
+
+def grouping_style(g: str | None) -> Any:
+    if g in GROUPING_STYLE:
+        return GROUPING_STYLE[g]
+    extra = [(0, (3, 1, 1, 1, 1, 1)), (0, (6, 2)), (0, (2, 2, 6, 2))]
+    return extra[sum(map(ord, g or "")) % len(extra)]
 
 
 # ---- Figure 4: marginal effect of each design axis ----------------------------------------------
@@ -135,16 +156,21 @@ def marginal_figure(
         err = _err95([mm[axis][n].get("se") for n in names])
         x = np.arange(len(names))
         colors = [scoring_color(n) if axis == "scoring" else PALETTE[0] for n in names]
-        allv = list(ours)
+        hatches = ["" if axis == "scoring" else HATCHES[j % len(HATCHES)] for j in range(len(names))]
+        allv, allerr = list(ours), list(err)
         if ref_f:
             theirs = [rmm.get(axis, {}).get(n, {}).get("mean") for n in names]
             w = 0.4
             b1 = ax.bar(x - w / 2, ours, w, color=colors, label=f"ours ({label})", yerr=err, **ERR_KW)
+            for b, h in zip(b1, hatches, strict=True):
+                b.set_hatch(h)
+                b.set_edgecolor("white")
+            terr = _err95([rmm.get(axis, {}).get(n, {}).get("se") for n in names])
             b2 = ax.bar(
                 x + w / 2,
                 [t if t is not None else 0.0 for t in theirs],
                 w,
-                yerr=_err95([rmm.get(axis, {}).get(n, {}).get("se") for n in names]),
+                yerr=terr,
                 **ERR_KW,
                 color=colors,
                 alpha=0.45,
@@ -155,13 +181,17 @@ def marginal_figure(
             _bar_labels(ax, b1, ours, size=5.5)
             _bar_labels(ax, b2, theirs, size=5.5)
             allv += [t for t in theirs if t is not None]
+            allerr += [e for t, e in zip(theirs, terr, strict=True) if t is not None]
             if i == 0:
                 ax.legend(loc="upper left")
         else:
             bars = ax.bar(x, ours, 0.65, color=colors, yerr=err, **ERR_KW)
+            for b, h in zip(bars, hatches, strict=True):
+                b.set_hatch(h)
+                b.set_edgecolor("white")
             _bar_labels(ax, bars, ours)
         ax.set_xticks(x, [str(n) for n in names], rotation=30 if axis == "scoring" else 0)
-        _ylim(ax, allv)
+        _ylim(ax, allv, allerr)
         sp = (f.get("spread") or {}).get(axis)
         title = f"({chr(97 + i)}) {axis.replace('dp_scaling', 'DP scaling')}"
         if sp:
@@ -290,7 +320,13 @@ def curves_figure(
         x = g["tokens"].astype(float) if use_tokens else g["step"].astype(float)
         r = info[c]
         if r["kind"] == "moe2dense":
-            ax.plot(x, g["value"], color=scoring_color(r["scoring"]), label=config_label(r))
+            ax.plot(
+                x,
+                g["value"],
+                color=scoring_color(r["scoring"]),
+                linestyle=grouping_style(r.get("grouping")),
+                label=config_label(r),
+            )
         else:
             ax.plot(
                 x, g["value"], color="#555555", linestyle=styles[n_other % len(styles)], label=config_label(r)
