@@ -19,7 +19,23 @@ STATUSES = ("succeeded", "running", "failed", "pending")
 # from db/axes.py in its reading order, with the configuration's description around them
 DESCRIBED_BY = ("model", "kind", "baseline")  # before the axes
 VARIED_BY = ("variant", "distill_loss", "teacher_top_k")  # after them: what a distillation variant changes
-NUMBERS = ("ppl_pre", "ppl_pre_kind", "ppl_post", "ppl_post_kind", "avg_acc", "params")
+NUMBERS = (
+    "ppl_pre",
+    "ppl_pre_kind",
+    "ppl_pre_se",
+    "ppl_pre_n",
+    "ppl_post",
+    "ppl_post_kind",
+    "ppl_post_se",
+    "ppl_post_n",
+    "avg_acc",
+    "avg_acc_se",
+    "avg_acc_n",
+    "params",
+)
+# the numbers of the results page (and its CSV), each with its standard error and n where it has them
+MEASURES = ("ppl_pre", "ppl_post", "avg_acc")
+MAX_COMPARED = 8  # configurations side by side on the compare page
 
 
 def result_columns() -> tuple[str, ...]:
@@ -39,6 +55,13 @@ def result_columns() -> tuple[str, ...]:
 
 def filter_axes() -> tuple[str, ...]:
     return (*DESCRIBED_BY, *axes.listed(), *VARIED_BY)
+
+
+def csv_columns(shown_axes: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """The columns of a results CSV: the results page's (id and key, the axes it shows, the numbers with
+    their SE and n, the pick and the duplicate), named as the database names them."""
+    numbers = [c for c in NUMBERS if not c.endswith("_kind")]
+    return ("config_id", "config_key", *shown_axes, *numbers, "selected_for_distill", "duplicate_of")
 
 
 def table_axes() -> tuple[str, ...]:
@@ -265,6 +288,31 @@ def results(
 def config(store: Store, config_id: int) -> dict[str, Any] | None:
     found = rows(store, "SELECT * FROM results WHERE config_id = :c", {"c": config_id})
     return found[0] if found else None
+
+
+def _id_list(ids: list[int]) -> tuple[str, dict[str, int]]:
+    """`:c0, :c1, …` and their bound values (at most MAX_COMPARED ids: the SQL text names no value)."""
+    assert 0 < len(ids) <= MAX_COMPARED, ids
+    params = {f"c{i}": int(c) for i, c in enumerate(ids)}
+    return ", ".join(f":{k}" for k in params), params
+
+
+def configs(store: Store, ids: list[int]) -> dict[int, dict[str, Any]]:
+    """The `results` rows of some configurations (of any sweeps: ids are global), by id."""
+    marks, params = _id_list(ids)
+    found = rows(store, f"SELECT * FROM results WHERE config_id IN ({marks})", params)
+    return {r["config_id"]: r for r in found}
+
+
+def task_scores(store: Store, ids: list[int]) -> list[dict[str, Any]]:
+    """Per configuration its per-task accuracies (fractions) with stderr and n (items), every stage."""
+    marks, params = _id_list(ids)
+    return rows(
+        store,
+        "SELECT config_id, stage, task, metric, headline, value, stderr, n, num_fewshot FROM task_scores "
+        f"WHERE config_id IN ({marks}) ORDER BY task, metric, stage, config_id",
+        params,
+    )
 
 
 def plan(store: Store, config_id: int) -> list[dict[str, Any]]:
