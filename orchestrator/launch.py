@@ -36,6 +36,7 @@ from sqlalchemy.exc import OperationalError
 
 from db.store import STALE_AFTER_S, Store, explain, home, owner_id
 from orchestrator import configs as P
+from orchestrator import hooks
 from orchestrator.axes import AXES
 from orchestrator.schema import artifact_root
 from orchestrator.scope import Scope, competes, is_d2d
@@ -630,19 +631,31 @@ def prepare(spec: SweepSpec, path: str | None = None) -> tuple[TeacherShape, lis
 def launch(
     spec: SweepSpec, spec_text: str, store: Store, executor, *, console: Console | None = None, **kw: Any
 ) -> int:
-    """Run the sweep (`run_launch`), its progress on `console` (default: stderr). A console that writes
-    wherever sys.stderr points at the time is held to the stream of this launch's start while it runs: the
-    serial executor points sys.stderr at each job's log during the job, and the launch's progress lines and
-    bars belong on the terminal, not in job logs."""
+    """Run the sweep (`run_launch`), its progress on `console` (default: stderr), then the sweep's hooks
+    (`execution.hooks`, orchestrator/hooks.py) with the exit code, whatever the outcome (failed jobs, a
+    crash, Ctrl-C) but a sweep refused as bad input. A console that writes wherever sys.stderr points at
+    the time is held to the stream of this launch's start while it runs: the serial executor points
+    sys.stderr at each job's log during the job, and the launch's progress lines and bars belong on the
+    terminal, not in job logs."""
     console = console or Console(stderr=True)
     follows = console._file is None  # rich resolves sys.stderr / sys.stdout at each write
     if follows:
         console.file = console.file
+    code: int | None = None
+    outcome: str | None = None
     try:
-        return run_launch(spec, spec_text, store, executor, console=console, **kw)
+        code = run_launch(spec, spec_text, store, executor, console=console, **kw)
+        return code
+    except BaseException as e:
+        code, outcome = hooks.ended(e)
+        raise
     finally:
-        if follows:
-            console._file = None
+        try:
+            if code is not None:
+                hooks.run_hooks(spec, store, code, console, outcome)
+        finally:
+            if follows:
+                console._file = None
 
 
 def run_launch(

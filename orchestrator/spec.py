@@ -61,11 +61,62 @@ class Select(Strict):
         return known(v, AXES, "axis")
 
 
+HOOK_EVENTS = ("on_end", "on_failure", "on_success")
+MAX_HOOK_TIMEOUT_S = 86_400  # a hook is a notifier, not a job: a day at most
+
+
+class Hooks(Strict):
+    """Commands run when a launch that got past validation ends (orchestrator/hooks.py): `on_failure` when
+    its exit code is not 0, `on_success` when it is, then `on_end` either way. A string is run by `sh -c`,
+    a list is an argv run without a shell. Each runs for at most `timeout_s` seconds."""
+
+    on_end: str | list[str] | None = None
+    on_failure: str | list[str] | None = None
+    on_success: str | list[str] | None = None
+    timeout_s: float = Field(60, gt=0, le=MAX_HOOK_TIMEOUT_S)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mapping(cls, v: Any) -> Any:
+        if not isinstance(v, dict | Hooks):
+            raise ValueError(
+                f"expected a mapping of {', '.join(cls.model_fields)} (e.g. {{on_failure: CMD}}), got {shown(v)}"
+            )
+        return v
+
+    @field_validator(*HOOK_EVENTS, mode="before")
+    @classmethod
+    def _command(cls, v: Any) -> Any:
+        allowed = "a shell command (a string, run by sh -c) or an argv list of strings (run without a shell)"
+        if v is None:
+            return v
+        if isinstance(v, str):
+            if not v.strip():
+                raise ValueError(f"an empty command; expected {allowed}")
+            if "\x00" in v:
+                raise ValueError(f"{shown(v)} holds a NUL byte; expected {allowed}")
+            return v
+        if isinstance(v, list):
+            if not v:
+                raise ValueError(f"an empty list; expected {allowed}")
+            for i, a in enumerate(v):
+                if not isinstance(a, str) or "\x00" in a or (i == 0 and not a.strip()):
+                    raise ValueError(f"item {i} is {shown(a)}; expected {allowed}")
+            return v
+        raise ValueError(f"expected {allowed}, got {shown(v)}")
+
+    def commands(self, code: int) -> list[tuple[str, str | list[str]]]:
+        """(event, command) of the hooks a launch that exits `code` runs, in order."""
+        first = ("on_success", self.on_success) if code == 0 else ("on_failure", self.on_failure)
+        return [(e, c) for e, c in (first, ("on_end", self.on_end)) if c is not None]
+
+
 class Execution(Strict):
     retries: int = Field(1, ge=0)
     max_concurrent: int | None = Field(None, gt=0)
     resources: dict[str, Resources] = Field(default_factory=dict)
     artifacts: str | None = None  # an fsspec URL jobs upload their artifacts to (default: $MOESWEEP_HOME)
+    hooks: Hooks | None = None  # commands run when a launch ends (orchestrator/hooks.py)
 
     @field_validator("artifacts")
     @classmethod
