@@ -728,6 +728,68 @@ def slurm(
 
 
 @app.command()
+def compress(
+    model: Annotated[
+        str, typer.Argument(help="the MoE to compress: a Hugging Face model id or a local folder")
+    ],
+    out_dir: Annotated[Path, typer.Option("--out", help="the folder to write the compressed model to")],
+    output: Annotated[str, typer.Option(help="dense, moe (pruned), merged or edited")] = "moe",
+    scoring: Annotated[
+        str | None, typer.Option(help="for dense or moe: how experts are scored (REAP…)")
+    ] = None,
+    merging: Annotated[str | None, typer.Option(help="for merged: HC-SMoE or M-SMoE")] = None,
+    editing: Annotated[str | None, typer.Option(help="for edited: MoBE, TD-MoE…")] = None,
+    k: Annotated[int, typer.Option("--K", help="experts kept per layer (the budget of K for edited)")] = 0,
+    data: Annotated[str, typer.Option(help="calibration text: hf:PATH[/NAME] or jsonl:FILE")] = (
+        "hf:Salesforce/wikitext/wikitext-103-raw-v1"
+    ),
+    n_samples: Annotated[int, typer.Option(help="calibration windows")] = 128,
+    seq_len: Annotated[int, typer.Option(help="tokens per calibration window")] = 2048,
+    ppl: Annotated[
+        bool, typer.Option(help="measure the held-out perplexity too (the data's test split)")
+    ] = True,
+    dtype: Annotated[str, typer.Option(help="the teacher's dtype")] = "bfloat16",
+    force: Annotated[bool, typer.Option(help="replace a folder that is not empty")] = False,
+    executor: Annotated[str, typer.Option(help="ray or serial")] = "serial",
+    db: DbOpt = None,
+) -> None:
+    """One compressed model instead of a sweep: calibrate MODEL, convert it to OUTPUT with one method and K
+    (the same stages a sweep runs, as a one-configuration sweep in the database), and write the student
+    with its tokenizer, a model card and moesweep.json to --out."""
+    from orchestrator.compress import Request
+    from orchestrator.compress import compress as run_compress
+    from orchestrator.execute import RayExecutor, SerialExecutor
+    from orchestrator.export import ExportError
+    from orchestrator.spec import SpecError
+
+    methods = [m for m in (scoring, merging, editing) if m is not None]
+    if len(methods) > 1:
+        _fail("give one of --scoring, --merging, --editing (the method of the output)")
+    if executor not in ("ray", "serial"):
+        _fail(f"--executor {executor!r}: allowed: ray, serial")
+    req = Request(
+        model=model,
+        out=out_dir.resolve(),
+        output=output,
+        method=methods[0] if methods else None,
+        K=k,
+        data=data,
+        n_samples=n_samples,
+        seq_len=seq_len,
+        ppl=ppl,
+        dtype=dtype,
+    )
+    store = _store(db)
+    try:
+        path = run_compress(
+            req, store, SerialExecutor() if executor == "serial" else RayExecutor(), err, force
+        )
+    except (ExportError, SpecError, ValueError) as e:
+        _fail(f"compress {model}: {e}")
+    out.print(f"wrote {path}/ (model card: {path / 'README.md'})", highlight=False)
+
+
+@app.command()
 def serve(
     db: DbOpt = None,
     host: Annotated[

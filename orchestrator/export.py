@@ -237,8 +237,13 @@ def model_card(f: dict[str, Any]) -> str:
         "## Provenance",
         "",
         f"- job `{p['job_key']}` (code version `{p['code_version']}`)",
-        f"- checkpoint content hash `{p['checkpoint_hash']}`",
-        f"- sweep file hash `{p['sweep_spec_sha256']}`",
+        *([f"- checkpoint content hash `{p['checkpoint_hash']}`"] if p.get("checkpoint_hash") else []),
+        *(
+            [f"- built from the conversion plan with content hash `{p['plan_hash']}`"]
+            if p.get("plan_hash")
+            else []
+        ),
+        *([f"- sweep file hash `{p['sweep_spec_sha256']}`"] if p.get("sweep_spec_sha256") else []),
         f"- exported by {p['exported_by']}",
         "",
         "## Loading",
