@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import sys
 import textwrap
+from decimal import Decimal
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, Literal, get_args
 
 import typer
 from rich.console import Console
@@ -33,9 +35,9 @@ class _Commands(TyperGroup):
 
 app = typer.Typer(
     cls=_Commands,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion: commands, options and their choices
     no_args_is_help=True,
-    help="Experiment sweeps and a results database for MoE→dense compression research.",
+    help="Experiment sweeps and a results database for MoE compression research: MoE → dense students, smaller MoEs (pruned, merged, edited), dense → MoE.",
 )
 # in a pipe or a log file (no terminal to measure) tables get room instead of rich's default 80 columns
 out = Console(width=None if sys.stdout.isatty() else 160)
@@ -106,6 +108,61 @@ def _fail(msg: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+def _one_of(option: str, choices: Any):
+    """The parser of an option whose values are a Literal (listed in --help, completed by the shell): any
+    other value is one line, e.g. `--format 'xml': allowed: table, csv, json`."""
+    allowed = get_args(choices)
+
+    def parse(value: str) -> str:
+        if value not in allowed:
+            if _completing():
+                raise ValueError(value)  # the shell completes what follows: no message on its terminal
+            _fail(f"{option} {value!r}: allowed: {', '.join(allowed)}")
+        return value
+
+    return parse
+
+
+def _completing() -> bool:
+    """Whether the command line is being parsed for the shell's completion (nothing is run)."""
+    try:
+        from typer._click.globals import get_current_context
+    except ImportError:  # a typer that keeps click elsewhere: a bad value's line shows while completing
+        return False
+    ctx = get_current_context(silent=True)
+    return ctx is not None and ctx.resilient_parsing
+
+
+def _plain(value: Any) -> Any:
+    """`value` with every non-finite number (NaN, ±inf, as floats or decimals) replaced by None, each other
+    decimal by an int or a float, and tuples by lists: what strict JSON can hold."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Decimal):
+        if not value.is_finite():
+            return None
+        return int(value) if value == value.to_integral_value() else float(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _print_json(doc: Any) -> None:
+    """One JSON document on stdout, and nothing else: strict JSON (NaN and infinities are null; Python's
+    json writes NaN and Infinity, which no JSON parser is bound to read); what JSON has no type for (a
+    date, bytes) is its text."""
+    sys.stdout.write(json.dumps(_plain(doc), indent=1, allow_nan=False, default=str) + "\n")
+    sys.stdout.flush()
+
+
+JsonOpt = Annotated[
+    bool,
+    typer.Option("--json", help="print one JSON document on stdout instead (docs/database.md, Scripting)"),
+]
+
+
 def _spec(name: str, overrides: list[str] | None = None):
     from orchestrator.spec import SpecError, load_spec, one_line
 
@@ -127,6 +184,10 @@ def _spec_fail(e: Exception, path, overrides: list[str]) -> None:
     _fail(one_line(f"{path}: {blame(msg, [parse_override(o) for o in overrides])}"))
 
 
+Executor = Literal["ray", "serial"]
+Format = Literal["table", "csv", "json"]
+Compare = Literal["paper"]
+
 SetOpt = Annotated[
     list[str] | None,
     typer.Option(
@@ -143,7 +204,16 @@ def launch(
     name: Annotated[str, typer.Argument(help="sweep name (sweeps/NAME.yaml) or a path to a YAML file")],
     db: DbOpt = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print the plan; run nothing")] = False,
-    executor: Annotated[str, typer.Option(help="ray | serial")] = "ray",
+    json_: Annotated[
+        bool, typer.Option("--json", help="with --dry-run: the plan as one JSON document on stdout")
+    ] = False,
+    executor: Annotated[
+        Executor,
+        typer.Option(
+            parser=_one_of("--executor", Executor),
+            help="run the jobs on Ray (a local one, or a cluster's) or one at a time in this process",
+        ),
+    ] = "ray",
     address: Annotated[
         str | None, typer.Option(help="Ray cluster address (default: $RAY_ADDRESS, else a local Ray)")
     ] = None,
@@ -174,6 +244,10 @@ def launch(
     from orchestrator.scope import Scope
     from orchestrator.spec import SpecError
 
+    if json_ and not dry_run:
+        _fail(
+            "--json: only with --dry-run (a launch reports on stderr; `moesweep status NAME --json` after it)"
+        )
     overrides = list(set_ or [])
     scope = Scope(until=until, only=tuple(dict.fromkeys(only or ())))
     try:
@@ -192,7 +266,12 @@ def launch(
             _spec_fail(e, path, overrides)
         store = _store(db, read_only=True, missing_ok=True)
         try:
-            show(spec, store, out, scope=scope, overrides=overrides)
+            if json_:
+                from orchestrator.dryrun import plan
+
+                _print_json(plan(spec, store, scope=scope, overrides=overrides))
+            else:
+                show(spec, store, out, scope=scope, overrides=overrides)
         except SpecError as e:
             _spec_fail(e, path, overrides)
         return
@@ -243,77 +322,158 @@ def _default_db_exists() -> bool:
 
 
 @app.command()
-def sweeps(db: DbOpt = None) -> None:
+def sweeps(db: DbOpt = None, json_: JsonOpt = False) -> None:
     """List the sweeps: the sweep files, and beside them the sweeps in the database (launched ones and
     imported reference ones) with their status and jobs done. The database is opened read-only; without
     --db and $MOESWEEP_DB, only when the default one exists."""
-    import yaml
-
-    from orchestrator.spec import find_sweep, list_sweeps, sweep_dirs
-
     store = (
         _store(db, read_only=True) if db or os.environ.get("MOESWEEP_DB") or _default_db_exists() else None
     )
-    if store is not None:
-        from dashboard.data import sweeps as db_sweeps
-
-        in_db = {s.name: s for s in db_sweeps(store)}
-    else:
-        in_db = {}
+    found = _sweep_list(store)
+    if json_:
+        _print_json({"database": store.shown if store is not None else None, "sweeps": found})
+        return
     t = Table("name", "file", "status", "jobs done", "description")
-    listed = set()
-    for n in list_sweeps():
-        f = next(d / f"{n}.yaml" for d in sweep_dirs() if os.path.lexists(d / f"{n}.yaml"))
-        try:
-            f = find_sweep(n)  # a FIFO, a symlink loop: never opened
-            doc = yaml.safe_load(f.read_text()) or {}
-            desc, name = doc.get("description", ""), str(doc.get("name") or n)
-        except Exception:  # a broken file is still listed; `launch` will explain it
-            desc, name = "(unreadable)", n
-        listed.add(name)
-        shown = os.path.relpath(f) if Path(os.path.realpath(f)).is_relative_to(Path.cwd()) else str(f)
-        t.add_row(name, shown, *_db_status(in_db.get(name), store), _short(desc))
-    for name, s in in_db.items():
-        if name not in listed:
-            t.add_row(
-                name,
-                "(imported)" if s.kind == "reference" else "(no file)",
-                *_db_status(s, store),
-                _short(s.description),
+    for r in found:
+        jobs = r["jobs"]
+        if r["kind"] == "reference":
+            done = f"{r['configurations']} configurations"
+        elif jobs is not None:
+            done = f"{jobs['succeeded']}/{jobs['total']}" + (
+                f", {jobs['failed']} failed" if jobs["failed"] else ""
             )
+        else:
+            done = ""
+        file = r["file"] or ("(imported)" if r["kind"] == "reference" else "(no file)")
+        desc = "(unreadable)" if r["unreadable"] else r["description"]
+        t.add_row(r["name"], file, r["status"] or "–", done, _short(desc))
     out.print(t)
     if store is not None:
         out.print(f"database: {store.shown}", highlight=False, soft_wrap=True)
 
 
-def _db_status(s, store) -> tuple[str, str]:
-    """(status, jobs done) of a sweep in the database, for `moesweep sweeps`."""
-    if s is None:
-        return ("not launched" if store is not None else "–"), ""
-    if s.kind == "reference":
-        return "reference", f"{s.configs} configurations"
-    t = s.total
-    done = f"{t['succeeded']}/{sum(t.values())}" + (f", {t['failed']} failed" if t["failed"] else "")
-    return s.status, done
+def _sweep_list(store) -> list[dict[str, Any]]:
+    """The sweeps `moesweep sweeps` lists: every sweep file, then each sweep in the database without one.
+    Per sweep: name, file (as shown; None: none), kind (own | reference; None: not in the database),
+    status (None: no database to ask), jobs by state with their total (launched sweeps), configurations
+    (in the database), description, and whether its file could not be read."""
+    import yaml
+
+    from orchestrator.spec import find_sweep, list_sweeps, sweep_dirs
+
+    in_db = {}
+    if store is not None:
+        from dashboard.data import sweeps as db_sweeps
+
+        in_db = {s.name: s for s in db_sweeps(store)}
+
+    def row(name: str, file: str | None, s, description: str | None, unreadable: bool = False) -> dict:
+        jobs = None
+        if s is not None and s.kind != "reference":
+            jobs = dict.fromkeys(("succeeded", "running", "dead", "failed", "pending"), 0) | s.total
+            jobs["total"] = sum(jobs.values())
+        status = s.status if s is not None else "not launched" if store is not None else None
+        return {
+            "name": name,
+            "file": file,
+            "kind": s.kind if s is not None else None,
+            "status": status,
+            "jobs": jobs,
+            "configurations": s.configs if s is not None else None,
+            "description": description,
+            "unreadable": unreadable,
+        }
+
+    found, listed = [], set()
+    for n in list_sweeps():
+        f = next(d / f"{n}.yaml" for d in sweep_dirs() if os.path.lexists(d / f"{n}.yaml"))
+        try:
+            f = find_sweep(n)  # a FIFO, a symlink loop: never opened
+            doc = yaml.safe_load(f.read_text()) or {}
+            desc, name, unreadable = str(doc.get("description") or ""), str(doc.get("name") or n), False
+        except Exception:  # a broken file is still listed; `launch` will explain it
+            desc, name, unreadable = None, n, True
+        listed.add(name)
+        shown = os.path.relpath(f) if Path(os.path.realpath(f)).is_relative_to(Path.cwd()) else str(f)
+        found.append(row(name, shown, in_db.get(name), desc, unreadable))
+    found += [row(name, None, s, s.description) for name, s in in_db.items() if name not in listed]
+    return found
 
 
 def _short(text: str | None) -> str:
     return textwrap.shorten(str(text or ""), 60, placeholder=" …")
 
 
+STATUS_COLUMNS = ("succeeded", "running", "dead", "failed", "pending", "stale")  # status's job counts
+
+
 @app.command()
-def status(name: str, db: DbOpt = None) -> None:
+def status(name: str, db: DbOpt = None, json_: JsonOpt = False) -> None:
     """Per stage: succeeded / running / dead (running, but its launch is gone) / failed / pending, stale
     (computed by code that has changed since), duplicate (configurations served by another configuration's
     job), and the failures."""
-    from db.store import owner_dead
-    from orchestrator.spec import spec_notes
-    from orchestrator.stage import is_stale, stages
-
     store = _store(db, read_only=True)
     sid = store.sweep_id(name)
     if sid is None:
         _fail(f"no sweep {name!r} in {store.shown}")
+    facts = _status(store, name, sid)
+    if json_:
+        _print_json(facts)
+        return
+    t = Table("stage", *STATUS_COLUMNS, "duplicate", title=f"sweep {name}")
+    for row in facts["stages"]:
+        dup = row["duplicate"]
+        t.add_row(row["stage"], *(str(row[c]) for c in STATUS_COLUMNS), "–" if dup is None else str(dup))
+    out.print(t)
+    extends, sets = facts["spec"]["extends"], facts["spec"]["set"]
+    if extends or sets:
+        out.print(
+            "spec of the last launch: "
+            + "; ".join(
+                ([f"extends {' → '.join(extends)}"] if extends else [])
+                + ([" ".join(f"--set {o}" for o in sets)] if sets else [])
+            ),
+            highlight=False,
+            soft_wrap=True,
+            markup=False,
+        )
+    out.print(
+        "stale = computed by code that has changed since (the next launch recomputes what the sweep uses); "
+        "duplicate = configurations served by another configuration's job (same content key)",
+        soft_wrap=True,
+    )
+    dead = sum(row["dead"] for row in facts["stages"])
+    if dead:
+        out.print(
+            f"dead = {dead} job(s) marked running whose launch is gone (its process ended, or no "
+            "heartbeat from its host for 10 minutes): the next launch takes them over",
+            soft_wrap=True,
+        )
+    for r in facts["to_recompute"]:
+        out.print(
+            f"[yellow]to recompute[/] {r['stage']} {r['key'][:12]}: {r['reason']}",
+            highlight=False,
+            soft_wrap=True,
+        )
+    c = facts["configurations"]
+    out.print(
+        f"configurations: {c['total']}  duplicates (share another's student): {c['duplicates']}  "
+        f"selected for distillation: {c['selected_for_distill']}"
+    )
+    for f in facts["failures"]:
+        out.print(
+            f"[red]failed[/] {f['stage']} {f['key'][:12]}: {f['error']}  (log: {f['log']})", highlight=False
+        )
+
+
+def _status(store, name: str, sid: int) -> dict[str, Any]:
+    """What `moesweep status` shows of a sweep: per stage its jobs by state (`duplicate` None where the
+    stage is shared by design), the spec of the last launch (extends, --set), artifacts to recompute, the
+    configurations, and per failed job its last error line and log."""
+    from db.store import owner_dead
+    from orchestrator.spec import spec_notes
+    from orchestrator.stage import is_stale, stages
+
     _, jobs = store.query(
         "SELECT j.stage, j.status, j.params_json, j.code_json, j.key FROM jobs j "
         "JOIN sweep_jobs sj ON sj.job_id = j.id WHERE sj.sweep_id = :s",
@@ -332,82 +492,56 @@ def status(name: str, db: DbOpt = None) -> None:
     )
     dup_by_stage = dict(shared)
     declared = {s.name: s for s in stages()}
-    t = Table(
-        "stage",
-        "succeeded",
-        "running",
-        "dead",
-        "failed",
-        "pending",
-        "stale",
-        "duplicate",
-        title=f"sweep {name}",
-    )
     order = list(declared)
-    for stage in sorted({s for s, _ in counts}, key=lambda s: order.index(s) if s in order else len(order)):
-        shared_by_design = stage in declared and declared[stage].shared
-        t.add_row(
-            stage,
-            *(
-                str(counts.get((stage, st), 0))
-                for st in ("succeeded", "running", "dead", "failed", "pending", "stale")
-            ),
-            "–" if shared_by_design else str(dup_by_stage.get(stage, 0)),
+    per_stage = [
+        {
+            "stage": stage,
+            **{st: counts.get((stage, st), 0) for st in STATUS_COLUMNS},
+            "duplicate": None
+            if stage in declared and declared[stage].shared
+            else int(dup_by_stage.get(stage, 0)),
+        }
+        for stage in sorted(
+            {s for s, _ in counts}, key=lambda s: order.index(s) if s in order else len(order)
         )
-    out.print(t)
+    ]
     _, spec_rows = store.query("SELECT spec_yaml FROM sweeps WHERE id = :s", {"s": sid})
     extends, sets = spec_notes(spec_rows[0][0] if spec_rows else None)
-    if extends or sets:
-        out.print(
-            "spec of the last launch: "
-            + "; ".join(
-                ([f"extends {' → '.join(extends)}"] if extends else [])
-                + ([" ".join(f"--set {o}" for o in sets)] if sets else [])
-            ),
-            highlight=False,
-            soft_wrap=True,
-            markup=False,
-        )
-    out.print(
-        "stale = computed by code that has changed since (the next launch recomputes what the sweep uses); "
-        "duplicate = configurations served by another configuration's job (same content key)",
-        soft_wrap=True,
-    )
-    if dead:
-        out.print(
-            f"dead = {len(dead)} job(s) marked running whose launch is gone (its process ended, or no "
-            "heartbeat from its host for 10 minutes): the next launch takes them over",
-            soft_wrap=True,
-        )
     _, stale_art = store.query(
         "SELECT j.stage, j.key, j.error FROM jobs j JOIN sweep_jobs sj ON sj.job_id = j.id "
         "WHERE sj.sweep_id = :s AND j.status = 'pending' AND j.error LIKE 'stale: %' ORDER BY j.stage",
         {"s": sid},
     )
-    for stage, key, error in stale_art:
-        out.print(
-            f"[yellow]to recompute[/] {stage} {key[:12]}: {error[len('stale: ') :]}",
-            highlight=False,
-            soft_wrap=True,
-        )
-    cols, rows = store.query(
+    _, rows = store.query(
         "SELECT COUNT(*), COUNT(duplicate_of), SUM(selected_for_distill) FROM configurations "
         "WHERE sweep_id = :s",
         {"s": sid},
     )
     n, dup, sel = rows[0]
-    out.print(
-        f"configurations: {n}  duplicates (share another's student): {dup or 0}  "
-        f"selected for distillation: {sel or 0}"
-    )
     _, fails = store.query(
         "SELECT j.stage, j.key, j.error, j.log_path FROM jobs j JOIN sweep_jobs sj ON sj.job_id = j.id "
         "WHERE sj.sweep_id = :s AND j.status = 'failed' ORDER BY j.stage",
         {"s": sid},
     )
-    for stage, key, error, log in fails:
-        last = [ln for ln in (error or "").splitlines() if ln.strip()][-1:] or [""]
-        out.print(f"[red]failed[/] {stage} {key[:12]}: {last[0]}  (log: {log})", highlight=False)
+    return {
+        "sweep": name,
+        "database": store.shown,
+        "stages": per_stage,
+        "spec": {"extends": extends, "set": sets},
+        "to_recompute": [
+            {"stage": stage, "key": key, "reason": error[len("stale: ") :]} for stage, key, error in stale_art
+        ],
+        "configurations": {"total": n, "duplicates": dup or 0, "selected_for_distill": int(sel or 0)},
+        "failures": [
+            {
+                "stage": stage,
+                "key": key,
+                "error": ([ln for ln in (error or "").splitlines() if ln.strip()][-1:] or [""])[0],
+                "log": log,
+            }
+            for stage, key, error, log in fails
+        ],
+    }
 
 
 @app.command()
@@ -507,7 +641,16 @@ def sql(
         ),
     ] = None,
     db: DbOpt = None,
-    format: Annotated[str, typer.Option("--format", "-f", help="table | csv | json")] = "table",
+    format: Annotated[
+        Format,
+        typer.Option(
+            "--format",
+            "-f",
+            parser=_one_of("--format", Format),
+            help="a table, CSV (a header row, then the rows), or JSON (a list of row objects; NaN and "
+            "infinities are null)",
+        ),
+    ] = "table",
     file: Annotated[
         Path | None, typer.Option("--file", metavar="PATH", help="read the query from this file")
     ] = None,
@@ -519,8 +662,6 @@ def sql(
     and a login that may touch the server's files (a superuser) reads as the role moesweep_reader."""
     from db.store import StoreError
 
-    if format not in ("table", "csv", "json"):
-        _fail(f"--format {format!r}: allowed: table, csv, json")
     query = _query_text(query, file)
     store = _store(db, read_only=True)
     try:
@@ -532,7 +673,7 @@ def sql(
         w.writerow(cols)
         w.writerows(rows)
     elif format == "json":
-        print(json.dumps([dict(zip(cols, r, strict=True)) for r in rows], default=str, indent=1))
+        _print_json([dict(zip(cols, r, strict=True)) for r in rows])
     elif format == "table":
         t = Table(*cols)
         for r in rows:
@@ -591,7 +732,10 @@ def report(
     out_dir: Annotated[
         Path | None, typer.Option("--out", help="output folder (default: report/NAME)")
     ] = None,
-    compare: Annotated[str | None, typer.Option(help="'paper': our numbers beside the paper's")] = None,
+    compare: Annotated[
+        Compare | None,
+        typer.Option(parser=_one_of("--compare", Compare), help="paper: our numbers beside the paper's"),
+    ] = None,
 ) -> None:
     """LaTeX tables, PNG/PDF figures and an index for a sweep, from the database only (reads, never writes
     results; `moesweep import-paper` is what loads the paper's numbers)."""

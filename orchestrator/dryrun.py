@@ -72,35 +72,77 @@ def _bounded(row: dict[str, Any], scope: Scope) -> dict[str, Any]:
     return row
 
 
+def plan(
+    spec: SweepSpec, store, scope: Scope | None = None, overrides: list[str] | None = None
+) -> dict[str, Any]:
+    """What the dry run shows, as data (`moesweep launch NAME --dry-run --json`): the teacher and its shape,
+    the grid, the --set overrides, the partial launch, per stage its jobs (`named` by configurations,
+    `distinct`, `shared` = named - distinct, the configurations served by a job another one names; None
+    where the stage is planned from results that do not exist yet) and its note, and what `store` (None:
+    no database yet) already holds of the jobs planned so far."""
+    shape = P.stated_shape(spec)
+    scope = scope or Scope()
+    rows, keys = plan_counts(spec, shape, scope)
+    stages = []
+    for r in rows:
+        named, distinct = (n if isinstance(n, int) else None for n in (r["named"], r["distinct"]))
+        shared = named - distinct if named is not None and distinct is not None else None
+        stages.append(
+            {"stage": r["stage"], "named": named, "distinct": distinct, "shared": shared, "note": r["note"]}
+        )
+    done = None
+    if store is not None:
+        done = {
+            "database": store.shown,
+            "succeeded": sum(1 for r in store.jobs(keys).values() if r["status"] == "succeeded"),
+            "planned": len(keys),
+        }
+    return {
+        "sweep": spec.name,
+        "teacher": {
+            "label": P.teacher_label(spec),
+            "num_experts": shape.num_experts,
+            "top_k": shape.top_k,
+            "shape_from": shape.source,
+        },
+        "grids": [
+            {a: len(v) for a, v in g.model_dump().items() if v is not None and a in AXES}
+            for g in subgrids(spec)
+        ],
+        "overrides": list(overrides or []),
+        "partial": {"scope": scope.describe(), "compared_configurations": len(scope.group)}
+        if scope.partial
+        else None,
+        "stages": stages,
+        "already_done": done,
+    }
+
+
 def dry_run(
     spec: SweepSpec, store, console: Console, scope: Scope | None = None, overrides: list[str] | None = None
 ) -> None:
     """Print the plan. `overrides`: the --set options it was loaded with, named in its first line."""
-    shape = P.stated_shape(spec)
-    scope = scope or Scope()
-    rows, keys = plan_counts(spec, shape, scope)
-    grids = "; ".join(
-        " × ".join(f"{len(v)} {a}" for a, v in g.model_dump().items() if v is not None and a in AXES)
-        for g in subgrids(spec)
-    )
+    p = plan(spec, store, scope, overrides)
+    teacher = p["teacher"]
+    grids = "; ".join(" × ".join(f"{n} {a}" for a, n in g.items()) for g in p["grids"])
     console.print(
-        f"[bold]{spec.name}[/]: teacher {P.teacher_label(spec)} (E={shape.num_experts}, k={shape.top_k}, "
-        f"from the {shape.source}); {grids}"
+        f"[bold]{spec.name}[/]: teacher {teacher['label']} (E={teacher['num_experts']}, k={teacher['top_k']}, "
+        f"from the {teacher['shape_from']}); {grids}"
     )
     if overrides:
         console.print("with " + " ".join(f"--set {o}" for o in overrides), highlight=False, markup=False)
-    if scope.partial:
-        what = f"partial launch ({scope.describe()})"
-        if scope.group:
-            what += f": and {len(scope.group)} configuration(s) the selection compares them with"
+    if p["partial"] is not None:
+        what = f"partial launch ({p['partial']['scope']})"
+        if p["partial"]["compared_configurations"]:
+            what += f": and {p['partial']['compared_configurations']} configuration(s) the selection compares them with"
         console.print(what, highlight=False, markup=False)
     t = Table("stage", "named by configs", "distinct jobs", "notes", title="jobs (nothing is run)")
-    for r in rows:
-        t.add_row(r["stage"], str(r["named"]), str(r["distinct"]), r["note"])
+    for r in p["stages"]:
+        t.add_row(r["stage"], *("–" if r[c] is None else str(r[c]) for c in ("named", "distinct")), r["note"])
     console.print(t)
-    if store is not None:
-        done = sum(1 for r in store.jobs(keys).values() if r["status"] == "succeeded")
+    if p["already_done"] is not None:
+        done = p["already_done"]
         console.print(
-            f"already done in {store.shown}: {done} of {len(keys)} jobs planned so far "
+            f"already done in {done['database']}: {done['succeeded']} of {done['planned']} jobs planned so far "
             "(later stages are planned from earlier results)"
         )
