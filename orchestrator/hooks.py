@@ -37,6 +37,7 @@ OUTCOMES = {
     1: "some jobs failed or were blocked",
     2: DB_UNUSABLE,
     130: "interrupted",
+    143: "terminated (SIGTERM)",
 }
 
 

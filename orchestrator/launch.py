@@ -168,6 +168,7 @@ class Runner:
         self.claimed: set[str] = set()
         self._lock = threading.Lock()  # `claimed` is read by the heartbeat thread
         self.interrupted = False  # set by Ctrl-C: a job that fails now failed because of it
+        self.signal: int | None = None  # the signal that interrupted the launch (SIGINT, SIGTERM)
         self.reports: list[StageReport] = []
         self._job_bars: dict[str, Any] = {}
         self.known: dict[str, tuple[Stage, JobSpec]] = {}  # every job this launch planned, by key
@@ -684,6 +685,15 @@ def run_launch(
     shape, configs = prepared or prepare(spec, path)
     scope = scope or Scope()
     scope.prepare(spec, configs)
+    before = store.query("SELECT spec_hash FROM sweeps WHERE name = :n", {"n": spec.name})[1]
+    if before and before[0][0] not in (None, spec_hash(spec_text)):
+        console.print(
+            f"sweep {spec.name}: its spec differs from the last launch's (an edited file, other --set "
+            "overrides); the stored spec is replaced and every finished job whose inputs are unchanged is "
+            "reused",
+            highlight=False,
+            soft_wrap=True,
+        )
     sid = store.upsert_sweep(
         spec.name,
         spec_yaml=spec_text,
@@ -772,8 +782,12 @@ def run_launch(
             console.print(
                 f"[yellow]could not release the jobs in flight now ({err}); the next launch will[/]"
             )
-        console.print("[yellow]interrupted[/]: finished jobs are kept; `moesweep launch` resumes.")
-        return 130
+        term = runner.signal == signal.SIGTERM
+        console.print(
+            f"[yellow]{'terminated (SIGTERM)' if term else 'interrupted'}[/]: finished jobs are kept; "
+            "`moesweep launch` resumes."
+        )
+        return 143 if term else 130
     finally:
         if lines is not None:
             lines.stop()
@@ -786,8 +800,8 @@ def run_launch(
                 highlight=False,
                 soft_wrap=True,
             )
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
+        for sig, handler in (previous or {}).items():
+            signal.signal(sig, handler)
         executor.close()
     code = _summary(console, runner.reports, store, sid)
     if scope.partial:
@@ -892,14 +906,17 @@ def _context(
 
 def _on_sigint(runner: Runner):
     """Ctrl-C marks the runner interrupted before Python raises KeyboardInterrupt, so a job whose library
-    turns the interrupt into another exception is released, not recorded as failed. Main thread only."""
+    turns the interrupt into another exception is released, not recorded as failed. SIGTERM (a batch
+    system's time limit, `kill`) is the same stop: its jobs released, the sweep's hooks run, exit 143.
+    Main thread only. Returns the handlers it replaced, to restore."""
 
     def handler(signum, frame):
         runner.interrupted = True
-        signal.default_int_handler(signum, frame)
+        runner.signal = signum
+        signal.default_int_handler(signal.SIGINT, frame)
 
     try:
-        return signal.signal(signal.SIGINT, handler)
+        return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     except ValueError:  # not the main thread: keep Python's default behaviour
         return None
 

@@ -248,3 +248,30 @@ def test_a_bad_hooks_section_is_one_line(tmp_path, hooks, expect):
 def test_a_sweep_without_hooks_is_as_before():
     spec, _, _ = load_spec(str(HERE / "sweeps" / "fake.yaml"))
     assert spec.execution.hooks is None
+
+
+def test_sigterm_stops_the_launch_like_ctrl_c_and_runs_the_hooks(fake, monkeypatch, tmp_path):  # noqa: F811
+    """A batch system's time limit sends SIGTERM: the launch releases its jobs, runs on_failure and on_end
+    with exit code 143 and restores the handler it replaced; nothing is left claimed."""
+    import os
+    import signal
+
+    calls, state = fake
+    sweep = _with_hooks(tmp_path, _dumping(tmp_path))
+    store = Store(state["db"])
+
+    def terminated(p, cache, progress):
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered to the main thread: the launch's handler
+        time.sleep(5)  # the handler interrupts this
+        raise AssertionError("SIGTERM did not interrupt the job")
+
+    monkeypatch.setattr("workers.run.ppl_pre.stage_ppl_pre", terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    code, _ = _run(store, sweep)
+    assert code == 143
+    assert signal.getsignal(signal.SIGTERM) is before
+    seen = _seen(tmp_path)
+    assert set(seen) == {"failure", "end"}
+    assert all(env["MOESWEEP_EXIT_CODE"] == "143" for env in seen.values())
+    assert "terminated (SIGTERM)" in seen["end"]["MOESWEEP_SUMMARY"]
+    assert store.query("SELECT COUNT(*) FROM jobs WHERE status = 'running'")[1] == [(0,)]

@@ -136,9 +136,13 @@ def test_overrides_are_stored_and_a_launch_without_them_replaces_the_spec(fake, 
     assert spec_notes(text)[1] == ["grid.K=[4]", "grid.scoring=[SF]"]
     assert yaml.safe_load(text)["grid"]["K"] == [4]
 
+    again = CliRunner().invoke(app, [*base, "--set", "grid.K=[4]", "--set", "grid.scoring=[SF]"])
+    assert "differs from the last launch's" not in again.stderr  # the same spec: nothing to say
+
     calls.clear()
     res = CliRunner().invoke(app, base)
     assert res.exit_code == 0, res.output
+    assert "sweep fake: its spec differs from the last launch's" in res.stderr  # said in one line
     assert not ppl & {k for _, k in calls}  # the overridden sweep's jobs are reused
     (text, digest) = Store(db).query("SELECT spec_yaml, spec_hash FROM sweeps WHERE name = 'fake'")[1][0]
     assert text == Path(sweep).read_text() and digest == spec_hash(text)
