@@ -289,6 +289,11 @@ class Store:
             stmt.on_conflict_do_update(index_elements=[Sweep.name], set_=values).returning(Sweep.id)
         )
 
+    def stored_spec_hash(self, name: str) -> str | None:
+        """The spec hash the sweep's last launch stored (None: no such sweep, or none stored)."""
+        with self.tx() as c:
+            return c.scalar(select(Sweep.spec_hash).where(Sweep.name == name))
+
     def sweep_id(self, name: str) -> int | None:
         with self.tx() as c:
             return c.scalar(select(Sweep.id).where(Sweep.name == name))

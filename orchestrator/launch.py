@@ -685,8 +685,8 @@ def run_launch(
     shape, configs = prepared or prepare(spec, path)
     scope = scope or Scope()
     scope.prepare(spec, configs)
-    before = store.query("SELECT spec_hash FROM sweeps WHERE name = :n", {"n": spec.name})[1]
-    if before and before[0][0] not in (None, spec_hash(spec_text)):
+    before = store.stored_spec_hash(spec.name)
+    if before not in (None, spec_hash(spec_text)):
         console.print(
             f"sweep {spec.name}: its spec differs from the last launch's (an edited file, other --set "
             "overrides); the stored spec is replaced and every finished job whose inputs are unchanged is "
