@@ -55,10 +55,10 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     Qwen3MoeTopKRouter,
 )
 
+from workers.baselines.dense_ffn import copied_config, padded_ffn
 from workers.baselines.dot_moe_spec import (
     BASELINES,
     COMBINES,
-    COPIED_CONFIG_KEYS,
     SUPPORTED,
     D2mBaselineSpec,
     DotMoeSpec,
@@ -446,14 +446,7 @@ class D2mFFN(nn.Module):
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """W_gate, W_up [n, H] and W_down [H, n], padded to n = E·s with zero neurons (each adds exactly 0)."""
-        m = self.mlp
-        gate, up, down = m.gate_proj.weight.detach(), m.up_proj.weight.detach(), m.down_proj.weight.detach()
-        pad = self.n - self.d
-        if pad:
-            gate = torch.cat([gate, gate.new_zeros(pad, gate.shape[1])])
-            up = torch.cat([up, up.new_zeros(pad, up.shape[1])])
-            down = torch.cat([down, down.new_zeros(down.shape[0], pad)], dim=1)
-        return gate, up, down
+        return padded_ffn(self.mlp, self.n)
 
     def build(self, owner: list[int], router: dict[str, torch.Tensor]) -> None:
         """The MoE block of this partition (owner -1: shared) and router tensors; the forward uses it."""
@@ -486,9 +479,7 @@ def baseline_config(
 ) -> D2mQwen3MoeConfig:
     """The extracted MoE's config: the dense model's attention, norms and embeddings; E − S routed experts
     of width s, top-k, and S·s shared neurons."""
-    d = dense_config.to_dict()
-    kw = {k: d[k] for k in COPIED_CONFIG_KEYS if k in d}
-    kw.setdefault("head_dim", dense_config.hidden_size // dense_config.num_attention_heads)
+    kw = copied_config(dense_config)
     return D2mQwen3MoeConfig(
         d2m_method=method,
         d2m_source_model_type=dense_config.model_type,

@@ -30,7 +30,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from workers.baselines.dot_moe_spec import BASELINES, COPIED_CONFIG_KEYS, METHODS, SUPPORTED, DotMoeSpec
+from workers.baselines.dense_ffn import copied_config, padded_ffn
+from workers.baselines.dot_moe_spec import BASELINES, METHODS, SUPPORTED, DotMoeSpec
 from workers.core.steplog import StepLog
 from workers.methods.sinkhorn import greedy_round, sinkhorn
 
@@ -322,9 +323,7 @@ def moe_config(dense_config: Any, experts: int, top_k: int, width: int, combine:
     in every layer, top-k, and the combine rule."""
     from workers.models.dot_moe_hf import DotQwen3MoeConfig
 
-    d = dense_config.to_dict()
-    kw = {k: d[k] for k in COPIED_CONFIG_KEYS if k in d}
-    kw.setdefault("head_dim", dense_config.hidden_size // dense_config.num_attention_heads)
+    kw = copied_config(dense_config)
     return DotQwen3MoeConfig(
         moe_combine=combine,
         dot_source_model_type=dense_config.model_type,
@@ -345,13 +344,7 @@ def expert_tensors(ffn: DotMoeFFN, owner: list[int]) -> tuple[torch.Tensor, torc
     """(gate_up [E, 2s, H], down [E, H, s]) of one layer: expert e holds the columns C_e = {i: owner_i = e}
     of W_gate and W_up and the rows C_e of W_down (App. E; nn.Linear stores their transposes). Padding
     neurons (index >= d) are zero."""
-    m = ffn.mlp
-    gate, up, down = m.gate_proj.weight.detach(), m.up_proj.weight.detach(), m.down_proj.weight.detach()
-    pad = ffn.n - ffn.d
-    if pad:
-        gate = torch.cat([gate, gate.new_zeros(pad, gate.shape[1])])
-        up = torch.cat([up, up.new_zeros(pad, up.shape[1])])
-        down = torch.cat([down, down.new_zeros(down.shape[0], pad)], dim=1)
+    gate, up, down = padded_ffn(ffn.mlp, ffn.n)
     own = torch.tensor(owner, device=gate.device)
     members = [torch.nonzero(own == e).flatten() for e in range(ffn.experts)]
     gate_up = torch.stack([torch.cat([gate[c], up[c]]) for c in members])
