@@ -17,7 +17,8 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from analysis.derived import SCORING_ORDER, ordered, plain, records
+from analysis.derived import ordered, plain, records
+from analysis.palette import PALETTE, scoring_color
 from analysis.uncertainty import seed_label
 
 STYLE: dict[str, Any] = {
@@ -46,24 +47,7 @@ STYLE: dict[str, Any] = {
     "image.cmap": "viridis",
     "path.simplify": True,
 }
-PALETTE = [
-    "#4c72b0",
-    "#dd8452",
-    "#55a868",
-    "#c44e52",
-    "#8172b3",
-    "#937860",
-    "#da8bc3",
-    "#8c8c8c",
-    "#ccb974",
-    "#64b5cd",
-]
 PRUNE, MERGE = "#3a9d5d", "#f08a6c"  # Figure 7: green K = k (pure pruning), coral K > k (merging)
-
-
-def scoring_color(s: str) -> str:
-    i = SCORING_ORDER.index(s) if s in SCORING_ORDER else len(SCORING_ORDER) + sum(map(ord, s))
-    return PALETTE[i % len(PALETTE)]
 
 
 @contextmanager

@@ -37,6 +37,7 @@ from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from analysis.latex import fmt_ppl
+from analysis.palette import scoring_color
 from dashboard import data as D
 from dashboard.reports import ReportCache, compare
 from db.store import Store, StoreError
@@ -157,34 +158,10 @@ def tick_labels(ticks: list[float]) -> list[str]:
         digits += 1
 
 
-# the report figures' colours (analysis/figures.py), a scoring keeping its colour from chart to chart
-PALETTE = (
-    "#4c72b0",
-    "#dd8452",
-    "#55a868",
-    "#c44e52",
-    "#8172b3",
-    "#937860",
-    "#da8bc3",
-    "#8c8c8c",
-    "#ccb974",
-    "#64b5cd",
-)
 GREY, INK = "#6e7781", "#1f2328"
 # the parallel-coordinates lines by PPL, lowest fifth to highest
 BANDS = ("#1a7f37", "#4c72b0", "#8172b3", "#dd8452", "#c44e52")
 LOG_ABOVE = 10.0  # a positive axis whose largest value is more than this many times its smallest is log
-
-
-def scoring_colour(scoring: str) -> str:
-    from analysis.derived import SCORING_ORDER
-
-    i = (
-        SCORING_ORDER.index(scoring)
-        if scoring in SCORING_ORDER
-        else len(SCORING_ORDER) + sum(map(ord, scoring))
-    )
-    return PALETTE[i % len(PALETTE)]
 
 
 def log_ticks(lo: float, hi: float) -> list[float]:
@@ -439,7 +416,7 @@ def svg_ppl_by_k(rows: list[dict[str, Any]]) -> tuple[Markup, str]:
                 (k, v, f"{s} K={k}: {fmt_ppl(v)} (lowest of {n}: {key})")
                 for k, (v, key, n) in sorted(at.items())
             ],
-            scoring_colour(s),
+            scoring_color(s),
         )
         for s, at in sorted(best.items(), key=lambda kv: _scoring_key(kv[0]))
     ]
@@ -501,7 +478,7 @@ def svg_acc_by_params(rows: list[dict[str, Any]]) -> tuple[Markup, str]:
     def colour(g: str) -> str:
         if g == "teacher":
             return INK
-        return GREY if g in ("baseline", "other", "dense2moe") else scoring_colour(g)
+        return GREY if g in ("baseline", "other", "dense2moe") else scoring_color(g)
 
     series = [
         Series(
