@@ -9,29 +9,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_evaluate import dense, documents, run
-
-from workers.tiny.tokenizer import train_tokenizer
+from test_evaluate import model, run, tiny_dir, tok  # noqa: F401  (the module-scoped fixtures)
 
 N = 8
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("tiny")
-    (d / "corpus").mkdir()
-    (d / "corpus" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in documents()))
-    return d
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return train_tokenizer([r["text"] for r in documents()], 512, tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture(scope="module")
-def model(tok):
-    return dense(tok, 0)
 
 
 def stored(cache: Path, task: str, limit: int = N) -> Path:
@@ -80,7 +60,7 @@ def stale(cache: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", [edited, resealed, truncated, stale], ids=lambda f: f.__name__)
-def test_a_stored_result_that_does_not_verify_is_recomputed(model, tok, tiny_dir, tmp_path, capsys, damage):
+def test_a_stored_result_that_does_not_verify_is_recomputed(model, tok, tiny_dir, tmp_path, capsys, damage):  # noqa: F811
     cache = tmp_path / "cache"
     run(model, tok, "tiny", cache, tiny_dir=tiny_dir, limit=4)
     first = run(model, tok, "tiny", cache, tiny_dir=tiny_dir, limit=N)
@@ -113,7 +93,7 @@ class Planted:
         return (eval, (f"__import__('os').makedirs({str(self.marker)!r}, exist_ok=True) or (0.0, False)",))
 
 
-def test_no_pickle_from_the_cache_dir_is_loaded(model, tok, tiny_dir, tmp_path, monkeypatch):
+def test_no_pickle_from_the_cache_dir_is_loaded(model, tok, tiny_dir, tmp_path, monkeypatch):  # noqa: F811
     """lm-eval's response cache is a pickle store (SqliteDict): one planted where evaluate.py pointed it
     (cache_dir/responses/<model key>/<backend>/lm_rank0.db), under the very requests a run makes, must
     not be read; the run's numbers are the model's own."""
