@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_dot_moe import _dense, _ids
 from torch.nn import functional as F
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM
 
 from workers.baselines.dense_to_moe_baselines import (
     D2mQwen3MoeConfig,
@@ -38,27 +39,6 @@ from workers.models.dot_moe_hf import set_top_k
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = {"calib_sequences": 4, "seq_len": 16, "batch_size": 2, "k_act": 6, "kmeans_restarts": 2}
-
-
-def _dense(d_ffn: int = 64, seed: int = 0):
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=d_ffn,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        initializer_range=0.2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    return AutoModelForCausalLM.from_config(cfg).eval()
-
-
-def _ids(seed: int, n: int = 2) -> torch.Tensor:
-    return torch.randint(0, 128, (n, 16), generator=torch.Generator().manual_seed(seed))
 
 
 def _logits(model, ids) -> torch.Tensor:
@@ -124,7 +104,7 @@ def test_cmoe_with_every_routed_expert_active_is_the_dense_model(d_ffn):
     dense, ffns, work, _ = _converted("cmoe", 8, 2, 1, d_ffn)
     moe = extract(work, ffns)
     assert isinstance(moe, D2mQwen3MoeForCausalLM) and moe.config.num_experts == 7
-    ids = _ids(7)
+    ids = _ids(7, 2)
     assert set_top_k(moe, 7) == 2
     torch.testing.assert_close(_logits(moe, ids), _logits(dense, ids), rtol=1e-5, atol=1e-5)
     set_top_k(moe, 2)
@@ -300,7 +280,7 @@ def test_importance_is_the_mean_of_h_times_its_gradient_per_cluster():
     ffns = install(work, 4, 2, "llama_moe_v2", spec)
     g = torch.Generator().manual_seed(8)
     centroids = [torch.randn(4, 32, generator=g) for _ in ffns]
-    windows = [_ids(60), _ids(61)]
+    windows = [_ids(60, 2), _ids(61, 2)]
     got = importance(work, ffns, centroids, windows)
     want = [torch.zeros(4, 64) for _ in ffns]
     count = [torch.zeros(4) for _ in ffns]
