@@ -12,12 +12,12 @@ import http.client
 import io
 import math
 import re
-import shutil
 import urllib.parse
 import xml.etree.ElementTree as ET
 from html.parser import HTMLParser
 
 import pytest
+from test_dashboard_hardening import browser  # noqa: F401  (headless Chromium, its console log readable)
 from test_readonly import snapshot
 from test_report import OWN, _key, _run, build_own_sweep
 
@@ -529,39 +529,11 @@ def test_log_ticks_are_round_distinct_and_cover_the_range(lo, hi):
 
 
 # ---- in a browser ---------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def browser():
-    """Headless Chromium through Selenium (as test_serve), with the console log readable."""
-    chrome = next(
-        (shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None
-    )
-    driver_path = shutil.which("chromedriver")
-    if chrome is None or driver_path is None:
-        pytest.fail(
-            "the browser tests need Chromium and its driver: apt-get install chromium chromium-driver",
-            pytrace=False,
-        )
-    from selenium import webdriver
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
-    opts = Options()
-    opts.binary_location = chrome
-    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
-        opts.add_argument(a)
-    opts.add_argument("--window-size=1360,900")
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    d = webdriver.Chrome(service=Service(executable_path=driver_path), options=opts)
-    d.set_page_load_timeout(60)
-    yield d
-    d.quit()
+def _violations(driver) -> list[str]:
+    return [e["message"] for e in driver.get_log("browser") if "Content Security Policy" in e["message"]]
 
 
-def _violations(browser) -> list[str]:
-    return [e["message"] for e in browser.get_log("browser") if "Content Security Policy" in e["message"]]
-
-
-def test_tick_compare_and_download_in_a_browser(world, browser):
+def test_tick_compare_and_download_in_a_browser(world, browser):  # noqa: F811
     """On the results page: the compare button waits for two ticks, submits the ticked ids (in the
     table's order) to the side-by-side page; the CSV link downloads the rows the page shows."""
     from selenium.webdriver.common.by import By
@@ -605,7 +577,7 @@ def test_tick_compare_and_download_in_a_browser(world, browser):
     assert not _violations(browser)
 
 
-def test_plots_laid_out_in_a_browser(world, browser):
+def test_plots_laid_out_in_a_browser(world, browser):  # noqa: F811
     """Laid out by Chromium under the pages' policy: every chart's legend is beside its plot area, not on
     it, the tick labels differ, and the charts fit their figure."""
     browser.get_log("browser")
