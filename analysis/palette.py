@@ -1,9 +1,7 @@
 """The colours a scoring keeps from chart to chart, in the report's figures and the dashboard's plots
-(no matplotlib import: the dashboard draws its own SVG)."""
+(no matplotlib or pandas import at start-up: the dashboard draws its own SVG)."""
 
 from __future__ import annotations
-
-from analysis.derived import SCORING_ORDER
 
 PALETTE = (
     "#4c72b0",
@@ -21,5 +19,9 @@ PALETTE = (
 
 def scoring_color(s: str) -> str:
     """A scoring's colour: by its place in the paper's order, else a stable one from its name."""
+    from analysis.derived import (
+        SCORING_ORDER,
+    )  # here: derived imports pandas, which the dashboard's start needs not
+
     i = SCORING_ORDER.index(s) if s in SCORING_ORDER else len(SCORING_ORDER) + sum(map(ord, s))
     return PALETTE[i % len(PALETTE)]
