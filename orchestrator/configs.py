@@ -16,21 +16,27 @@ from typing import Any
 from orchestrator.axes import AXES
 from orchestrator.schema import SpecError
 from orchestrator.spec import SweepSpec
-from orchestrator.stage import TeacherShape
 from orchestrator.stages.convert import grid_configs
 from orchestrator.stages.teacher import teacher_label  # noqa: F401  (re-exported: the dry run names the teacher)
+from workers.core.shape import TeacherShape
 
 
 def stated_shape(spec: SweepSpec) -> TeacherShape:
     """The teacher's shape as far as the sweep file tells (the tiny teacher's settings, or what an HF
-    teacher's section states): what a dry run plans with, without downloading or importing torch."""
+    teacher's section states; what it cannot tell is None): what a dry run plans with, without downloading
+    or importing torch. `shape_source` names where it was read."""
     if spec.teacher.source == "tiny":
         from workers.tiny.spec import TinyTeacherSpec
 
         t = TinyTeacherSpec(**spec.teacher.tiny)
-        return TeacherShape(t.experts, t.top_k, True, 0, "qwen3_moe", source="tiny teacher settings")
+        return TeacherShape("qwen3_moe", "qwen3_moe", t.experts, t.top_k, True, 0, t.layers)
     t = spec.teacher
-    return TeacherShape(t.num_experts, t.top_k, t.renormalize, t.shared_experts, None, source="sweep file")
+    return TeacherShape(None, None, t.num_experts, t.top_k, t.renormalize, t.shared_experts, None)
+
+
+def shape_source(spec: SweepSpec) -> str:
+    """Where `stated_shape` reads the teacher's shape."""
+    return "tiny teacher settings" if spec.teacher.source == "tiny" else "sweep file"
 
 
 def model_shape(spec: SweepSpec, path: str | None = None) -> TeacherShape:
@@ -75,7 +81,7 @@ def model_shape(spec: SweepSpec, path: str | None = None) -> TeacherShape:
                 f"{path}: teacher.{name}: {value!r}, but the model's config says {getattr(s, name)!r} "
                 f"({s.family}); remove it or write {getattr(s, name)!r}"
             )
-    return TeacherShape(s.num_experts, s.top_k, s.renormalize, s.shared_experts, s.family, source="config")
+    return s
 
 
 def check_k(spec: SweepSpec, shape: TeacherShape) -> None:

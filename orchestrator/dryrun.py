@@ -12,8 +12,9 @@ from orchestrator import configs as P
 from orchestrator.axes import AXES
 from orchestrator.scope import Scope
 from orchestrator.spec import SweepSpec
-from orchestrator.stage import SweepContext, TeacherShape, stages, unique
+from orchestrator.stage import SweepContext, stages, unique
 from orchestrator.stages.convert import subgrids
+from workers.core.shape import TeacherShape
 
 
 def plan_counts(
@@ -103,7 +104,7 @@ def plan(
             "label": P.teacher_label(spec),
             "num_experts": shape.num_experts,
             "top_k": shape.top_k,
-            "shape_from": shape.source,
+            "shape_from": P.shape_source(spec),
         },
         "grids": [
             {a: len(v) for a, v in g.model_dump().items() if v is not None and a in AXES}

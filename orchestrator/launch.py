@@ -41,10 +41,11 @@ from orchestrator.axes import AXES
 from orchestrator.schema import artifact_root
 from orchestrator.scope import Scope, competes, is_d2d
 from orchestrator.spec import SpecError, SweepSpec, check_local_paths, spec_hash
-from orchestrator.stage import JobSpec, Stage, SweepContext, TeacherShape, stages, unique
+from orchestrator.stage import JobSpec, Stage, SweepContext, stages, unique
 from workers.core.artifacts import LAYOUT, is_url, same_content, sealed
 from workers.core.artifacts import check as artifact_check
 from workers.core.artifacts import name as artifact_name
+from workers.core.shape import TeacherShape
 
 
 @dataclass

@@ -23,6 +23,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from orchestrator.schema import Resources
+from workers.core.shape import TeacherShape
 
 # item_scores: per-item scores (lm-eval samples, perplexity windows) behind a metric's standard error
 RECORD_KINDS = frozenset({"outputs", "metrics", "artifacts", "plan_rows", "layer_diag", "item_scores"})
@@ -232,21 +233,9 @@ def unique(jobs) -> list[JobSpec]:
 
 # ---- what a stage's `jobs` function sees ----------------------------------------------------------------------
 @dataclass
-class TeacherShape:
-    """The teacher's routing as the configurations need it; `source` says where it was read ("config" or the
-    sweep file for a dry run that cannot read the config)."""
-
-    num_experts: int | None
-    top_k: int | None
-    renormalize: bool | None = None
-    shared_experts: int | None = None
-    family: str | None = None
-    source: str = "config"
-
-
-@dataclass
 class SweepContext:
-    """The sweep, the teacher's shape, the configurations, and what earlier stages planned and produced.
+    """The sweep, the teacher's shape (read from its config, or for a dry run what the sweep file states, the
+    fields it cannot tell None), the configurations, and what earlier stages planned and produced.
 
     `jobs[stage]` maps a configuration key (or a label, for a stage without configurations) to its job;
     `outputs[stage]` maps a job key to the outputs of that job if it succeeded. The launcher supplies

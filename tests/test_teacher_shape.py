@@ -12,7 +12,7 @@ import torch
 import transformers
 from families_cases import FAMILIES, ids, make_teacher, routed_scale, tiny_config
 
-from workers.core.types import TeacherShape
+from workers.core.shape import TeacherShape
 from workers.families import ADAPTERS, adapter_for_config, get_adapter, teacher_shape
 
 # (family, config overrides): every family as the shared fixture builds it, then variants

@@ -73,20 +73,6 @@ class DenseFFN:
         return self.gate.shape[0]
 
 
-@dataclass(frozen=True)
-class TeacherShape:
-    """The routed-MoE shape of a teacher as its family's architecture builds it from the config alone
-    (no weights): what a sweep's E and k must agree with."""
-
-    family: str  # adapter name, e.g. "qwen3_moe"
-    model_type: str  # config.model_type
-    num_experts: int  # E: routed experts per MoE layer
-    top_k: int  # k: experts the router picks per token
-    renormalize: bool  # whether the router divides its top-k weights by their sum
-    shared_experts: int  # always-on shared experts per MoE layer (K counts routed experts only)
-    moe_layers: int  # decoder layers whose FFN is a routed MoE block
-
-
 # Token samples beside the sums (calibration.sample_tokens > 0): per layer the sampled tokens' block inputs
 # x [T, H] and router probabilities p [T, E] (keys `layer.<i>.sample_x`, `layer.<i>.sample_p`), and once per
 # file where they came from (keys `sample.<name>`): the windows' token ids and attention masks [W, S] and, per

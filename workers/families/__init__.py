@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from workers.core.types import TeacherShape
+from workers.core.shape import TeacherShape
 from workers.families.afmoe import AfmoeAdapter
 from workers.families.aria import AriaTextAdapter
 from workers.families.base import FamilyAdapter

@@ -26,7 +26,8 @@ from typing import Any
 
 from torch import nn
 
-from workers.core.types import ExpertWeights, TeacherShape
+from workers.core.shape import TeacherShape
+from workers.core.types import ExpertWeights
 from workers.families.fused import (
     TRANSPOSED_UNIT_LAYOUT,
     FusedMoeAdapter,

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.core.types import DenseFFN, ExpertWeights, LayerStats, MergedLayer, TeacherShape
+from workers.core.shape import TeacherShape
+from workers.core.types import DenseFFN, ExpertWeights, LayerStats, MergedLayer
 
 
 class FamilyAdapter(ABC):

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.core.types import DenseFFN, ExpertWeights, MergedLayer, TeacherShape
+from workers.core.shape import TeacherShape
+from workers.core.types import DenseFFN, ExpertWeights, MergedLayer
 from workers.families.fused import FusedMoeAdapter, _check_silu, assemble, config_int, rebuild
 
 EXPERT_TENSORS = ("experts.mlp.w1", "experts.mlp.v1", "experts.mlp.w2")  # [E·I, H] each

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.core.types import DenseFFN, ExpertWeights, MergedLayer, TeacherShape
+from workers.core.shape import TeacherShape
+from workers.core.types import DenseFFN, ExpertWeights, MergedLayer
 from workers.families.base import FamilyAdapter
 from workers.methods.merge import concat_blocks
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from workers.core.types import TeacherShape
+from workers.core.shape import TeacherShape
 from workers.families.fused import FusedMoeAdapter, config_int, copy_config
 
 

@@ -36,7 +36,8 @@ from typing import Any
 
 from torch import nn
 
-from workers.core.types import DenseFFN, TeacherShape
+from workers.core.shape import TeacherShape
+from workers.core.types import DenseFFN
 from workers.families.fused import FusedMoeAdapter, config_int
 
 SPARSEMIXER_K = 2  # SparseMixer's picks per token, fixed by the modeling code
