@@ -11,7 +11,6 @@ import torch
 from workers.core.tiny_corpus import DOMAINS, SPLITS, build_corpus, file_documents, pack, read_split
 from workers.tiny.teacher import (
     TinyTeacherSpec,
-    lr_at,
     per_layer_balance_loss,
     prepare_data,
     train_tiny_dense,
@@ -132,13 +131,6 @@ def test_balance_loss_is_per_layer():
     )  # f=(1,1,0,0), P=(.5,.5,0,0)
     # ... but pooled over the layers (what HF's aux loss sees) it looks perfectly balanced
     assert per_layer_balance_loss([torch.cat([a, b])], k).item() == pytest.approx(k, rel=1e-4)
-
-
-def test_lr_schedule():
-    lrs = [lr_at(s, 100, 1e-3, 10, 0.1) for s in range(100)]
-    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
-    assert max(lrs) == pytest.approx(1e-3) and lrs[-1] == pytest.approx(1e-4)
-    assert all(x >= y for x, y in zip(lrs[9:], lrs[10:], strict=False))
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,7 @@ from torch.nn import functional as F
 
 from workers.baselines.dense_ffn import copied_config, padded_ffn
 from workers.baselines.dot_moe_spec import BASELINES, METHODS, SUPPORTED, DotMoeSpec
+from workers.core.schedule import cosine_lr
 from workers.core.steplog import StepLog
 from workers.methods.sinkhorn import greedy_round, sinkhorn
 
@@ -251,15 +252,6 @@ def objective(
     return {"loss": total, "kl": kl, "ce": ce, "z": z, "balance": lb}
 
 
-def lr_at(step: int, spec: DotMoeSpec) -> float:
-    """Linear warm-up, then cosine decay to 0 (Table 6)."""
-    w = spec.warmup
-    if step < w:
-        return spec.lr * (step + 1) / w
-    t = min(1.0, (step - w) / max(1, spec.steps - w - 1))
-    return spec.lr * 0.5 * (1 + math.cos(math.pi * t))
-
-
 def _accumulate(
     model: nn.Module, ffns: list[DotMoeFFN], ids: torch.Tensor, spec: DotMoeSpec
 ) -> dict[str, torch.Tensor]:
@@ -303,7 +295,7 @@ def align(
         for f in ffns:
             f.tau = tau
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, spec)
+            g["lr"] = cosine_lr(step, spec.steps, spec.lr, spec.warmup)  # decay to 0 (Table 6)
         opt.zero_grad(set_to_none=True)
         terms = _accumulate(model, ffns, ids.to(dev), spec)
         torch.nn.utils.clip_grad_norm_(params, spec.grad_clip)

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from workers.core.schedule import cosine_lr
 from workers.core.steplog import StepLog
 from workers.tiny.spec import TinyTeacherSpec  # noqa: F401  (re-exported)
 
@@ -65,15 +66,6 @@ def per_layer_balance_loss(
         )
         losses.append(n_experts * (f / n_tokens * probs.mean(dim=0)).sum())
     return torch.stack(losses).mean()
-
-
-def lr_at(step: int, steps: int, lr: float, warmup: int, min_lr_ratio: float) -> float:
-    """Linear warmup over ``warmup`` steps, then cosine decay from ``lr`` to ``lr * min_lr_ratio`` at the last step."""
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    span = max(1, steps - warmup - 1)
-    t = min(1.0, (step - warmup) / span)
-    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 def expert_load(router_logits: list[torch.Tensor], top_k: int) -> list[dict[str, Any]]:
@@ -439,7 +431,7 @@ def _train(kind: str, spec: TinyTeacherSpec, out: Path, data: dict[str, Any], ke
     steplog = StepLog("dense teacher" if not moe else "teacher", spec.steps)
     for step in range(spec.steps):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, spec.steps, spec.lr, spec.warmup, spec.min_lr_ratio)
+            group["lr"] = cosine_lr(step, spec.steps, spec.lr, spec.warmup, spec.lr * spec.min_lr_ratio)
         ids = train[step * spec.batch_size : (step + 1) * spec.batch_size]
         res = model(input_ids=ids, output_router_logits=True) if moe else model(input_ids=ids)
         logits = res.logits[:, :-1]
