@@ -1,5 +1,5 @@
 """The colours a scoring keeps from chart to chart, in the report's figures and the dashboard's plots
-(no matplotlib or pandas import at start-up: the dashboard draws its own SVG)."""
+(no matplotlib or pandas import at start-up: the dashboard imports matplotlib when it draws a chart)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,6 @@ MAX_QUERY bytes, or an integer outside its range, is a one-line 400.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import csv
 import functools
@@ -21,7 +20,6 @@ import io
 import math
 import re
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -37,7 +35,7 @@ from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from analysis.latex import fmt_ppl
-from analysis.palette import scoring_color
+from dashboard import charts
 from dashboard import data as D
 from dashboard.reports import ReportCache, compare
 from db.store import Store, StoreError
@@ -126,487 +124,6 @@ def _dur(v: Any) -> str:
 def _seg(v: Any) -> str:
     """One URL path segment (a sweep name may hold ':' or spaces)."""
     return quote(str(v), safe="")
-
-
-def nice_ticks(lo: float, hi: float, n: int = 5, integer: bool = False) -> list[float]:
-    """About `n` round ticks (steps of 1, 2, 2.5 or 5 × 10^k) from at or below `lo` to at or above `hi`; a
-    range of zero is widened around its value, so the ticks always differ."""
-    if not hi - lo > abs(hi) * 1e-12:
-        if integer:
-            hi = lo + 1
-        else:
-            half = abs(lo) * 0.005 or 0.5
-            lo, hi = lo - half, hi + half
-    raw = (hi - lo) / max(n - 1, 1)
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw * (1 - 1e-9))
-    if integer:
-        step = max(1, round(step))
-    first, last = math.floor(lo / step + 1e-9), math.ceil(hi / step - 1e-9)
-    return [float(f"{i * step:.12g}") for i in range(first, last + 1)]
-
-
-def tick_labels(ticks: list[float]) -> list[str]:
-    """Tick values as text with the fewest decimals that keep every label distinct and exact for the step."""
-    step = min((b - a for a, b in zip(ticks, ticks[1:], strict=False)), default=1.0)
-    digits = max(0, -math.floor(math.log10(step) + 1e-9)) if step > 0 else 0
-    while True:
-        out = [f"{t:.{digits}f}" for t in ticks]
-        exact = all(abs(float(o) - t) <= step * 1e-6 for o, t in zip(out, ticks, strict=True))
-        if (len(set(out)) == len(out) and exact) or digits >= 15:
-            return out
-        digits += 1
-
-
-GREY, INK = "#6e7781", "#1f2328"
-# the parallel-coordinates lines by PPL, lowest fifth to highest
-BANDS = ("#1a7f37", "#4c72b0", "#8172b3", "#dd8452", "#c44e52")
-LOG_ABOVE = 10.0  # a positive axis whose largest value is more than this many times its smallest is log
-
-
-def log_ticks(lo: float, hi: float) -> list[float]:
-    """Round ticks for a log axis from at or below `lo` to at or above `hi` (both > 0): 1, 2 and 5 × 10^k
-    over at most two decades, every decade over more (every other one past seven)."""
-    a, b = math.floor(math.log10(lo) + 1e-9), math.ceil(math.log10(hi) - 1e-9)
-    b = max(b, a + 1)
-    if b - a <= 2:
-        ticks = [float(f"{m}e{e}") for e in range(a, b + 1) for m in (1, 2, 5)]
-        first = max(t for t in ticks if t <= lo * (1 + 1e-9))
-        last = min(t for t in ticks if t > first and t >= hi * (1 - 1e-9))  # two ticks at least
-        return [t for t in ticks if first <= t <= last]
-    step = 1 if b - a <= 7 else 2
-    return [float(f"1e{e}") for e in range(a, b + step, step)]
-
-
-def compact(v: float, million: str = "m") -> str:
-    """A tick's value in a few characters: 20 · 2.5 · 120k · 1.5m (or 1.5M and 7B for parameters)."""
-    a = abs(v)
-    if a >= 1e9 and million == "M":
-        return f"{v / 1e9:g}B"
-    if a >= 1e6:
-        return f"{v / 1e6:g}{million}"
-    if a >= 1e4:
-        return f"{v / 1e3:g}k"
-    return f"{v:g}"
-
-
-@dataclass
-class Axis:
-    """Ticks, their labels and the scale (log or linear) of one axis of a chart."""
-
-    ticks: list[float]
-    labels: list[str]
-    log: bool = False
-
-    def pos(self, v: float, at_first: float, at_last: float) -> float:
-        """Where `v` lies between the pixel of the first tick and that of the last."""
-        f = math.log10 if self.log else float
-        lo, hi = f(self.ticks[0]), f(self.ticks[-1])
-        return at_first + (f(v) - lo) / (hi - lo) * (at_last - at_first)
-
-
-def axis(
-    values: list[float],
-    log: bool = False,
-    integer: bool = False,
-    at: list[float] | None = None,
-    million: str | None = None,
-) -> Axis:
-    """The axis of some values: the given tick positions `at` (a grid's K), round log ticks, or
-    `nice_ticks`; labels by `tick_labels`, or short (`compact`) on a log axis and for large numbers."""
-    lo, hi = min(values), max(values)
-    if at is not None and len(set(at)) > 1:
-        ticks = sorted(set(at))
-    elif log:
-        ticks = log_ticks(lo, hi)
-    else:
-        ticks = nice_ticks(lo, hi, integer=integer)
-    if log or at is not None or (million is not None and max(abs(t) for t in ticks) >= 1e4):
-        labels = [compact(t, million or "m") for t in ticks]
-    else:
-        labels = tick_labels(ticks)
-    return Axis(ticks, labels, log)
-
-
-def wide(values: list[float]) -> bool:
-    """Whether positive values span more than LOG_ABOVE× (then their axis is log)."""
-    return bool(values) and min(values) > 0 and max(values) > LOG_ABOVE * min(values)
-
-
-@dataclass
-class Series:
-    """One line (or one group of scattered points) of a chart, each point with its tooltip."""
-
-    name: str
-    points: list[tuple[float, float, str]]
-    colour: str = GREY
-    line: bool = True
-    dashed: bool = False
-
-
-def _legend(items: list[tuple[str, str, bool, bool]], x: float, top: float, bottom: float) -> list[str]:
-    """The legend right of the plot area at `x`: (name, colour, as a line, dashed) per entry."""
-    esc = Markup.escape
-    step = min(18.0, (bottom - top - 8) / max(len(items), 1))
-    out = ['<g class="legend">']
-    for i, (name, c, as_line, dashed) in enumerate(items):
-        y = f"{top + 8 + step * i:.1f}"
-        shown = name if len(name) <= 14 else name[:13] + "…"
-        mark = (
-            f'<line x1="{x + 14}" y1="{y}" x2="{x + 34}" y2="{y}" stroke="{c}" stroke-width="2"'
-            + (' stroke-dasharray="5 3"' if dashed else "")
-            + "/>"
-            if as_line
-            else f'<circle cx="{x + 24}" cy="{y}" r="4" fill="{c}"/>'
-        )
-        out.append(
-            f'<g class="legend-item"><title>{esc(name)}</title>{mark}'
-            f'<text class="tick" x="{x + 40}" y="{y}" dy="0.32em">{esc(shown)}</text></g>'
-        )
-    out.append("</g>")
-    return out
-
-
-def svg_chart(
-    series: list[Series],
-    *,
-    x_label: str,
-    y_label: str,
-    aria: str,
-    css: str = "chart",
-    x_log: bool = False,
-    y_log: bool = False,
-    x_at: list[float] | None = None,
-    x_integer: bool = False,
-    x_million: str | None = None,
-    width: int = 640,
-    height: int = 300,
-) -> Markup:
-    """A line or scatter chart as inline SVG: round ticks on both axes (log where asked), axis labels
-    below and left of the plot area, the legend to its right, a tooltip on every point. Points that a
-    log axis cannot show (not positive) or that are not finite are left out."""
-    ok = [
-        Series(
-            s.name,
-            [
-                p
-                for p in s.points
-                if math.isfinite(p[0])
-                and math.isfinite(p[1])
-                and (p[0] > 0 or not x_log)
-                and (p[1] > 0 or not y_log)
-            ],
-            s.colour,
-            s.line,
-            s.dashed,
-        )
-        for s in series
-    ]
-    ok = [s for s in ok if s.points]
-    pts = [p for s in ok for p in s.points]
-    if not pts:
-        return Markup("")
-    xa = axis([p[0] for p in pts], log=x_log, integer=x_integer, at=x_at, million=x_million)
-    ya = axis([p[1] for p in pts], log=y_log)
-    left, right, top, bottom = 72, 130, 14, 50  # margins: tick labels and y label; legend; x label
-    px0, px1, py0, py1 = left, width - right, top, height - bottom  # the plot area
-
-    def sx(v: float) -> float:
-        return xa.pos(v, px0, px1)
-
-    def sy(v: float) -> float:
-        return ya.pos(v, py1, py0)
-
-    esc = Markup.escape
-    out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" class="{css}" viewBox="0 0 {width} {height}" '
-        f'width="{width}" height="{height}" role="img" aria-label="{esc(aria)}"'
-        f' data-x-scale="{"log" if xa.log else "linear"}" data-y-scale="{"log" if ya.log else "linear"}">',
-        f'<rect class="plot-area" x="{px0}" y="{py0}" width="{px1 - px0}" height="{py1 - py0}" fill="none"/>',
-    ]
-    for t, label in zip(ya.ticks, ya.labels, strict=True):
-        y = f"{sy(t):.1f}"
-        out.append(f'<line class="grid" x1="{px0}" y1="{y}" x2="{px1}" y2="{y}"/>')
-        out.append(
-            f'<text class="tick y-tick" x="{px0 - 5}" y="{y}" dy="0.32em" text-anchor="end">{label}</text>'
-        )
-    for t, label in zip(xa.ticks, xa.labels, strict=True):
-        x = f"{sx(t):.1f}"
-        out.append(f'<line class="axis" x1="{x}" y1="{py1}" x2="{x}" y2="{py1 + 4}"/>')
-        out.append(f'<text class="tick x-tick" x="{x}" y="{py1 + 16}" text-anchor="middle">{label}</text>')
-    out += [
-        f'<line class="axis" x1="{px0}" y1="{py1}" x2="{px1}" y2="{py1}"/>',
-        f'<line class="axis" x1="{px0}" y1="{py0}" x2="{px0}" y2="{py1}"/>',
-        f'<text class="label x-label" x="{(px0 + px1) / 2}" y="{height - 10}" text-anchor="middle">'
-        f"{esc(x_label)}</text>",
-        f'<text class="label y-label" transform="rotate(-90)" x="{-(py0 + py1) / 2}" y="16" '
-        f'text-anchor="middle">{esc(y_label)}</text>',
-    ]
-    for s in ok:
-        xy = [(sx(x), sy(y)) for x, y, _ in s.points]
-        if s.line:
-            out.append(
-                f'<polyline class="series" fill="none" stroke="{s.colour}" stroke-width="2" '
-                + ('stroke-dasharray="5 3" ' if s.dashed else "")
-                + f'points="{" ".join(f"{x:.1f},{y:.1f}" for x, y in xy)}"/>'
-            )
-        for (_, _, tip), (x, y) in zip(s.points, xy, strict=True):
-            out.append(
-                f'<circle class="point" r="{3 if s.line else 4}" fill="{s.colour}" cx="{x:.1f}" cy="{y:.1f}" '
-                f'data-series="{esc(s.name)}"><title>{esc(tip)}</title></circle>'
-            )
-    out += _legend([(s.name, s.colour, s.line, s.dashed) for s in ok], px1, py0, py1)
-    out.append("</svg>")
-    return Markup("".join(out))
-
-
-def svg_curve(curves: dict[str, list[tuple[int, float]]], width: int = 640, height: int = 300) -> Markup:
-    """Validation CE by distillation step as an inline SVG line chart, one line per who (student, teacher):
-    round ticks on both axes, axis labels, and the legend to the right of the plot area."""
-    colours = {"student": "#1f6feb", "teacher": "#d1242f"}
-    return svg_chart(
-        [
-            Series(who, [(s, v, f"{who} step {s}: {v:.6g}") for s, v in line], colours.get(who, GREY))
-            for who, line in sorted(curves.items())
-        ],
-        x_label="distillation step",
-        y_label="validation cross-entropy",
-        aria="validation cross-entropy by distillation step",
-        css="curve",
-        x_integer=True,
-        width=width,
-        height=height,
-    )
-
-
-def _finite_ppl(r: dict[str, Any]) -> float | None:
-    v = r["ppl_pre"]
-    if r.get("ppl_pre_kind") not in (None, "finite") or v is None or not math.isfinite(v) or v <= 0:
-        return None
-    return float(v)
-
-
-def _left_out(n: int, what: str) -> str:
-    return f"{n} configuration{'s' if n != 1 else ''} {what}" if n else ""
-
-
-def svg_ppl_by_k(rows: list[dict[str, Any]]) -> tuple[Markup, str]:
-    """PPL before distillation by K, one line per scoring (the paper's Figures 7–9): at each K the lowest
-    PPL over the rows' other axes (grouping, scaling, …; filter to fix them), the teacher dashed; a log
-    PPL axis when it spans more than LOG_ABOVE×. Returns the chart and a note of what it leaves out."""
-    grid = [r for r in rows if r["scoring"] is not None and r["K"] is not None and r["kind"] != "teacher"]
-    best: dict[str, dict[int, tuple[float, str, int]]] = {}
-    diverged = 0
-    for r in grid:
-        v = _finite_ppl(r)
-        if v is None:
-            diverged += r.get("ppl_pre_kind") not in (None, "finite")
-            continue
-        at = best.setdefault(r["scoring"], {})
-        old = at.get(r["K"])
-        n = (old[2] if old else 0) + 1
-        at[r["K"]] = (v, r["config_key"], n) if old is None or v < old[0] else (old[0], old[1], n)
-    if not best:
-        return Markup(""), "No configuration of the rows shown has a scoring, a K and a finite PPL."
-    ks = sorted({k for at in best.values() for k in at})
-    series = [
-        Series(
-            s,
-            [
-                (k, v, f"{s} K={k}: {fmt_ppl(v)} (lowest of {n}: {key})")
-                for k, (v, key, n) in sorted(at.items())
-            ],
-            scoring_color(s),
-        )
-        for s, at in sorted(best.items(), key=lambda kv: _scoring_key(kv[0]))
-    ]
-    teachers = [r for r in rows if r["kind"] == "teacher" and _finite_ppl(r) is not None]
-    for t in teachers:
-        name = "teacher" if len(teachers) == 1 else f"teacher {t['config_key']}"
-        v = _finite_ppl(t)
-        series.append(
-            Series(name, [(k, v, f"{name}: {fmt_ppl(v)}") for k in (ks[0], ks[-1])], INK, dashed=True)
-        )
-    values = [p[1] for s in series for p in s.points]
-    chart = svg_chart(
-        series,
-        x_label="K (experts kept per layer)",
-        y_label="PPL before distillation" + (" (log scale)" if wide(values) else ""),
-        aria="PPL before distillation by K, one line per scoring",
-        css="chart ppl-by-k",
-        x_log=len(ks) > 1 and ks[-1] >= 4 * ks[0],
-        y_log=wide(values),
-        x_at=[float(k) for k in ks] if len(ks) <= 12 else None,
-        x_integer=True,
-    )
-    models = {r["model"] for r in grid}
-    note = [
-        "Each point: the lowest PPL over the other axes at that K among the rows shown (filter to fix them)."
-    ]
-    if len(models) > 1:
-        note.append(f"The rows hold {len(models)} models: filter by model to separate them.")
-    if diverged:
-        note.append("Left out: " + _left_out(diverged, "whose PPL is not finite") + ".")
-    return chart, " ".join(note)
-
-
-def _scoring_key(s: str) -> tuple[int, str]:
-    from analysis.derived import SCORING_ORDER
-
-    return (SCORING_ORDER.index(s) if s in SCORING_ORDER else len(SCORING_ORDER), s)
-
-
-def svg_acc_by_params(rows: list[dict[str, Any]]) -> tuple[Markup, str]:
-    """Average accuracy by the student's parameter count, a point per configuration coloured by scoring
-    (the teacher and baselines grey and black); a log parameter axis when it spans more than LOG_ABOVE×."""
-    both = [
-        r
-        for r in rows
-        if r["params"] is not None
-        and math.isfinite(r["params"])
-        and r["params"] > 0
-        and r["avg_acc"] is not None
-        and math.isfinite(r["avg_acc"])
-    ]
-    no_params = sum(1 for r in rows if r["avg_acc"] is not None and r not in both)
-    if not both:
-        return Markup(""), "No configuration of the rows shown has both a parameter count and an accuracy."
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for r in both:
-        groups.setdefault(r["scoring"] or r["kind"] or "other", []).append(r)
-
-    def colour(g: str) -> str:
-        if g == "teacher":
-            return INK
-        return GREY if g in ("baseline", "other", "dense2moe") else scoring_color(g)
-
-    series = [
-        Series(
-            g,
-            [
-                (
-                    float(r["params"]),
-                    100 * float(r["avg_acc"]),
-                    f"{r['config_key']}: {_pct(r['avg_acc'])} % at {r['params']:,.0f} parameters",
-                )
-                for r in sorted(members, key=lambda r: r["params"])
-            ],
-            colour(g),
-            line=False,
-        )
-        for g, members in sorted(groups.items(), key=lambda kv: _scoring_key(kv[0]))
-    ]
-    xs = [float(r["params"]) for r in both]
-    chart = svg_chart(
-        series,
-        x_label="parameters" + (" (log scale)" if wide(xs) else ""),
-        y_label="average accuracy %",
-        aria="average accuracy by parameter count",
-        css="chart acc-by-params",
-        x_log=wide(xs),
-        x_million="M",
-    )
-    note = f"{len(both)} configuration(s) with both a parameter count and an accuracy."
-    if no_params:
-        note += " Left out: " + _left_out(no_params, "with an accuracy but no parameter count") + "."
-    return chart, note
-
-
-def _category_key(v: Any) -> tuple[bool, str, Any]:
-    return (v is not None, str(type(v)), v if v is not None else 0)
-
-
-def svg_parallel(rows: list[dict[str, Any]], axes: list[str], height: int = 340) -> tuple[Markup, str]:
-    """Parallel coordinates of the grid: an axis per column that varies among the rows shown (its values
-    evenly spaced, sorted; `–` for none), then PPL before distillation (log when it spans more than
-    LOG_ABOVE×); a line per configuration coloured by its fifth of them by PPL, the picked ones bold."""
-    usable = [(r, v) for r in rows if (v := _finite_ppl(r)) is not None]
-    left_out = len(rows) - len(usable)
-    dims = [a for a in axes if len({r[a] for r, _ in usable}) > 1]
-    if len(usable) < 2 or not dims:
-        return Markup(""), "Fewer than two configurations with a finite PPL, or no axis varies among them."
-    cats = {a: sorted({r[a] for r, _ in usable}, key=_category_key) for a in dims}
-    ppls = [v for _, v in usable]
-    pa = axis(ppls, log=wide(ppls))
-    n = len(dims) + 1
-    left, right, top, bottom = 70, 170, 40, 16
-    width = max(640, left + right + 120 * (n - 1))
-    px0, px1, py0, py1 = left, width - right, top, height - bottom
-    xs = [px0 + i * (px1 - px0) / (n - 1) for i in range(n)]
-
-    def cat_y(a: str, v: Any) -> float:
-        vals = cats[a]
-        return py1 - vals.index(v) / (len(vals) - 1) * (py1 - py0)
-
-    ranked = sorted(ppls)
-
-    def band(v: float) -> int:
-        """The fifth of the rows (by PPL, lowest first) that `v` falls in."""
-        return min(len(BANDS) - 1, bisect.bisect_left(ranked, v) * len(BANDS) // len(ranked))
-
-    esc = Markup.escape
-    out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" class="chart parallel" viewBox="0 0 {width} {height}" '
-        f'width="{width}" height="{height}" role="img" aria-label="the grid\'s axes and PPL before '
-        f'distillation, a line per configuration" data-y-scale="{"log" if pa.log else "linear"}">',
-        f'<rect class="plot-area" x="{px0}" y="{py0}" width="{px1 - px0}" height="{py1 - py0}" fill="none"/>',
-    ]
-    lines = []
-    for r, v in sorted(usable, key=lambda rv: (bool(rv[0]["selected_for_distill"]), -rv[1])):
-        pts = [(xs[i], cat_y(a, r[a])) for i, a in enumerate(dims)] + [(xs[-1], pa.pos(v, py1, py0))]
-        picked = bool(r["selected_for_distill"])
-        tip = f"{r['config_key']}: PPL {fmt_ppl(v)}" + (" ★ picked" if picked else "")
-        lines.append(
-            f'<polyline class="config-line{" picked" if picked else ""}" data-config="{r["config_id"]}" '
-            f'fill="none" stroke="{BANDS[band(v)]}" stroke-width="{2.6 if picked else 1.2}" '
-            f'stroke-opacity="{1 if picked else 0.55}" '
-            f'points="{" ".join(f"{x:.1f},{y:.1f}" for x, y in pts)}"><title>{esc(tip)}</title></polyline>'
-        )
-    out += lines
-    halo = 'stroke="white" stroke-width="3" paint-order="stroke"'
-    for i, a in enumerate(dims):
-        x = f"{xs[i]:.1f}"
-        name = D.LABELS.get(a, a)
-        out.append(f'<line class="axis" x1="{x}" y1="{py0}" x2="{x}" y2="{py1}"/>')
-        out.append(
-            f'<text class="label dim-label" x="{x}" y="{py0 - 14}" text-anchor="middle" data-axis="{esc(a)}">'
-            f"{esc(name)}</text>"
-        )
-        for v in cats[a]:
-            text = "–" if v is None else str(v)
-            shown = text if len(text) <= 12 else text[:11] + "…"
-            out.append(
-                f'<text class="tick cat-tick" x="{xs[i] - 4:.1f}" y="{cat_y(a, v):.1f}" dy="0.32em" '
-                f'text-anchor="end" {halo}><title>{esc(text)}</title>{esc(shown)}</text>'
-            )
-    x = f"{xs[-1]:.1f}"
-    out.append(f'<line class="axis" x1="{x}" y1="{py0}" x2="{x}" y2="{py1}"/>')
-    out.append(
-        f'<text class="label dim-label" x="{x}" y="{py0 - 14}" text-anchor="middle" data-axis="ppl_pre">'
-        f"PPL pre{' (log)' if pa.log else ''}</text>"
-    )
-    for t, label in zip(pa.ticks, pa.labels, strict=True):
-        out.append(
-            f'<text class="tick y-tick" x="{xs[-1] + 5:.1f}" y="{pa.pos(t, py1, py0):.1f}" dy="0.32em" '
-            f"{halo}>{label}</text>"
-        )
-    bands: dict[int, list[float]] = {}
-    for v in ranked:
-        bands.setdefault(band(v), []).append(v)
-    out += _legend(
-        [(f"{fmt_ppl(vs[0])}–{fmt_ppl(vs[-1])}", BANDS[b], True, False) for b, vs in sorted(bands.items())],
-        px1 + 40,
-        py0,
-        py1,
-    )
-    out.append("</svg>")
-    note = (
-        f"{len(usable)} configurations; a line's colour is its fifth of them by PPL (lowest: green); bold: "
-        "picked by the selection rule."
-    )
-    if left_out:
-        note += " Left out: " + _left_out(left_out, "without a finite PPL") + "."
-    return Markup("".join(out)), note
 
 
 templates = Jinja2Templates(directory=str(HERE / "templates"))
@@ -767,9 +284,6 @@ def plots_page(request: Request) -> Response:
     sw = _one(D.sweep(store, name), f"no sweep {name!r} in this database")
     found = _results_query(request, store, name)
     rows = found["rows"]
-    by_k, by_k_note = svg_ppl_by_k(rows)
-    scatter, scatter_note = svg_acc_by_params(rows)
-    parallel, parallel_note = svg_parallel(rows, found["axes"])
     return _page(
         request,
         "plots.html",
@@ -777,9 +291,9 @@ def plots_page(request: Request) -> Response:
         options=D.filter_options(store, name),
         results_url=_with_query(request, f"/sweeps/{_seg(name)}"),
         charts=[
-            ("ppl-by-k", "PPL before distillation by K", by_k, by_k_note),
-            ("acc-by-params", "Accuracy by parameters", scatter, scatter_note),
-            ("parallel", "The grid: axes → PPL before distillation", parallel, parallel_note),
+            ("PPL before distillation by K", charts.ppl_by_k_chart(rows)),
+            ("Accuracy by parameters", charts.acc_by_params_chart(rows)),
+            ("The grid: axes → PPL before distillation", charts.parallel_chart(rows, found["axes"])),
         ],
         **found,
     )
@@ -803,13 +317,20 @@ def jobs_page(request: Request) -> Response:
     )
 
 
+def _report(request: Request, store: Store, name: str) -> Any:
+    """The sweep's rendered report; its figures are drawn by matplotlib, whose settings the charts share:
+    not while a chart is drawn."""
+    with charts.DRAWING:
+        return request.app.state.reports.get(store, name)
+
+
 def report_page(request: Request) -> Response:
     store, name = _store(request), request.path_params["name"]
     sw = _one(D.sweep(store, name), f"no sweep {name!r} in this database")
     if not sw.configs:
         return _page(request, "report.html", sweep=sw, report=None, problem="no configurations yet")
     try:
-        rep = request.app.state.reports.get(store, name)
+        rep = _report(request, store, name)
     except ValueError as e:
         return _page(request, "report.html", sweep=sw, report=None, problem=str(e))
     return _page(request, "report.html", sweep=sw, report=rep, problem=None)
@@ -818,7 +339,7 @@ def report_page(request: Request) -> Response:
 def report_figure(request: Request) -> Response:
     store, name, file = _store(request), request.path_params["name"], request.path_params["file"]
     _one(D.sweep(store, name), f"no sweep {name!r} in this database")
-    rep = request.app.state.reports.get(store, name)
+    rep = _report(request, store, name)
     if file not in {
         f for f, _ in rep.figures
     }:  # only files the report listed: no path from the URL is opened
@@ -942,8 +463,7 @@ def config_page(request: Request) -> Response:
         fields=D.CONFIG_PAGE_FIELDS,
         plan=D.plan(store, cid),
         metrics=D.metrics(store, cid),
-        curve=svg_curve(curve),
-        curve_points=sum(len(v) for v in curve.values()),
+        curve=charts.curve_chart(curve),
         jobs=jobs,
     )
 

@@ -1,6 +1,6 @@
 """The dashboard for exploring a sweep, not only reading it: the results table as a CSV (as filtered and
 sorted), each number's standard error and n beside it, several configurations side by side (of any
-sweeps), and server-drawn SVG plots of the sweep (PPL before distillation by K per scoring, accuracy by
+sweeps), and plots of the sweep drawn by matplotlib as inline SVG (PPL before distillation by K per scoring, accuracy by
 parameters, parallel coordinates of the grid). Over test_report's finished sweep, the paper's reference
 data and a grid of our own with standard errors, parameter counts, a diverged and an undefined PPL;
 checked through HTTP and in headless Chromium."""
@@ -17,6 +17,18 @@ import xml.etree.ElementTree as ET
 from html.parser import HTMLParser
 
 import pytest
+from test_dashboard_charts import (
+    SVG,
+    area,
+    assert_drawn,
+    by_class,
+    coordinates,
+    legend_outside,
+    point_at,
+    texts,
+    tick_value,
+    title,
+)
 from test_dashboard_hardening import browser  # noqa: F401  (headless Chromium, its console log readable)
 from test_readonly import snapshot
 from test_report import OWN, _key, _run, build_own_sweep
@@ -35,7 +47,6 @@ K_F, G_F = {2: 1.5, 4: 1.2, 8: 1.0}, {"RR": 1.0, "WC": 1.1}
 DIVERGED, UNDEFINED = "CP|WC|K=8", "SF|WC|K=2"  # PPL inf and nan
 TASKS = ("arc_easy", "hellaswag")
 WINDOWS, ITEMS = 64, 500
-SVG = "{http://www.w3.org/2000/svg}"
 
 
 def ppl_of(s: str, g: str, K: int) -> float:
@@ -391,141 +402,134 @@ def _chart(html: str, section: str) -> ET.Element:
     return ET.fromstring(part[part.index("<svg") : part.index("</svg>") + len("</svg>")])
 
 
-def _by_class(svg: ET.Element, cls: str) -> list[ET.Element]:
-    return [e for e in svg.iter() if cls in (e.get("class") or "").split()]
-
-
-def _area(svg: ET.Element) -> tuple[float, float, float, float]:
-    (a,) = _by_class(svg, "plot-area")
-    x, y = float(a.get("x")), float(a.get("y"))
-    return x, y, x + float(a.get("width")), y + float(a.get("height"))
-
-
-def _tick_value(label: str) -> float:
-    scale = {"k": 1e3, "m": 1e6, "M": 1e6, "B": 1e9}
-    return float(label[:-1]) * scale[label[-1]] if label[-1] in scale else float(label)
-
-
-def _legend_outside(svg: ET.Element) -> list[str]:
-    x0, y0, x1, y1 = _area(svg)
-    names = []
-    for item in _by_class(svg, "legend-item"):
-        names.append(item.findtext(f"{SVG}title"))
-        for part in item.iter():
-            for ax in ("x", "x1", "x2", "cx"):
-                if part.get(ax) is not None:
-                    assert float(part.get(ax)) > x1, ET.tostring(part)
-    return names
-
-
 def test_ppl_by_k_has_a_line_per_scoring_and_a_log_axis(world):
     """The lowest PPL per scoring and K over the other axes; a log PPL axis (the grid spans 10× and more);
-    K on the grid's values; the teacher dashed; the legend right of the plot; the diverged left out."""
+    K on the grid's values; the teacher dashed; the legend right of the plot; the diverged left out; each
+    point titled and linked to its configuration, and listed in the data table below the chart."""
     html = _page(world, f"/sweeps/{GRID}/plots")
     svg = _chart(html, "ppl-by-k")
     assert svg.get("data-y-scale") == "log" and svg.get("data-x-scale") == "log"
-    assert _legend_outside(svg) == [*SCORINGS, "teacher"]
-    assert [t.text for t in _by_class(svg, "x-tick")] == [str(k) for k in KS]
-    assert [t.text for t in _by_class(svg, "y-label")] == ["PPL before distillation (log scale)"]
-    ticks = [_tick_value(t.text) for t in _by_class(svg, "y-tick")]
-    assert ticks == sorted(ticks) and len(set(ticks)) == len(ticks)
+    assert svg.get("data-drawn-by", "").startswith("matplotlib ")
+    assert legend_outside(svg) == [*SCORINGS, "teacher"]
+    assert [s.get("data-series") for s in by_class(svg, "series")] == [*SCORINGS, "teacher"]
+    (dashed,) = by_class(svg, "teacher")
+    assert dashed.find(f"{SVG}path").get("stroke-dasharray")
+    assert texts(svg, "x-tick") == [str(k) for k in KS]
+    assert [t.text for g in by_class(svg, "y-label") for t in g.iter(f"{SVG}text")] == [
+        "PPL before distillation (log scale)"
+    ]
+    ticks = [tick_value(t) for t in texts(svg, "y-tick")]
+    assert ticks == sorted(ticks) and len(set(ticks)) == len(ticks) >= 2
     best = {}
     for s in SCORINGS:
         for K in KS:
-            vals = [ppl_of(s, g, K) for g in GROUPINGS if math.isfinite(ppl_of(s, g, K))]
+            vals = [(ppl_of(s, g, K), f"{s}|{g}|K={K}") for g in GROUPINGS if math.isfinite(ppl_of(s, g, K))]
             best[f"{s} K={K}"] = min(vals)
-    x0, y0, x1, y1 = _area(svg)
+    x0, y0, x1, y1 = area(svg)
     seen = {}
-    for c in _by_class(svg, "point"):
-        tip = c.findtext(f"{SVG}title")
-        x, y = float(c.get("cx")), float(c.get("cy"))
-        assert x0 - 0.1 <= x <= x1 + 0.1 and y0 - 0.1 <= y <= y1 + 0.1, tip
+    for c in by_class(svg, "point"):
+        tip = title(c)
+        x, y = point_at(c)
+        assert x0 <= x <= x1 and y0 <= y <= y1, tip
         if c.get("data-series") != "teacher":
             name, _, rest = tip.partition(": ")
             seen[name] = rest.split(" ")[0]
-            assert ticks[0] <= _ppl_back(rest.split(" ")[0]) <= ticks[-1]
-    assert seen == {k: fmt_ppl(v) for k, v in best.items()}
+            key = best[name][1]
+            assert c.get("href") == f"/configs/{_id(world, key)}" and rest.endswith(f": {key})"), (
+                tip,
+                c.attrib,
+            )
+    assert seen == {k: fmt_ppl(v) for k, (v, _) in best.items()}
     # a point lower on the chart has the lower PPL (the axis is not upside down)
-    ys = {c.findtext(f"{SVG}title").split(":")[0]: float(c.get("cy")) for c in _by_class(svg, "point")}
+    ys = {title(c).split(":")[0]: point_at(c)[1] for c in by_class(svg, "point")}
     assert ys["DO-ACP K=8"] > ys["CP K=8"] > ys["SF K=8"]
     assert "Left out: 2 configurations whose PPL is not finite" in html  # the diverged (inf) and nan
+    data = _data_table(html, "ppl-by-k")
+    assert len(data) == len(best) + 1 and [r[0] for r in data[:3]] == [SCORINGS[0]] * 3
+    assert {(r[0], r[1]): r[2] for r in data[:-1]} == {
+        tuple(k.split(" K=")): fmt_ppl(v) for k, (v, _) in best.items()
+    }
     # filtered to one scoring the range is under 10×: a linear axis
     svg = _chart(_page(world, f"/sweeps/{GRID}/plots?scoring=DO-ACP&grouping=WC"), "ppl-by-k")
     assert svg.get("data-y-scale") == "linear"
-    assert _legend_outside(svg) == ["DO-ACP"]  # the teacher has no scoring: filtered out
+    assert legend_outside(svg) == ["DO-ACP"]  # the teacher has no scoring: filtered out
 
 
-def _ppl_back(text: str) -> float:
-    return float(text.replace(",", ""))
+def _data_table(html: str, section: str) -> list[list[str]]:
+    """The cells of the data table below a chart."""
+    part = html[html.index(f'<details class="chart-data" id="{section}-data">') :]
+    part = part[: part.index("</details>")]
+    rows = re.findall(r"<tr>(.*?)</tr>", part, re.S)[1:]
+    return [[re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td>(.*?)</td>", r, re.S)] for r in rows]
 
 
 def test_accuracy_by_parameters_is_a_scatter_by_scoring(world):
     html = _page(world, f"/sweeps/{GRID}/plots")
     svg = _chart(html, "acc-by-params")
     assert svg.get("data-x-scale") == "log"  # 4e5 to 2e7 parameters
-    assert _legend_outside(svg) == [*SCORINGS, "teacher"]
-    assert [t.text for t in _by_class(svg, "y-label")] == ["average accuracy %"]
-    assert [t.text for t in _by_class(svg, "x-label")] == ["parameters (log scale)"]
-    assert not _by_class(svg, "series")  # points, not lines
+    assert legend_outside(svg) == [*SCORINGS, "teacher"]
+    assert [g.get("data-series") for g in by_class(svg, "points")] == [*SCORINGS, "teacher"]
+    assert [t.text for g in by_class(svg, "y-label") for t in g.iter(f"{SVG}text")] == ["average accuracy %"]
+    assert [t.text for g in by_class(svg, "x-label") for t in g.iter(f"{SVG}text")] == [
+        "parameters (log scale)"
+    ]
+    assert not by_class(svg, "series")  # points, not lines
     db = _db(world, "SELECT * FROM results WHERE sweep = :s AND avg_acc IS NOT NULL", s=GRID)
-    points = _by_class(svg, "point")
+    points = by_class(svg, "point")
     assert len(points) == len(db) > 5
-    x0, y0, x1, y1 = _area(svg)
+    assert {p.get("href") for p in points} == {f"/configs/{r['config_id']}" for r in db}
+    x0, y0, x1, y1 = area(svg)
     ys = {}
     for c in points:
-        x, y = float(c.get("cx")), float(c.get("cy"))
-        assert x0 - 0.1 <= x <= x1 + 0.1 and y0 - 0.1 <= y <= y1 + 0.1
-        ys[c.findtext(f"{SVG}title").split(":")[0]] = (x, y)
+        x, y = point_at(c)
+        assert x0 <= x <= x1 and y0 <= y <= y1
+        ys[title(c).split(":")[0]] = (x, y)
     assert ys["teacher"][1] < ys["DO-ACP|RR|K=8"][1] < ys["SF|RR|K=2"][1]  # higher accuracy: higher up
     assert ys["teacher"][0] > ys["DO-ACP|RR|K=8"][0] > ys["SF|RR|K=2"][0]  # more parameters: further right
-    xt = [_tick_value(t.text) for t in _by_class(svg, "x-tick")]
-    assert xt[0] <= 4e5 and xt[-1] >= 2e7 and xt == sorted(xt)
+    xt = [tick_value(t) for t in texts(svg, "x-tick")]
+    assert len(xt) >= 2 and xt == sorted(xt) and len(set(xt)) == len(xt)
+    data = {r[1]: r for r in _data_table(html, "acc-by-params")}
+    assert set(data) == {r["config_key"] for r in db}
+    for r in db:
+        assert data[r["config_key"]][2:] == [f"{r['params']:,.0f}", f"{100 * r['avg_acc']:.2f}"]
     # test_report's sweep has no parameter counts: a sentence instead of an empty chart
     html = _page(world, f"/sweeps/{OWN}/plots")
     assert "No configuration of the rows shown has both a parameter count and an accuracy." in html
+    assert 'id="acc-by-params-figure"' not in html
 
 
 def test_parallel_coordinates_of_the_grid(world):
     html = _page(world, f"/sweeps/{GRID}/plots?kind=moe2dense")
     svg = _chart(html, "parallel")
-    assert [t.get("data-axis") for t in _by_class(svg, "dim-label")] == [
+    assert [t.get("data-axis") for t in by_class(svg, "dim-label")] == [
         "scoring",
         "grouping",
         "K",
         "ppl_pre",
     ]
     assert svg.get("data-y-scale") == "log"
-    lines = _by_class(svg, "config-line")
+    lines = by_class(svg, "config-line")
     db = {
         str(r["config_id"]): r
         for r in _db(world, "SELECT * FROM results WHERE sweep = :s AND kind = 'moe2dense'", s=GRID)
     }
     finite = {k: r for k, r in db.items() if r["ppl_pre_kind"] == "finite"}
     assert {ln.get("data-config") for ln in lines} == set(finite) and len(lines) == len(finite)
-    last_y = {ln.get("data-config"): float(ln.get("points").split()[-1].split(",")[1]) for ln in lines}
+    assert all(ln.get("href") == f"/configs/{ln.get('data-config')}" for ln in lines)
+    last_y = {ln.get("data-config"): coordinates(ln)[-1][1] for ln in lines}
     order = sorted(finite, key=lambda k: finite[k]["ppl_pre"])
     assert [last_y[k] for k in order] == sorted(last_y.values(), reverse=True)  # lower PPL, lower down
     picked = {ln.get("data-config") for ln in lines if "picked" in ln.get("class").split()}
     assert picked == {k for k, r in finite.items() if r["selected_for_distill"]} and picked
-    cats = [t.findtext(f"{SVG}title") for t in _by_class(svg, "cat-tick")]
+    cats = [title(t) for t in by_class(svg, "cat-tick")]
     assert cats == [*sorted(SCORINGS), *GROUPINGS, *[str(k) for k in KS]]
     assert "Left out: 2 configurations without a finite PPL" in html
-    assert len(_legend_outside(svg)) == 5
-
-
-@pytest.mark.parametrize(
-    ("lo", "hi"),
-    [(20.0, 660.0), (4829.0, 21_800_000.0), (0.0012, 0.0019), (3.0, 30.0), (1.0, 1.0), (9.99, 10.01)],
-)
-def test_log_ticks_are_round_distinct_and_cover_the_range(lo, hi):
-    from dashboard.app import compact, log_ticks
-
-    ticks = log_ticks(lo, hi)
-    assert ticks[0] <= lo and ticks[-1] >= hi and ticks == sorted(set(ticks)) and len(ticks) >= 2
-    assert all(float(f"{t:.1g}") == t for t in ticks)  # 1, 2 or 5 × 10^k
-    labels = [compact(t) for t in ticks]
-    assert len(set(labels)) == len(labels)
-    assert len(ticks) <= 10
+    assert len(legend_outside(svg)) == 5
+    ppl_ticks = [tick_value(t) for t in texts(svg, "y-tick")]
+    assert len(ppl_ticks) >= 2 and ppl_ticks == sorted(ppl_ticks)
+    assert sorted(r[0] for r in _data_table(html, "parallel")) == sorted(
+        r["config_key"] for r in finite.values()
+    )
 
 
 # ---- in a browser ---------------------------------------------------------------------------------------
@@ -598,6 +602,32 @@ def test_plots_laid_out_in_a_browser(world, browser):  # noqa: F811
         assert g["width"] > 300
     assert not _violations(browser)
     assert browser.find_element("css selector", "nav.tabs a.on").text == "plots"
+
+
+def test_plots_are_visible_in_a_browser(world, browser):  # noqa: F811
+    """Each chart as Chromium paints it (a screenshot of its element): not blank, every series' colour on it;
+    and a point's title is the hover text of what the pointer is over."""
+    from selenium.webdriver.common.by import By
+
+    from analysis.palette import scoring_color
+
+    browser.get(f"{world['url']}/sweeps/{GRID}/plots")
+    colours = [scoring_color(s) for s in SCORINGS]
+    for name, want in (
+        ("ppl-by-k", colours),
+        ("acc-by-params", colours),
+        ("parallel", ["#1a7f37", "#c44e52"]),
+    ):
+        el = browser.find_element(By.CSS_SELECTOR, f"svg.chart.{name}")
+        assert el.is_displayed() and el.size["width"] > 300 and el.size["height"] > 150, (name, el.size)
+        assert_drawn(el.screenshot_as_png, want, name)
+    hovered = browser.execute_script(
+        "const p = document.querySelector('svg.ppl-by-k .point'); p.scrollIntoView({block: 'center'});"
+        "const b = p.getBoundingClientRect();"
+        "const e = document.elementFromPoint(b.x + b.width / 2, b.y + b.height / 2);"
+        "return e && e.closest('.point') ? e.closest('.point').querySelector('title').textContent : e;"
+    )
+    assert hovered.startswith(f"{SCORINGS[0]} K={KS[0]}: "), hovered
 
 
 # ---- read-only, guarded -------------------------------------------------------------------------------------
@@ -678,7 +708,7 @@ def test_the_new_pages_over_postgresql(pg_database):
         assert code == 200 and b"data-delta=" in body and b"hellaswag acc_norm" in body
         html = _get(srv.url, f"/sweeps/{GRID}/plots")[2].decode()
         assert _chart(html, "ppl-by-k").get("data-y-scale") == "log"
-        assert len(_by_class(_chart(html, "acc-by-params"), "point")) > 5
-        assert len(_by_class(_chart(html, "parallel"), "config-line")) == len(ids) - 2
+        assert len(by_class(_chart(html, "acc-by-params"), "point")) > 5
+        assert len(by_class(_chart(html, "parallel"), "config-line")) == len(ids) - 2
     finally:
         srv.stop()

@@ -22,6 +22,17 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import text
+from test_dashboard_charts import (
+    SVG,
+    area,
+    assert_drawn,
+    by_class,
+    coordinates,
+    legend_outside,
+    point_at,
+    texts,
+    title,
+)
 from test_report import OWN, _key, _run, build_own_sweep
 
 from analysis.reference import reference_sweeps
@@ -408,13 +419,9 @@ def test_vs_paper_compares_the_same_model(same_model_server):
 
 # ---- the configuration page's chart -----------------------------------------------------------------------
 def _svg(curves) -> ET.Element:
-    from dashboard.app import svg_curve
+    from dashboard.charts import curve_chart
 
-    return ET.fromstring(str(svg_curve(curves)))
-
-
-def _by_class(svg: ET.Element, cls: str) -> list[ET.Element]:
-    return [e for e in svg.iter() if cls in (e.get("class") or "").split()]
+    return ET.fromstring(str(curve_chart(curves).svg))
 
 
 @pytest.mark.parametrize(
@@ -428,41 +435,57 @@ def _by_class(svg: ET.Element, cls: str) -> list[ET.Element]:
     ],
     ids=["third-decimal", "flat", "tiny", "large", "wide"],
 )
-def test_chart_ticks_are_distinct_and_cover_the_data(curves):
+def test_chart_ticks_are_distinct_and_span_the_data(curves):
+    """Whatever the range (a third decimal, none, tiny, large), at least two distinct tick labels in
+    plain notation (no offset or power beside the axis), in order, reaching into the data's range from
+    both sides, and every point inside the plot area, a larger value higher up."""
     svg = _svg(curves)
+    x0, y0, x1, y1 = area(svg)
     for axis, values in (
         ("y", [v for line in curves.values() for _, v in line]),
         ("x", [s for line in curves.values() for s, _ in line]),
     ):
-        labels = [t.text for t in _by_class(svg, f"{axis}-tick")]
+        labels = texts(svg, f"{axis}-tick")
         assert len(labels) >= 2 and len(set(labels)) == len(labels), (axis, labels)
-        nums = [float(t) for t in labels]
+        nums = [float(t.replace("−", "-")) for t in labels]
         assert nums == sorted(nums), labels
-        assert nums[0] <= min(values) and nums[-1] >= max(values), (axis, labels, values)
+        assert nums[0] <= max(values) and nums[-1] >= min(values), (axis, labels, values)
+    points = by_class(svg, "point")
+    assert len(points) == sum(len(v) for v in curves.values())
+    for p in points:
+        x, y = point_at(p)
+        assert x0 <= x <= x1 and y0 <= y <= y1, (title(p), (x, y), (x0, y0, x1, y1))
+    student = {
+        int(title(p).split()[2].rstrip(":")): point_at(p)[1]
+        for p in points
+        if p.get("data-series") == "student"
+    }
+    values = dict(curves["student"])
+    for a in student:
+        for b in student:
+            if values[a] > values[b]:
+                assert student[a] < student[b]  # higher up
 
 
 def test_chart_has_axis_labels_and_a_legend_outside_the_plot():
     curves = {"student": [(0, 5.3548), (100, 5.3531), (200, 5.3512)], "teacher": [(0, 5.352), (200, 5.352)]}
     svg = _svg(curves)
-    (area,) = _by_class(svg, "plot-area")
-    x0, y0 = float(area.get("x")), float(area.get("y"))
-    x1, y1 = x0 + float(area.get("width")), y0 + float(area.get("height"))
-    legend = _by_class(svg, "legend-item")
-    assert sorted(e.findtext("{http://www.w3.org/2000/svg}text") or "" for e in legend) == [
-        "student",
-        "teacher",
+    x0, y0, x1, y1 = area(svg)
+    assert sorted(legend_outside(svg)) == ["student", "teacher"]  # right of the plot area
+    assert [t.text for g in by_class(svg, "x-label") for t in g.iter(f"{SVG}text")] == ["distillation step"]
+    assert [t.text for g in by_class(svg, "y-label") for t in g.iter(f"{SVG}text")] == [
+        "validation cross-entropy"
     ]
-    for e in legend:
-        for part in e.iter():
-            for ax in ("x", "x1", "x2"):
-                if part.get(ax) is not None:
-                    assert float(part.get(ax)) > x1, ET.tostring(part)  # right of the plot area
-    assert [t.text for t in _by_class(svg, "x-label")] == ["distillation step"]
-    assert [t.text for t in _by_class(svg, "y-label")] == ["validation cross-entropy"]
-    for line in _by_class(svg, "series"):
-        for pt in line.get("points").split():
-            x, y = map(float, pt.split(","))
-            assert x0 <= x <= x1 and y0 <= y <= y1, pt
+    lines = by_class(svg, "series")
+    assert [ln.get("data-series") for ln in lines] == ["student", "teacher"]
+    for line in lines:
+        for x, y in coordinates(line):
+            assert x0 <= x <= x1 and y0 <= y <= y1, (x, y)
+    assert [title(p) for p in by_class(svg, "point")][:3] == [
+        "student step 0: 5.3548",
+        "student step 100: 5.3531",
+        "student step 200: 5.3512",
+    ]
 
 
 def test_chart_on_the_configuration_page_in_a_browser(server, browser):
@@ -485,3 +508,7 @@ def test_chart_on_the_configuration_page_in_a_browser(server, browser):
     for s in got["series"]:
         assert a[0] - 1 <= s[0] and s[2] <= a[2] + 1 and a[1] - 1 <= s[1] and s[3] <= a[3] + 1, got
     assert got["labels"] == ["distillation step", "validation cross-entropy"], got
+    chart = browser.find_element("css selector", "svg.curve")
+    assert_drawn(chart.screenshot_as_png, ["#1f6feb", "#d1242f"], "curve")  # student and teacher drawn
+    rows = browser.find_elements("css selector", "#curve-data tbody tr")
+    assert len(rows) == 6  # the data table below the chart: three steps of the student and of the teacher

@@ -394,7 +394,7 @@ def test_configuration_and_job_pages(world, browser, tmp_path):
     assert len(plan) == 2 and all("e" in p and "α" in p for p in plan)  # two layers, experts with α
     metrics = _texts(browser, "#metrics tbody tr")
     assert any(m.startswith("acc_norm post tiny_mc") and " 200 " in f" {m} " for m in metrics)  # its n
-    assert browser.find_elements(By.CSS_SELECTOR, "svg.curve polyline")  # the validation-CE curve
+    assert browser.find_elements(By.CSS_SELECTOR, "svg.curve .series path")  # the validation-CE curve
     assert {s.text for s in browser.find_elements(By.CSS_SELECTOR, "details.job .status")} == {"succeeded"}
     _shot(browser, tmp_path, "configuration")
     # the failed conversion of the launched sweep: its traceback and its log
