@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from db.axes import CONVERTED_KINDS
 from orchestrator.schema import Data, PosInt, Strict
@@ -25,6 +25,16 @@ class Perplexity(Strict):
     batch_size: PosInt = 16
     add_bos: bool = False
     windows: Literal["disjoint", "rolling"] = "disjoint"  # rolling = lm-eval's protocol (needs add_bos)
+    # decoder layers torch.compile'd, the compiled code shared by every student of one architecture in a
+    # worker (workers/evaluation/ppl.py): auto = on CUDA only
+    compile: bool | Literal["auto"] = "auto"
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile(cls, v: Any) -> Any:
+        if v == "auto" or isinstance(v, bool):
+            return v
+        raise ValueError(f"must be 'auto', true or false, got {v!r}")
 
 
 def student_recipe(cfg: dict[str, Any], plan_out: dict[str, Any] | None) -> dict[str, Any]:

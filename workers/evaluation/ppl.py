@@ -16,8 +16,17 @@ Protocol (the record's ``protocol`` dict repeats it):
   seq_len-token left context. The prefix is BOS (EOS if the tokenizer has no BOS, as lm-eval's
   ``prefix_token_id``), so ``add_bos`` must be True.
 
-Σ NLL is accumulated in float64 from float32 log-softmax computed in chunks of positions, so a full
-[B, T, V] float32 copy is never held; ppl = exp(Σ NLL / n_tokens).
+Σ NLL is accumulated in float64 from float32 log-softmax; ppl = exp(Σ NLL / n_tokens). The decoder body
+runs without the LM head and the scored positions' final hidden states go through the head in chunks of
+tokens (logits = head(h) in the model dtype, the model's constant logit factor and final tanh softcap as
+its forward applies them, float32 log-softmax, the target's entry), so no [B, T, V] tensor is built and
+larger batches fit. A model without a linear output embedding (or with `full_logits`) is scored from its
+own `model(...).logits` instead, cut into the same chunks.
+
+`compile_layers` (the sweep's ``ppl.compile``; `compile_setting` resolves ``auto`` to "on CUDA") runs each
+decoder layer through one `torch.compile`d function per layer class, kept for the life of the process:
+parameters are graph inputs (dynamo inlines built-in nn.Modules), so every layer of a model and every
+later student of the same architecture reuses the compiled code instead of compiling again.
 
 Each window's Σ NLL and scored-token count are returned too (`window_nll`, `window_tokens`, in window
 order): windows are the units a standard error and a paired bootstrap resample (`window_stats`).
@@ -25,15 +34,20 @@ order): windows are the units a standard error and a paired bootstrap resample (
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
+import types
 from collections import defaultdict
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from workers.models.decoder import decoder_of
 
 WINDOWS = ("disjoint", "rolling")
 _CHUNK_ELEMENTS = 1 << 26  # float32 logits per CE chunk (256 MB)
@@ -98,9 +112,13 @@ def perplexity(
     windows: str = "disjoint",
     progress: Callable[[int, int], None] | None = None,
     ids: list[int] | None = None,
+    compile_layers: bool = False,
+    full_logits: bool = False,
 ) -> dict[str, Any]:
     """Perplexity of a causal LM on texts; see the module docstring for exactly what is scored.
-    `ids` = text_ids(tok, texts) computed once by a caller that evaluates many models on one text."""
+    `ids` = text_ids(tok, texts) computed once by a caller that evaluates many models on one text;
+    `compile_layers`: decoder layers through their class's shared compiled forward (compiled_layers);
+    `full_logits`: score the model's own [B, T, V] logits (the path before the chunked head; benchmarks)."""
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
     if batch_size < 1:
@@ -125,26 +143,36 @@ def perplexity(
     by_len: dict[int, list[tuple[int, tuple[list[int], int]]]] = defaultdict(list)
     for i, w in enumerate(wins):
         by_len[len(w[0])].append((i, w))
-    window_nll = [0.0] * len(wins)
     window_tokens = [w[1] for w in wins]
+    head = None if full_logits else output_head(model)
+    nll = torch.zeros(len(wins), dtype=torch.float64, device=device)  # read back once, at the end
     done = 0
     was_training = model.training
     model.eval()
+    layers = compiled_layers(model) if compile_layers else contextlib.nullcontext(0)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), layers as n_compiled:
             for group in by_len.values():
                 for i in range(0, len(group), batch_size):
                     batch = group[i : i + batch_size]
                     seqs = torch.tensor([s for _, (s, _) in batch], dtype=torch.long, device=device)
-                    logits = model(input_ids=seqs[:, :-1], use_cache=False).logits
-                    for row, (idx, (_, n_scored)) in enumerate(batch):
-                        window_nll[idx] = float(_row_nll(logits[row, -n_scored:], seqs[row, -n_scored:]))
+                    n_scored = [n for _, (_, n) in batch]
+                    if head is None:
+                        logits = model(input_ids=seqs[:, :-1], use_cache=False).logits
+                        for row, (idx, (_, n)) in enumerate(batch):
+                            nll[idx] = _row_nll(logits[row, -n:], seqs[row, -n:])
+                    else:
+                        h = decoder_of(model)(input_ids=seqs[:, :-1], use_cache=False).last_hidden_state
+                        rows = torch.tensor([idx for idx, _ in batch], device=device)
+                        row_nll = batch_nll(head, h, seqs[:, 1:], n_scored, compiled=compile_layers)
+                        nll[rows] = row_nll.to(device)
                     done += len(batch)
                     if progress:
                         progress(done, len(wins))
     finally:
         model.train(was_training)
 
+    window_nll = nll.cpu().tolist()
     total = math.fsum(window_nll)
     n_tokens = sum(window_tokens)
     ppl = _safe_exp(total / n_tokens)
@@ -178,6 +206,8 @@ def perplexity(
         "tokenizer_sha": tokenizer_sha(tok),
         "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "nll_accumulation": "float64 sum of float32 log-softmax",
+        "head": "model logits" if head is None else "chunked from final hidden states",
+        "compiled_layers": n_compiled,
     }
     return {
         "ppl": ppl,
@@ -205,6 +235,98 @@ def window_stats(window_nll: list[float], window_tokens: list[int]) -> tuple[flo
     return (ppl * se_log if math.isfinite(ppl) and math.isfinite(se_log) else None), n
 
 
+def compile_setting(setting: Any, device: torch.device | str) -> bool:
+    """Whether `ppl.compile` (auto | true | false) compiles on this device: auto = on CUDA only."""
+    if setting == "auto" and not isinstance(setting, bool):
+        return torch.device(device).type == "cuda"
+    if isinstance(setting, bool):
+        return setting
+    raise ValueError(f"ppl.compile must be 'auto', true or false, got {setting!r}")
+
+
+# ---- the LM head, chunked ---------------------------------------------------------------------------
+class Head(NamedTuple):
+    """The output projection and what the model's forward does to its logits after it."""
+
+    weight: torch.Tensor  # [V, H]
+    bias: torch.Tensor | None
+    mul: float | None  # logits * logit_scale (Cohere), in the model dtype
+    div: float | None  # logits / logits_scaling (Granite), in the model dtype
+    cap: float | None  # cap · tanh(logits / cap) (final_logit_softcapping), in float32
+
+
+def output_head(model: nn.Module) -> Head | None:
+    """The model's head as `Head`, or None when the model has no linear output embedding over a decoder
+    (it is then scored from its own logits)."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, nn.Linear):
+        return None
+    try:
+        decoder_of(model)
+    except (AttributeError, ValueError):
+        return None
+    cfg = getattr(model, "config", None)
+    scale, scaling, cap = (
+        getattr(cfg, k, None) for k in ("logit_scale", "logits_scaling", "final_logit_softcapping")
+    )
+    return Head(
+        head.weight,
+        head.bias,
+        None if scale is None else float(scale),
+        None if scaling is None else float(scaling),
+        None if cap is None else float(cap),
+    )
+
+
+def chunk_nll(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    mul: float | None,
+    div: float | None,
+    cap: float | None,
+) -> torch.Tensor:
+    """-log p(target) [n] (float32) of n final hidden states [n, H]: the head's logits in the model dtype,
+    scaled and softcapped as the model's forward does, float32 log-softmax."""
+    logits = F.linear(h, weight, bias)
+    if mul is not None:
+        logits = logits * mul
+    if div is not None:
+        logits = logits / div
+    logits = logits.float()
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return F.cross_entropy(logits, targets, reduction="none")
+
+
+def batch_nll(
+    head: Head, h: torch.Tensor, targets: torch.Tensor, n_scored: list[int], compiled: bool = False
+) -> torch.Tensor:
+    """Σ -log p(target) per row [B] (float64) of final hidden states h [B, T, H] predicting targets [B, T],
+    where row r scores its last n_scored[r] positions; the head runs on chunks of scored positions."""
+    B, T, H = h.shape
+    flat_h, flat_t = h.reshape(B * T, H), targets.reshape(B * T)
+    index = None
+    if any(n != T for n in n_scored):
+        index = torch.cat([torch.arange(r * T + T - n, (r + 1) * T) for r, n in enumerate(n_scored)])
+        index = index.to(h.device)
+        flat_h, flat_t = flat_h.index_select(0, index), flat_t.index_select(0, index)
+    fn = _compiled_chunk_nll() if compiled else chunk_nll
+    step = max(1, _CHUNK_ELEMENTS // head.weight.shape[0])
+    step -= step % 128 if step >= 128 else 0  # whole 128-row tiles of the head's matmul
+    per_token = torch.empty(flat_t.shape[0], dtype=torch.float32, device=h.device)
+    for s in range(0, flat_t.shape[0], step):
+        per_token[s : s + step] = fn(
+            flat_h[s : s + step], head.weight, head.bias, flat_t[s : s + step], head.mul, head.div, head.cap
+        )
+    grid = per_token.double()
+    if index is not None:  # unscored positions add 0; index_copy_ of unique indices is deterministic
+        grid = torch.zeros(B * T, dtype=torch.float64, device=h.device).index_copy_(0, index, grid)
+    return grid.view(B, T).sum(1)
+
+
 def _row_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Σ -log p(target) over positions, float32 log-softmax in chunks, summed in float64."""
     step = max(1, _CHUNK_ELEMENTS // logits.shape[-1])
@@ -212,7 +334,70 @@ def _row_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     for s in range(0, logits.shape[0], step):
         nll = F.cross_entropy(logits[s : s + step].float(), targets[s : s + step], reduction="none")
         total += nll.double().sum()
-    return total.cpu()
+    return total
+
+
+# ---- regional compilation, shared across models of one architecture ----------------------------------
+_COMPILED: dict[Any, Callable[..., Any]] = {}  # layer class (or "head") -> its compiled function
+
+
+def _compiled_chunk_nll() -> Callable[..., torch.Tensor]:
+    if "head" not in _COMPILED:
+        _COMPILED["head"] = torch.compile(chunk_nll)
+    return _COMPILED["head"]
+
+
+def shared_forward(cls: type) -> Callable[..., Any]:
+    """`cls.forward` compiled once per process (static shapes: a sweep's windows take one or a few).
+
+    Dynamo keeps compiled code, and its recompile limit, per code object of the frame it starts from;
+    transformers wraps every layer class's forward in one shared wrapper function
+    (GradientCheckpointingLayer), so the compiled entry is a small function with a code object of its
+    own per class. The layer (`self`) is an argument and, with dynamo inlining built-in nn.Modules, its
+    parameters are graph inputs guarded on shape, dtype and device, not identity: every layer of a model
+    and every later model of this class reuse the code."""
+    fn = _COMPILED.get(cls)
+    if fn is None:
+        forward = cls.forward
+
+        def entry(self, *args, **kwargs):
+            return forward(self, *args, **kwargs)
+
+        name = f"{cls.__name__}_forward"
+        code = entry.__code__.replace(co_name=name, co_qualname=name)
+        fn = torch.compile(
+            types.FunctionType(code, entry.__globals__, name, None, entry.__closure__), dynamic=False
+        )
+        _COMPILED[cls] = fn
+    return fn
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
+    """The decoder's longest module list (its layers: `layers`, DBRX's `blocks`); None without one."""
+    try:
+        decoder = decoder_of(model)
+    except (AttributeError, ValueError):
+        return None
+    lists = [m for m in decoder.children() if isinstance(m, nn.ModuleList) and len(m)]
+    return max(lists, key=len) if lists else None
+
+
+@contextlib.contextmanager
+def compiled_layers(model: nn.Module) -> Iterator[int]:
+    """While open, each decoder layer runs its class's compiled forward (shared_forward); yields how many
+    layers do. A layer whose forward is already an instance attribute (a hook framework's) stays as it is.
+    Compiling is only a speed-up: a frame the compiler fails on runs eagerly (dynamo's suppress_errors)."""
+    swapped = []
+    for layer in decoder_layers(model) or []:
+        if "forward" not in vars(layer):
+            layer.forward = types.MethodType(shared_forward(type(layer)), layer)
+            swapped.append(layer)
+    try:
+        with torch._dynamo.config.patch(suppress_errors=True):
+            yield len(swapped)
+    finally:
+        for layer in swapped:
+            del layer.forward
 
 
 def _safe_exp(x: float) -> float:

@@ -104,7 +104,7 @@ def ppl_record(
 ) -> dict[str, Any]:
     """The ppl metric with its standard error over windows (n = `total` = windows); `items`, when given,
     gains the per-window item scores (Σ NLL and scored tokens per window) for paired comparisons."""
-    from workers.evaluation.ppl import perplexity, text_ids, window_stats
+    from workers.evaluation.ppl import compile_setting, perplexity, text_ids, window_stats
 
     pp = payload["params"]["ppl"]
     texts = eval_texts(payload, cache, pp["data"])
@@ -122,6 +122,7 @@ def ppl_record(
         max_windows=pp.get("max_windows"),
         windows=pp.get("windows", "disjoint"),
         ids=cache[key],
+        compile_layers=compile_setting(pp.get("compile", "auto"), device()),
     )
     se, n = window_stats(r["window_nll"], r["window_tokens"])
     metric = _metric(
