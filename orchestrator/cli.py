@@ -1,5 +1,5 @@
 """The `moesweep` command: launch, status, verify, stages, families, sweeps, sql, migrate, report, import-paper,
-serve."""
+mirror, serve."""
 
 from __future__ import annotations
 
@@ -782,6 +782,61 @@ def report(
             soft_wrap=True,
         )
     out.print(f"{len(arts)} artefacts in {target}/ (index: {target / 'index.md'})")
+
+
+@app.command()
+def mirror(
+    name: Annotated[str, typer.Argument(help="the sweep, by its name in the database")],
+    tensorboard: Annotated[
+        str | None,
+        typer.Option(
+            metavar="DIR", help="TensorBoard event files under DIR/NAME/STAGE/RUN (tensorboard --logdir DIR)"
+        ),
+    ] = None,
+    wandb: Annotated[
+        str | None,
+        typer.Option(
+            metavar="PROJECT", help="a W&B project, PROJECT or ENTITY/PROJECT (needs the wandb package)"
+        ),
+    ] = None,
+    mlflow: Annotated[
+        str | None,
+        typer.Option(
+            metavar="URI", help="an MLflow tracking URI; the experiment is NAME (needs the mlflow package)"
+        ),
+    ] = None,
+    db: DbOpt = None,
+) -> None:
+    """Mirror the curves of a sweep's finished jobs (their stepped metrics: distillation's training loss and
+    validation cross-entropy, Router KD's and DOT-MoE's losses, ...) to TensorBoard, W&B or MLflow: one run
+    per job, with its configuration's fields and the job's settings as hyperparameters. Without an option,
+    to the trackers of the sweep's `execution.mirror`. A job mirrored again replaces its run. The database
+    is read, never written; exit 1 when a run could not be written."""
+    from orchestrator.mirror import MirrorError, mirror_sweep, stored_targets, targets_of, warn
+
+    store = _store(db, read_only=True)
+    if store.sweep_id(name) is None:
+        _fail(f"no sweep {name!r} in {store.shown}")
+    try:
+        targets = targets_of({"tensorboard": tensorboard, "wandb": wandb, "mlflow": mlflow})
+        targets = targets or stored_targets(store, name)
+    except MirrorError as e:
+        _fail(f"mirror: {e}")
+    if not targets:
+        _fail(
+            f"mirror: sweep {name} names no tracker in its execution.mirror; give --tensorboard DIR, "
+            "--wandb PROJECT or --mlflow URI"
+        )
+    done, failed = mirror_sweep(store, name, targets, lambda m: warn(err, m))
+    where = ", ".join(f"{t} {w}" for t, w in targets.items())
+    if not done and not failed:
+        out.print(
+            f"sweep {name}: no finished job has curves (stepped metrics); nothing mirrored", highlight=False
+        )
+        return
+    out.print(f"sweep {name}: {done} run(s) mirrored to {where}", highlight=False, soft_wrap=True)
+    if failed:
+        _fail(f"mirror: {failed} run(s) could not be written (the warnings above say why)", code=1)
 
 
 @app.command()

@@ -36,7 +36,7 @@ from sqlalchemy.exc import OperationalError
 
 from db.store import STALE_AFTER_S, Store, explain, home, owner_id
 from orchestrator import configs as P
-from orchestrator import hooks
+from orchestrator import hooks, mirror
 from orchestrator.axes import AXES
 from orchestrator.schema import artifact_root
 from orchestrator.scope import Scope, competes, is_d2d
@@ -182,6 +182,7 @@ class Runner:
         self._verified: set[tuple[str, str]] = set()
         self._bridged: dict[tuple[str, str, str], bool] = {}  # (path, hash before `p1:`, `p1:` record)
         self.artifacts = artifacts_root(spec)  # None: artifacts stay under $MOESWEEP_HOME
+        self.on_stored: Callable[[str, str], None] | None = None  # (stage, key) of each job it stores
 
     def held(self) -> list[str]:
         with self._lock:
@@ -325,6 +326,8 @@ class Runner:
                 with self._lock:
                     self.claimed.discard(key)
                 self._consumed.pop(key, None)
+                if err is None and result is not None and self.on_stored is not None:
+                    self.on_stored(stage, key)  # e.g. its curves mirrored (orchestrator/mirror.py)
 
             for group in _by_shape(payloads).values():
                 self.executor.run(group, on_done, self._on_progress, None, claim)
@@ -727,6 +730,7 @@ def run_launch(
         stale_after_s=stale_after_s,
     )
     ctx = _context(spec, shape, configs, store, sid, cfg_ids)
+    mirror.attach(runner, spec, store, ctx, console)  # execution.mirror: each job's curves once stored
     previous = _on_sigint(runner)
     beat = Heartbeat(store, runner.owner, runner.held, heartbeat_s).start()
     lines = ProgressLines(progress, console, lines_s or progress_interval()).start() if as_lines else None

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import importlib.util
 import json
 import os
 import re
 import stat
+import sys
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -111,12 +113,99 @@ class Hooks(Strict):
         return [(e, c) for e, c in (first, ("on_end", self.on_end)) if c is not None]
 
 
+MIRROR_TRACKERS = ("tensorboard", "wandb", "mlflow")
+# a W&B project, optionally after its entity: letters, digits, '.', '_', '-' (W&B refuses / \ # ? % :)
+WANDB_PROJECT = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9._-]{0,127}/)?[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def tracker_installed(package: str) -> bool:
+    """Whether `package` (wandb, mlflow) can be imported, without importing it."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ValueError:  # in sys.modules without a spec (a module made at run time): importable
+        return sys.modules.get(package) is not None
+
+
+class Mirror(Strict):
+    """Where the curves (stepped metrics) of each job a launch finishes are mirrored (orchestrator/mirror.py):
+    TensorBoard event files under a local folder, a W&B project, an MLflow tracking server. One run per
+    job; a tracker that fails is one warning line, never the launch's outcome."""
+
+    tensorboard: str | None = None  # a local folder: DIR/<sweep>/<stage>/<label>-<key prefix>/
+    wandb: str | None = None  # a W&B project, PROJECT or ENTITY/PROJECT (needs the wandb package)
+    mlflow: str | None = None  # an MLflow tracking URI; the experiment is the sweep's name (needs mlflow)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mapping(cls, v: Any) -> Any:
+        if not isinstance(v, dict | Mirror):
+            raise ValueError(
+                f"expected a mapping of {', '.join(MIRROR_TRACKERS)} (e.g. {{tensorboard: runs/tb}}), "
+                f"got {shown(v)}"
+            )
+        return v
+
+    @field_validator("tensorboard", mode="before")
+    @classmethod
+    def _folder(cls, v: Any) -> Any:
+        allowed = "a local folder (absolute, or relative to where the launch runs; ~ is your home)"
+        if v is None:
+            return v
+        if not isinstance(v, str) or not v.strip() or "\x00" in v:
+            raise ValueError(f"expected {allowed}, got {shown(v)}")
+        if "://" in v:
+            raise ValueError(f"{shown(v)} is a URL; expected {allowed}")
+        return v
+
+    @field_validator("wandb", mode="before")
+    @classmethod
+    def _project(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        if not isinstance(v, str) or not WANDB_PROJECT.fullmatch(v):
+            raise ValueError(
+                f"expected a W&B project, PROJECT or ENTITY/PROJECT (letters, digits, '.', '_', '-'), "
+                f"got {shown(v)}"
+            )
+        if not tracker_installed("wandb"):
+            raise ValueError("needs the wandb package: pip install wandb")
+        return v
+
+    @field_validator("mlflow", mode="before")
+    @classmethod
+    def _uri(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        if not isinstance(v, str) or not v.strip() or any(c.isspace() or c == "\x00" for c in v):
+            raise ValueError(
+                "expected an MLflow tracking URI without spaces (http://HOST:5000, file:///PATH, databricks), "
+                f"got {shown(v)}"
+            )
+        if not tracker_installed("mlflow"):
+            raise ValueError("needs the mlflow package: pip install mlflow")
+        return v
+
+    @model_validator(mode="after")
+    def _some(self) -> Mirror:
+        if all(getattr(self, t) is None for t in MIRROR_TRACKERS):
+            raise ValueError(
+                "names no tracker; give at least one of tensorboard: DIR, wandb: PROJECT, mlflow: URI "
+                "(or mirror: null)"
+            )
+        return self
+
+    def trackers(self) -> dict[str, str]:
+        """{tracker: where} of the trackers it names, in MIRROR_TRACKERS order."""
+        return {t: getattr(self, t) for t in MIRROR_TRACKERS if getattr(self, t) is not None}
+
+
 class Execution(Strict):
     retries: int = Field(1, ge=0)
     max_concurrent: int | None = Field(None, gt=0)
     resources: dict[str, Resources] = Field(default_factory=dict)
     artifacts: str | None = None  # an fsspec URL jobs upload their artifacts to (default: $MOESWEEP_HOME)
     hooks: Hooks | None = None  # commands run when a launch ends (orchestrator/hooks.py)
+    mirror: Mirror | None = None  # trackers each finished job's curves go to (orchestrator/mirror.py)
 
     @field_validator("artifacts")
     @classmethod
