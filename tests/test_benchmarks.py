@@ -32,6 +32,10 @@ SCRIPTS = {  # script → lines its smoke run must print (numbers, never checked
         rf"^\| {kind} \| [1-9]\d* \| [1-9]\d* \| 0 \| 0 \| 0 \| 0 \|"
         for kind in ("kill-serial", "raise", "corrupt", "bitrot", "special", "caches")
     ],
+    "bench_expert_maxima.py": [
+        r"^all-experts / routed: \d+\.\d+x$",
+        r"^max \|Δ\| between the passes: \d\.\d+e[-+]\d+$",
+    ],
     "bench_rounding.py": [r"^sequential / greedy_round: \d+\.\d+x$", r"^same assignment  : True$"],
     "bench_orchestration.py": [
         r"^executor serial: exit code 0, [1-9]\d* jobs$",

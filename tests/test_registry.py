@@ -163,6 +163,7 @@ def test_stage_order_follows_upstream_and_rejects_unknown_inputs():
         "teacher",
         "dense_teacher",
         "calibrate",
+        "expert_maxima",
         "dcdm",
         "convert",
         "ppl_pre",

@@ -145,6 +145,9 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
         if c.get("settings"):
             params["settings"] = json.loads(c["settings"])
         deps = {**tdeps, "calibrate": calib.key}
+        maxima = ctx.jobs.get("expert_maxima", {}).get(c.get("dcdm_of") or c["config_key"])
+        if maxima is not None:  # super_experts: reap reads the max activations
+            deps["expert_maxima"] = maxima.key
         if c.get("dcdm_of") is not None:  # a DCDM mixture: the statistics mixed with its DCDM weights
             mix = mixture(ctx, c)
             if mix is None:
@@ -166,7 +169,7 @@ STAGE = Stage(
     section="grid",
     params=GridSection,
     section_default="required",
-    upstream=("calibrate", "dcdm"),
+    upstream=("calibrate", "dcdm", "expert_maxima"),
     records=frozenset({"outputs", "plan_rows", "layer_diag", "artifacts"}),
     summary="a conversion plan per configuration; equal plans are one student",
 )

@@ -63,24 +63,25 @@ def plan_layer(layer: int, ctx: LayerContext, scoring: str, grouping: str, scali
 
 
 def select_layer(
-    layer: int, ctx: LayerContext, scoring: str, K: int, super_factor: float | None = None
+    layer: int, ctx: LayerContext, scoring: str, K: int, super_ids: list[int] | None = None
 ) -> LayerPlan:
     """The kept experts of one layer for a smaller-MoE output: the scoring's K selected experts, each its
     own group (weight 1, α 1: a pruned MoE keeps its router, so nothing is merged or scaled). With
-    `super_factor`, the layer's super experts are kept first (workers.methods.pruning.select_pruned)."""
+    `super_ids` (the layer's super experts by the configuration's rule, largest first), they are kept
+    first (workers.methods.pruning.select_pruned)."""
     sc = get_scoring(scoring)
     E = ctx.stats.num_experts
     if not ctx.top_k <= K <= E:
         raise ValueError(f"K={K} out of range; allowed k <= K <= E: {ctx.top_k}..{E}")
     scores = sc.score(ctx).to("cpu", torch.float64)
     sel = (
-        select_pruned(ctx, scoring, K, super_factor)
-        if super_factor is not None
+        select_pruned(ctx, scoring, K, super_ids=super_ids)
+        if super_ids is not None
         else sc.select(ctx, scores, K)
     )
     kept = sorted(sel.selected)
     extras = {"effective_rank": selected_kernel_rank(ctx, scores, kept), **sel.extras}
-    if super_factor is not None:  # ids stay in plan.json; their counts become layer_diag rows
+    if super_ids is not None:  # ids stay in plan.json; their counts become layer_diag rows
         extras["super_expert_ids"] = extras.pop("super_experts", [])
         extras["protected_ids"] = extras.pop("protected", [])
         extras["super_experts"] = len(extras["super_expert_ids"])

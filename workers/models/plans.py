@@ -18,7 +18,7 @@ def convert_plans(
     """Per MoE layer, what the configuration's output keeps: a dense plan (Algorithm 1), the experts a
     pruned MoE keeps, the clusters of a merged MoE, or an edited MoE's factors (saved beside the plan;
     their sha256 enters every plan, so a refit that differs is another student). `settings`: those of
-    the output (`super_experts`: the factor of workers.methods.pruning) and of the method it names (a scoring
+    the output (`super_experts`: a factor (ours) or 'reap' (REAP's rule), workers.methods.pruning) and of the method it names (a scoring
     takes settings when its selector has `parse_settings`: they reach it as LayerContext.settings).
     `teacher`: the resident (model, adapter), for scorings that re-run it (sequential inputs). `contexts`
     is looked up once per layer, in layer order (a streamed teacher's are read from its shards then)."""
@@ -38,11 +38,18 @@ def convert_plans(
                 f"settings {', '.join(sorted(settings))}: a pruned MoE takes "
                 f"{', '.join(OUTPUT_SETTINGS['moe'])}"
             )
+        from workers.methods.pruning import super_expert_rule
+
+        # super experts by our factor (each layer's statistics) or REAP's rule (p["expert_maxima"]: the
+        # expert_maxima stage's {layer: [E] max activation}, loaded by the conversion job)
+        rule = super_expert_rule(own.get("super_experts"), p.get("expert_maxima"))
         return _scored_plans(
             layers,
             scoring_settings,
             rerun,
-            lambda layer, ctx: select_layer(layer, ctx, p["scoring"], K, own.get("super_experts")),
+            lambda layer, ctx: select_layer(
+                layer, ctx, p["scoring"], K, None if rule is None else rule(layer, ctx.stats)
+            ),
         ), None
     if output == "merged":
         from workers.methods.moe_merging import merge_layer

@@ -24,6 +24,11 @@ def stage_convert(payload: dict, cache: dict, progress) -> dict:
     p = {**payload["params"], "workdir": payload["workdir"]}
     stats_path = payload["inputs"]["calibrate"]["stats"]
     weights = p.get("calibration_weights")  # a DCDM mixture's weights (None: the file's own)
+    maxima = payload["inputs"].get("expert_maxima")  # planned only for `super_experts: reap`
+    if maxima is not None:
+        from workers.calibration.expert_maxima import load_maxima
+
+        p["expert_maxima"] = load_maxima(maxima["maxima"], weights=weights)
     if payload["inputs"]["calibrate"].get("streamed"):  # a streamed teacher: one layer's experts at a time
         plans, factors = convert_plans(
             _streamed_contexts(payload, load_stats(stats_path, weights=weights)), p
