@@ -19,9 +19,9 @@ from types import MappingProxyType
 @dataclass(frozen=True)
 class Output:
     """What a conversion writes (the `output` axis), as every reader needs to know it. The worker side of an
-    output (its plans and its student) is in workers/models: its builder in `OUTPUTS` of
-    workers/models/outputs.py, its own settings in `OUTPUT_SETTINGS` of workers/models/plans.py; a test
-    holds those to this table."""
+    output (its plan function, its student builder, its own settings) is its `Output` record in `OUTPUTS` of
+    workers/models/outputs.py (workers never import db/); a test holds the two to the same names and
+    settings."""
 
     name: str
     method_axis: str  # the axis whose value names the method that makes it (scoring, merging, editing)

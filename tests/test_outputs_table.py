@@ -12,10 +12,12 @@ from workers.core.registry import registry_names
 
 
 def test_the_workers_write_the_outputs_the_table_declares_with_its_settings():
-    from workers.models.plans import OUTPUT_SETTINGS
+    from workers.models.outputs import OUTPUTS
 
     assert registry_names("workers.models.outputs", "OUTPUTS") == list(ax.OUTPUTS)
-    assert OUTPUT_SETTINGS == {o.name: o.settings for o in ax.OUTPUTS.values()}
+    assert {name: o.settings for name, o in OUTPUTS.items()} == {
+        o.name: o.settings for o in ax.OUTPUTS.values()
+    }
 
 
 def test_which_axes_apply_to_which_output_derive_from_the_table():

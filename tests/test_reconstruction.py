@@ -20,7 +20,7 @@ from workers.methods.planning import plan_layer
 from workers.methods.reconstruction import LayerLoss, ReconSettings, default_group_size, sequential_sample
 from workers.methods.scoring import SCORINGS
 from workers.models.convert import layer_contexts
-from workers.models.plans import convert_plans
+from workers.models.outputs import convert_plans
 
 RL = ("RL-exhaustive", "RL-greedy", "CFES")
 

@@ -110,8 +110,7 @@ def test_the_shared_gate_setting_reaches_the_dense_student():
     """`settings: {dense: {shared_gate: mean}}`: convert puts each layer's gate mean in its plan, the dense
     student scales its shared expert by it; the default (`one`) leaves plans and students as before."""
     from workers.models.convert import layer_contexts
-    from workers.models.outputs import dense_student
-    from workers.models.plans import convert_plans
+    from workers.models.outputs import convert_plans, dense_student
 
     model = make_teacher("qwen2_moe", dtype=torch.float64, experts_implementation="eager")
     adapter = get_adapter(model)

@@ -9,7 +9,7 @@ the next round. Stop when the weights stop changing, or after T rounds.
 
 No calibration pass is repeated: statistics are sums over tokens, so the statistics of a mixture are a
 reweighting of each source's own sums (workers.calibration.calibrate.mix_stats). Each round costs one compression
-(workers.models.plans.convert_plans, the same code a conversion job runs) plus, per domain, a teacher and a
+(workers.models.outputs.convert_plans, the same code a conversion job runs) plus, per domain, a teacher and a
 student forward over `n_eval` held-out windows (the teacher is recomputed per round, never cached: its
 logits over a large vocabulary do not fit in memory for a real model).
 
@@ -142,11 +142,11 @@ def compress(
 ) -> tuple[list, Any, Path]:
     """The configuration's own compression of the ORIGINAL teacher from the per-source statistics mixed
     with `weights` (§4.2, Algorithm 2 line 3): (plans, student, plan file). The same code a conversion
-    job runs (workers.models.plans.convert_plans) and a student evaluation builds from (workers.models.outputs)."""
+    job runs (workers.models.outputs.convert_plans) and a student evaluation builds from (workers.models.outputs)."""
     from workers.calibration.calibrate import mix_stats
     from workers.models.convert import layer_contexts
-    from workers.models.outputs import write_student
-    from workers.models.plans import convert_plans, plan_to_dict
+    from workers.models.outputs import convert_plans, write_student
+    from workers.models.plans import plan_to_dict
 
     workdir.mkdir(parents=True, exist_ok=True)
     contexts = layer_contexts(model, adapter, mix_stats(per_source, weights))

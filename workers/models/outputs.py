@@ -17,12 +17,16 @@ unchanged), each built from the same calibration statistics:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
 from workers.core.types import LayerPlan
 from workers.families.base import FamilyAdapter, check_output
+from workers.models.plans import dense_plans, edited_plans, merged_plans, moe_plans
 
 
 def dense_student(
@@ -100,12 +104,44 @@ def edited_student(
     return edited_moe_student(model, adapter, plans, factors)
 
 
+@dataclass(frozen=True)
+class Output:
+    """An output, worker side: `plan` (layers, params, own settings, method settings, teacher) -> (plans, a
+    file beside them or None) and `build` (teacher, adapter, plans, share_weights, plan_path) -> the student;
+    `settings`: its own settings (the rest of a sub-grid's settings are its method's). The torch-free facts
+    every reader needs (its method axis, whether it keeps a router, its kind, its label) are db/axes.py's
+    OUTPUTS; a test holds the two registries to the same names and settings."""
+
+    plan: Callable[..., tuple[list, Path | None]]
+    build: Callable[..., nn.Module]
+    settings: tuple[str, ...] = ()
+
+
 OUTPUTS = {
-    "dense": dense_student,
-    "moe": moe_student,
-    "merged": merged_student,
-    "edited": edited_student,
+    "dense": Output(dense_plans, dense_student, ("shared_gate",)),
+    "moe": Output(moe_plans, moe_student, ("super_experts",)),
+    "merged": Output(merged_plans, merged_student),
+    "edited": Output(edited_plans, edited_student),
 }
+
+
+def convert_plans(
+    contexts: Mapping, p: dict[str, Any], teacher: tuple | None = None
+) -> tuple[list, Path | None]:
+    """Per MoE layer, what the configuration's output keeps (its `plan`), and the file written beside the
+    plans, if any. `p["settings"]`: those of the output (its own, e.g. `super_experts`) and of the method it
+    names (a scoring takes settings when its selector has `parse_settings`: they reach it as
+    LayerContext.settings). `teacher`: the resident (model, adapter), for scorings that re-run it
+    (sequential inputs). `contexts` is looked up once per layer, in layer order (a streamed teacher's are read
+    from its shards then)."""
+    name = p.get("output", "dense")
+    if name not in OUTPUTS:
+        raise ValueError(f"output={name!r}; allowed: {', '.join(OUTPUTS)}")
+    out = OUTPUTS[name]
+    settings = dict(p.get("settings") or {})
+    own = {k: settings.pop(k) for k in list(settings) if k in out.settings}
+    layers = ((layer, contexts[layer]) for layer in sorted(contexts))  # one look-up per layer, in order
+    return out.plan(layers, p, own, settings, teacher)
 
 
 def write_student(
@@ -120,4 +156,4 @@ def write_student(
     if output not in OUTPUTS:
         raise ValueError(f"output={output!r}; allowed: {', '.join(OUTPUTS)}")
     check_output(adapter, output)
-    return OUTPUTS[output](model, adapter, plans, share_weights=share_weights, plan_path=plan_path)
+    return OUTPUTS[output].build(model, adapter, plans, share_weights=share_weights, plan_path=plan_path)

@@ -1,84 +1,30 @@
-"""A configuration's conversion plans: per MoE layer, what its output keeps (a dense plan, the experts a
-pruned MoE keeps, a merged MoE's clusters, an edited MoE's factors), and plans as JSON rows. The same code
-serves a conversion job, a DCDM round and a student built from a stored plan."""
+"""The plan functions of the outputs (workers/models/outputs.py registers each with its student builder): per
+MoE layer, what an output keeps (a dense plan, the experts a pruned MoE keeps, a merged MoE's clusters, an
+edited MoE's factors); and plans as JSON rows. Each takes (layers, the job's params, the output's own
+settings, the method's settings, the resident teacher or None) and returns (plans, a file written beside them
+or None)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-OUTPUT_SETTINGS = {"dense": ("shared_gate",), "moe": ("super_experts",), "merged": (), "edited": ()}
+Layers = Iterator[tuple[int, Any]]  # (layer, its LayerContext), in layer order, each looked up once
 
 
-def convert_plans(
-    contexts: Mapping, p: dict[str, Any], teacher: tuple | None = None
-) -> tuple[list, Path | None]:
-    """Per MoE layer, what the configuration's output keeps: a dense plan (Algorithm 1), the experts a
-    pruned MoE keeps, the clusters of a merged MoE, or an edited MoE's factors (saved beside the plan;
-    their sha256 enters every plan, so a refit that differs is another student). `settings`: those of
-    the output (`super_experts`: a factor (ours) or 'reap' (REAP's rule), workers.methods.pruning) and of the method it names (a scoring
-    takes settings when its selector has `parse_settings`: they reach it as LayerContext.settings).
-    `teacher`: the resident (model, adapter), for scorings that re-run it (sequential inputs). `contexts`
-    is looked up once per layer, in layer order (a streamed teacher's are read from its shards then)."""
+def dense_plans(
+    layers: Layers, p: dict[str, Any], own: dict[str, Any], settings: dict[str, Any], teacher: tuple | None
+) -> tuple[list, None]:
+    """A dense student's plan per layer (Algorithm 1): the K kept experts by the scoring, grouped into k
+    groups and scaled; `own` setting `shared_gate` (mean, else 1.0) scales a shared expert's output."""
     from workers.families.base import SHARED_GATE_DEFAULT, shared_gate_scales
-    from workers.methods.planning import plan_layer, select_layer
+    from workers.methods.planning import plan_layer
 
-    output, K = p.get("output", "dense"), p["K"]
-    settings = dict(p.get("settings") or {})
-    own = {k: settings.pop(k) for k in list(settings) if k in OUTPUT_SETTINGS[output]}
-    layers = ((layer, contexts[layer]) for layer in sorted(contexts))  # one look-up per layer, in order
-    scoring_settings, rerun = (
-        _scoring_settings(p, settings, teacher) if output in ("dense", "moe") else (None, None)
-    )
-    if output == "moe":
-        if settings and scoring_settings is None:
-            raise ValueError(
-                f"settings {', '.join(sorted(settings))}: a pruned MoE takes "
-                f"{', '.join(OUTPUT_SETTINGS['moe'])}"
-            )
-        from workers.methods.pruning import super_expert_rule
-
-        # super experts by our factor (each layer's statistics) or REAP's rule (p["expert_maxima"]: the
-        # expert_maxima stage's {layer: [E] max activation}, loaded by the conversion job)
-        rule = super_expert_rule(own.get("super_experts"), p.get("expert_maxima"))
-        return _scored_plans(
-            layers,
-            scoring_settings,
-            rerun,
-            lambda layer, ctx: select_layer(
-                layer, ctx, p["scoring"], K, None if rule is None else rule(layer, ctx.stats)
-            ),
-        ), None
-    if output == "merged":
-        from workers.methods.moe_merging import merge_layer
-
-        return [merge_layer(layer, ctx, p["merging"], K, settings) for layer, ctx in layers], None
-    if output == "edited":
-        import hashlib
-
-        from safetensors.torch import save_file
-
-        from workers.methods.editing import edit_layer
-
-        plans, tensors = [], {}
-        for layer, ctx in layers:
-            plan, fac = edit_layer(layer, ctx, p["editing"], K, settings)
-            plans.append(plan)
-            tensors.update(fac)
-        path = Path(p["workdir"]) / "factors.safetensors"
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path))
-        sha = hashlib.sha256(path.read_bytes()).hexdigest()
-        for plan in plans:
-            plan.extras["student"] = {**plan.extras.get("student", {}), "factors_sha256": sha}
-        return plans, path
-    if settings and scoring_settings is None:
-        raise ValueError(
-            f"settings {', '.join(sorted(settings))}: a dense student takes "
-            f"{', '.join(OUTPUT_SETTINGS['dense'])}"
-        )
-    gate = own.get("shared_gate")
+    scoring_settings, rerun = _scoring_settings(p, settings, teacher)
+    _no_method_settings(settings, scoring_settings, "a dense student", ("shared_gate",))
+    gate, K = own.get("shared_gate"), p["K"]
 
     def dense_plan(layer: int, ctx) -> Any:
         plan = plan_layer(layer, ctx, p["scoring"], p["grouping"], p["dp_scaling"], K)
@@ -88,6 +34,69 @@ def convert_plans(
         return plan
 
     return _scored_plans(layers, scoring_settings, rerun, dense_plan), None
+
+
+def moe_plans(
+    layers: Layers, p: dict[str, Any], own: dict[str, Any], settings: dict[str, Any], teacher: tuple | None
+) -> tuple[list, None]:
+    """The K experts a pruned MoE keeps per layer (REAP paper, Sec. 4), after its super experts when `own`
+    has `super_experts`: a factor (ours) or 'reap' (REAP's rule, from p["expert_maxima"]: the expert_maxima
+    stage's {layer: [E] max activation}, loaded by the conversion job)."""
+    from workers.methods.planning import select_layer
+    from workers.methods.pruning import super_expert_rule
+
+    scoring_settings, rerun = _scoring_settings(p, settings, teacher)
+    _no_method_settings(settings, scoring_settings, "a pruned MoE", ("super_experts",))
+    rule = super_expert_rule(own.get("super_experts"), p.get("expert_maxima"))
+    return _scored_plans(
+        layers,
+        scoring_settings,
+        rerun,
+        lambda layer, ctx: select_layer(
+            layer, ctx, p["scoring"], p["K"], None if rule is None else rule(layer, ctx.stats)
+        ),
+    ), None
+
+
+def merged_plans(
+    layers: Layers, p: dict[str, Any], own: dict[str, Any], settings: dict[str, Any], teacher: tuple | None
+) -> tuple[list, None]:
+    """A merged MoE's K clusters per layer (HC-SMoE, M-SMoE), the merging's settings checked by it."""
+    from workers.methods.moe_merging import merge_layer
+
+    return [merge_layer(layer, ctx, p["merging"], p["K"], settings) for layer, ctx in layers], None
+
+
+def edited_plans(
+    layers: Layers, p: dict[str, Any], own: dict[str, Any], settings: dict[str, Any], teacher: tuple | None
+) -> tuple[list, Path]:
+    """Every expert factorised (MoBE, TD-MoE), the factors saved beside the plan: their sha256 enters every
+    plan, so a refit that differs is another student."""
+    import hashlib
+
+    from safetensors.torch import save_file
+
+    from workers.methods.editing import edit_layer
+
+    plans, tensors = [], {}
+    for layer, ctx in layers:
+        plan, fac = edit_layer(layer, ctx, p["editing"], p["K"], settings)
+        plans.append(plan)
+        tensors.update(fac)
+    path = Path(p["workdir"]) / "factors.safetensors"
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path))
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    for plan in plans:
+        plan.extras["student"] = {**plan.extras.get("student", {}), "factors_sha256": sha}
+    return plans, path
+
+
+def _no_method_settings(
+    settings: dict[str, Any], scoring_settings: dict[str, Any] | None, what: str, own: tuple[str, ...]
+) -> None:
+    """Settings left after the output's own are the scoring's: an error when its scoring takes none."""
+    if settings and scoring_settings is None:
+        raise ValueError(f"settings {', '.join(sorted(settings))}: {what} takes {', '.join(own)}")
 
 
 def _scoring_settings(p: dict[str, Any], settings: dict[str, Any], teacher: tuple | None) -> tuple:

@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from workers.models.plans import convert_plans, plan_to_dict
+from workers.models.outputs import convert_plans
+from workers.models.plans import plan_to_dict
 from workers.run.runtime import (
     artifact,
     device,
