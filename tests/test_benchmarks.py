@@ -36,6 +36,11 @@ SCRIPTS = {  # script → lines its smoke run must print (numbers, never checked
         r"^all-experts / routed: \d+\.\d+x$",
         r"^max \|Δ\| between the passes: \d\.\d+e[-+]\d+$",
     ],
+    "bench_kd_loss.py": [
+        r"^autograd / fused\s+:\s+\d+\.\d+x",
+        r"^fused / FLOP time\s+:\s+\d+\.\d+x",
+        r"^fused vs autograd\s+: max rel diff \d\.\d+e[-+]\d+",
+    ],
     "bench_rounding.py": [r"^sequential / greedy_round: \d+\.\d+x$", r"^same assignment  : True$"],
     "bench_orchestration.py": [
         r"^executor serial: exit code 0, [1-9]\d* jobs$",

@@ -8,14 +8,18 @@ Conventions, shared by every function here:
   setting, Table 9) it is the plain KL.
 - Reduction is the mean over the tokens where ``mask`` is true (Eq. 5: 1/|T| Σ_t); no mask = all tokens.
 - Softmaxes are computed in fp32 over at most ``chunk`` tokens at a time, so no [N, V] fp32 tensor
-  is built for the whole batch; when gradients are needed each chunk is recomputed in backward
-  (activation checkpointing), so autograd does not keep every chunk's [chunk, V] either.
+  is built for the whole batch. From logits, a chunk that needs gradients is recomputed in backward
+  (activation checkpointing). From hidden states (``head_divergence``, ``head_weighted_divergence``) the
+  default is one fused pass: each chunk's logits are computed once, and its loss and its gradients
+  (student hidden states, head weight and bias) in the same step; backward only scales those gradients.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -183,6 +187,9 @@ def intermediate(
 
 
 # ---- from final hidden states: the LM head is applied chunk by chunk ------------------------------
+IMPLS = ("fused", "autograd")  # how head_divergence / head_weighted_divergence compute: see their docstrings
+
+
 def head_divergence(
     token_loss: TokenLoss,
     teacher_hidden: torch.Tensor,
@@ -194,11 +201,14 @@ def head_divergence(
     chunk: int = DEFAULT_CHUNK,
     teacher_bias: torch.Tensor | None = None,
     student_bias: torch.Tensor | None = None,
+    impl: str = "fused",
 ) -> torch.Tensor:
     """Like forward_kl/reverse_kl, from the two models' final hidden states [..., H] and LM-head weights
-    [V, H]: the [chunk, V] logits exist only inside one chunk (and again in its backward), never [N, V].
+    [V, H]: the [chunk, V] logits exist only inside one chunk, never [N, V].
 
-    The teacher's logits are recomputed inside the checkpointed chunk instead of being stored.
+    impl="fused" (default) computes the loss and its gradients in one pass over the chunks
+    (`_FusedHeadDivergence`); impl="autograd" is the reference: autograd through checkpointed chunks, whose
+    logits are recomputed in backward. A mask with no true entry gives 0 (and zero gradients).
     """
     m = _flat_mask(mask, student_hidden.reshape(-1, student_hidden.shape[-1]).shape[0], student_hidden.device)
     total = head_weighted_divergence(
@@ -212,6 +222,7 @@ def head_divergence(
         chunk,
         teacher_bias,
         student_bias,
+        impl,
     )
     return total / m.sum().clamp(min=1)
 
@@ -227,12 +238,15 @@ def head_weighted_divergence(
     chunk: int = DEFAULT_CHUNK,
     teacher_bias: torch.Tensor | None = None,
     student_bias: torch.Tensor | None = None,
+    impl: str = "fused",
 ) -> torch.Tensor:
     """Σ_t w_t · ℓ_t: the per-token divergence weighted by `weights` [...] (one float per token), summed.
 
-    Like head_divergence (chunked through the LM heads, teacher logits recomputed in the chunk), but the
-    caller owns the normalisation, e.g. Router KD's per-sequence 1/N_x ("the Router KD paper" §4, Eq. 3)."""
+    Like head_divergence (chunked through the LM heads, the same `impl` choice), but the caller owns the
+    normalisation, e.g. Router KD's per-sequence 1/N_x ("the Router KD paper" §4, Eq. 3)."""
     _check(tau, chunk)
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: allowed {', '.join(IMPLS)}")
     s = student_hidden.reshape(-1, student_hidden.shape[-1])
     t = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
     if s.shape[0] != t.shape[0]:
@@ -245,6 +259,41 @@ def head_weighted_divergence(
     if w.numel() != s.shape[0]:
         raise ValueError(f"weights has {w.numel()} entries, expected one per token ({s.shape[0]})")
     t = t.to(s.device)
+    if impl == "autograd":
+        return _head_autograd(
+            token_loss, t, teacher_head, teacher_bias, s, student_head, student_bias, w, tau, chunk
+        )
+    args = (t, teacher_head, teacher_bias, s, student_head, student_bias, w, token_loss, tau, chunk)
+    differentiable = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in args[3:7])
+
+    def run(exact: bool) -> torch.Tensor:
+        if differentiable:
+            return _FusedHeadDivergence.apply(*args, exact)
+        return _fused_pass(*args, exact, grads=False)[0]
+
+    if token_loss not in _ANALYTIC:
+        return run(True)
+    total = run(False)
+    if bool(torch.isnan(total)):
+        # the closed forms differ from token_loss only in rows they make NaN (non-finite logits): redo exactly
+        total = run(True)
+    return total
+
+
+def _head_autograd(
+    token_loss: TokenLoss,
+    t: torch.Tensor,
+    teacher_head: torch.Tensor,
+    teacher_bias: torch.Tensor | None,
+    s: torch.Tensor,
+    student_head: torch.Tensor,
+    student_bias: torch.Tensor | None,
+    w: torch.Tensor,
+    tau: float,
+    chunk: int,
+) -> torch.Tensor:
+    """The reference: autograd through each chunk's logits, checkpointed (teacher and student logits are
+    recomputed in backward), so autograd keeps no chunk's [chunk, V]."""
 
     def fn(tc: torch.Tensor, sc: torch.Tensor, wc: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -253,6 +302,236 @@ def head_weighted_divergence(
         return (token_loss(tl, sl, tau) * wc).sum()
 
     return _chunked_sum(fn, [t, s], w, chunk)
+
+
+# ---- the fused pass: loss and gradients in one walk over the chunks (paper §3.5, Eq. 5) -------------
+def _softened_log_probs(logits: torch.Tensor, tau: float) -> torch.Tensor:
+    """log_softmax(fp32(logits) / τ) on a chunk's own logits (divided in place, fp32 logits need no copy)."""
+    if tau == 1.0:
+        return F.log_softmax(logits, -1, dtype=torch.promote_types(logits.dtype, torch.float32))
+    return F.log_softmax(_fp32(logits).div_(tau), -1)
+
+
+def _out_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Where an elementwise op on x writes a result of `dtype`: x itself (in place) when the dtypes agree."""
+    return x if x.dtype == dtype else torch.empty_like(x, dtype=dtype)
+
+
+def _forward_kl_closed(
+    tl: torch.Tensor, sl: torch.Tensor, tau: float, a: torch.Tensor | None, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """token_forward_kl's rows and, when `a` = w·τ [c, 1] is given, the gradient of Σ_t w_t ℓ_t w.r.t. the
+    student logits: w τ (p_S Σ_v p_T − p_T), written in out_dtype. The chunk's logits are consumed."""
+    lt = _softened_log_probs(tl, tau)
+    del tl
+    ls = _softened_log_probs(sl, tau)
+    del sl
+    pt = lt.exp()
+    rows = lt.sub_(ls).mul_(pt).sum(-1) * tau**2
+    del lt
+    if a is None:
+        return rows, None
+    ps = ls.exp_()
+    ps.mul_(pt.sum(-1, keepdim=True) * a)
+    return rows, torch.addcmul(ps, pt, a, value=-1.0, out=_out_like(ps, out_dtype))
+
+
+def _reverse_kl_closed(
+    tl: torch.Tensor, sl: torch.Tensor, tau: float, a: torch.Tensor | None, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """token_reverse_kl's rows and, with `a` = w·τ [c, 1], their weighted sum's gradient w.r.t. the student
+    logits: w τ p_S (log p_S − log p_T + 1 − KL − Σ_v p_S) (KL = the row's unscaled divergence)."""
+    lt = _softened_log_probs(tl, tau)
+    del tl
+    ls = _softened_log_probs(sl, tau)
+    del sl
+    ps = ls.exp()
+    pd = ls.sub_(lt).mul_(ps)  # p_S (log p_S − log p_T)
+    del lt
+    kl = pd.sum(-1)
+    rows = kl * tau**2
+    if a is None:
+        return rows, None
+    pd.addcmul_(ps, (1.0 - kl - ps.sum(-1)).unsqueeze(-1))
+    return rows, torch.mul(pd, a, out=_out_like(pd, out_dtype))
+
+
+_ANALYTIC = {token_forward_kl: _forward_kl_closed, token_reverse_kl: _reverse_kl_closed}
+
+
+def _autograd_rows(
+    token_loss: TokenLoss, tl: torch.Tensor, sl: torch.Tensor, tau: float, w: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """token_loss's rows and, with weights `w` [c], Σ_t w_t ℓ_t's gradient w.r.t. sl by autograd on this chunk
+    alone (any token_loss; the logits are not recomputed)."""
+    if w is None:
+        return token_loss(tl, sl, tau), None
+    with torch.enable_grad():
+        leaf = sl.detach().requires_grad_(True)
+        rows = token_loss(tl, leaf, tau)
+        (grad,) = torch.autograd.grad((rows * w).sum(), leaf)
+    return rows.detach(), grad
+
+
+def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype F.linear would multiply `weight` in here: autocast's, where it is on and applies, else its own."""
+    dev = weight.device.type
+    if torch.is_autocast_enabled(dev) and weight.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return torch.get_autocast_dtype(dev)
+    return weight.dtype
+
+
+@functools.cache
+def _fp32_products(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's mm/addmm take out_dtype=float32 for `dtype` inputs on `device` (CUDA, bf16/fp16), so the
+    gradient products keep fp32 results and the head's gradient accumulates in place in fp32."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    try:
+        a = torch.ones(3, 2, dtype=dtype, device=device)
+        acc = torch.ones(2, 2, dtype=torch.float32, device=device)
+        torch.addmm(acc, a.T, a, out_dtype=torch.float32, out=acc)  # a transposed view, as the gradient's
+        prod = torch.mm(a, a.T, out_dtype=torch.float32)
+        return bool((acc == 4).all()) and bool((prod == 2).all())
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def _logits(h: torch.Tensor, head: torch.Tensor, bias: torch.Tensor | None, fp32: bool) -> torch.Tensor:
+    """A chunk's logits h·headᵀ + bias in the compute dtype; fp32 straight from the GEMM where torch allows
+    (`_fp32_products`), which also spares the softmax its upcast."""
+    if not fp32:
+        return F.linear(h, head, bias)
+    out = torch.mm(h, head.T, out_dtype=torch.float32)
+    return out if bias is None else out.add_(bias)
+
+
+def _product(a: torch.Tensor, b: torch.Tensor, fp32: bool) -> torch.Tensor:
+    """a @ b in their dtype, result in at least fp32 (out_dtype where torch has it, else upcast)."""
+    if fp32:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return _fp32(torch.mm(a, b))
+
+
+def _accumulate(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, fp32: bool) -> torch.Tensor:
+    """acc += a @ b with acc in at least fp32 (in place in the GEMM where torch allows)."""
+    if acc is None:
+        return _product(a, b, fp32)
+    if fp32:
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    if acc.dtype == a.dtype:
+        return acc.addmm_(a, b)
+    return acc.add_(torch.mm(a, b))
+
+
+def _fused_pass(
+    t: torch.Tensor,
+    teacher_head: torch.Tensor,
+    teacher_bias: torch.Tensor | None,
+    s: torch.Tensor,
+    student_head: torch.Tensor,
+    student_bias: torch.Tensor | None,
+    w: torch.Tensor,
+    token_loss: TokenLoss,
+    tau: float,
+    chunk: int,
+    exact: bool,
+    grads: bool | tuple[bool, bool, bool, bool],
+) -> tuple[torch.Tensor, ...]:
+    """(Σ_t w_t ℓ_t, ∂/∂s [N, H], ∂/∂student_head, ∂/∂student_bias, ∂/∂w = ℓ [N]) in one walk over the chunks:
+    each chunk's teacher and student logits are computed once (matmuls in the compute dtype), their
+    divergence and its gradient w.r.t. the logits come from the closed forms (or, `exact`, from autograd
+    on that chunk), and the gradient is pushed through the head at once. `grads` says which of the four
+    gradients to return (None for the others); t and s are [N, H], w [N] fp32."""
+    want_h, want_w, want_b, want_rows = (grads,) * 4 if isinstance(grads, bool) else grads
+    want_b = want_b and student_bias is not None
+    want_logits = want_h or want_w or want_b
+    dev = s.device
+    cdt_t, cdt_s = _compute_dtype(teacher_head), _compute_dtype(student_head)
+    loss_dtype = torch.promote_types(torch.promote_types(cdt_t, cdt_s), torch.float32)
+    n = s.shape[0]
+    total = torch.zeros((), dtype=loss_dtype, device=dev)
+    rows_all = torch.empty(n, dtype=loss_dtype, device=dev) if want_rows else None
+    grad_h = torch.empty_like(s) if want_h else None
+    grad_head = grad_bias = None
+    with torch.autocast(dev.type, enabled=False):
+        fp32, fp32_t = _fp32_products(dev, cdt_s), _fp32_products(dev, cdt_t)
+        wt = teacher_head.to(cdt_t)
+        bt = None if teacher_bias is None else teacher_bias.to(cdt_t)
+        ws = student_head.to(cdt_s)
+        bs = None if student_bias is None else student_bias.to(cdt_s)
+        for i in range(0, n, chunk):
+            tc, sc, wc = t[i : i + chunk].to(cdt_t), s[i : i + chunk].to(cdt_s), w[i : i + chunk]
+            # the logits are passed inline, so the callee owns them and frees each once consumed
+            if exact:  # token_loss sees the logits in the compute dtype, as the reference's
+                rows, g = _autograd_rows(
+                    token_loss, F.linear(tc, wt, bt), F.linear(sc, ws, bs), tau, wc if want_logits else None
+                )
+            else:
+                a = (wc.to(loss_dtype) * tau).unsqueeze(-1) if want_logits else None
+                closed = _ANALYTIC[token_loss]
+                rows, g = closed(_logits(tc, wt, bt, fp32_t), _logits(sc, ws, bs, fp32), tau, a, cdt_s)
+            total = total + (rows * wc).sum()
+            if want_rows:
+                rows_all[i : i + chunk] = rows
+            if g is None:
+                continue
+            g = g.to(cdt_s)
+            if want_h:
+                grad_h[i : i + chunk] = _product(g, ws, fp32)
+            if want_w:
+                grad_head = _accumulate(grad_head, g.T, sc, fp32)
+            if want_b:
+                gb = g.sum(0, dtype=torch.promote_types(g.dtype, torch.float32))
+                grad_bias = gb if grad_bias is None else grad_bias.add_(gb)
+    if want_w:
+        grad_head = torch.zeros_like(student_head) if grad_head is None else grad_head.to(student_head.dtype)
+    if want_b:
+        grad_bias = torch.zeros_like(student_bias) if grad_bias is None else grad_bias.to(student_bias.dtype)
+    return total, grad_h, grad_head, grad_bias, None if rows_all is None else rows_all.to(w.dtype)
+
+
+class _FusedHeadDivergence(torch.autograd.Function):
+    """Σ_t w_t ℓ_t through the two LM heads, with its gradients computed in forward by `_fused_pass` (each
+    chunk's logits exist once, never [N, V]); backward only scales them by the incoming gradient. The
+    teacher gets no gradient."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        t: torch.Tensor,
+        teacher_head: torch.Tensor,
+        teacher_bias: torch.Tensor | None,
+        s: torch.Tensor,
+        student_head: torch.Tensor,
+        student_bias: torch.Tensor | None,
+        w: torch.Tensor,
+        token_loss: TokenLoss,
+        tau: float,
+        chunk: int,
+        exact: bool,
+    ) -> torch.Tensor:
+        total, *saved = _fused_pass(
+            t,
+            teacher_head,
+            teacher_bias,
+            s,
+            student_head,
+            student_bias,
+            w,
+            token_loss,
+            tau,
+            chunk,
+            exact,
+            grads=tuple(ctx.needs_input_grad[3:7]),
+        )
+        ctx.save_for_backward(*saved)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        scaled = [None if g is None else g * grad_out for g in ctx.saved_tensors]
+        return (None, None, None, *scaled, None, None, None, None)
 
 
 def head_cross_entropy(
