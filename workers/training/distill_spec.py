@@ -39,7 +39,10 @@ class DistillSpec:
     teacher_renormalize: bool | None = None  # renormalise the k′ weights; None = the architecture's rule
     grad_clip: float | None = 1.0  # max global grad norm; None or 0 = off
     logit_chunk: int = DEFAULT_CHUNK  # tokens per LM-head chunk in the losses
-    grad_checkpoint: bool = False  # recompute the student's decoder layers in backward (activation memory)
+    # recompute the student's decoder layers in backward (activation memory): true = all of each layer,
+    # "selective" = keep the matmul and attention outputs, recompute the elementwise ops between them
+    grad_checkpoint: bool | str = False
+    compile: bool | str = "auto"  # torch.compile each decoder layer of student and teacher; auto = on CUDA
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, allowed: str) -> ValueError:
@@ -82,8 +85,10 @@ class DistillSpec:
             raise bad("teacher_renormalize", self.teacher_renormalize, "null, true or false")
         if self.grad_clip is not None and not self.grad_clip >= 0:
             raise bad("grad_clip", self.grad_clip, "null or a number >= 0")
-        if not isinstance(self.grad_checkpoint, bool):
-            raise bad("grad_checkpoint", self.grad_checkpoint, "true or false")
+        if not (isinstance(self.grad_checkpoint, bool) or self.grad_checkpoint == "selective"):
+            raise bad("grad_checkpoint", self.grad_checkpoint, "false, true or selective")
+        if not (isinstance(self.compile, bool) or self.compile == "auto"):
+            raise bad("compile", self.compile, "auto, true or false")
 
     @property
     def tokens_per_step(self) -> int:

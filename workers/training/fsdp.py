@@ -18,7 +18,9 @@ What is sharded (each of N ranks holds 1/N of it, dim-0 shards):
   (``CPUOffloadPolicy``), gathered to the GPU layer by layer.
 
 Activation checkpointing is ``DistillSpec.grad_checkpoint`` (HF's non-reentrant checkpointing of the
-student's decoder layers, inside their FSDP units). Gradients are reduce-scattered after every
+student's decoder layers, whole or selective, inside their FSDP units). With ``DistillSpec.compile`` each
+layer's forward (the checkpoint included) is compiled after sharding, one compiled function per layer class;
+the units' gather and reshard hooks run around it in eager mode. Gradients are reduce-scattered after every
 micro-batch and accumulated in the shards. Validation pads each rank's windows to the same count
 (masked out), since every forward is a collective. Rank 0 gathers the full state dict and saves a
 normal HF checkpoint (`save_student`). Launch: ``workers.training.ddp.launch`` with ``job["sharding"] = "fsdp"``.
