@@ -10,7 +10,7 @@ LOCK := requirements/lock.txt
 TORCH_LOCK ?= requirements/torch-cpu.txt
 PIP := $(BIN)/python -m pip
 
-.PHONY: install demo test lint format lock clean
+.PHONY: install demo test lint format lock clean gpu-check
 
 $(BIN)/moesweep: pyproject.toml $(LOCK) $(TORCH_LOCK)
 	$(PY) -m venv --clear $(VENV)
@@ -42,6 +42,10 @@ format: install
 # regenerate requirements/{lock,torch-cpu,torch-cuda}.txt from pyproject.toml and requirements/torch.in
 lock: install
 	$(BIN)/python scripts/lock.py
+
+# a lent GPU machine's whole check, one table (docs/development.md); ARGS e.g. --only c,d
+gpu-check:
+	python3 benchmarks/gpu_check.py $(ARGS)
 
 clean:
 	rm -rf .moesweep report
