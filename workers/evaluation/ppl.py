@@ -41,13 +41,14 @@ import math
 import types
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from workers.models.decoder import decoder_of
+from workers.models.head import Head, output_head
 
 WINDOWS = ("disjoint", "rolling")
 _CHUNK_ELEMENTS = 1 << 26  # float32 logits per CE chunk (256 MB)
@@ -144,7 +145,7 @@ def perplexity(
     for i, w in enumerate(wins):
         by_len[len(w[0])].append((i, w))
     window_tokens = [w[1] for w in wins]
-    head = None if full_logits else output_head(model)
+    head = None if full_logits or not _has_decoder(model) else output_head(model)
     nll = torch.zeros(len(wins), dtype=torch.float64, device=device)  # read back once, at the end
     done = 0
     was_training = model.training
@@ -245,38 +246,13 @@ def compile_setting(setting: Any, device: torch.device | str) -> bool:
 
 
 # ---- the LM head, chunked ---------------------------------------------------------------------------
-class Head(NamedTuple):
-    """The output projection and what the model's forward does to its logits after it."""
-
-    weight: torch.Tensor  # [V, H]
-    bias: torch.Tensor | None
-    mul: float | None  # logits * logit_scale (Cohere), in the model dtype
-    div: float | None  # logits / logits_scaling (Granite), in the model dtype
-    cap: float | None  # cap · tanh(logits / cap) (final_logit_softcapping), in float32
-
-
-def output_head(model: nn.Module) -> Head | None:
-    """The model's head as `Head`, or None when the model has no linear output embedding over a decoder
-    (it is then scored from its own logits)."""
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    if not isinstance(head, nn.Linear):
-        return None
+def _has_decoder(model: nn.Module) -> bool:
+    """Whether the model runs a decoder body whose final hidden states the head can be applied to."""
     try:
         decoder_of(model)
     except (AttributeError, ValueError):
-        return None
-    cfg = getattr(model, "config", None)
-    scale, scaling, cap = (
-        getattr(cfg, k, None) for k in ("logit_scale", "logits_scaling", "final_logit_softcapping")
-    )
-    return Head(
-        head.weight,
-        head.bias,
-        None if scale is None else float(scale),
-        None if scaling is None else float(scaling),
-        None if cap is None else float(cap),
-    )
+        return False
+    return True
 
 
 def chunk_nll(

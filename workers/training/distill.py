@@ -40,6 +40,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from workers.core.schedule import cosine_lr
 from workers.core.steplog import StepLog
 from workers.models.decoder import decoder_of
+from workers.models.head import logit_factor, output_head
 from workers.training.distill_spec import DTYPES, DistillSpec  # noqa: F401  (re-exported)
 from workers.training.losses import LOSSES, KDLoss, head_cross_entropy, head_divergence, hidden_mse
 from workers.training.ranks import Ranks
@@ -68,34 +69,27 @@ class ScaledHead(NamedTuple):
     bias: torch.Tensor | None
 
 
-def logit_factor(config: Any) -> float:
-    """The constant the model multiplies into lm_head(h): Cohere's logit_scale, 1 / Granite's logits_scaling."""
-    factor = 1.0
-    if getattr(config, "logit_scale", None) is not None:
-        factor *= float(config.logit_scale)
-    if getattr(config, "logits_scaling", None) is not None:
-        factor /= float(config.logits_scaling)
-    return factor
-
-
 def lm_head(model: nn.Module) -> nn.Linear | ScaledHead:
-    """The output projection, with a constant logit factor (logit_factor) folded into its weight and bias (the
-    student's stays differentiable); refuses models whose logits are more than that (softcap)."""
-    cfg = getattr(model, "config", None)
-    if getattr(cfg, "final_logit_softcapping", None) not in (None, 1, 1.0):
+    """The output projection, with the model's constant logit factor (workers.models.head.logit_factor) folded
+    into its weight and bias (the student's stays differentiable); refuses models whose logits are more than
+    that (a softcap)."""
+    projection = model.get_output_embeddings()
+    if not isinstance(projection, nn.Linear):
+        raise ValueError(
+            f"{type(model).__name__}: output embeddings are {type(projection).__name__}, expected nn.Linear"
+        )
+    head = output_head(model)
+    if head is not None and head.cap not in (None, 1.0):
         raise ValueError(
             f"{type(model).__name__}: config.final_logit_softcapping is set; the chunked KD loss "
             "supports a linear lm_head"
         )
-    head = model.get_output_embeddings()
-    if not isinstance(head, nn.Linear):
-        raise ValueError(
-            f"{type(model).__name__}: output embeddings are {type(head).__name__}, expected nn.Linear"
-        )
-    factor = logit_factor(cfg)
+    factor = 1.0 if head is None else logit_factor(head)
     if factor == 1.0:
-        return head
-    return ScaledHead(head.weight * factor, None if head.bias is None else head.bias * factor)
+        return projection
+    return ScaledHead(
+        projection.weight * factor, None if projection.bias is None else projection.bias * factor
+    )
 
 
 def base_forward(
