@@ -24,7 +24,7 @@ from analysis.uncertainty import SEED_RULE, SeedValues, Uncertainty, pooled, see
 from db.axes import default_rule, design_axes
 from db.select_rule import select_best_rows
 
-SCORING_ORDER = ("SF", "PP", "PS", "CP", "ACP", "DO-CP", "DO-ACP", "REAP", "EAN", "frequency")
+SCORING_ORDER = ("SF", "PP", "PS", "CP", "ACP", "DO-CP", "DO-ACP", "REAP", "EAN", "frequency", "Weights")
 GROUPING_ORDER = ("RR", "WC", "RC", "AB", "OC")
 SCALING_ORDER = ("uniform", "proportional", "avg_cp")
 TASK_ORDER = ("winogrande", "hellaswag", "arc_easy", "arc_challenge", "mmlu")

@@ -887,7 +887,7 @@ C2F_TABLE = "c2f_table2_3_qwen3_thinking"
 # the table's columns: MMLU is multiple choice (acc, headline); the others are generative scores
 C2F_TASKS = {"mmlu": ("acc", 1), "math500": ("score", 0), "aime25": ("score", 0), "lcb": ("score", 0)}
 C2F_TASK_NAME = {"mmlu": "mmlu", "math500": "math500", "aime25": "aime25", "lcb": "livecodebench"}
-# the paper's method → (our name, paradigm); "Weights" (CD-MoE's routing-weight ratio) is not ours
+# the paper's method → (our name, paradigm); "Weights" (CD-MoE's routing-weight ratio) is our scoring Weights (PS/SF)
 C2F_METHODS = {
     "Ours": ("CFES", "pruning"),
     "DCDM": ("CFES", "pruning"),

@@ -16,6 +16,7 @@ from typing import Any
 from orchestrator.axes import AXES
 from orchestrator.schema import SpecError
 from orchestrator.spec import SweepSpec
+from orchestrator.stages.calibrate import single_source_configs
 from orchestrator.stages.convert import grid_configs
 from orchestrator.stages.teacher import teacher_label  # noqa: F401  (re-exported: the dry run names the teacher)
 from workers.core.shape import TeacherShape
@@ -96,7 +97,8 @@ def check_k(spec: SweepSpec, shape: TeacherShape) -> None:
 
 
 def build_configs(spec: SweepSpec, shape: TeacherShape) -> list[dict[str, Any]]:
-    """Every configuration of the sweep: the grid, the teacher and the baselines (d2d: one per candidate)."""
+    """Every configuration of the sweep: the grid, the teacher, the baselines (d2d: one per candidate) and
+    the grid's variants calibrated on one source alone (calibration.single_source)."""
     from workers.core.registry import registry_names
 
     check_k(spec, shape)
@@ -142,7 +144,8 @@ def build_configs(spec: SweepSpec, shape: TeacherShape) -> list[dict[str, Any]]:
                     "baseline": f"d2d:{name}",
                 }
             )
-    return configs
+    # last, so the configurations of a sweep without them are stored in the order they always were
+    return configs + single_source_configs(spec, configs)
 
 
 def select_json(spec: SweepSpec) -> str | None:

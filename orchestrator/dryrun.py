@@ -48,10 +48,11 @@ def plan_counts(
         distinct = unique(jobs.values())
         keys += [j.key for j in distinct]
         if jobs:
-            rows.append({"stage": st.name, "named": len(jobs), "distinct": len(distinct), "note": st.summary})
+            note = (st.describe(ctx) if st.describe is not None else "") or st.summary
+            rows.append({"stage": st.name, "named": len(jobs), "distinct": len(distinct), "note": note})
         elif st.section and getattr(ctx.spec, st.section, None) is None:
             continue  # its section is absent: the stage does not run
-        elif any(ctx.jobs.get(u) for u in st.upstream):  # its plan needs results that do not exist yet
+        elif not st.static and any(ctx.jobs.get(u) for u in st.upstream):  # needs results not there yet
             rows.append(
                 {
                     "stage": st.name,

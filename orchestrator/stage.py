@@ -44,6 +44,9 @@ class Stage:
     shared: bool = False  # one job serves many configurations by design (teacher, calibration)
     identity: bool = False  # configurations sharing this stage's job are one student (duplicate_of)
     summary: str = ""
+    # the dry run's note on the planned jobs (else summary)
+    describe: Callable[[SweepContext], str] | None = None
+    static: bool = False  # its jobs follow from the plan alone (no earlier outputs): none planned, none run
     estimate: Callable[[SweepContext, list[dict[str, Any]]], list[dict[str, Any]]] | None = (
         None  # dry-run rows
     )

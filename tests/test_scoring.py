@@ -73,6 +73,7 @@ def test_registry_names_are_exactly_the_papers_plus_reap_family():
         "DO-REAP",
         "EAN",
         "frequency",
+        "Weights",
         "RL-exhaustive",
         "RL-greedy",
         "CFES",

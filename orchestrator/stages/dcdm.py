@@ -205,6 +205,7 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
         for c in ctx.configs
         if c["kind"] in CONVERTED_KINDS
         and c.get("dcdm_of") is None
+        and c.get("variant_of") is None  # not a variant (one calibrated on one source alone: nothing to mix)
         and c["config_key"] in calib
         and matches(c, d.apply_to)
     ]

@@ -69,6 +69,7 @@ STAGE = Stage(
     run="workers.run.expert_maxima:stage_expert_maxima",
     jobs=jobs,
     upstream=("teacher", "calibrate"),
+    static=True,
     shared=True,
     records=frozenset({"outputs", "artifacts"}),
     summary="per-expert max activations for REAP's super-expert rule, only when a configuration asks",

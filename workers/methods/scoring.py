@@ -2,10 +2,11 @@
 
 Paper §3.2 and Appendix C (SF, PP, PS, CP, ACP, DO-CP, DO-ACP); REAP, REAP-p and EAN from the REAP paper
 (Lasby et al., "REAP the Experts", Eq. 9 and Appendix D); DO-REAP = the D-optimal selection with REAP
-as its importance; RL-exhaustive, RL-greedy and CFES select by the layer's reconstruction loss on real
-tokens ("Compressing Large MoE Models via Efficient Pruning and Data-Aware Calibration", §4.1; see
-workers/methods/reconstruction.py). Adding a scoring = one function `(ctx) -> Tensor[E]` plus one registry line.
-Pure tensor code: no transformers import.
+as its importance; Weights = PS / SF (CD-MoE's ratio, the C2F paper's baseline); RL-exhaustive,
+RL-greedy and CFES select by the layer's reconstruction loss on real tokens ("Compressing Large MoE
+Models via Efficient Pruning and Data-Aware Calibration", §4.1; see workers/methods/reconstruction.py).
+Adding a scoring = one function `(ctx) -> Tensor[E]` plus one registry line. Pure tensor code: no
+transformers import.
 """
 
 from __future__ import annotations
@@ -58,6 +59,15 @@ def ps(ctx: LayerContext) -> torch.Tensor:
 def cp(ctx: LayerContext) -> torch.Tensor:
     """Conditional probability Σ_{t: e∈S(t)} p_e(t) / |{t: e∈S(t)}|, 0 if never selected (§3.2, Eq. 3)."""
     return _per_routed(ctx.stats.sum_p_sel, ctx.stats.count)
+
+
+def weights(ctx: LayerContext) -> torch.Tensor:
+    """CD-MoE's "Weights" as the C2F paper's baseline defines it: the average routing weight (over all
+    tokens, 0 where the expert is not selected: PS) over the activation frequency (SF), 0 if never
+    selected. PS / SF = Σ_{t: e∈S(t)} p_e(t) / |{t: e∈S(t)}|, i.e. exactly CP; computed as the ratio."""
+    # C2F/DCDM paper, Sec. 5.1 (baseline "Weights", after Cao et al. 2024, CD-MoE)
+    f = sf(ctx)
+    return torch.where(f > 0, ps(ctx) / f.where(f > 0, torch.ones_like(f)), torch.zeros_like(f))
 
 
 def acp(ctx: LayerContext) -> torch.Tensor:
@@ -131,6 +141,7 @@ SCORINGS: dict[str, Scoring] = {
     "DO-REAP": Scoring(reap, select_d_optimal),
     "EAN": Scoring(ean),
     "frequency": Scoring(sf),
+    "Weights": Scoring(weights),  # PS / SF (= CP), the C2F paper's CD-MoE baseline
     # reconstruction-loss selection on the calibration token sample (workers/methods/reconstruction.py); base score PS
     "RL-exhaustive": Scoring(ps, ReconstructionSelector("exhaustive")),
     "RL-greedy": Scoring(ps, ReconstructionSelector("greedy")),
