@@ -3,20 +3,18 @@
 Every grouping is `(ctx, selected, scores, k) -> list[list[int]]` and returns exactly k non-empty groups.
 Output order is canonical: experts are ranked by (score desc, id asc); members are listed in rank
 order and groups are ordered by their best-ranked member. With K = k every grouping therefore
-returns the same singletons. Pure tensor code (plus scipy's hierarchical clustering).
+returns the same singletons. Pure tensor code.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import torch
-from scipy.cluster.hierarchy import linkage
-from scipy.spatial.distance import squareform
 
 from workers.core.registry import lookup
 from workers.core.types import LayerContext
+from workers.methods.clustering import agglomerate
 
 Grouping = Callable[[LayerContext, list[int], torch.Tensor, int], list[list[int]]]
 
@@ -63,19 +61,8 @@ def cosine_distance_from_gram(gram: torch.Tensor) -> torch.Tensor:
 
 def average_linkage_cut(dist: torch.Tensor, k: int) -> list[list[int]]:
     """Average-linkage agglomerative clustering stopped at exactly k clusters (Appendix F.2, Def. F.2).
-
-    Replays the first n−k merges of scipy's linkage instead of cutting by height, so ties in merge
-    heights can never give fewer than k clusters. Returns clusters of row indices.
-    """
-    n = dist.shape[0]
-    clusters: dict[int, list[int]] = {i: [i] for i in range(n)}
-    if k < n:
-        d = dist.detach().to("cpu", torch.float64).numpy()
-        z = linkage(squareform(np.ascontiguousarray(d), checks=False), method="average")
-        for step in range(n - k):
-            a, b = int(z[step, 0]), int(z[step, 1])
-            clusters[n + step] = clusters.pop(a) + clusters.pop(b)
-    return list(clusters.values())
+    Returns clusters of row indices (workers.methods.clustering.agglomerate: ties → lowest ids)."""
+    return agglomerate(dist, k, "average")
 
 
 def _cluster(dist: torch.Tensor, order: list[int], k: int) -> list[list[int]]:
