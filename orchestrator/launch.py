@@ -41,7 +41,7 @@ from orchestrator.axes import AXES
 from orchestrator.schema import artifact_root
 from orchestrator.scope import Scope, competes, is_d2d
 from orchestrator.spec import SpecError, SweepSpec, check_local_paths, spec_hash
-from orchestrator.stage import JobSpec, Stage, SweepContext, stages, unique
+from orchestrator.stage import JobSpec, Stage, SweepContext, get_stage, stages, unique
 from workers.core.artifacts import LAYOUT, is_url, same_content, sealed
 from workers.core.artifacts import check as artifact_check
 from workers.core.artifacts import name as artifact_name
@@ -730,6 +730,8 @@ def run_launch(
         stale_after_s=stale_after_s,
     )
     ctx = _context(spec, shape, configs, store, sid, cfg_ids)
+    ctx.run_now = lambda name, jobs: _run_round(runner, ctx, scope, name, jobs)
+    ctx.job_metrics = lambda keys, name: _job_metrics(store, keys, name)
     mirror.attach(runner, spec, store, ctx, console)  # execution.mirror: each job's curves once stored
     previous = _on_sigint(runner)
     beat = Heartbeat(store, runner.owner, runner.held, heartbeat_s).start()
@@ -842,6 +844,35 @@ def _run_upstream(
             runner.reports.append(rep)
         rep.total += 1
         ctx.outputs.setdefault(st.name, {}).update(runner.run_stage(st, [j], rep=rep))
+
+
+def _run_round(
+    runner: Runner, ctx: SweepContext, scope: Scope, name: str, jobs: dict[str, JobSpec]
+) -> dict[str, dict[str, Any]]:
+    """A round of jobs of a stage that plans in rounds (distill.search's rungs), run while it plans: those
+    this launch's scope keeps, counted in a report of their own (`<stage> rounds`); {job key: outputs} of
+    those that succeeded. The stage's plan names the jobs it keeps again, found done then."""
+    label = f"{name} rounds"
+    rep = next((r for r in runner.reports if r.stage == label), None)
+    if rep is None:
+        rep = StageReport(label)
+        runner.reports.append(rep)
+    kept = unique(scope.keep(name, jobs, ctx.configs).values())
+    rep.total += len(kept)
+    return runner.run_stage(get_stage(name), kept, rep=rep)
+
+
+def _job_metrics(store: Store, keys: list[str], name: str) -> list[dict[str, Any]]:
+    """The metric rows named `name` of the jobs `keys`: key, who, task, step, value."""
+    if not keys:
+        return []
+    marks = {f"k{i}": k for i, k in enumerate(keys)}
+    cols, rows = store.query(
+        "SELECT j.key, m.who, m.task, m.step, m.value FROM metrics m JOIN jobs j ON j.id = m.job_id "
+        f"WHERE m.name = :name AND j.key IN ({', '.join(':' + k for k in marks)})",
+        {"name": name, **marks},
+    )
+    return [dict(zip(("key", "who", "task", "step", "value"), r, strict=True)) for r in rows]
 
 
 def _select_early(spec: SweepSpec, scope: Scope, ctx: SweepContext) -> list[str] | None:

@@ -253,6 +253,11 @@ class SweepContext:
     select: Callable[[], list[str]] | None = None
     add_configs: Callable[[list[dict[str, Any]]], None] | None = None
     set_fields: Callable[[dict[str, dict[str, Any]]], None] | None = None  # config_key → column values
+    # a stage that plans in rounds (distill.search's rungs): run a round of its jobs now ({config key: job}
+    # → {job key: outputs} of those that succeeded), and read jobs' metric rows (job keys, a metric name →
+    # rows with key, who, task, step, value); a dry run supplies neither
+    run_now: Callable[[str, dict[str, JobSpec]], dict[str, dict[str, Any]]] | None = None
+    job_metrics: Callable[[list[str], str], list[dict[str, Any]]] | None = None
 
     def config(self, key: str) -> dict[str, Any]:
         return next(c for c in self.configs if c["config_key"] == key)

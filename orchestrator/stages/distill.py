@@ -6,17 +6,20 @@ whose `recovery` is `full_kd` is distilled too (all its parameters trained, the 
 are extra runs with overridden settings (e.g. another loss, expanded teacher routing k′) on the
 selected configurations that match `variants_on`: each is a configuration of its own with a
 `variant` label and `variant_of` pointing at the configuration it varies. Seed repeats of the selected
-students (`seeds`, stages/seeds.py) are distilled with `seed` shifted by their offset.
+students (`seeds`, stages/seeds.py) are distilled with `seed` shifted by their offset. `search` searches
+the settings on the selected configurations (orchestrator/search.py): each trial a configuration
+`<key>|search=<n>` whose distill jobs (one per rung) run while this stage plans.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from db.axes import CONVERTED_KINDS, recovered_by
 from orchestrator.schema import Data, Strict, worker_settings
+from orchestrator.search import Search, estimate_note, plan_trials, searched_bases
 from orchestrator.stage import JobSpec, Stage, SweepContext
 from orchestrator.stages.teacher import teacher_ref
 
@@ -33,6 +36,9 @@ class Distill(Strict):
     # Unset: none for one process, ddp above (and then it is not part of the job, so keys stay as they were)
     sharding: Literal["none", "ddp", "fsdp"] | None = None
     teacher_offload: bool = False  # fsdp only: the teacher's shards stay in host memory between layers
+    search: Search | None = (
+        None  # a search over these settings on the selected configurations (orchestrator/search.py)
+    )
 
     @field_validator("settings")
     @classmethod
@@ -48,6 +54,13 @@ class Distill(Strict):
         for i, v in enumerate(self.variants):  # a variant is the settings with its overrides
             worker_settings(DistillSpec, {**self.settings, **v}, f"variants.{i}")
         return self
+
+    @field_validator("search")
+    @classmethod
+    def _search(cls, v: Search | None, info: ValidationInfo) -> Search | None:
+        """The search read against the settings (validated before it; their own error otherwise)."""
+        settings = info.data.get("settings")
+        return v if v is None or settings is None else v.checked(settings)
 
     @field_validator("processes")
     @classmethod
@@ -146,6 +159,9 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
         out[ck] = distill_job(ctx, job, {"seed": seed + ctx.config(ck)["seed_offset"]})
     if variants:
         ctx.add_configs(variants)
+    if d.search is not None:  # its rungs run now, each a round of distill jobs (orchestrator/search.py)
+        trials = searched_bases(ctx, [ck for ck in ctx.select() if ck in out], ppl)
+        out.update(plan_trials(ctx, trials, lambda job, over: distill_job(ctx, job, over)))
     ctx.set_fields(
         {
             ck: {
@@ -172,6 +188,11 @@ def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, An
     base = sum(1 for c in others if c["kind"] == "baseline" and not c["baseline"].startswith("d2d:"))
     d2d = int(any(c["kind"] == "baseline" and c["baseline"].startswith("d2d:") for c in others))
     variants = len(spec.distill.variants)
+    trials, trial_jobs, searched = (0, 0, "")
+    if spec.distill.search is not None:
+        trials, trial_jobs, searched = estimate_note(
+            spec.distill.search, spec.distill.settings, groups + base + d2d
+        )
     repeats = max(len(getattr(spec, "seeds", None) or []) - 1, 0)
     rule = f"best {sel.best_by} per {'×'.join(sel.per)} over {', '.join(sel.over)}" if sel else "all"
     n = groups + base + d2d + full
@@ -179,11 +200,12 @@ def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, An
         {"stage": "select", "named": len(moe), "distinct": groups, "note": rule},
         {
             "stage": "distill",
-            "named": n + variants,
-            "distinct": n + variants,
+            "named": n + variants + trials,
+            "distinct": n + variants + trial_jobs,
             "note": f"{groups} selected + {base + d2d} baselines"
             + (f" + {full} smaller MoEs (full_kd)" if full else "")
             + (f" + up to {variants} variant runs" if variants else "")
+            + (f" + {searched}" if searched else "")
             + (f" + {repeats} seed repeats of each selected student" if repeats else ""),
         },
     ]
