@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from families_cases import FAMILIES, block_of, ids, make_teacher, router_of
+from families_cases import CASES, FAMILIES, block_of, ids, make_teacher, router_of
 
 from workers.core.registry import registry_names
 from workers.core.types import ExpertWeights, LayerContext, LayerStats
@@ -300,7 +300,11 @@ def test_edited_model_computes_the_teacher_with_the_reconstructed_experts(family
     model, student, plans, factors = edited(family, method)
     x = ids(3, 12, seed=4)
     want = logits(written_back(family, model, plans, factors), x)
-    torch.testing.assert_close(logits(student, x), want, rtol=1e-12, atol=1e-12)
+    # a family computing act(gate)·up in a lower precision (Beam: float32) differs by that rounding: the
+    # edited forward applies the factors to the routed tokens, the reference rebuilds the experts first
+    act = CASES[family].act_dtype if family in CASES else None
+    tol = 1e-12 if act is None else 4 * torch.finfo(act).eps * float(want.abs().max())
+    torch.testing.assert_close(logits(student, x), want, rtol=1e-12, atol=tol)
     assert not torch.allclose(want, logits(model, x), rtol=1e-3, atol=1e-3)  # editing changed the model
     adapter = get_adapter(student)
     assert type(adapter) is type(get_adapter(model)) and adapter.moe_layers(student) == adapter.moe_layers(
@@ -322,7 +326,7 @@ def test_edited_model_computes_the_teacher_with_the_reconstructed_experts(family
     student.save_pretrained(tmp_path)
     back = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64, experts_implementation="eager")
     assert type(back) is type(student)
-    torch.testing.assert_close(logits(back, x), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(logits(back, x), want, rtol=1e-12, atol=tol)
     # the checkpoint holds the factors, not full expert weights: it is smaller than the teacher
     from safetensors.torch import load_file
 

@@ -234,6 +234,182 @@ def reconstruct(spec: dict, t: dict[str, torch.Tensor]) -> torch.Tensor:
     raise ValueError(f"projection kind={kind!r}; allowed: dense, mobe, tucker")
 
 
+# ---- the factors applied to routed rows (the edited model's forward, without forming W_e) ------------------
+GROUPED_KERNELS = ("auto", "grouped_mm", "loop")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One linear step of a projection's factor chain W_e = S_n ⋯ S_1 (S_1 applied first): a matrix every
+    expert shares (`shared` [o, i]), a per-expert stack stored as it is (`stack` [E, o, i], indexed, never
+    copied) or one built from the factors for the experts named (`build(ids) -> [len(ids), o, i]`)."""
+
+    shared: torch.Tensor | None = None
+    stack: torch.Tensor | None = None
+    build: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+def factor_steps(spec: dict, t: dict[str, torch.Tensor]) -> list[Step]:
+    """reconstruct's product as a chain of steps (applied first to last), so that routed rows go through the
+    factors without any W_e being formed."""
+    kind = spec["kind"]
+    if kind == "dense":
+        return [Step(stack=t["weight"])]
+    if kind == "mobe":
+        # MoBE (Chen et al. 2025, Eq. 2–4): W_e = A_e · act(Σ_j c_ej B_j); the activation acts on the mixed
+        # basis matrix, so the mixture is built per routed expert before the rows meet it
+        mix, bases, activation = mobe_coefficients(t["coef"], spec["coef"]), t["bases"], spec["activation"]
+
+        def mixed(ids: torch.Tensor) -> torch.Tensor:
+            return _act(torch.einsum("em,mrh->erh", mix[ids], bases), activation)
+
+        return [Step(build=mixed), Step(stack=t["A"])]
+    if kind == "tucker":
+        # Tucker-2 / TD-MoE's 3-D Tucker (Router KD paper, App. E/F): W_e = U · core_e · V,
+        # core_e = Σ_a Ue[e, a] core[a]; U and V are shared, so they meet each token once
+        if "Ue" in t:
+            Ue, core = t["Ue"], t["core"]
+            middle = Step(build=lambda ids: torch.einsum("ea,arq->erq", Ue[ids], core))
+        else:
+            middle = Step(stack=t["core"])
+        return [Step(shared=t["V"]), middle, Step(shared=t["U"])]
+    raise ValueError(f"projection kind={kind!r}; allowed: dense, mobe, tucker")
+
+
+def split_shared_tail(steps: list[Step]) -> tuple[list[Step], list[Step]]:
+    """(the steps up to the last per-expert one, the shared steps after it). A map every expert shares
+    commutes with the routing weights' sum over a token's experts, so the tail can run once per token."""
+    last = max(i for i, s in enumerate(steps) if s.shared is None)
+    return steps[: last + 1], steps[last + 1 :]
+
+
+class ExpertGroups:
+    """Routed rows sorted by expert id (`sorted_ids` [S]): `ends` [E] where each expert's rows end,
+    `active` the experts that receive rows and `active_ends` where theirs end. The host-side bounds a loop
+    needs are read once (one device sync), when first asked for."""
+
+    def __init__(self, sorted_ids: torch.Tensor, num_experts: int):
+        counts = torch.bincount(sorted_ids, minlength=num_experts)
+        if counts.numel() != num_experts:
+            raise ValueError(f"expert ids must be in 0..{num_experts - 1}; got up to {counts.numel() - 1}")
+        self.ends = torch.cumsum(counts, 0)
+        self.active = torch.nonzero(counts).squeeze(1)
+        self.active_ends = self.ends[self.active]
+        self._bounds: dict[str, list[int]] = {}
+
+    def bounds(self, which: str) -> list[int]:
+        """[0, *ends] (`which` = all) or [0, *active_ends] (active) as Python ints."""
+        if which not in self._bounds:
+            ends = self.ends if which == "all" else self.active_ends
+            self._bounds[which] = [0, *ends.tolist()]
+        return self._bounds[which]
+
+
+def _grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Where torch's grouped GEMM beats one matmul per group: bfloat16 on CUDA devices of compute capability
+    8.0 and later (sizes off its 16-byte alignment are zero-padded), and float32, bfloat16 and float16 on CPU
+    when the sizes are aligned already (padding copies cost more there than the loop). float64: no kernel."""
+    if not hasattr(torch.nn.functional, "grouped_mm") or x.dtype != w.dtype or x.device != w.device:
+        return False
+    if x.is_cuda:
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    align = 16 // x.element_size()
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and w.shape[1] % align == 0
+        and w.shape[2] % align == 0
+    )
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose backward hands on a contiguous gradient (the grouped GEMM's backward refuses the
+    stride-0 gradient of, say, a sum)."""
+
+    @staticmethod
+    def forward(ctx: object, y: torch.Tensor) -> torch.Tensor:
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """grouped_linear through torch's grouped GEMM: every row stride a multiple of 16 bytes (the in and out
+    sizes zero-padded, which adds exact zeros) and 16-byte aligned operands."""
+    align = max(1, 16 // x.element_size())
+    pad_in, pad_out = (-w.shape[2]) % align, (-w.shape[1]) % align
+    if pad_in:
+        x, w = torch.nn.functional.pad(x, (0, pad_in)), torch.nn.functional.pad(w, (0, pad_in))
+    if pad_out:
+        w = torch.nn.functional.pad(w, (0, 0, 0, pad_out))
+    x, w = x.contiguous(), w.contiguous()
+    if x.data_ptr() % 16:
+        x = x.clone()
+    if w.data_ptr() % 16:
+        w = w.clone()
+    y = torch.nn.functional.grouped_mm(x, w.transpose(1, 2), offs=ends.to(torch.int32))
+    if y.requires_grad:
+        y = _ContiguousGrad.apply(y)
+    return y[:, : w.shape[1] - pad_out] if pad_out else y
+
+
+def _resolve_kernel(x: torch.Tensor, w: torch.Tensor, kernel: str) -> str:
+    if kernel not in GROUPED_KERNELS:
+        raise ValueError(f"kernel={kernel!r}; allowed: {', '.join(GROUPED_KERNELS)}")
+    if kernel == "auto":
+        return "grouped_mm" if _grouped_mm_usable(x, w) else "loop"
+    return kernel
+
+
+def grouped_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    ends: torch.Tensor,
+    kernel: str = "auto",
+    bounds: list[int] | None = None,
+) -> torch.Tensor:
+    """x [S, in] with its rows in len(ends) consecutive groups (group g: rows ends[g-1]..ends[g]), each times its
+    w[g]ᵀ ([G, out, in]): [S, out]. `kernel`: grouped_mm (torch's grouped GEMM), loop (one matmul per non-empty
+    group; `bounds` = [0, *ends] as ints saves reading ends from the device) or auto (grouped_mm where it beats
+    the loop: bfloat16 on CUDA, aligned float32/bfloat16/float16 on CPU; else loop)."""
+    kernel = _resolve_kernel(x, w, kernel)
+    if x.shape[0] == 0:
+        return x.new_zeros(0, w.shape[1])
+    if kernel == "grouped_mm":
+        return _grouped_mm(x, w, ends)
+    b = [0, *ends.tolist()] if bounds is None else bounds
+    return torch.cat([x[lo:hi] @ w[g].T for g, (lo, hi) in enumerate(zip(b, b[1:], strict=False)) if hi > lo])
+
+
+def routed_apply(
+    steps: list[Step],
+    x: torch.Tensor,
+    groups: ExpertGroups,
+    rows: torch.Tensor | None = None,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """Routed rows through a chain of steps, each per-expert step for the experts that receive rows only.
+    x [S, in] sorted by expert; or, given `rows` (the token of each sorted row), x [T, in] the tokens: the
+    leading shared steps then run once per token, before the gather, not once per routed pair."""
+    i = 0
+    if rows is not None:
+        while i < len(steps) and steps[i].shared is not None:
+            x = x @ steps[i].shared.T
+            i += 1
+        x = x[rows]
+    for step in steps[i:]:
+        if step.shared is not None:
+            x = x @ step.shared.T
+            continue
+        which, w = ("all", step.stack) if step.stack is not None else ("active", step.build(groups.active))
+        ends = groups.ends if which == "all" else groups.active_ends
+        k = _resolve_kernel(x, w, kernel)
+        x = grouped_linear(x, w, ends, k, groups.bounds(which) if k == "loop" and x.shape[0] else None)
+    return x
+
+
 def factor_count(tensors: dict[str, torch.Tensor]) -> int:
     return sum(int(t.numel()) for t in tensors.values())
 

@@ -11,10 +11,13 @@ dense) and the shape of each factor. The experts module `model.layers.<l>.mlp.ex
 `experts.up.U`, `experts.up.core`, `experts.up.V`, `experts.down.weight`, GPT-OSS: `experts.<proj>.bias`),
 so the safetensors hold the factors and their size is the edited model's size. `gate_up_proj`,
 `down_proj` (and GPT-OSS's biases) are read-only properties that rebuild the family's fused layout from the
-factors; the forward rebuilds them once per call and runs the family's own experts forward (whatever its
-experts implementation), so it computes exactly what the teacher's experts module computes with those
-weights. Router, shared experts, attention, norms and dense layers are the teacher's, unchanged, and the
-family adapter (`workers.families.get_adapter`) works on the model as it is.
+factors. The forward (FactoredExpertsMixin's forward modes) applies the factors to the routed tokens, for the
+experts that receive tokens only, with the routing, gate and combination of the family's grouped experts
+forward: it computes what the teacher's experts module computes with the rebuilt weights (up to rounding)
+without forming them (the `rebuild` mode runs the family's own forward on weights rebuilt per call, the
+`cache` mode on rebuilt weights kept while the factors do not change). Router, shared experts, attention,
+norms and dense layers are the teacher's, unchanged, and the family adapter (`workers.families.get_adapter`)
+works on the model as it is.
 
 Loading: `import workers.models.edited_model` registers the config and model classes with transformers'
 AutoConfig / AutoModelForCausalLM (and, importing workers.models.merged_model, those of merged MoEs with
@@ -25,8 +28,10 @@ summed gates); then `AutoModelForCausalLM.from_pretrained(dir)` loads an edited 
 from __future__ import annotations
 
 import copy
+import inspect
 import sys
 from collections.abc import Sequence
+from functools import cache
 from typing import Any
 
 import torch
@@ -35,7 +40,15 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from workers.core.types import LayerPlan
 from workers.families.fused import fill_from_teacher
-from workers.methods.editing import PROJECTIONS, reconstruct
+from workers.methods.editing import (
+    PROJECTIONS,
+    ExpertGroups,
+    Step,
+    factor_steps,
+    reconstruct,
+    routed_apply,
+    split_shared_tail,
+)
 
 SUFFIX = "_edited"
 # adapter name -> (transformers config class, CausalLM class, experts layout)
@@ -95,6 +108,9 @@ FAMILIES.update({"laguna": ("LagunaConfig", "LagunaForCausalLM", "fused")})
 FAMILIES.update({"beam": ("BeamConfig", "BeamForCausalLM", "fused")})
 
 
+FORWARD_MODES = ("direct", "cache", "rebuild")
+
+
 class FactoredProjection(nn.Module):
     """One projection's experts as factors (parameters named as workers.methods.editing stores them)."""
 
@@ -104,15 +120,93 @@ class FactoredProjection(nn.Module):
         for name, shape in spec["shapes"].items():
             setattr(self, name, nn.Parameter(torch.empty(*shape)))
 
+    def factors(self) -> dict[str, torch.Tensor]:
+        return {n: p for n, p in self.named_parameters(recurse=False) if n != "bias"}
+
     def weights(self) -> torch.Tensor:
         """[E, out, in] rebuilt from the factors."""
-        return reconstruct(self.spec, {n: p for n, p in self.named_parameters(recurse=False) if n != "bias"})
+        return reconstruct(self.spec, self.factors())
+
+    def steps(self) -> list[Step]:
+        """The factors as a chain of linear steps, for routed rows (workers.methods.editing.factor_steps)."""
+        return factor_steps(self.spec, self.factors())
+
+
+class _WeightCache:
+    """The rebuilt weights of the `cache` forward mode and what they were rebuilt from: the factor tensors
+    (detached views, which share the parameters' version counters and keep their storage, so a pointer
+    cannot be reused by other data while the entry lives) and their versions. Copies and pickles empty."""
+
+    def __init__(self) -> None:
+        self.sources: list[torch.Tensor] = []
+        self.versions: list[int] = []
+        self.weights: dict[str, torch.Tensor] | None = None
+
+    def valid_for(self, params: list[torch.Tensor]) -> bool:
+        return (
+            self.weights is not None
+            and len(params) == len(self.sources)
+            and all(
+                p.data_ptr() == s.data_ptr()
+                and p.shape == s.shape
+                and p.dtype == s.dtype
+                and p.device == s.device
+                and p._version == v
+                for p, s, v in zip(params, self.sources, self.versions, strict=True)
+            )
+        )
+
+    def store(self, params: list[torch.Tensor], weights: dict[str, torch.Tensor]) -> None:
+        self.sources = [p.detach() for p in params]
+        self.versions = [p._version for p in params]
+        self.weights = weights
+
+    def clear(self) -> None:
+        self.__init__()
+
+    def __deepcopy__(self, memo: dict) -> _WeightCache:
+        return _WeightCache()
+
+    def __reduce__(self) -> tuple:
+        return (_WeightCache, ())
+
+
+@cache
+def _routing_parameters(cls: type) -> tuple[str, str, str]:
+    """The names of the family experts forward's (hidden states, expert indices, routing weights) parameters
+    (GPT-OSS: router_indices, routing_weights; the others: top_k_index, top_k_weights)."""
+    names = list(inspect.signature(inspect.unwrap(cls.forward)).parameters)[1:4]
+    if len(names) != 3:
+        raise ValueError(f"{cls.__name__}.forward takes {names}: not (hidden states, indices, weights)")
+    return names[0], names[1], names[2]
+
+
+def _family_experts_class(cls: type) -> type:
+    """The family's experts class a factored class subclasses (the class after the mixin)."""
+    mro = cls.__mro__
+    return mro[mro.index(FactoredExpertsMixin) + 1]
 
 
 class FactoredExpertsMixin:
-    """Put before the family's experts class: factors instead of fused weights, the family's forward."""
+    """Put before the family's experts class: factors instead of fused weights.
+
+    Forward modes (`forward_mode`, set with set_forward_mode):
+    - `direct` (default): the factors are applied to the routed tokens, only for the experts that receive
+      tokens (workers.methods.editing.routed_apply): no expert's full weights are formed, no memory beyond
+      the factors, and gradients reach the factors. The routing, gate and combination are the family's
+      grouped experts forward's (transformers' batched_mm / grouped_mm: the family's `_apply_gate`, biases,
+      the weighted sum over a token's experts), which every experts implementation computes alike.
+    - `cache`: without factor gradients (no_grad, or factors frozen as Router KD has them) the rebuilt
+      weights are kept and the family's own experts forward runs on them; they are rebuilt when any factor
+      parameter changes: another tensor (a move to another device or dtype, an assignment) or a new version
+      (optimizer steps, load_state_dict, in-place copies; a write through `.data` is not seen: call
+      clear_weight_cache then). Costs the full experts' memory (the teacher's, for the gate/up it rebuilds;
+      a dense projection is not copied); with factor gradients it runs `direct`.
+    - `rebuild`: every forward rebuilds every expert's weights and runs the family's forward (the reference).
+    """
 
     layout: str = "fused"
+    forward_mode: str = "direct"
 
     def _setup(self, template: nn.Module, layer_spec: dict[str, Any]) -> None:
         """Copy the template's non-tensor attributes (config, sizes, activation module, implementation flags)
@@ -130,32 +224,110 @@ class FactoredExpertsMixin:
             self.add_module(p, FactoredProjection(layer_spec[p]))
         object.__setattr__(self, "_rebuilt", None)
 
-    def _canonical(self) -> dict[str, torch.Tensor]:
+    def _factor_parameters(self) -> list[torch.Tensor]:
+        return [t for p in PROJECTIONS for t in getattr(self, p).factors().values()]
+
+    def _needs_factor_grads(self) -> bool:
+        return torch.is_grad_enabled() and any(t.requires_grad for t in self._factor_parameters())
+
+    def _rebuild(self) -> dict[str, torch.Tensor]:
+        """The family's `gate_up_proj` and `down_proj` rebuilt from the factors."""
+        w = {p: getattr(self, p).weights() for p in PROJECTIONS}
+        if self.layout == "gptoss":  # [E, H, 2I], gate = columns 0::2, up = 1::2; down [E, I, H]
+            e, i, h = w["gate"].shape
+            gate_up = torch.stack([w["gate"].transpose(1, 2), w["up"].transpose(1, 2)], dim=-1)
+            return {"gate_up_proj": gate_up.reshape(e, h, 2 * i), "down_proj": w["down"].transpose(1, 2)}
+        # [E, 2I, H], gate rows first; down [E, H, I]
+        return {"gate_up_proj": torch.cat([w["gate"], w["up"]], dim=1), "down_proj": w["down"]}
+
+    def _weight_cache(self) -> _WeightCache:
+        found = vars(self).get("_cache")
+        if found is None:
+            found = _WeightCache()
+            object.__setattr__(self, "_cache", found)
+        return found
+
+    def _cached(self) -> dict[str, torch.Tensor]:
+        """The rebuilt weights, rebuilt only when a factor parameter changed (callers need no factor grads)."""
+        entry, params = self._weight_cache(), self._factor_parameters()
+        if not entry.valid_for(params):
+            entry.clear()  # frees the stale weights before the new ones are made
+            with torch.no_grad():
+                entry.store(params, self._rebuild())
+        return entry.weights
+
+    def _fused(self) -> dict[str, torch.Tensor]:
+        """The weights the family's forward reads: made once per forward (`_rebuilt`), else cached or rebuilt."""
         if self._rebuilt is not None:
             return self._rebuilt
-        return {p: getattr(self, p).weights() for p in PROJECTIONS}
+        if self.forward_mode == "cache" and not self._needs_factor_grads():
+            return self._cached()
+        return self._rebuild()
+
+    def _direct_supported(self) -> bool:
+        """The direct forward covers gated experts without a post-expert norm or expert parallelism (every
+        family editing supports); anything else runs the family's forward on rebuilt weights."""
+        return (
+            getattr(self, "has_gate", False)
+            and not getattr(self, "has_post_expert_norm", False)
+            and not getattr(self, "_is_expert_parallel", False)
+            and hasattr(self, "_apply_gate")
+        )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        object.__setattr__(self, "_rebuilt", {p: getattr(self, p).weights() for p in PROJECTIONS})
+        mode = self.forward_mode
+        if mode not in FORWARD_MODES:
+            raise ValueError(f"forward_mode={mode!r}; allowed: {', '.join(FORWARD_MODES)}")
+        cached = mode == "cache" and not self._needs_factor_grads()
+        if mode != "rebuild" and not cached and self._direct_supported():
+            names = _routing_parameters(_family_experts_class(type(self)))
+            routing = {**dict(zip(names, args, strict=False)), **kwargs}
+            if len(args) <= 3 and sorted(routing) == sorted(names):
+                return self._direct_forward(*(routing[n] for n in names))
+        object.__setattr__(self, "_rebuilt", self._cached() if cached else self._rebuild())
         try:
             return super().forward(*args, **kwargs)
         finally:
             object.__setattr__(self, "_rebuilt", None)
 
+    def _direct_forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """transformers' grouped experts forward (pairs sorted by expert, gate, `_apply_gate`, down, routing
+        weights, the sum over each token's k experts) with each projection applied from its factors."""
+        num_tokens, k = top_k_index.shape
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        sorted_ids = flat[order]
+        groups = ExpertGroups(sorted_ids, self.num_experts)
+        rows = torch.div(order, k, rounding_mode="floor")
+        gate = routed_apply(self.gate.steps(), hidden_states, groups, rows)
+        up = routed_apply(self.up.steps(), hidden_states, groups, rows)
+        biased = getattr(self, "has_bias", False)
+        if biased:
+            gate, up = gate + self.gate.bias[sorted_ids], up + self.up.bias[sorted_ids]
+        if self.layout == "gptoss":  # gate and up columns interleaved
+            gate_up = torch.stack([gate, up], dim=-1).reshape(gate.shape[0], -1)
+        else:
+            gate_up = torch.cat([gate, up], dim=-1)
+        body, tail = split_shared_tail(self.down.steps())
+        out = routed_apply(body, self._apply_gate(gate_up), groups)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        out = (out[inverse].view(num_tokens, k, -1) * top_k_weights.unsqueeze(-1)).sum(dim=1)
+        for step in tail:  # the shared output factor once per token, after the weighted sum
+            out = out @ step.shared.T.to(out.dtype)
+        if biased:
+            out = out + (top_k_weights.unsqueeze(-1) * self.down.bias[top_k_index]).sum(dim=1)
+        return out.to(hidden_states.dtype)
+
     @property
     def gate_up_proj(self) -> torch.Tensor:
-        w = self._canonical()
-        if self.layout == "gptoss":  # [E, H, 2I], gate = columns 0::2, up = 1::2
-            e, i, h = w["gate"].shape
-            return torch.stack([w["gate"].transpose(1, 2), w["up"].transpose(1, 2)], dim=-1).reshape(
-                e, h, 2 * i
-            )
-        return torch.cat([w["gate"], w["up"]], dim=1)  # [E, 2I, H], gate rows first
+        return self._fused()["gate_up_proj"]
 
     @property
     def down_proj(self) -> torch.Tensor:
-        w = self._canonical()["down"]
-        return w.transpose(1, 2) if self.layout == "gptoss" else w
+        return self._fused()["down_proj"]
 
     @property
     def gate_up_proj_bias(self) -> torch.Tensor:
@@ -165,6 +337,26 @@ class FactoredExpertsMixin:
     @property
     def down_proj_bias(self) -> torch.Tensor:
         return self.down.bias
+
+
+def set_forward_mode(model: nn.Module, mode: str) -> int:
+    """Set every factored experts module's forward mode (FactoredExpertsMixin: direct, cache, rebuild);
+    returns how many were set. Leaving `cache` drops the cached weights."""
+    if mode not in FORWARD_MODES:
+        raise ValueError(f"mode={mode!r}; allowed: {', '.join(FORWARD_MODES)}")
+    found = [m for m in model.modules() if isinstance(m, FactoredExpertsMixin)]
+    for m in found:
+        object.__setattr__(m, "forward_mode", mode)
+        if mode != "cache":
+            m._weight_cache().clear()
+    return len(found)
+
+
+def clear_weight_cache(model: nn.Module) -> None:
+    """Drop every cached rebuilt weight (after writing factors through `.data`, which the cache cannot see)."""
+    for m in model.modules():
+        if isinstance(m, FactoredExpertsMixin):
+            m._weight_cache().clear()
 
 
 def _transformers_class(name: str) -> type:
