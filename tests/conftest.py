@@ -8,6 +8,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
+# torch.compile's kernels (inductor on the CPU) go to a cache of this run's own: a cache shared with runs under
+# another ATEN_CPU_CAPABILITY hands out kernels built for another instruction set (seen: a segfault)
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _inductor_cache = tempfile.mkdtemp(prefix="moesweep-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache
+    atexit.register(shutil.rmtree, _inductor_cache, ignore_errors=True)
+
 import torch  # noqa: E402
 
 torch.set_num_threads(1)  # tiny models: threads cost more than they give
