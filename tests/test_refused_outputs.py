@@ -108,3 +108,26 @@ def test_every_refused_output_is_refused_in_one_line_by_the_sweep_and_the_conver
     with pytest.raises(ValueError) as e:
         write_student(output, teacher, get_adapter(teacher), [], share_weights=True)
     assert str(e.value) == f"output={output!r}: {family} {reason}" and "\n" not in reason
+
+
+def test_every_family_declares_its_edited_classes_or_refuses_the_edited_output():
+    """The edited MoE's facts live on each family's own adapter class: (config class, CausalLM class, experts
+    layout) naming real transformers classes, or an `edited` entry in refused_outputs; never both, never a
+    parent family's classes inherited by a child."""
+    import transformers
+
+    from workers.families import ADAPTERS
+    from workers.families.base import edited_classes
+    from workers.models.edited_model import FAMILIES as EDITED
+
+    assert len(ADAPTERS) == len(FAMILIES)
+    for a in ADAPTERS:
+        own = edited_classes(a)
+        assert (own is None) == ("edited" in a.refused_outputs), a.name
+        if own is not None:
+            config, lm, layout = own
+            assert layout in ("fused", "gptoss") and EDITED[a.name] == own
+            assert getattr(transformers, lm).config_class is getattr(transformers, config), a.name
+    # a subclass family names its own classes: Dots1Adapter is a Glm4MoeAdapter with classes of its own
+    assert edited_classes(adapter_named("dots1"))[0] == "Dots1Config"
+    assert sorted(EDITED) == sorted(a.name for a in ADAPTERS if edited_classes(a) is not None)

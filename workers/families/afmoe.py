@@ -28,6 +28,7 @@ from workers.families.fused import FusedMoeAdapter, config_int, copy_config
 
 class AfmoeAdapter(FusedMoeAdapter):
     name = "afmoe"
+    edited = ("AfmoeConfig", "AfmoeForCausalLM", "fused")
     routing = (
         "sigmoid scores, top-k of scores + the block's expert_bias, unbiased scores renormalized over the k, "
         "× route_scale; ungated shared experts; num_dense_layers dense layers"

@@ -29,6 +29,10 @@ class FamilyAdapter(ABC):
     # Outputs (workers.models.outputs.OUTPUTS) a family cannot write, each with the one-line reason; a sweep asking for
     # one is refused before anything runs (orchestrator.configs.build_configs) and so is the conversion.
     refused_outputs: Mapping[str, str] = {}
+    # The edited MoE's transformers classes: (config class, CausalLM class, experts layout "fused" | "gptoss"),
+    # which the edited checkpoint subclasses (workers/models/edited_model.py). Declared on the family's own class,
+    # never inherited (edited_classes); None with an "edited" entry in refused_outputs where it cannot be written.
+    edited: tuple[str, str, str] | None = None
     student_ffn_attr: str = (
         "mlp"  # decoder-layer attribute of the dense student's FFN (Llama-4: feed_forward)
     )
@@ -256,3 +260,8 @@ def shared_gate_scales(stats: Mapping[int, LayerStats], rule: str = SHARED_GATE_
         else:
             out[int(layer)] = 1.0
     return out
+
+
+def edited_classes(adapter: FamilyAdapter) -> tuple[str, str, str] | None:
+    """The family's own `edited` classes (its class's, not a parent family's), or None."""
+    return vars(type(adapter)).get("edited")

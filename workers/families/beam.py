@@ -21,6 +21,7 @@ from workers.families.mimo_v2_flash import MiMoV2FlashAdapter
 
 class BeamAdapter(BlockScaledRouting, MiMoV2FlashAdapter):
     name = "beam"
+    edited = ("BeamConfig", "BeamForCausalLM", "fused")
     routing = (
         "sigmoid scores, group-limited top-k of scores + e_score_correction_bias (groups ranked by their "
         "top-2 sum), unbiased scores renormalized iff norm_topk_prob; the block multiplies the routed sum "

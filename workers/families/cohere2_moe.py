@@ -45,6 +45,7 @@ def check_softmax(fn: str) -> None:
 
 class Cohere2MoeAdapter(FusedMoeAdapter):
     name = "cohere2_moe"
+    edited = ("Cohere2MoeConfig", "Cohere2MoeForCausalLM", "fused")
     routing = (
         "top-k of the logits, softmax over the k (= p renormalized over the k; the sigmoid router is "
         "refused); ungated shared experts summed or averaged with the routed output; dense layers by "

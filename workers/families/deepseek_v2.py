@@ -123,6 +123,7 @@ class _DeepseekAdapter(FusedMoeAdapter):
 
 class DeepseekV2Adapter(_DeepseekAdapter):
     name = "deepseek_v2"
+    edited = ("DeepseekV2Config", "DeepseekV2ForCausalLM", "fused")
     routing = (
         "softmax over E, greedy or group-limited top-k (groups ranked by their max), × "
         "routed_scaling_factor, never renormalized; ungated shared experts; first_k_dense_replace "
@@ -156,6 +157,7 @@ class DeepseekV2Adapter(_DeepseekAdapter):
 
 class DeepseekV3Adapter(_DeepseekAdapter):
     name = "deepseek_v3"
+    edited = ("DeepseekV3Config", "DeepseekV3ForCausalLM", "fused")
     routing = (
         "sigmoid scores, group-limited top-k of scores + e_score_correction_bias (groups ranked by their "
         "top-2 sum), unbiased scores renormalized iff norm_topk_prob, × routed_scaling_factor; ungated "

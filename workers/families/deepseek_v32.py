@@ -20,6 +20,7 @@ from workers.families.glm4_moe_lite import Glm4MoeLiteAdapter
 
 class DeepseekV32Adapter(Glm4MoeLiteAdapter):
     name = "deepseek_v32"
+    edited = ("DeepseekV32Config", "DeepseekV32ForCausalLM", "fused")
     routing = (
         "as deepseek_v3 (sigmoid router + e_score_correction_bias, group-limited, renormalized iff "
         "norm_topk_prob, × routed_scaling_factor; ungated shared experts); dense layers by mlp_layer_types; "

@@ -28,6 +28,7 @@ from workers.families.glm4_moe_lite import Glm4MoeLiteAdapter
 
 class Dots3NoteAdapter(Glm4MoeLiteAdapter):
     name = "dots3_note_text"
+    edited = ("Dots3NoteTextConfig", "Dots3NoteForCausalLM", "fused")
     routing = (
         "as glm4_moe_lite (V3 sigmoid router, group-limited, renormalized iff norm_topk_prob, "
         "× routed_scaling_factor; ungated shared experts; dense layers by mlp_layer_types); MLA attention "

@@ -38,6 +38,7 @@ _BIAS = "gate.moe_statics.e_score_correction_bias"
 
 class Ernie45MoeAdapter(FusedMoeAdapter):
     name = "ernie4_5_moe"
+    edited = ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", "fused")
     routing = (
         "softmax p over E, top-k of p + the router's [1, E] e_score_correction_bias (frozen), p of the k "
         "always renormalized; ungated shared experts; dense layers outside moe_layer_start/end_index, "

@@ -17,6 +17,7 @@ from workers.families.fused import FusedMoeAdapter, copy_config
 
 class FlexOlmoAdapter(FusedMoeAdapter):
     name = "flex_olmo"
+    edited = ("FlexOlmoConfig", "FlexOlmoForCausalLM", "fused")
     routing = "softmax over E, top-k, renormalized iff norm_topk_prob; no shared experts"
     student = "dense sibling Olmo2"
     model_types = ("flex_olmo",)

@@ -27,6 +27,7 @@ from workers.families.qwen3_moe import Qwen3MoeAdapter
 
 class FlintAdapter(Qwen3MoeAdapter):
     name = "flint"
+    edited = ("FlintConfig", "FlintForCausalLM", "fused")
     routing = (
         "sigmoid scores (no correction bias), top-k, renormalized iff norm_topk_prob; one ungated shared "
         "expert; dense layers by mlp_only_layers / decoder_sparse_step"

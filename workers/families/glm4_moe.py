@@ -25,6 +25,7 @@ from workers.families.fused import copy_config
 
 class Glm4MoeAdapter(DeepseekV3Adapter):
     name = "glm4_moe"
+    edited = ("Glm4MoeConfig", "Glm4MoeForCausalLM", "fused")
     model_types = ("glm4_moe",)
     block_classes = ("Glm4MoeMoE",)
     config_class = "Glm4MoeConfig"
@@ -44,6 +45,7 @@ class Glm4MoeAdapter(DeepseekV3Adapter):
 
 class Dots1Adapter(Glm4MoeAdapter):
     name = "dots1"
+    edited = ("Dots1Config", "Dots1ForCausalLM", "fused")
     model_types = ("dots1",)
     block_classes = ("Dots1MoE",)
     config_class = "Dots1Config"

@@ -27,6 +27,7 @@ from workers.families.fused import config_int, copy_config
 
 class Glm4MoeLiteAdapter(DeepseekV3Adapter):
     name = "glm4_moe_lite"
+    edited = ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", "fused")
     routing = (
         "sigmoid scores, group-limited top-k of scores + e_score_correction_bias (groups ranked by their "
         "top-2 sum), unbiased scores renormalized iff norm_topk_prob, × routed_scaling_factor; ungated "
@@ -70,6 +71,7 @@ class Glm4MoeLiteAdapter(DeepseekV3Adapter):
 
 class ExaoneMoeAdapter(Glm4MoeLiteAdapter):
     name = "exaone_moe"
+    edited = ("ExaoneMoeConfig", "ExaoneMoeForCausalLM", "fused")
     student = "same class, every layer dense (mlp_layer_types all 'dense', first_k_dense_replace = n)"
     model_types = ("exaone_moe",)
     block_classes = ("ExaoneMoeSparseMoEBlock",)

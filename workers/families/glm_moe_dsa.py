@@ -21,6 +21,7 @@ from workers.families.glm4_moe_lite import Glm4MoeLiteAdapter
 
 class GlmMoeDsaAdapter(Glm4MoeLiteAdapter):
     name = "glm_moe_dsa"
+    edited = ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", "fused")
     routing = (
         "as glm4_moe_lite (V3 sigmoid router, group-limited, renormalized iff norm_topk_prob, "
         "× routed_scaling_factor; dense layers by mlp_layer_types); DSA-indexer attention"

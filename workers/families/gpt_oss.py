@@ -31,6 +31,7 @@ from workers.families.fused import FusedMoeAdapter, copy_config
 
 class GptOssAdapter(FusedMoeAdapter):
     name = "gpt_oss"
+    edited = ("GptOssConfig", "GptOssForCausalLM", "gptoss")
     routing = (
         "top-k of the biased logits, softmax over the k; no shared experts; biased clamped-SwiGLU experts"
     )

@@ -34,6 +34,7 @@ from workers.families.fused import FusedMoeAdapter, _check_silu, copy_config
 
 class GraniteMoeAdapter(FusedMoeAdapter):
     name = "granitemoe"
+    edited = ("GraniteMoeConfig", "GraniteMoeForCausalLM", "fused")
     routing = (
         "top-k of the logits, softmax over the k (= p renormalized over the k); block at "
         "block_sparse_moe; no shared experts, no dense layers"
@@ -84,6 +85,7 @@ class GraniteMoeAdapter(FusedMoeAdapter):
 
 class GraniteMoeSharedAdapter(GraniteMoeAdapter):
     name = "granitemoeshared"
+    edited = ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", "fused")
     routing = (
         "as granitemoe; an ungated shared MLP on the decoder layer (shared_mlp, outside the block) "
         "added to the block's output"
@@ -94,6 +96,7 @@ class GraniteMoeSharedAdapter(GraniteMoeAdapter):
 
 class GraniteMoeSWAAdapter(GraniteMoeAdapter):
     name = "granitemoe_swa"
+    edited = ("GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", "fused")
     routing = "as granitemoeshared (sliding-window layers, attention sinks, per-layer RoPE theta)"
     student = "GraniteSWA (dense sibling: the same sliding window, sinks and per-layer RoPE theta)"
     model_types = ("granitemoe_swa",)

@@ -45,6 +45,7 @@ def single_top_k(config: Any) -> int | None:
 
 class HunYuanMoeV1Adapter(FusedMoeAdapter):
     name = "hunyuan_v1_moe"
+    edited = ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", "fused")
     routing = (
         "softmax over E, top-k, always renormalized (router linear map at gate.wg, float32); k = moe_topk "
         "(a per-layer list only if all equal); one ungated shared MLP (intermediate_size); no dense layers"

@@ -26,6 +26,7 @@ from workers.families.minimax_m2 import MiniMaxM2Adapter
 
 class HYV3Adapter(MiniMaxM2Adapter):
     name = "hy_v3"
+    edited = ("HYV3Config", "HYV3ForCausalLM", "fused")
     routing = (
         "sigmoid scores, top-k of scores + the block's e_score_correction_bias, unbiased scores "
         "renormalized over the k, × router_scaling_factor; ungated shared MLP; dense layers by "

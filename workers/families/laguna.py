@@ -33,6 +33,7 @@ from workers.families.fused import BlockScaledRouting, FusedMoeAdapter, config_i
 
 class LagunaAdapter(BlockScaledRouting, FusedMoeAdapter):
     name = "laguna"
+    edited = ("LagunaConfig", "LagunaForCausalLM", "fused")
     routing = (
         "sigmoid scores of the (optionally tanh-softcapped) logits, top-k of scores + the router's frozen "
         "e_score_correction_bias, unbiased scores renormalized over the k; the block's routed output × "

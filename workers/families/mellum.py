@@ -21,6 +21,7 @@ from workers.families.qwen3_moe import Qwen3MoeAdapter
 
 class MellumAdapter(Qwen3MoeAdapter):
     name = "mellum"
+    edited = ("MellumConfig", "MellumForCausalLM", "fused")
     routing = (
         "softmax over E, top-k, renormalized iff norm_topk_prob (Qwen3-MoE's router); no shared experts; "
         "dense layers by mlp_layer_types"

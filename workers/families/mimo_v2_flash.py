@@ -25,6 +25,7 @@ from workers.families.glm4_moe_lite import Glm4MoeLiteAdapter
 
 class MiMoV2FlashAdapter(Glm4MoeLiteAdapter):
     name = "mimo_v2_flash"
+    edited = ("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", "fused")
     routing = (
         "sigmoid scores, group-limited top-k of scores + e_score_correction_bias (groups ranked by their "
         "top-2 sum), unbiased scores renormalized iff norm_topk_prob, × routed_scaling_factor; no shared "

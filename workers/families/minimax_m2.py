@@ -28,6 +28,7 @@ from workers.families.fused import FusedMoeAdapter, copy_config
 
 class MiniMaxM2Adapter(FusedMoeAdapter):
     name = "minimax_m2"
+    edited = ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", "fused")
     routing = (
         "sigmoid scores, top-k of scores + the block's e_score_correction_bias, unbiased scores "
         "renormalized over the k; no shared experts"

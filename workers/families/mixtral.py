@@ -15,6 +15,7 @@ from workers.families.fused import FusedMoeAdapter, copy_config
 
 class MixtralAdapter(FusedMoeAdapter):
     name = "mixtral"
+    edited = ("MixtralConfig", "MixtralForCausalLM", "fused")
     routing = "softmax over E, top-k, always renormalized; no shared experts"
     student = "dense sibling Mistral"
     model_types = ("mixtral",)

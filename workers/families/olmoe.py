@@ -18,6 +18,7 @@ from workers.families.fused import FusedMoeAdapter, copy_config
 
 class OlmoeAdapter(FusedMoeAdapter):
     name = "olmoe"
+    edited = ("OlmoeConfig", "OlmoeForCausalLM", "fused")
     routing = "softmax over E, top-k, renormalized iff norm_topk_prob; no shared experts"
     student = "same class, one expert, top-1"
     model_types = ("olmoe",)

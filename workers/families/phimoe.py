@@ -49,6 +49,7 @@ DENSE_REFUSED = (
 
 class PhimoeAdapter(FusedMoeAdapter):
     name = "phimoe"
+    edited = ("PhimoeConfig", "PhimoeForCausalLM", "fused")
     routing = (
         "SparseMixer: argmax, then the argmax of the rest, each weighted by a softmax over the logits "
         "within 2·router_jitter_noise (relative) of its max; always two experts, not renormalized; "

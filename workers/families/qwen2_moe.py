@@ -23,6 +23,7 @@ from workers.families.qwen3_moe import sparse_step_moe_layers
 
 class Qwen2MoeAdapter(FusedMoeAdapter):
     name = "qwen2_moe"
+    edited = ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "fused")
     routing = (
         "softmax over E, top-k, renormalized iff norm_topk_prob; one shared expert gated per token "
         "by sigmoid(w·h) (student: static scale, shared_gate_scales); dense layers by "

@@ -26,6 +26,7 @@ def sparse_step_moe_layers(config: Any) -> list[int]:
 
 class Qwen3MoeAdapter(FusedMoeAdapter):
     name = "qwen3_moe"
+    edited = ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "fused")
     routing = (
         "softmax over E, top-k, renormalized iff norm_topk_prob; no shared experts; dense layers by "
         "mlp_only_layers / decoder_sparse_step"

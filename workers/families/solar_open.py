@@ -25,6 +25,7 @@ from workers.families.glm4_moe import Glm4MoeAdapter
 
 class SolarOpenAdapter(Glm4MoeAdapter):
     name = "solar_open"
+    edited = ("SolarOpenConfig", "SolarOpenForCausalLM", "fused")
     routing = (
         "sigmoid scores, group-limited top-k of scores + e_score_correction_bias (groups ranked by their "
         "top-2 sum), unbiased scores renormalized iff norm_topk_prob, × routed_scaling_factor; ungated "

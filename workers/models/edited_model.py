@@ -1,7 +1,7 @@
 """Edited MoE checkpoints (workers.methods.editing): the teacher's architecture with every MoE block's routed experts
 stored as factors, a real transformers model that saves and reloads offline.
 
-Layout. For a family `<model_type>` (every key of FAMILIES below, one per family adapter) the edited
+Layout. For a family `<model_type>` (every family whose adapter declares its `edited` classes: FAMILIES) the edited
 checkpoint has config model_type `<model_type>_edited` (a subclass of the family's config with one extra field, `moesweep_editing`) and architecture `<Family>EditedForCausalLM` (a subclass
 of the family's CausalLM). `moesweep_editing = {"method", "layers": {"<layer>": {"<proj>": {"kind",
 "shapes", ...}}}}` lists, per MoE layer and projection (gate, up, down), the factor kind (mobe, tucker,
@@ -51,61 +51,18 @@ from workers.methods.editing import (
 )
 
 SUFFIX = "_edited"
-# adapter name -> (transformers config class, CausalLM class, experts layout)
-FAMILIES = {
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "fused"),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "fused"),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", "fused"),
-    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", "fused"),
-    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", "fused"),
-    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", "fused"),
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", "gptoss"),
-    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", "fused"),
-    "dots1": ("Dots1Config", "Dots1ForCausalLM", "fused"),
-    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", "fused"),
-    "flex_olmo": ("FlexOlmoConfig", "FlexOlmoForCausalLM", "fused"),
-    "cohere2_moe": ("Cohere2MoeConfig", "Cohere2MoeForCausalLM", "fused"),
-    # Granite MoE (the block at block_sparse_moe: _block_attr)
-    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", "fused"),
-    "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", "fused"),
-    "granitemoe_swa": ("GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", "fused"),
-}
-# glm4_moe_lite, exaone_moe, afmoe
-FAMILIES.update(
-    {
-        "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", "fused"),
-        "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM", "fused"),
-        "afmoe": ("AfmoeConfig", "AfmoeForCausalLM", "fused"),
-    }
-)
-# glm_moe_dsa
-FAMILIES.update({"glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", "fused")})
-# hunyuan_v1_moe
-FAMILIES.update({"hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", "fused")})
-# ernie4_5_moe
-FAMILIES.update({"ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", "fused")})
-# phimoe (SparseMixer router, Mixtral-like fused experts)
-FAMILIES.update({"phimoe": ("PhimoeConfig", "PhimoeForCausalLM", "fused")})
-# solar_open, mimo_v2_flash, hy_v3
-FAMILIES.update(
-    {
-        "solar_open": ("SolarOpenConfig", "SolarOpenForCausalLM", "fused"),
-        "mimo_v2_flash": ("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", "fused"),
-        "hy_v3": ("HYV3Config", "HYV3ForCausalLM", "fused"),
-    }
-)
-# mellum (Qwen3-MoE block, mlp_layer_types)
-FAMILIES.update({"mellum": ("MellumConfig", "MellumForCausalLM", "fused")})
-# dots3_note_text (dots.3 note's text decoder; the key is the config model_type)
-FAMILIES.update({"dots3_note_text": ("Dots3NoteTextConfig", "Dots3NoteForCausalLM", "fused")})
-# flint (Qwen3-MoE layout, sigmoid router without bias, ungated shared expert)
-FAMILIES.update({"flint": ("FlintConfig", "FlintForCausalLM", "fused")})
-# deepseek_v32 (the V3 block under DSA-indexer attention)
-FAMILIES.update({"deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", "fused")})
-# laguna (sigmoid router with a frozen correction-bias parameter, block-level routed factor)
-FAMILIES.update({"laguna": ("LagunaConfig", "LagunaForCausalLM", "fused")})
-# beam (the V3 router, block-level routed factor)
-FAMILIES.update({"beam": ("BeamConfig", "BeamForCausalLM", "fused")})
+
+
+def _families() -> dict[str, tuple[str, str, str]]:
+    """adapter name -> (transformers config class, CausalLM class, experts layout), from each family adapter's
+    own `edited` (workers.families.base.edited_classes): the families that can write an edited MoE."""
+    from workers.families import ADAPTERS
+    from workers.families.base import edited_classes
+
+    return {a.name: classes for a in ADAPTERS if (classes := edited_classes(a)) is not None}
+
+
+FAMILIES = _families()
 
 
 FORWARD_MODES = ("direct", "cache", "rebuild")
