@@ -74,6 +74,7 @@ def test_registry_names_are_exactly_the_papers_plus_reap_family():
         "EAN",
         "frequency",
         "Weights",
+        "max_activations",
         "RL-exhaustive",
         "RL-greedy",
         "CFES",
@@ -151,7 +152,11 @@ def test_acp_and_reap_differ_as_the_digest_says():
 
 
 def test_never_selected_experts_score_zero_not_nan():
+    from dataclasses import replace
+
     ctx = hand_ctx()
+    # the max-activation pass records 0 for an expert no token was routed to (expert 3 here)
+    ctx = replace(ctx, maxima=torch.tensor([0.7, 1.5, 0.2, 0.0] + [0.3] * (ctx.stats.num_experts - 4)))
     for name in SCORINGS:
         s = SCORINGS[name].score(ctx)
         assert torch.isfinite(s).all() and float(s[3]) == 0.0, (

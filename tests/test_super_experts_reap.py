@@ -348,6 +348,8 @@ REAP_GRID = [
     {"output": ["moe"], "scoring": ["REAP", "SF"], "K": [4], "settings": {"moe": {"super_experts": "reap"}}}
 ]
 REAP_CONFIGS = ["moe|REAP|K=4|recovery=none", "moe|SF|K=4|recovery=none"]
+MAX_ACT_GRID = {"output": ["moe"], "scoring": ["max_activations"], "K": [4]}
+MAX_ACT_CONFIG = "moe|max_activations|K=4|recovery=none"
 
 
 def _spec(raw: dict, tmp_path: Path, name: str):
@@ -393,6 +395,30 @@ def test_the_stage_is_planned_once_only_for_reap_and_other_conversions_keep_thei
     assert {j.key for j in jobs["calibrate"].values()} == {j.key for j in plain["calibrate"].values()}
 
 
+def test_the_max_activations_scoring_reads_the_pass_for_a_pruned_moe_and_a_dense_student(tmp_path):
+    dense = {"scoring": ["max_activations"], "grouping": ["RR"], "K": [2]}
+    jobs = _plan(_spec(_raw([MAX_ACT_GRID, dense]), tmp_path, "maxact")[0])
+    asking = [MAX_ACT_CONFIG, "max_activations|RR|uniform|K=2"]
+    assert sorted(jobs["expert_maxima"]) == sorted(asking)
+    (key,) = {j.key for j in jobs["expert_maxima"].values()}
+    for ck, j in jobs["convert"].items():
+        assert (j.deps.get("expert_maxima") == key) == (ck in asking), ck
+
+
+def test_the_max_activations_score_is_the_measured_maxima_and_needs_them():
+    from dataclasses import replace
+
+    from workers.methods.scoring import get_scoring
+
+    plain = ctx(stats([1.0, 1.0, 1.0, 1.0], [5, 5, 5, 5], [0.1, 0.1, 0.1, 0.1]))
+    with pytest.raises(ValueError, match="max_activations needs the per-expert max activations"):
+        get_scoring("max_activations").score(plain)
+    measured = replace(plain, maxima=torch.tensor([0.5, 3.0, 0.0, 2.0]))
+    scores = get_scoring("max_activations").score(measured)
+    assert scores.tolist() == [0.5, 3.0, 0.0, 2.0]  # exact: the float32 maxima widened to float64
+    assert sorted(get_scoring("max_activations").select(measured, scores, 2).selected) == [1, 3]
+
+
 def test_a_streamed_calibration_cannot_serve_reaps_rule(tmp_path):
     raw = _raw(REAP_GRID)
     raw["calibration"] = {**raw["calibration"], "streamed": True}
@@ -429,7 +455,7 @@ def test_a_micro_sweep_runs_the_pass_and_its_conversions_record_the_protected_ex
     from orchestrator.scope import Scope
 
     monkeypatch.setenv("MOESWEEP_HOME", str(tmp_path / "home"))
-    raw = _raw(REAP_GRID)
+    raw = _raw([*REAP_GRID, MAX_ACT_GRID])
     raw["grid"] = raw["grid"][1:]  # the smaller MoEs only
     spec, path, text = _spec(raw, tmp_path, "micro")
     store = Store(f"sqlite:///{tmp_path}/r.db")
@@ -464,7 +490,13 @@ def test_a_micro_sweep_runs_the_pass_and_its_conversions_record_the_protected_ex
     )[1]:
         plans[ck] = json.loads(Path(json.loads(outputs)["plan_path"]).read_text())
         settings[ck] = json.loads(setting or "{}")
-    assert sorted(plans) == sorted([*REAP_CONFIGS, "moe|REAP|K=2|recovery=none", "moe|EAN|K=4|recovery=none"])
+    assert sorted(plans) == sorted(
+        [*REAP_CONFIGS, MAX_ACT_CONFIG, "moe|REAP|K=2|recovery=none", "moe|EAN|K=4|recovery=none"]
+    )
+    # max_activations keeps each layer's 4 experts of the largest max activation (ties: lower id)
+    for i, pl in enumerate(plans[MAX_ACT_CONFIG]):
+        m = maxima[sorted(maxima)[i]].tolist()
+        assert sorted(pl["selected"]) == sorted(sorted(range(8), key=lambda e: (-m[e], e))[:4])
     for ck in REAP_CONFIGS:
         assert settings[ck] == {"super_experts": "reap"}
         for i, pl in enumerate(plans[ck]):

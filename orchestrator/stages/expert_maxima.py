@@ -2,8 +2,8 @@
 tokens (REAP's `max_activations`), the statistic of REAP's super-expert rule (`super_experts: reap`).
 
 A pass of its own rather than a field of `calibrate`, so every stored calibration keeps its key. Planned
-only when some configuration of the sweep asks for `super_experts: reap`: one job per calibration those
-configurations use (teacher, data or sources, seq_len, n_samples, seed: the calibrate job's own windows),
+only when some configuration of the sweep asks for `super_experts: reap` or scores by `max_activations`: one
+job per calibration those configurations use (teacher, data or sources, seq_len, n_samples, seed: the calibrate job's own windows),
 shared by them; their conversions depend on it and read its file (workers.calibration.expert_maxima).
 """
 
@@ -19,13 +19,19 @@ from orchestrator.stage import JobSpec, Stage, SweepContext
 from orchestrator.stages.teacher import teacher_ref
 
 RULE = "reap"  # the `super_experts` value that needs this stage (workers.methods.pruning.REAP_RULE)
+SCORING = "max_activations"  # the scoring that reads it (workers.methods.scoring)
 CALIBRATION_ONLY = ("sample_tokens", "streamed", "offload_hidden")  # what only the calibrate pass reads
 
 
 def wants_maxima(cfg: dict[str, Any]) -> bool:
-    """Whether a configuration protects super experts by REAP's rule; a `super_experts` that is neither
-    a factor nor 'reap' is a SpecError here, before anything runs (the worker checks it again)."""
-    if cfg["kind"] not in CONVERTED_KINDS or cfg.get("output") != "moe":
+    """Whether a configuration reads the max activations: its scoring is max_activations, or it protects super
+    experts by REAP's rule; a `super_experts` that is neither a factor nor 'reap' is a SpecError here, before
+    anything runs (the worker checks it again)."""
+    if cfg["kind"] not in CONVERTED_KINDS:
+        return False
+    if cfg.get("scoring") == SCORING:
+        return True
+    if cfg.get("output") != "moe":
         return False
     value = (json.loads(cfg.get("settings") or "null") or {}).get("super_experts")
     if value is None or value == RULE:
@@ -72,5 +78,6 @@ STAGE = Stage(
     static=True,
     shared=True,
     records=frozenset({"outputs", "artifacts"}),
-    summary="per-expert max activations for REAP's super-expert rule, only when a configuration asks",
+    summary="per-expert max activations (REAP's super-expert rule, the max_activations scoring), only when a "
+    "configuration asks",
 )

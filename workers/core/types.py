@@ -177,6 +177,9 @@ class LayerContext:
     top_k: int  # the router's k = number of groups
     renormalized: bool  # does the router renormalize its top-k weights to sum to 1?
     settings: dict | None = None  # the configuration's method settings, for scorings that take them
+    # [E] each expert's largest output element over its routed calibration tokens (the expert_maxima pass, REAP's
+    # max_activations), where a configuration's method reads it
+    maxima: torch.Tensor | None = None
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Paper §3.2 and Appendix C (SF, PP, PS, CP, ACP, DO-CP, DO-ACP); REAP, REAP-p and EAN from the REAP paper
 (Lasby et al., "REAP the Experts", Eq. 9 and Appendix D); DO-REAP = the D-optimal selection with REAP
-as its importance; Weights = PS / SF (CD-MoE's ratio, the C2F paper's baseline); RL-exhaustive,
+as its importance; Weights = PS / SF (CD-MoE's ratio, the C2F paper's baseline); max_activations (the REAP
+repository's criterion: an expert's largest output element, from the expert_maxima pass); RL-exhaustive,
 RL-greedy and CFES select by the layer's reconstruction loss on real tokens ("Compressing Large MoE
 Models via Efficient Pruning and Data-Aware Calibration", §4.1; see workers/methods/reconstruction.py).
 Adding a scoring = one function `(ctx) -> Tensor[E]` plus one registry line. Pure tensor code: no
@@ -68,6 +69,20 @@ def weights(ctx: LayerContext) -> torch.Tensor:
     # C2F/DCDM paper, Sec. 5.1 (baseline "Weights", after Cao et al. 2024, CD-MoE)
     f = sf(ctx)
     return torch.where(f > 0, ps(ctx) / f.where(f > 0, torch.ones_like(f)), torch.zeros_like(f))
+
+
+def max_activations(ctx: LayerContext) -> torch.Tensor:
+    """The REAP repository's `max_activations` pruning score: each expert's largest output element over its
+    routed calibration tokens (the expert_maxima pass), the K largest kept."""
+    # REAP repository, observer `max_activations` (a pruning criterion beside REAP, EAN and frequency)
+    if ctx.maxima is None:
+        raise ValueError(
+            "scoring max_activations needs the per-expert max activations of the expert_maxima pass; "
+            "none reached this conversion"
+        )
+    if ctx.maxima.numel() != ctx.stats.num_experts:
+        raise ValueError(f"{ctx.maxima.numel()} max activations for {ctx.stats.num_experts} experts")
+    return _f64(ctx.maxima).reshape(-1)
 
 
 def acp(ctx: LayerContext) -> torch.Tensor:
@@ -142,6 +157,7 @@ SCORINGS: dict[str, Scoring] = {
     "EAN": Scoring(ean),
     "frequency": Scoring(sf),
     "Weights": Scoring(weights),  # PS / SF (= CP), the C2F paper's CD-MoE baseline
+    "max_activations": Scoring(max_activations),  # the REAP repository's criterion (the expert_maxima pass)
     # reconstruction-loss selection on the calibration token sample (workers/methods/reconstruction.py); base score PS
     "RL-exhaustive": Scoring(ps, ReconstructionSelector("exhaustive")),
     "RL-greedy": Scoring(ps, ReconstructionSelector("greedy")),

@@ -18,7 +18,7 @@ unchanged), each built from the same calibration statistics:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +140,13 @@ def convert_plans(
     out = OUTPUTS[name]
     settings = dict(p.get("settings") or {})
     own = {k: settings.pop(k) for k in list(settings) if k in out.settings}
-    layers = ((layer, contexts[layer]) for layer in sorted(contexts))  # one look-up per layer, in order
+    maxima = p.get(
+        "expert_maxima"
+    )  # {layer: [E]} of the expert_maxima pass, where the configuration needs it
+    layers = (  # one look-up per layer, in order
+        (layer, contexts[layer] if maxima is None else replace(contexts[layer], maxima=maxima.get(layer)))
+        for layer in sorted(contexts)
+    )
     return out.plan(layers, p, own, settings, teacher)
 
 
