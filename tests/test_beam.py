@@ -1,6 +1,6 @@
 """Beam specifics beyond the per-family fixture: the real config's final logit softcap (30) is refused by the chunked
 KD loss in one line (distillation and Router KD need a linear head), and the block's routed factor is what
-hook_routing's weights carry (BlockScaledRouting)."""
+hook_routing's weights carry (FusedMoeAdapter.block_scale)."""
 
 from __future__ import annotations
 

@@ -128,6 +128,6 @@ def test_every_family_declares_its_edited_classes_or_refuses_the_edited_output()
             config, lm, layout = own
             assert layout in ("fused", "gptoss") and EDITED[a.name] == own
             assert getattr(transformers, lm).config_class is getattr(transformers, config), a.name
-    # a subclass family names its own classes: Dots1Adapter is a Glm4MoeAdapter with classes of its own
+    # a subclass family names its own classes: Dots1Adapter shares DeepseekStyleAdapter with Glm4MoeAdapter and names classes of its own
     assert edited_classes(adapter_named("dots1"))[0] == "Dots1Config"
     assert sorted(EDITED) == sorted(a.name for a in ADAPTERS if edited_classes(a) is not None)

@@ -18,12 +18,7 @@ sliced (or combined) per expert; k, renormalization and route_scale unchanged.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-from torch import nn
-
-from workers.families.fused import FusedMoeAdapter, config_int, copy_config
+from workers.families.fused import FusedMoeAdapter
 
 
 class AfmoeAdapter(FusedMoeAdapter):
@@ -38,50 +33,12 @@ class AfmoeAdapter(FusedMoeAdapter):
     block_classes = ("AfmoeSparseMoeBlock",)
     router_attr = "router"
     shared_attr = "shared_experts"
-    expert_tensors = ("router.gate.weight", "expert_bias", "experts.gate_up_proj", "experts.down_proj")
     router_linear = "gate"  # Router KD trains this linear map's weight only
-
-    def config_moe_layers(self, config: Any) -> list[int]:
-        n = config_int(config, "num_hidden_layers")
-        return list(range(min(config_int(config, "num_dense_layers"), n), n))
-
-    def config_renorm(self, config: Any) -> bool:
-        return True  # no config flag: the router always renormalizes
-
-    def config_shared_experts(self, config: Any) -> int:
-        return config_int(config, "num_shared_experts")
-
-    def num_shared_experts(self, model: nn.Module) -> int:
-        return self.shared_units(model)
-
-    # --- router ---------------------------------------------------------------------------------
-    def native_renorm(self, router: nn.Module) -> bool:
-        return True
-
-    def gate_values(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(logits.float())
-
-    def choice_scores(
-        self, router: nn.Module, logits: torch.Tensor, gate: torch.Tensor, *router_args: Any
-    ) -> torch.Tensor:
-        (bias,) = router_args  # AfmoeTokenChoiceRouter.forward(hidden_states, expert_bias)
-        return gate + bias.float()
-
-    def scale(self, router: nn.Module) -> float:
-        return float(router.route_scale)
-
-    def is_router_tensor(self, rel: str) -> bool:
-        return rel.startswith("router.") or rel == "expert_bias"
-
-    # --- student ----------------------------------------------------------------------------
-    def student_config(self, teacher: nn.Module, width: int) -> Any:
-        from transformers import AfmoeConfig
-
-        n = teacher.config.num_hidden_layers
-        return copy_config(
-            teacher.config,
-            AfmoeConfig,
-            intermediate_size=int(width),
-            num_dense_layers=n,
-            output_router_logits=False,
-        )
+    shared_key = "num_shared_experts"
+    scores = "sigmoid"
+    correction_bias = "expert_bias"  # the block's frozen parameter, passed to the router's forward
+    renorm = True  # no config flag: the router always renormalizes
+    scale_attr = "route_scale"
+    dense_layers = "num_dense_layers"
+    config_class = "AfmoeConfig"
+    student_dense_fields = ("num_dense_layers",)

@@ -49,6 +49,8 @@ class AriaTextAdapter(FusedMoeAdapter):
     router_attr = "router"
     shared_attr = "shared_experts"
     experts_key = "moe_num_experts"
+    shared_key = "moe_num_shared_experts"
+    renorm = True  # the softmax over the chosen k logits
     unit_layout = TRANSPOSED_UNIT_LAYOUT
     refused_outputs: Mapping[str, str] = {
         "edited": "cannot write an edited checkpoint: its factored experts rebuild the [E, 2I, H] fused layout, "
@@ -75,19 +77,7 @@ class AriaTextAdapter(FusedMoeAdapter):
             moe_layers=len(self.config_moe_layers(config)),
         )
 
-    def config_renorm(self, config: Any) -> bool:
-        return True  # the softmax over the chosen k logits
-
-    def config_shared_experts(self, config: Any) -> int:
-        return config_int(config, "moe_num_shared_experts")
-
     # --- structure -------------------------------------------------------------------------
-    def native_renorm(self, router: nn.Module) -> bool:
-        return True
-
-    def num_shared_experts(self, model: nn.Module) -> int:
-        return self.shared_units(model)
-
     def layer_experts(self, block: nn.Module) -> int:
         return int(block.experts.gate_up_proj.shape[0])
 

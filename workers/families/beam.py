@@ -1,6 +1,6 @@
 """Beam (`beam`, `BeamMoE`): DeepSeek-V3's router and fused experts without shared experts, the MoE layers chosen
-by `mlp_layer_types` (the MiMo-V2-Flash adapter's reading), with `routed_scaling_factor` applied by the block to
-the routed experts' sum rather than by the router (BlockScaledRouting: the reported weights carry it).
+by `mlp_layer_types` (as MiMo-V2-Flash), with `routed_scaling_factor` applied by the block to the routed experts'
+sum rather than by the router (block_scale_attr: the reported weights carry it, FusedMoeAdapter.block_scale).
 
 Router (`block.gate`, `BeamTopKRouter`): sigmoid scores of float32 logits; the choice is the group-limited top-k of
 scores + e_score_correction_bias (n_group contiguous groups ranked by the sum of their top-2 biased scores,
@@ -15,11 +15,10 @@ class has Beam's layer. Pruned and merged MoE students: the DeepSeek-V3 rule for
 
 from __future__ import annotations
 
-from workers.families.fused import BlockScaledRouting
-from workers.families.mimo_v2_flash import MiMoV2FlashAdapter
+from workers.families.deepseek_v2 import DeepseekStyleAdapter
 
 
-class BeamAdapter(BlockScaledRouting, MiMoV2FlashAdapter):
+class BeamAdapter(DeepseekStyleAdapter):
     name = "beam"
     edited = ("BeamConfig", "BeamForCausalLM", "fused")
     routing = (
@@ -32,3 +31,8 @@ class BeamAdapter(BlockScaledRouting, MiMoV2FlashAdapter):
     block_classes = ("BeamMoE",)
     config_class = "BeamConfig"
     experts_key = "num_experts"
+    shared_attr = None
+    shared_key = None
+    block_scale_attr = "routed_scaling_factor"  # the block's factor after the experts (block_scale)
+    dense_layers = "mlp_layer_types"
+    student_dense_fields = ("mlp_layer_types",)

@@ -58,6 +58,8 @@ class Cohere2MoeAdapter(FusedMoeAdapter):
     model_types = ("cohere2_moe",)
     block_classes = ("Cohere2MoeSparseMoeBlock",)
     shared_attr = "shared_experts"
+    shared_key = "num_shared_experts"
+    renorm = True  # softmax over the chosen k logits = p renormalized over the k (module docstring)
 
     # --- structure from the config alone ----------------------------------------------------------
     def config_moe_layers(self, config: Any) -> list[int]:
@@ -67,15 +69,9 @@ class Cohere2MoeAdapter(FusedMoeAdapter):
 
     def config_renorm(self, config: Any) -> bool:
         check_softmax(config.expert_selection_fn)
-        return True
-
-    def config_shared_experts(self, config: Any) -> int:
-        return config_int(config, "num_shared_experts")
+        return super().config_renorm(config)
 
     # --- router semantics -------------------------------------------------------------------------
-    def native_renorm(self, router: nn.Module) -> bool:
-        return True  # softmax over the chosen k logits = p renormalized over the k (module docstring)
-
     def moe_layers(self, model: nn.Module) -> list[int]:
         layers = super().moe_layers(model)
         for layer in layers:

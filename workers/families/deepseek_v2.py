@@ -43,27 +43,26 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
 from workers.core.types import MergedLayer
-from workers.families.fused import FusedMoeAdapter, config_int, copy_config
+from workers.families.fused import FusedMoeAdapter, config_int
 
 
-class _DeepseekAdapter(FusedMoeAdapter):
-    """What V2 and V3 share: layout of the layers, shared experts fused into one MLP."""
+class DeepseekStyleAdapter(FusedMoeAdapter):
+    """The shared base of the DeepSeek-V3-style families (DeepSeek-V2/V3/V3.2, GLM-4.5/4.7/5, dots, Solar Open,
+    EXAONE-MoE, MiMo-V2-Flash, Beam): the V3 router (sigmoid scores, group-limited top-k of scores +
+    gate.e_score_correction_bias, × routed_scaling_factor), shared experts fused into one MLP, and the group
+    limit kept or dropped in pruned and merged MoE students (module docstring). A family states its layout
+    (dense_layers, shared_key, experts_key), its classes and its student in fields; V2 changes the router."""
 
+    scores = "sigmoid"
+    correction_bias = "gate.e_score_correction_bias"
     shared_attr = "shared_experts"
+    shared_key = "n_shared_experts"
     experts_key = "n_routed_experts"
-
-    def config_moe_layers(self, config: Any) -> list[int]:
-        n = config_int(config, "num_hidden_layers")
-        return list(range(min(config_int(config, "first_k_dense_replace"), n), n))
-
-    def config_shared_experts(self, config: Any) -> int:
-        return config_int(config, "n_shared_experts")
-
-    min_group: int = 1  # experts a group must keep for the router's group score (V3: top-2 sum)
+    dense_layers = "first_k_dense_replace"
+    min_group: int = 2  # experts a group must keep for the router's group score (V3: top-2 sum; V2: 1)
 
     def group_limited(self, config: Any) -> bool:
         """Does the router restrict each token to topk_group of n_group expert groups?"""
@@ -117,11 +116,8 @@ class _DeepseekAdapter(FusedMoeAdapter):
             cfg.n_group, cfg.topk_group = 1, 1
         return self.check_group_size(cfg, next(iter(merged.values())).num_experts)
 
-    def num_shared_experts(self, model: nn.Module) -> int:
-        return self.shared_units(model)
 
-
-class DeepseekV2Adapter(_DeepseekAdapter):
+class DeepseekV2Adapter(DeepseekStyleAdapter):
     name = "deepseek_v2"
     edited = ("DeepseekV2Config", "DeepseekV2ForCausalLM", "fused")
     routing = (
@@ -132,30 +128,20 @@ class DeepseekV2Adapter(_DeepseekAdapter):
     student = "same class, every layer dense (first_k_dense_replace = num_hidden_layers)"
     model_types = ("deepseek_v2",)
     block_classes = ("DeepseekV2Moe",)
+    scores = "softmax"
+    correction_bias = None
+    renorm = (
+        False  # DeepseekV2TopkRouter never divides by the top-k sum (the config's norm_topk_prob is ignored)
+    )
+    min_group = 1
+    config_class = "DeepseekV2Config"
+    student_dense_fields = ("first_k_dense_replace",)
 
     def group_limited(self, config: Any) -> bool:
         return getattr(config, "topk_method", None) == "group_limited_greedy"
 
-    def native_renorm(self, router: nn.Module) -> bool:
-        return False  # DeepseekV2TopkRouter never divides by the top-k sum
 
-    def config_renorm(self, config: Any) -> bool:
-        return False  # norm_topk_prob is in the config but the router ignores it
-
-    def student_config(self, teacher: nn.Module, width: int) -> Any:
-        from transformers import DeepseekV2Config
-
-        n = teacher.config.num_hidden_layers
-        return copy_config(
-            teacher.config,
-            DeepseekV2Config,
-            intermediate_size=int(width),
-            first_k_dense_replace=n,
-            output_router_logits=False,
-        )
-
-
-class DeepseekV3Adapter(_DeepseekAdapter):
+class DeepseekV3Adapter(DeepseekStyleAdapter):
     name = "deepseek_v3"
     edited = ("DeepseekV3Config", "DeepseekV3ForCausalLM", "fused")
     routing = (
@@ -166,31 +152,5 @@ class DeepseekV3Adapter(_DeepseekAdapter):
     student = "same class, every layer dense (first_k_dense_replace = num_hidden_layers)"
     model_types = ("deepseek_v3",)
     block_classes = ("DeepseekV3MoE",)
-    expert_tensors = (
-        "gate.weight",
-        "gate.e_score_correction_bias",
-        "experts.gate_up_proj",
-        "experts.down_proj",
-    )
-    min_group = 2
-
-    def native_renorm(self, router: nn.Module) -> bool:
-        return bool(router.norm_topk_prob)
-
-    def gate_values(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(logits.float())
-
-    def choice_scores(self, router: nn.Module, logits: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return gate + router.e_score_correction_bias.float()
-
-    def student_config(self, teacher: nn.Module, width: int) -> Any:
-        from transformers import DeepseekV3Config
-
-        n = teacher.config.num_hidden_layers
-        return copy_config(
-            teacher.config,
-            DeepseekV3Config,
-            intermediate_size=int(width),
-            first_k_dense_replace=n,
-            output_router_logits=False,
-        )
+    config_class = "DeepseekV3Config"
+    student_dense_fields = ("first_k_dense_replace",)

@@ -5,7 +5,7 @@ moe_intermediate_size × n_shared_experts wide), with the MoE layers chosen by `
 derives it from first_k_dense_replace when unset), under MLA attention with DeepSeek's sparse-attention
 indexer in every layer (plain torch: the top-k tokens become an additive mask under eager / SDPA; no CUDA
 kernel, runs on CPU). Unlike GLM-5 (glm_moe_dsa) no layer reuses another's top-k: a decoder layer returns its
-hidden states alone. Reuses the glm4_moe_lite adapter (the V3 router rules, mlp_layer_types).
+hidden states alone. The DeepSeek-V3-style base (the V3 router rules) with the MoE layers by mlp_layer_types.
 
 Student: the same class with every entry of mlp_layer_types "dense" and first_k_dense_replace = n (every layer
 a dense MLP of width `width`; attention, indexer and norms copied from the teacher).
@@ -13,12 +13,10 @@ a dense MLP of width `width`; attention, indexer and norms copied from the teach
 
 from __future__ import annotations
 
-from typing import Any
-
-from workers.families.glm4_moe_lite import Glm4MoeLiteAdapter
+from workers.families.deepseek_v2 import DeepseekStyleAdapter
 
 
-class DeepseekV32Adapter(Glm4MoeLiteAdapter):
+class DeepseekV32Adapter(DeepseekStyleAdapter):
     name = "deepseek_v32"
     edited = ("DeepseekV32Config", "DeepseekV32ForCausalLM", "fused")
     routing = (
@@ -30,6 +28,5 @@ class DeepseekV32Adapter(Glm4MoeLiteAdapter):
     model_types = ("deepseek_v32",)
     block_classes = ("DeepseekV32MoE",)
     config_class = "DeepseekV32Config"
-
-    def dense_overrides(self, n: int) -> dict[str, Any]:
-        return {"mlp_layer_types": ["dense"] * n, "first_k_dense_replace": n}
+    dense_layers = "mlp_layer_types"
+    student_dense_fields = ("mlp_layer_types", "first_k_dense_replace")

@@ -1,5 +1,5 @@
 """dots.3 note (`dots3_note_text`, `Dots3NoteTextMoE`; the text decoder Dots3NoteForCausalLM): GLM-4.7-Flash's
-DeepSeek-V3 MoE block again, so it reuses the glm4_moe_lite adapter (MoE layers by `mlp_layer_types`).
+DeepSeek-V3 MoE block again: the DeepSeek-V3-style base with the MoE layers by `mlp_layer_types`.
 
 Router (`block.gate`): sigmoid scores; the choice is the group-limited top-k of scores + e_score_correction_bias
 (n_group contiguous groups ranked by the sum of their top-2 biased scores, topk_group kept); the weights are the
@@ -23,10 +23,10 @@ from typing import Any
 
 from torch import nn
 
-from workers.families.glm4_moe_lite import Glm4MoeLiteAdapter
+from workers.families.deepseek_v2 import DeepseekStyleAdapter
 
 
-class Dots3NoteAdapter(Glm4MoeLiteAdapter):
+class Dots3NoteAdapter(DeepseekStyleAdapter):
     name = "dots3_note_text"
     edited = ("Dots3NoteTextConfig", "Dots3NoteForCausalLM", "fused")
     routing = (
@@ -36,7 +36,9 @@ class Dots3NoteAdapter(Glm4MoeLiteAdapter):
     )
     model_types = ("dots3_note_text",)
     block_classes = ("Dots3NoteTextMoE",)
+    student = "same class, every layer dense (mlp_layer_types all 'dense')"
     config_class = "Dots3NoteTextConfig"
+    dense_layers = "mlp_layer_types"
 
     def student_config(self, teacher: nn.Module, width: int) -> Any:
         cfg = copy.deepcopy(teacher.config)

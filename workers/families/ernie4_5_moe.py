@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from workers.core.types import DenseFFN
@@ -49,8 +48,9 @@ class Ernie45MoeAdapter(FusedMoeAdapter):
     block_classes = ("Ernie4_5_MoeSparseMoeBlock",)
     experts_key = "moe_num_experts"
     shared_attr = "shared_experts"
-    expert_tensors = ("gate.weight", _BIAS, "experts.gate_up_proj", "experts.down_proj")
+    correction_bias = _BIAS  # a frozen [1, E] parameter of the router, added to p for the choice
     expert_axis = {_BIAS: 1}
+    renorm = True  # no config flag: the router always renormalizes
 
     def config_moe_layers(self, config: Any) -> list[int]:
         n = config_int(config, "num_hidden_layers")
@@ -63,9 +63,6 @@ class Ernie45MoeAdapter(FusedMoeAdapter):
         if interval < 1:
             raise ValueError(f"ernie4_5_moe config: moe_layer_interval={interval}, expected >= 1")
         return [i for i in range(n) if (i + 1) % interval == 0 and start <= i <= end]
-
-    def config_renorm(self, config: Any) -> bool:
-        return True  # no config flag: the router always renormalizes
 
     def config_shared_experts(self, config: Any) -> int:
         return max(config_int(config, "moe_num_shared_experts"), 0)
@@ -86,15 +83,6 @@ class Ernie45MoeAdapter(FusedMoeAdapter):
             return None
         shared = self.block(model, layer).shared_experts
         return None if shared is None else linear_ffn(shared)  # None: moe_num_shared_experts = 0
-
-    # --- router ---------------------------------------------------------------------------------
-    def native_renorm(self, router: nn.Module) -> bool:
-        return True
-
-    def choice_scores(
-        self, router: nn.Module, logits: torch.Tensor, gate: torch.Tensor, *router_args: Any
-    ) -> torch.Tensor:
-        return gate + router.moe_statics.e_score_correction_bias.float().reshape(-1)
 
     # --- student ----------------------------------------------------------------------------
     def student_config(self, teacher: nn.Module, width: int) -> Any:

@@ -1,6 +1,6 @@
 """Flint (`flint`, `FlintSparseMoeBlock`): Qwen3-MoE's layer layout with a sigmoid router without a correction
-bias and one ungated shared expert; reuses the Qwen3-MoE adapter (MoE layers by mlp_only_layers /
-decoder_sparse_step, fused [E, 2I, H] experts) with the sigmoid router semantics of DeepSeek-V3 minus the bias.
+bias and one ungated shared expert: Qwen3-MoE's layout (MoE layers by mlp_only_layers / decoder_sparse_step,
+fused [E, 2I, H] experts) with the sigmoid router semantics of DeepSeek-V3 minus the bias, in fields.
 
 Router (`block.gate`, `FlintTopKRouter`; its [E, H] weight is kept in float32): logits = W h in float32,
 scores = sigmoid(logits); the choice is the top-k of the scores (no bias, no groups); the weights are the
@@ -18,14 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
-from workers.families.fused import config_int, copy_config
-from workers.families.qwen3_moe import Qwen3MoeAdapter
+from workers.families.fused import FusedMoeAdapter, config_int
 
 
-class FlintAdapter(Qwen3MoeAdapter):
+class FlintAdapter(FusedMoeAdapter):
     name = "flint"
     edited = ("FlintConfig", "FlintForCausalLM", "fused")
     routing = (
@@ -36,6 +34,10 @@ class FlintAdapter(Qwen3MoeAdapter):
     model_types = ("flint",)
     block_classes = ("FlintSparseMoeBlock",)
     shared_attr = "shared_expert"
+    scores = "sigmoid"  # no correction bias, no groups
+    dense_layers = "mlp_only_layers"
+    config_class = "FlintConfig"
+    student_dense_fields = ("mlp_only_layers",)
 
     def config_shared_experts(self, config: Any) -> int:
         return 1 if config_int(config, "shared_expert_intermediate_size") > 0 else 0
@@ -43,18 +45,3 @@ class FlintAdapter(Qwen3MoeAdapter):
     def num_shared_experts(self, model: nn.Module) -> int:
         """The one ungated shared expert (0 if it has no units)."""
         return 1 if self.shared_ffn(model, self.moe_layers(model)[0]).width > 0 else 0
-
-    def gate_values(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(logits.float())
-
-    def student_config(self, teacher: nn.Module, width: int) -> Any:
-        from transformers import FlintConfig
-
-        n = config_int(teacher.config, "num_hidden_layers")
-        return copy_config(
-            teacher.config,
-            FlintConfig,
-            intermediate_size=int(width),
-            mlp_only_layers=list(range(n)),
-            output_router_logits=False,
-        )

@@ -3,8 +3,9 @@
 Every supported family stores its routed experts in one `experts` module with fused parameters
 (`gate_up_proj`, `down_proj`) and has a router module whose forward returns
 `(router_logits [T, E], weights [T, k] applied, indices [T, k] used)`. A family subclass only states
-where things live and what its router multiplies; this module does the rest (decision reading,
-expanded routing, student assembly).
+where things live and what its router does, in class fields (the strategy fields of FusedMoeAdapter: scores,
+correction_bias, renorm, scale_attr, block_scale_attr, dense_layers, shared_key, config_class,
+student_dense_fields); this module does the rest (decision reading, expanded routing, student assembly).
 """
 
 from __future__ import annotations
@@ -141,6 +142,29 @@ def config_int(config: Any, key: str) -> int:
     return value
 
 
+def sparse_step_moe_layers(config: Any) -> list[int]:
+    """Qwen2-MoE / Qwen3-MoE decoder layers built as MoE blocks: not in mlp_only_layers, and every
+    decoder_sparse_step-th layer (when the config has experts at all)."""
+    n = config_int(config, "num_hidden_layers")
+    step = config_int(config, "decoder_sparse_step")
+    dense = set(getattr(config, "mlp_only_layers", None) or [])
+    if int(config.num_experts) <= 0:
+        return []
+    return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+
+
+def layer_types_moe_layers(config: Any) -> list[int]:
+    """The "sparse" entries of the config's mlp_layer_types (one "sparse" / "dense" entry per layer)."""
+    n = config_int(config, "num_hidden_layers")
+    types = list(getattr(config, "mlp_layer_types", None) or [])
+    if len(types) != n or not set(types) <= {"sparse", "dense"}:
+        raise ValueError(
+            f"{config.model_type} config: mlp_layer_types={types!r}, expected {n} entries of "
+            "'sparse' / 'dense'"
+        )
+    return [i for i, t in enumerate(types) if t == "sparse"]
+
+
 def _check_silu(act_fn: Any) -> None:
     if type(act_fn).__name__ not in ("SiLU", "SiLUActivation"):  # ACT2FN["silu"] / ACT2FN["swish"]
         raise ValueError(f"hidden_act={type(act_fn).__name__}: only silu experts are supported")
@@ -184,25 +208,47 @@ class FusedMoeAdapter(FamilyAdapter):
     student_act: str = "silu"
     experts_key: str = "num_experts"  # config field with the routed experts per MoE layer
 
+    # --- strategy fields: what the router does and how the layers are laid out ------------------
+    scores: str = "softmax"  # the router's per-expert gate values: "softmax" over E or "sigmoid" per expert
+    correction_bias: str | None = None  # block-relative [E] bias added to the scores for the choice only
+    renorm: bool | None = None  # the top-k weights' renormalization: None reads norm_topk_prob, else fixed
+    scale_attr: str = "routed_scaling_factor"  # the router's constant factor on its weights (absent: 1)
+    block_scale_attr: str | None = None  # the block's factor applied AFTER the experts (block_scale)
+    dense_layers: str = ""  # config field marking dense layers ("": every layer MoE; config_moe_layers)
+    shared_key: str | None = None  # config field counting the shared experts, stored as one MLP (None: none)
+    config_class: str = ""  # the family's transformers config class (a same-class student's)
+    student_dense_fields: tuple[str, ...] = ()  # config fields making a same-class student all dense
+
     @property
     def expert_tensors(self) -> tuple[str, ...]:
         """Tensors of the block with a leading expert axis, relative to the block: sliced by the pruned MoE and
-        combined by the merged one. Here the router's linear map and the fused experts; a family with more (a
-        correction bias, expert biases) lists them as a class attribute."""
+        combined by the merged one. Here the router's linear map, the correction bias where there is one and
+        the fused experts; a family with more (expert biases) lists them as a class attribute."""
         linear = f"{self.router_attr}.{self.router_linear}" if self.router_linear else self.router_attr
-        return (f"{linear}.weight", "experts.gate_up_proj", "experts.down_proj")
+        bias = () if self.correction_bias is None else (self.correction_bias,)
+        return (f"{linear}.weight", *bias, "experts.gate_up_proj", "experts.down_proj")
 
     # --- structure from the config alone -------------------------------------------------------
     def config_moe_layers(self, config: Any) -> list[int]:
-        """Decoder layers the family's modeling code makes MoE blocks (every layer here)."""
-        return list(range(config_int(config, "num_hidden_layers")))
+        """Decoder layers the family's modeling code makes MoE blocks, by dense_layers: "" every layer,
+        "mlp_layer_types" its "sparse" entries, "mlp_only_layers" the layers neither in it nor off
+        decoder_sparse_step, any other field a count of leading dense layers ("first_k_dense_replace",
+        "num_dense_layers")."""
+        n = config_int(config, "num_hidden_layers")
+        if not self.dense_layers:
+            return list(range(n))
+        if self.dense_layers == "mlp_layer_types":
+            return layer_types_moe_layers(config)
+        if self.dense_layers == "mlp_only_layers":
+            return sparse_step_moe_layers(config)
+        return list(range(min(config_int(config, self.dense_layers), n), n))
 
     def config_renorm(self, config: Any) -> bool:
-        """native_renorm as the router takes it from the config (its norm_topk_prob here)."""
-        return bool(getattr(config, "norm_topk_prob", False))
+        """native_renorm as the router takes it from the config (its norm_topk_prob, unless renorm fixes it)."""
+        return bool(getattr(config, "norm_topk_prob", False)) if self.renorm is None else self.renorm
 
     def config_shared_experts(self, config: Any) -> int:
-        return 0
+        return 0 if self.shared_key is None else config_int(config, self.shared_key)
 
     def shape_from_config(self, config: Any) -> TeacherShape:
         model_type = getattr(config, "model_type", None)
@@ -318,27 +364,87 @@ class FusedMoeAdapter(FamilyAdapter):
             raise ValueError(f"model has no {'/'.join(self.block_classes)} layer")
         return out
 
-    # --- router semantics (overridden per family) -------------------------------------------
+    # --- router semantics (by the strategy fields) ------------------------------------------
     def native_renorm(self, router: nn.Module) -> bool:
         """Does the router divide its top-k weights by their sum (before any constant factor)?"""
-        return bool(getattr(router, "norm_topk_prob", False))
+        return bool(getattr(router, "norm_topk_prob", False)) if self.renorm is None else self.renorm
 
     def gate_values(self, logits: torch.Tensor) -> torch.Tensor:
-        """[T, E] per-expert values the router multiplies into the chosen experts (softmax here)."""
+        """[T, E] per-expert values the router multiplies into the chosen experts (by `scores`)."""
+        if self.scores == "sigmoid":
+            return torch.sigmoid(logits.float())
+        if self.scores != "softmax":
+            raise ValueError(f"{self.name}: scores={self.scores!r}; allowed: softmax, sigmoid")
         return torch.softmax(logits.float(), dim=-1)
 
     def choice_scores(
         self, router: nn.Module, logits: torch.Tensor, gate: torch.Tensor, *router_args: Any
     ) -> torch.Tensor:
-        """What the router takes its top-k of (the probabilities here). `router_args`: the router forward's
-        arguments after the hidden states (MiniMax-M2 passes its block's correction bias there)."""
-        return gate
+        """What the router takes its top-k of: the gate values, plus the correction bias where there is one.
+        correction_bias names it relative to the block: under `router_attr`, a tensor of the router
+        ("gate.e_score_correction_bias", ERNIE's "gate.moe_statics.e_score_correction_bias"); otherwise the
+        block's own tensor, which the block passes to the router's forward after the hidden states
+        (`router_args`: MiniMax-M2, Hy-V3, AFMoE)."""
+        if self.correction_bias is None:
+            return gate
+        if self.correction_bias.startswith(
+            self.router_attr + "."
+        ):  # a tensor of the router (or its submodule)
+            owner, _, leaf = self.correction_bias[len(self.router_attr) + 1 :].rpartition(".")
+            bias = getattr(router.get_submodule(owner), leaf)
+        else:  # the block's tensor, passed to the router's forward
+            (bias,) = router_args
+        return gate + bias.float().reshape(-1)
 
     def scale(self, router: nn.Module) -> float:
-        return float(getattr(router, "routed_scaling_factor", 1.0))
+        return float(getattr(router, self.scale_attr, 1.0))
+
+    def block_scale(self, model: nn.Module, layer: int) -> float:
+        """The factor s the block multiplies into its routed experts' sum after the experts (block_scale_attr).
+        Since s·Σ_j w_j f_j = Σ_j (s·w_j) f_j, the weights really applied per expert are s·w: the decision
+        hook_routing reports carries s (as DeepSeek's weights carry routed_scaling_factor), override_routing
+        divides it out before the weights go back to the router, and routed_scaling returns s, so the dense
+        student's routed part carries it. The router's own output lacks s (router_decision alone does not see
+        it), and expanded routing (routing_top_k) leaves it to the block."""
+        return float(getattr(self.block(model, layer), self.block_scale_attr))
 
     def routed_scaling(self, model: nn.Module) -> float:
+        if self.block_scale_attr is not None:
+            return self.block_scale(model, self.moe_layers(model)[0])
         return self.scale(getattr(self._first(model), self.router_attr))
+
+    def hook_routing(
+        self,
+        model: nn.Module,
+        layer: int,
+        fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None],
+    ) -> list[Any]:
+        """FamilyAdapter.hook_routing, the weights × the block's factor where it has one (block_scale)."""
+        if self.block_scale_attr is None:
+            return super().hook_routing(model, layer, fn)
+        f = self.block_scale(model, layer)
+        return super().hook_routing(model, layer, lambda x, p, w, idx: fn(x, p, w * f, idx))
+
+    def override_routing(
+        self,
+        model: nn.Module,
+        layer: int,
+        decide: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        allowed: Sequence[int],
+    ) -> list[Any]:
+        """FamilyAdapter.override_routing; where the block has a factor (block_scale), decide sees the weights
+        × it and what it returns is divided by it before it goes back to the router."""
+        if self.block_scale_attr is None:
+            return super().override_routing(model, layer, decide, allowed)
+        f = self.block_scale(model, layer)
+
+        def unscaled(
+            p: torch.Tensor, w0: torch.Tensor, i0: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            w, idx = decide(p, w0 * f, i0)
+            return w / f, idx
+
+        return super().override_routing(model, layer, unscaled, allowed)
 
     def router_decision(self, output: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits, weights, indices = output[0], output[1], output[2]
@@ -358,6 +464,10 @@ class FusedMoeAdapter(FamilyAdapter):
         if self.shared_attr is None or layer not in self.moe_layers(model):
             return None
         return linear_ffn(getattr(self.block(model, layer), self.shared_attr))
+
+    def num_shared_experts(self, model: nn.Module) -> int:
+        """Where the config counts shared experts (shared_key): the shared MLP's width in routed-expert widths."""
+        return 0 if self.shared_key is None else self.shared_units(model)
 
     def shared_units(self, model: nn.Module) -> int:
         """The shared MLP's width in units of one routed expert's width (the shared-expert count of families that
@@ -530,7 +640,7 @@ class FusedMoeAdapter(FamilyAdapter):
         return cfg
 
     def is_router_tensor(self, rel: str) -> bool:
-        return rel.startswith(self.router_attr + ".")
+        return rel.startswith(self.router_attr + ".") or rel == self.correction_bias
 
     def permute_units(self, rel: str, t: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
         """One expert's slice `t` of expert tensor `rel` with its intermediate units reordered by perm."""
@@ -587,6 +697,32 @@ class FusedMoeAdapter(FamilyAdapter):
         return rebuild(cfg, model, new)
 
     # --- student ---------------------------------------------------------------------------
+    def student_config(self, teacher: nn.Module, width: int) -> Any:
+        """The same-class dense student: the teacher's config (config_class) with every layer a dense MLP of
+        width `width`, each of student_dense_fields set to its all-dense value (mlp_layer_types all "dense",
+        mlp_only_layers every layer, a count of leading dense layers n). A family whose student is another
+        class (a dense sibling, one expert, none) overrides this."""
+        if not self.config_class or not self.student_dense_fields:
+            raise ValueError(f"{self.name}: no same-class dense student (config_class, student_dense_fields)")
+        import transformers
+
+        n = config_int(teacher.config, "num_hidden_layers")
+        dense: dict[str, Any] = {}
+        for field in self.student_dense_fields:
+            if field == "mlp_layer_types":
+                dense[field] = ["dense"] * n
+            elif field == "mlp_only_layers":
+                dense[field] = list(range(n))
+            else:  # a count of leading dense layers
+                dense[field] = n
+        return copy_config(
+            teacher.config,
+            getattr(transformers, self.config_class),
+            intermediate_size=int(width),
+            output_router_logits=False,
+            **dense,
+        )
+
     def student_ffn_params(self, layer: int, ffn: DenseFFN) -> dict[str, torch.Tensor]:
         """Student parameter name → tensor for one layer's FFN (a plain gate/up/down MLP here)."""
         pre = f"model.layers.{layer}.{self.student_ffn_attr}."
@@ -641,49 +777,6 @@ class FusedMoeAdapter(FamilyAdapter):
             tensors.update(self.student_ffn_params(layer, f))
         ffn_prefixes = tuple(f"model.layers.{i}.{self.student_ffn_attr}." for i in range(len(per_layer)))
         return assemble(cfg, teacher, tensors, ffn_prefixes, share_weights)
-
-
-class BlockScaledRouting:
-    """For a block that multiplies its routed experts' sum by a constant s after the experts (Laguna, Beam), mixed
-    in before a FusedMoeAdapter. Since s·Σ_j w_j f_j = Σ_j (s·w_j) f_j, the weights really applied per expert are
-    s·w: the decision hook_routing reports carries s (as DeepSeek's weights carry routed_scaling_factor), and
-    override_routing divides it out before the weights go back to the router; routed_scaling returns s, so the
-    dense student's routed part carries it. The router's own output lacks s (router_decision alone does not
-    see it), and expanded routing (routing_top_k) leaves it to the block."""
-
-    block_scale_attr: str = "routed_scaling_factor"  # the block's attribute holding s
-
-    def block_scale(self, model: nn.Module, layer: int) -> float:
-        return float(getattr(self.block(model, layer), self.block_scale_attr))
-
-    def routed_scaling(self, model: nn.Module) -> float:
-        return self.block_scale(model, self.moe_layers(model)[0])
-
-    def hook_routing(
-        self,
-        model: nn.Module,
-        layer: int,
-        fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None],
-    ) -> list[Any]:
-        f = self.block_scale(model, layer)
-        return super().hook_routing(model, layer, lambda x, p, w, idx: fn(x, p, w * f, idx))
-
-    def override_routing(
-        self,
-        model: nn.Module,
-        layer: int,
-        decide: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-        allowed: Sequence[int],
-    ) -> list[Any]:
-        f = self.block_scale(model, layer)
-
-        def unscaled(
-            p: torch.Tensor, w0: torch.Tensor, i0: torch.Tensor
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            w, idx = decide(p, w0 * f, i0)
-            return w / f, idx
-
-        return super().override_routing(model, layer, unscaled, allowed)
 
 
 def assemble(

@@ -1,5 +1,5 @@
 """GLM-4.5 / GLM-4.6 (`Glm4MoeMoE`) and dots.llm1 (`Dots1MoE`): the DeepSeek-V3 MoE block under another
-name (transformers builds both from the same modular code), so they reuse the V3 adapter unchanged.
+name (transformers builds both from the same modular code), so they take the DeepSeek-V3-style base unchanged.
 
 Router: sigmoid scores; the choice takes the group-limited top-k of scores + e_score_correction_bias
 (n_group contiguous groups ranked by the sum of their top-2 biased scores, topk_group of them kept); the
@@ -15,37 +15,34 @@ students: the DeepSeek-V3 rule for the group limit (workers.families.deepseek_v2
 
 from __future__ import annotations
 
-from typing import Any
-
-from torch import nn
-
-from workers.families.deepseek_v2 import DeepseekV3Adapter
-from workers.families.fused import copy_config
+from workers.families.deepseek_v2 import DeepseekStyleAdapter
 
 
-class Glm4MoeAdapter(DeepseekV3Adapter):
+class Glm4MoeAdapter(DeepseekStyleAdapter):
     name = "glm4_moe"
     edited = ("Glm4MoeConfig", "Glm4MoeForCausalLM", "fused")
+    routing = (
+        "sigmoid scores, group-limited top-k of scores + e_score_correction_bias (groups ranked by their "
+        "top-2 sum), unbiased scores renormalized iff norm_topk_prob, × routed_scaling_factor; ungated "
+        "shared experts; first_k_dense_replace dense layers"
+    )
+    student = "same class, every layer dense (first_k_dense_replace = num_hidden_layers)"
     model_types = ("glm4_moe",)
     block_classes = ("Glm4MoeMoE",)
     config_class = "Glm4MoeConfig"
-
-    def student_config(self, teacher: nn.Module, width: int) -> Any:
-        import transformers
-
-        n = teacher.config.num_hidden_layers
-        return copy_config(
-            teacher.config,
-            getattr(transformers, self.config_class),
-            intermediate_size=int(width),
-            first_k_dense_replace=n,
-            output_router_logits=False,
-        )
+    student_dense_fields = ("first_k_dense_replace",)
 
 
-class Dots1Adapter(Glm4MoeAdapter):
+class Dots1Adapter(DeepseekStyleAdapter):
     name = "dots1"
     edited = ("Dots1Config", "Dots1ForCausalLM", "fused")
+    routing = (
+        "sigmoid scores, group-limited top-k of scores + e_score_correction_bias (groups ranked by their "
+        "top-2 sum), unbiased scores renormalized iff norm_topk_prob, × routed_scaling_factor; ungated "
+        "shared experts; first_k_dense_replace dense layers"
+    )
+    student = "same class, every layer dense (first_k_dense_replace = num_hidden_layers)"
     model_types = ("dots1",)
     block_classes = ("Dots1MoE",)
     config_class = "Dots1Config"
+    student_dense_fields = ("first_k_dense_replace",)

@@ -17,67 +17,36 @@ merged MoE students: the DeepSeek-V3 rule for the group limit (workers.families.
 
 from __future__ import annotations
 
-from typing import Any
+from workers.families.deepseek_v2 import DeepseekStyleAdapter
 
-from torch import nn
+LITE_ROUTING = (
+    "sigmoid scores, group-limited top-k of scores + e_score_correction_bias (groups ranked by their "
+    "top-2 sum), unbiased scores renormalized iff norm_topk_prob, × routed_scaling_factor; ungated "
+    "shared experts; dense layers by mlp_layer_types"
+)
 
-from workers.families.deepseek_v2 import DeepseekV3Adapter
-from workers.families.fused import config_int, copy_config
 
-
-class Glm4MoeLiteAdapter(DeepseekV3Adapter):
+class Glm4MoeLiteAdapter(DeepseekStyleAdapter):
     name = "glm4_moe_lite"
     edited = ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", "fused")
-    routing = (
-        "sigmoid scores, group-limited top-k of scores + e_score_correction_bias (groups ranked by their "
-        "top-2 sum), unbiased scores renormalized iff norm_topk_prob, × routed_scaling_factor; ungated "
-        "shared experts; dense layers by mlp_layer_types"
-    )
+    routing = LITE_ROUTING
     student = "same class, every layer dense (mlp_layer_types all 'dense')"
     model_types = ("glm4_moe_lite",)
     block_classes = ("Glm4MoeLiteMoE",)
     config_class = "Glm4MoeLiteConfig"
-    shared_key = "n_shared_experts"
-
-    def config_moe_layers(self, config: Any) -> list[int]:
-        n = config_int(config, "num_hidden_layers")
-        types = list(getattr(config, "mlp_layer_types", None) or [])
-        if len(types) != n or not set(types) <= {"sparse", "dense"}:
-            raise ValueError(
-                f"{config.model_type} config: mlp_layer_types={types!r}, expected {n} entries of "
-                "'sparse' / 'dense'"
-            )
-        return [i for i, t in enumerate(types) if t == "sparse"]
-
-    def config_shared_experts(self, config: Any) -> int:
-        return config_int(config, self.shared_key)
-
-    def dense_overrides(self, n: int) -> dict[str, Any]:
-        """Config fields that make every one of the n layers a dense MLP."""
-        return {"mlp_layer_types": ["dense"] * n}
-
-    def student_config(self, teacher: nn.Module, width: int) -> Any:
-        import transformers
-
-        n = teacher.config.num_hidden_layers
-        return copy_config(
-            teacher.config,
-            getattr(transformers, self.config_class),
-            intermediate_size=int(width),
-            output_router_logits=False,
-            **self.dense_overrides(n),
-        )
+    dense_layers = "mlp_layer_types"
+    student_dense_fields = ("mlp_layer_types",)
 
 
-class ExaoneMoeAdapter(Glm4MoeLiteAdapter):
+class ExaoneMoeAdapter(DeepseekStyleAdapter):
     name = "exaone_moe"
     edited = ("ExaoneMoeConfig", "ExaoneMoeForCausalLM", "fused")
+    routing = LITE_ROUTING
     student = "same class, every layer dense (mlp_layer_types all 'dense', first_k_dense_replace = n)"
     model_types = ("exaone_moe",)
     block_classes = ("ExaoneMoeSparseMoEBlock",)
     config_class = "ExaoneMoeConfig"
     experts_key = "num_experts"
     shared_key = "num_shared_experts"
-
-    def dense_overrides(self, n: int) -> dict[str, Any]:
-        return {"mlp_layer_types": ["dense"] * n, "first_k_dense_replace": n}
+    dense_layers = "mlp_layer_types"
+    student_dense_fields = ("mlp_layer_types", "first_k_dense_replace")

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from workers.families.glm4_moe_lite import Glm4MoeLiteAdapter
+from workers.families.deepseek_v2 import DeepseekStyleAdapter
 
 
-class GlmMoeDsaAdapter(Glm4MoeLiteAdapter):
+class GlmMoeDsaAdapter(DeepseekStyleAdapter):
     name = "glm_moe_dsa"
     edited = ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", "fused")
     routing = (
@@ -30,9 +30,8 @@ class GlmMoeDsaAdapter(Glm4MoeLiteAdapter):
     model_types = ("glm_moe_dsa",)
     block_classes = ("GlmMoeDsaMoE",)
     config_class = "GlmMoeDsaConfig"
-
-    def dense_overrides(self, n: int) -> dict[str, Any]:
-        return {"mlp_layer_types": ["dense"] * n, "first_k_dense_replace": n}
+    dense_layers = "mlp_layer_types"
+    student_dense_fields = ("mlp_layer_types", "first_k_dense_replace")
 
     def layer_output(self, output: Any) -> tuple[torch.Tensor, dict[str, Any]]:
         """(hidden states, {prev_topk_indices: this layer's DSA top-k}), as GlmMoeDsaModel.forward passes it on."""

@@ -55,12 +55,7 @@ class GptOssAdapter(FusedMoeAdapter):
     }
     student_act = "gptoss"
     experts_key = "num_local_experts"
-
-    def config_renorm(self, config: Any) -> bool:
-        return True  # no config flag: the router always renormalizes (native_renorm)
-
-    def native_renorm(self, router: nn.Module) -> bool:
-        return True  # softmax over the chosen k logits = p renormalized over the k
+    renorm = True  # no config flag: softmax over the chosen k logits = p renormalized over the k
 
     def choice_scores(self, router: nn.Module, logits: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return logits  # GptOssTopKRouter takes its top-k of the raw (biased) logits

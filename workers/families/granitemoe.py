@@ -31,34 +31,24 @@ from torch import nn
 from workers.core.types import DenseFFN
 from workers.families.fused import FusedMoeAdapter, _check_silu, copy_config
 
+GRANITE_STUDENT = (
+    "Granite (dense sibling, the same embedding, residual and attention multipliers and logits_scaling)"
+)
 
-class GraniteMoeAdapter(FusedMoeAdapter):
-    name = "granitemoe"
-    edited = ("GraniteMoeConfig", "GraniteMoeForCausalLM", "fused")
-    routing = (
-        "top-k of the logits, softmax over the k (= p renormalized over the k); block at "
-        "block_sparse_moe; no shared experts, no dense layers"
-    )
-    student = (
-        "Granite (dense sibling, the same embedding, residual and attention multipliers and logits_scaling)"
-    )
-    model_types = ("granitemoe",)
-    block_classes = ("GraniteMoeMoE",)
+
+class GraniteMoeStyleAdapter(FusedMoeAdapter):
+    """What the three Granite MoE families share: the block at block_sparse_moe, the softmax over the chosen k,
+    the shared MLP on the decoder layer and a dense-sibling student (student_config_class)."""
+
     block_attr = "block_sparse_moe"
     router_attr = "router"
     experts_key = "num_local_experts"
-    student_config_class = "GraniteConfig"
+    renorm = True  # softmax over the chosen k logits (module docstring)
+    student_config_class = "GraniteConfig"  # the dense sibling's config class
 
     # --- structure from the config alone ----------------------------------------------------------
-    def config_renorm(self, config: Any) -> bool:
-        return True  # softmax over the chosen k logits (module docstring)
-
     def config_shared_experts(self, config: Any) -> int:
         return 1 if getattr(config, "shared_intermediate_size", 0) else 0
-
-    # --- router semantics -------------------------------------------------------------------------
-    def native_renorm(self, router: nn.Module) -> bool:
-        return True
 
     # --- shared MLP (on the decoder layer, outside the block) ------------------------------------
     def shared_mlp(self, model: nn.Module, layer: int) -> nn.Module | None:
@@ -83,18 +73,31 @@ class GraniteMoeAdapter(FusedMoeAdapter):
         return copy_config(teacher.config, cls, intermediate_size=int(width), mlp_bias=False)
 
 
-class GraniteMoeSharedAdapter(GraniteMoeAdapter):
+class GraniteMoeAdapter(GraniteMoeStyleAdapter):
+    name = "granitemoe"
+    edited = ("GraniteMoeConfig", "GraniteMoeForCausalLM", "fused")
+    routing = (
+        "top-k of the logits, softmax over the k (= p renormalized over the k); block at "
+        "block_sparse_moe; no shared experts, no dense layers"
+    )
+    student = GRANITE_STUDENT
+    model_types = ("granitemoe",)
+    block_classes = ("GraniteMoeMoE",)
+
+
+class GraniteMoeSharedAdapter(GraniteMoeStyleAdapter):
     name = "granitemoeshared"
     edited = ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", "fused")
     routing = (
         "as granitemoe; an ungated shared MLP on the decoder layer (shared_mlp, outside the block) "
         "added to the block's output"
     )
+    student = GRANITE_STUDENT
     model_types = ("granitemoeshared",)
     block_classes = ("GraniteMoeSharedMoE",)
 
 
-class GraniteMoeSWAAdapter(GraniteMoeAdapter):
+class GraniteMoeSWAAdapter(GraniteMoeStyleAdapter):
     name = "granitemoe_swa"
     edited = ("GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", "fused")
     routing = "as granitemoeshared (sliding-window layers, attention sinks, per-layer RoPE theta)"

@@ -56,6 +56,7 @@ class HunYuanMoeV1Adapter(FusedMoeAdapter):
     router_attr = "gate"
     shared_attr = "shared_mlp"
     router_linear = "wg"  # Router KD trains this linear map's weight only
+    renorm = True  # no config flag: the gate always renormalizes
 
     # --- structure from the config alone -------------------------------------------------------
     def shape_from_config(self, config: Any) -> TeacherShape:
@@ -64,9 +65,6 @@ class HunYuanMoeV1Adapter(FusedMoeAdapter):
             config = copy.copy(config)
             config.moe_topk = k
         return super().shape_from_config(config)
-
-    def config_renorm(self, config: Any) -> bool:
-        return True  # no config flag: the gate always renormalizes
 
     def config_shared_experts(self, config: Any) -> int:
         return 1  # shared_mlp is always built, as wide as one routed expert
@@ -84,10 +82,6 @@ class HunYuanMoeV1Adapter(FusedMoeAdapter):
 
     def num_shared_experts(self, model: nn.Module) -> int:
         return 1
-
-    # --- router ---------------------------------------------------------------------------------
-    def native_renorm(self, router: nn.Module) -> bool:
-        return True
 
     # --- student ----------------------------------------------------------------------------
     def student_config(self, teacher: nn.Module, width: int) -> Any:

@@ -1,6 +1,6 @@
 """Hy-V3 (`hy_v3`, `HYV3MoE`): MiniMax-M2's MoE block (the sigmoid router takes its correction bias from the
 block's `e_score_correction_bias` buffer) with a constant factor, an ungated shared MLP and dense layers chosen
-by `mlp_layer_types`; reuses the MiniMax-M2 adapter's router semantics.
+by `mlp_layer_types`; MiniMax-M2's router semantics, in fields.
 
 Router (`block.gate`, `HYV3TopKRouter`): scores = sigmoid(W h) in float32; the choice is the top-k of scores +
 the block's e_score_correction_bias (no groups); the weights are the unbiased scores of the chosen k, always
@@ -15,16 +15,10 @@ Student: the same class with every entry of mlp_layer_types "dense" (every layer
 
 from __future__ import annotations
 
-from typing import Any
-
-from torch import nn
-
-from workers.core.types import DenseFFN
-from workers.families.fused import FusedMoeAdapter, config_int, copy_config
-from workers.families.minimax_m2 import MiniMaxM2Adapter
+from workers.families.fused import FusedMoeAdapter
 
 
-class HYV3Adapter(MiniMaxM2Adapter):
+class HYV3Adapter(FusedMoeAdapter):
     name = "hy_v3"
     edited = ("HYV3Config", "HYV3ForCausalLM", "fused")
     routing = (
@@ -37,37 +31,11 @@ class HYV3Adapter(MiniMaxM2Adapter):
     block_classes = ("HYV3MoE",)
     experts_key = "num_experts"
     shared_attr = "shared_experts"
-
-    def config_moe_layers(self, config: Any) -> list[int]:
-        n = config_int(config, "num_hidden_layers")
-        types = list(getattr(config, "mlp_layer_types", None) or [])
-        if len(types) != n or not set(types) <= {"sparse", "dense"}:
-            raise ValueError(
-                f"hy_v3 config: mlp_layer_types={types!r}, expected {n} entries of 'sparse' / 'dense'"
-            )
-        return [i for i, t in enumerate(types) if t == "sparse"]
-
-    def config_shared_experts(self, config: Any) -> int:
-        return config_int(config, "num_shared_experts")
-
-    def scale(self, router: nn.Module) -> float:
-        return float(router.router_scaling_factor)
-
-    def num_shared_experts(self, model: nn.Module) -> int:
-        return self.shared_units(model)
-
-    def student_config(self, teacher: nn.Module, width: int) -> Any:
-        from transformers import HYV3Config
-
-        n = config_int(teacher.config, "num_hidden_layers")
-        return copy_config(
-            teacher.config,
-            HYV3Config,
-            intermediate_size=int(width),
-            mlp_layer_types=["dense"] * n,
-            output_router_logits=False,
-        )
-
-    def student_ffn_params(self, layer: int, ffn: DenseFFN) -> dict[str, Any]:
-        """A plain gate/up/down HYV3MLP (not MiniMax-M2's one-expert block)."""
-        return FusedMoeAdapter.student_ffn_params(self, layer, ffn)
+    shared_key = "num_shared_experts"
+    scores = "sigmoid"
+    correction_bias = "e_score_correction_bias"  # the block's buffer, passed to the router's forward
+    renorm = True  # no config flag: the router always renormalizes
+    scale_attr = "router_scaling_factor"  # a field of the router, not DeepSeek's routed_scaling_factor
+    dense_layers = "mlp_layer_types"
+    config_class = "HYV3Config"
+    student_dense_fields = ("mlp_layer_types",)

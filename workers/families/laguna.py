@@ -11,8 +11,9 @@ all E. The block multiplies the routed experts' sum by moe_routed_scaling_factor
 weights do not hold it). Choice: since s·Σ_j w_j f_j = Σ_j (s·w_j) f_j, the weights really applied per expert are
 s·w, and that is what the decision this adapter reports (hook_routing) and takes (override_routing) carries, like
 DeepSeek's: s is multiplied in on reading and divided out before the weights go back to the router, and
-routed_scaling returns s. router_decision alone sees only the router's output, which lacks s, so it is read
-through those two hooks; expanded routing (routing_top_k) leaves s to the block. Router KD trains `gate.weight` only: the correction bias is frozen in
+routed_scaling returns s (block_scale_attr, FusedMoeAdapter.block_scale). router_decision alone sees only the
+router's output, which lacks s, so it is read through those two hooks; expanded routing (routing_top_k) leaves s
+to the block. Router KD trains `gate.weight` only: the correction bias is frozen in
 the model and enters only the (non-differentiable) choice, like DeepSeek-V3's buffer.
 
 Student: the same class with every entry of mlp_layer_types "dense" (each a LagunaMLP of width `width`): no dense
@@ -25,13 +26,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
-from workers.families.fused import BlockScaledRouting, FusedMoeAdapter, config_int, copy_config
+from workers.families.fused import FusedMoeAdapter, config_int
 
 
-class LagunaAdapter(BlockScaledRouting, FusedMoeAdapter):
+class LagunaAdapter(FusedMoeAdapter):
     name = "laguna"
     edited = ("LagunaConfig", "LagunaForCausalLM", "fused")
     routing = (
@@ -42,30 +42,16 @@ class LagunaAdapter(BlockScaledRouting, FusedMoeAdapter):
     student = "same class, every layer dense (mlp_layer_types all 'dense')"
     model_types = ("laguna",)
     block_classes = ("LagunaSparseMoeBlock",)
-    block_scale_attr = (
-        "routed_scaling_factor"  # moe_routed_scaling_factor, after the experts (BlockScaledRouting)
-    )
+    block_scale_attr = "routed_scaling_factor"  # moe_routed_scaling_factor, after the experts (block_scale)
     shared_attr = "shared_experts"
-    expert_tensors = (
-        "gate.weight",
-        "gate.e_score_correction_bias",
-        "experts.gate_up_proj",
-        "experts.down_proj",
-    )
+    scores = "sigmoid"  # of the logits the router returns, already capped
+    correction_bias = "gate.e_score_correction_bias"
+    renorm = True  # no config flag: the router always renormalizes
+    dense_layers = "mlp_layer_types"
+    config_class = "LagunaConfig"
+    student_dense_fields = ("mlp_layer_types",)
 
     # --- structure from the config alone -------------------------------------------------------
-    def config_moe_layers(self, config: Any) -> list[int]:
-        n = config_int(config, "num_hidden_layers")
-        types = list(getattr(config, "mlp_layer_types", None) or [])
-        if len(types) != n or not set(types) <= {"sparse", "dense"}:
-            raise ValueError(
-                f"laguna config: mlp_layer_types={types!r}, expected {n} entries of 'sparse' / 'dense'"
-            )
-        return [i for i, t in enumerate(types) if t == "sparse"]
-
-    def config_renorm(self, config: Any) -> bool:
-        return True  # no config flag: the router always renormalizes
-
     def config_shared_experts(self, config: Any) -> int:
         return 1 if config_int(config, "shared_expert_intermediate_size") > 0 else 0
 
@@ -74,15 +60,6 @@ class LagunaAdapter(BlockScaledRouting, FusedMoeAdapter):
         return 1 if self.shared_ffn(model, self.moe_layers(model)[0]).width > 0 else 0
 
     # --- router ---------------------------------------------------------------------------------
-    def native_renorm(self, router: nn.Module) -> bool:
-        return True
-
-    def gate_values(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(logits.float())  # the logits the router returns are already capped
-
-    def choice_scores(self, router: nn.Module, logits: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return gate + router.e_score_correction_bias.float()
-
     def router_parameters(self, model: nn.Module) -> list[nn.Parameter]:
         """Each MoE block's router weight [E, H]; the frozen correction bias (a parameter of the router that only
         the top-k choice reads) is left out."""
@@ -90,16 +67,3 @@ class LagunaAdapter(BlockScaledRouting, FusedMoeAdapter):
             id(self.router_module(model, layer).e_score_correction_bias) for layer in self.moe_layers(model)
         }
         return [p for p in super().router_parameters(model) if id(p) not in frozen]
-
-    # --- student ----------------------------------------------------------------------------
-    def student_config(self, teacher: nn.Module, width: int) -> Any:
-        from transformers import LagunaConfig
-
-        n = config_int(teacher.config, "num_hidden_layers")
-        return copy_config(
-            teacher.config,
-            LagunaConfig,
-            intermediate_size=int(width),
-            mlp_layer_types=["dense"] * n,
-            output_router_logits=False,
-        )

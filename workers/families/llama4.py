@@ -52,6 +52,8 @@ class Llama4TextAdapter(FusedMoeAdapter):
     shared_attr = "shared_expert"
     experts_key = "num_local_experts"
     student_ffn_attr = "feed_forward"
+    scores = "sigmoid"
+    renorm = False  # the router's sigmoid scores are never renormalized
     unit_layout = TRANSPOSED_UNIT_LAYOUT
     refused_outputs: Mapping[str, str] = {
         "edited": "cannot write an edited checkpoint: its factored experts rebuild the [E, 2I, H] fused layout, "
@@ -66,9 +68,6 @@ class Llama4TextAdapter(FusedMoeAdapter):
             raise ValueError(f"llama4_text config: moe_layers={layers!r}, expected a list of layer indices")
         return [i for i in range(n) if i in layers]
 
-    def config_renorm(self, config: Any) -> bool:
-        return False  # the router's sigmoid scores are never renormalized
-
     def config_shared_experts(self, config: Any) -> int:
         return 1  # Llama4TextMoe always builds one shared expert
 
@@ -76,12 +75,6 @@ class Llama4TextAdapter(FusedMoeAdapter):
         return 1
 
     # --- router -----------------------------------------------------------------------------------
-    def native_renorm(self, router: nn.Module) -> bool:
-        return False
-
-    def gate_values(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(logits.float())
-
     def router_decision(self, output: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(p = sigmoid(logits) normalized over E, the scores at their k nonzero entries, those entries); k is
         the row count of nonzero scores (the router's k, or k′ under routing_top_k / override_routing)."""

@@ -1,5 +1,5 @@
 """Mellum (`MellumSparseMoeBlock`): Qwen3-MoE's block and router unchanged (softmax over E, top-k, renormalized
-iff norm_topk_prob; no shared experts), so it reuses the Qwen3-MoE adapter; only the MoE layers differ: they
+iff norm_topk_prob; no shared experts), the fused machinery's defaults; only the MoE layers differ: they
 are the "sparse" entries of the config's `mlp_layer_types` ("dense" ones are plain MLPs of intermediate_size).
 The routed expert count is `num_local_experts` (the config maps `num_experts` onto it). Multi-token-prediction
 weights (`mtp.*`) are not part of MellumForCausalLM and are ignored on load.
@@ -11,15 +11,10 @@ full layers differ), which Qwen3's single rope theta cannot express.
 
 from __future__ import annotations
 
-from typing import Any
-
-from torch import nn
-
-from workers.families.fused import config_int, copy_config
-from workers.families.qwen3_moe import Qwen3MoeAdapter
+from workers.families.fused import FusedMoeAdapter
 
 
-class MellumAdapter(Qwen3MoeAdapter):
+class MellumAdapter(FusedMoeAdapter):
     name = "mellum"
     edited = ("MellumConfig", "MellumForCausalLM", "fused")
     routing = (
@@ -30,24 +25,6 @@ class MellumAdapter(Qwen3MoeAdapter):
     model_types = ("mellum",)
     block_classes = ("MellumSparseMoeBlock",)
     experts_key = "num_local_experts"
-
-    def config_moe_layers(self, config: Any) -> list[int]:
-        n = config_int(config, "num_hidden_layers")
-        types = list(getattr(config, "mlp_layer_types", None) or [])
-        if len(types) != n or not set(types) <= {"sparse", "dense"}:
-            raise ValueError(
-                f"mellum config: mlp_layer_types={types!r}, expected {n} entries of 'sparse' / 'dense'"
-            )
-        return [i for i, t in enumerate(types) if t == "sparse"]
-
-    def student_config(self, teacher: nn.Module, width: int) -> Any:
-        from transformers import MellumConfig
-
-        n = teacher.config.num_hidden_layers
-        return copy_config(
-            teacher.config,
-            MellumConfig,
-            intermediate_size=int(width),
-            mlp_layer_types=["dense"] * n,
-            output_router_logits=False,
-        )
+    dense_layers = "mlp_layer_types"
+    config_class = "MellumConfig"
+    student_dense_fields = ("mlp_layer_types",)

@@ -1,6 +1,6 @@
 """MiMo-V2-Flash (`mimo_v2_flash`, `MiMoV2FlashMoE`): DeepSeek-V3's router and fused experts without shared
 experts, the MoE layers chosen by the config's `mlp_layer_types` ("sparse" / "dense"), as GLM-4.7-Flash's
-adapter reads them (reused here with the shared experts taken out).
+(the DeepSeek-V3-style base with no shared experts).
 
 Router (`block.gate`): sigmoid scores; the choice is the group-limited top-k of scores + e_score_correction_bias
 (n_group contiguous groups ranked by the sum of their top-2 biased scores, topk_group kept); the weights are the
@@ -16,14 +16,10 @@ for the group limit (workers.families.deepseek_v2).
 
 from __future__ import annotations
 
-from typing import Any
-
-from torch import nn
-
-from workers.families.glm4_moe_lite import Glm4MoeLiteAdapter
+from workers.families.deepseek_v2 import DeepseekStyleAdapter
 
 
-class MiMoV2FlashAdapter(Glm4MoeLiteAdapter):
+class MiMoV2FlashAdapter(DeepseekStyleAdapter):
     name = "mimo_v2_flash"
     edited = ("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", "fused")
     routing = (
@@ -35,10 +31,7 @@ class MiMoV2FlashAdapter(Glm4MoeLiteAdapter):
     model_types = ("mimo_v2_flash",)
     block_classes = ("MiMoV2FlashMoE",)
     config_class = "MiMoV2FlashConfig"
-    shared_attr = None
-
-    def config_shared_experts(self, config: Any) -> int:
-        return 0  # MiMoV2FlashMoE deletes DeepSeek-V3's shared experts
-
-    def num_shared_experts(self, model: nn.Module) -> int:
-        return 0
+    shared_attr = None  # MiMoV2FlashMoE deletes DeepSeek-V3's shared experts
+    shared_key = None
+    dense_layers = "mlp_layer_types"
+    student_dense_fields = ("mlp_layer_types",)

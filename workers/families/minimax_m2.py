@@ -37,25 +37,10 @@ class MiniMaxM2Adapter(FusedMoeAdapter):
     model_types = ("minimax_m2",)
     block_classes = ("MiniMaxM2SparseMoeBlock",)
     experts_key = "num_local_experts"
-    expert_tensors = ("gate.weight", "e_score_correction_bias", "experts.gate_up_proj", "experts.down_proj")
-
-    def config_renorm(self, config: Any) -> bool:
-        return True  # no config flag: the router always renormalizes
-
-    def native_renorm(self, router: nn.Module) -> bool:
-        return True
-
-    def gate_values(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(logits.float())
-
-    def choice_scores(
-        self, router: nn.Module, logits: torch.Tensor, gate: torch.Tensor, *router_args: Any
-    ) -> torch.Tensor:
-        (bias,) = router_args  # MiniMaxM2TopKRouter.forward(hidden_states, e_score_correction_bias)
-        return gate + bias.float()
-
-    def is_router_tensor(self, rel: str) -> bool:
-        return rel.startswith("gate.") or rel == "e_score_correction_bias"
+    scores = "sigmoid"
+    # a buffer of the block, passed on: MiniMaxM2TopKRouter.forward(hidden_states, e_score_correction_bias)
+    correction_bias = "e_score_correction_bias"
+    renorm = True  # no config flag: the router always renormalizes
 
     def student_config(self, teacher: nn.Module, width: int) -> Any:
         from transformers import MiniMaxM2Config

@@ -21,12 +21,7 @@ class MixtralAdapter(FusedMoeAdapter):
     model_types = ("mixtral",)
     block_classes = ("MixtralSparseMoeBlock",)
     experts_key = "num_local_experts"
-
-    def config_renorm(self, config: Any) -> bool:
-        return True  # no config flag: the router always renormalizes (native_renorm)
-
-    def native_renorm(self, router: nn.Module) -> bool:
-        return True  # MixtralTopKRouter always divides by the top-k sum
+    renorm = True  # no config flag: MixtralTopKRouter always divides by the top-k sum
 
     def student_config(self, teacher: nn.Module, width: int) -> Any:
         from transformers import MistralConfig

@@ -62,6 +62,7 @@ class PhimoeAdapter(FusedMoeAdapter):
     block_classes = ("PhimoeSparseMoeBlock",)
     router_attr = "router"
     experts_key = "num_local_experts"
+    renorm = False  # two softmaxes over masked sets: the weights do not sum to 1
     refused_outputs: Mapping[str, str] = {"dense": DENSE_REFUSED}
 
     # --- structure from the config alone ----------------------------------------------------------
@@ -78,9 +79,6 @@ class PhimoeAdapter(FusedMoeAdapter):
             )
         return super().shape_from_config(config)
 
-    def config_renorm(self, config: Any) -> bool:
-        return False  # two softmaxes over masked sets: the weights do not sum to 1
-
     # --- structure --------------------------------------------------------------------------------
     def top_k(self, model: nn.Module) -> int:
         """2, SparseMixer's fixed number of picks (a model whose config says otherwise is refused)."""
@@ -91,10 +89,6 @@ class PhimoeAdapter(FusedMoeAdapter):
                 f"{SPARSEMIXER_K} experts, only {SPARSEMIXER_K} is allowed"
             )
         return SPARSEMIXER_K
-
-    # --- router semantics -------------------------------------------------------------------------
-    def native_renorm(self, router: nn.Module) -> bool:
-        return False  # see config_renorm
 
     # --- dense student: refused -------------------------------------------------------------------
     def student_config(self, teacher: nn.Module, width: int) -> Any:

@@ -18,7 +18,6 @@ from typing import Any
 from torch import nn
 
 from workers.families.fused import FusedMoeAdapter, copy_config
-from workers.families.qwen3_moe import sparse_step_moe_layers
 
 
 class Qwen2MoeAdapter(FusedMoeAdapter):
@@ -33,9 +32,7 @@ class Qwen2MoeAdapter(FusedMoeAdapter):
     model_types = ("qwen2_moe",)
     block_classes = ("Qwen2MoeSparseMoeBlock",)
     shared_attr = "shared_expert"
-
-    def config_moe_layers(self, config: Any) -> list[int]:
-        return sparse_step_moe_layers(config)
+    dense_layers = "mlp_only_layers"
 
     def config_shared_experts(self, config: Any) -> int:
         return 1 if int(config.shared_expert_intermediate_size) > 0 else 0

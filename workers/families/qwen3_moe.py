@@ -10,18 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from workers.families.fused import FusedMoeAdapter, config_int, copy_config
-
-
-def sparse_step_moe_layers(config: Any) -> list[int]:
-    """Qwen2-MoE / Qwen3-MoE decoder layers built as MoE blocks: not in mlp_only_layers, and every
-    decoder_sparse_step-th layer (when the config has experts at all)."""
-    n = config_int(config, "num_hidden_layers")
-    step = config_int(config, "decoder_sparse_step")
-    dense = set(getattr(config, "mlp_only_layers", None) or [])
-    if int(config.num_experts) <= 0:
-        return []
-    return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+from workers.families.fused import FusedMoeAdapter, copy_config
 
 
 class Qwen3MoeAdapter(FusedMoeAdapter):
@@ -34,9 +23,7 @@ class Qwen3MoeAdapter(FusedMoeAdapter):
     student = "dense sibling Qwen3"
     model_types = ("qwen3_moe",)
     block_classes = ("Qwen3MoeSparseMoeBlock",)
-
-    def config_moe_layers(self, config: Any) -> list[int]:
-        return sparse_step_moe_layers(config)
+    dense_layers = "mlp_only_layers"
 
     def student_config(self, teacher: nn.Module, width: int) -> Any:
         from transformers import Qwen3Config

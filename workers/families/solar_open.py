@@ -1,5 +1,5 @@
 """Solar Open (`solar_open`, `SolarOpenMoE`): GLM-4.5's MoE block (transformers builds it from the same modular
-code, so the GLM-4 / DeepSeek-V3 adapter is reused unchanged) in Llama decoder layers, every layer MoE.
+code, so it takes the DeepSeek-V3-style base unchanged) in Llama decoder layers, every layer MoE.
 
 Router (`block.gate`): sigmoid scores; the choice is the group-limited top-k of scores + e_score_correction_bias
 (n_group contiguous groups ranked by the sum of their top-2 biased scores, topk_group kept; the released model
@@ -19,11 +19,11 @@ from typing import Any
 
 from torch import nn
 
-from workers.families.fused import config_int, copy_config
-from workers.families.glm4_moe import Glm4MoeAdapter
+from workers.families.deepseek_v2 import DeepseekStyleAdapter
+from workers.families.fused import copy_config
 
 
-class SolarOpenAdapter(Glm4MoeAdapter):
+class SolarOpenAdapter(DeepseekStyleAdapter):
     name = "solar_open"
     edited = ("SolarOpenConfig", "SolarOpenForCausalLM", "fused")
     routing = (
@@ -35,9 +35,7 @@ class SolarOpenAdapter(Glm4MoeAdapter):
     model_types = ("solar_open",)
     block_classes = ("SolarOpenMoE",)
     config_class = "SolarOpenConfig"
-
-    def config_moe_layers(self, config: Any) -> list[int]:
-        return list(range(config_int(config, "num_hidden_layers")))
+    dense_layers = ""  # every layer MoE (the config has no first_k_dense_replace)
 
     def student_config(self, teacher: nn.Module, width: int) -> Any:
         from transformers import LlamaConfig
