@@ -259,7 +259,9 @@ class _Importance:
 
     - FFN neuron j of layer l: |act(gate)·up|_j, the input of down_proj;
     - attention head h of layer l: ‖head output‖₂ over head_dim, the input of o_proj;
-    - embedding channel c: |LN(x)|_c summed over every RMSNorm output of the network;
+    - embedding channel c: |LN(x)|_c over the outputs of every RMSNorm of the network (each layer's two and the
+      final one), one L2 over all of them and the batch (NVIDIA Model-Optimizer instead sums a per-norm L2
+      over the layers' two input norms only);
     - layer l (depth): block importance 1 − mean_t cos(x_in(t), x_out(t)) (Men et al. 2024, ShortGPT).
     """
 
