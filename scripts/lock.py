@@ -160,7 +160,7 @@ def main() -> None:
                 ]
             )
         )
-    torch_cpu = cpu.pop("torch")
+    torch_cpu = cpu.pop("torch").replace(str(pin), "torch-cpu.in")  # not the temporary folder: a stable lock
     (REQ / "lock.txt").write_text(
         header(
             "moesweep's locked environment, every package but torch (torch-cpu.txt or torch-cuda.txt first)"
