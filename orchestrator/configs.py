@@ -16,7 +16,7 @@ from typing import Any
 from orchestrator.axes import AXES
 from orchestrator.schema import SpecError
 from orchestrator.spec import SweepSpec
-from orchestrator.stages.calibrate import single_source_configs
+from orchestrator.stages.calibrate import named_configs, single_source_configs
 from orchestrator.stages.convert import grid_configs
 from orchestrator.stages.teacher import teacher_label  # noqa: F401  (re-exported: the dry run names the teacher)
 from workers.core.shape import TeacherShape
@@ -97,8 +97,9 @@ def check_k(spec: SweepSpec, shape: TeacherShape) -> None:
 
 
 def build_configs(spec: SweepSpec, shape: TeacherShape) -> list[dict[str, Any]]:
-    """Every configuration of the sweep: the grid, the teacher, the baselines (d2d: one per candidate) and
-    the grid's variants calibrated on one source alone (calibration.single_source)."""
+    """Every configuration of the sweep: the grid (a sub-grid's named calibration noted on its configurations),
+    the teacher, the baselines (d2d: one per candidate) and the grid's variants calibrated on one source
+    alone (calibration.single_source)."""
     from workers.core.registry import registry_names
 
     check_k(spec, shape)
@@ -144,8 +145,19 @@ def build_configs(spec: SweepSpec, shape: TeacherShape) -> list[dict[str, Any]]:
                     "baseline": f"d2d:{name}",
                 }
             )
+    named_configs(spec, configs)
     # last, so the configurations of a sweep without them are stored in the order they always were
-    return configs + single_source_configs(spec, configs)
+    configs += single_source_configs(spec, configs)
+    seen: set[str] = set()
+    for c in configs:
+        if c["config_key"] in seen:  # a named calibration's key tail is a single-source variant's
+            raise SpecError(
+                f"calibrations.{c.get('calibration') or c.get('calibration_source')}: configuration "
+                f"{c['config_key']} would be both a single-source variant and a named calibration's; "
+                "rename the calibration"
+            )
+        seen.add(c["config_key"])
+    return configs
 
 
 def select_json(spec: SweepSpec) -> str | None:

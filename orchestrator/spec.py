@@ -24,7 +24,15 @@ from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from db.axes import default_rule
 from orchestrator.axes import AXES
@@ -42,11 +50,13 @@ from orchestrator.schema import (  # noqa: F401  (re-exported)
     shown,
 )
 from orchestrator.stage import get_stage, stages
+from orchestrator.stages.calibrate import Calibration, check_rows, named_sections
 
 # matched with fullmatch: `$` would also match before a final newline ("micro\n")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 BASELINES = ("teacher", "random_ffn", "random_init", "d2d")
-CHAT_SECTIONS = ("calibration.", "router_kd.")  # data turned into token windows with the teacher's tokenizer
+# data turned into token windows with the teacher's tokenizer
+CHAT_SECTIONS = ("calibration.", "calibrations.", "router_kd.")
 
 
 class Select(Strict):
@@ -228,6 +238,18 @@ class SweepSpec(Strict):
     baselines: list[str] = Field(default_factory=list)
     execution: Execution = Field(default_factory=Execution)
 
+    @field_validator("calibrations", check_fields=False)  # sweep_model's field, after `calibration`
+    @classmethod
+    def _calibrations(cls, v: dict[str, Calibration] | None) -> dict[str, Calibration] | None:
+        return named_sections(v)
+
+    @field_validator("grid", check_fields=False)  # the convert stage's section, after calibrations
+    @classmethod
+    def _grid_calibrations(cls, v: Any, info: ValidationInfo) -> Any:
+        if "calibrations" not in info.data:  # its own error is reported
+            return v
+        return check_rows(v, info.data["calibrations"])
+
     @field_validator("name")
     @classmethod
     def _slug(cls, v: str) -> str:
@@ -275,6 +297,8 @@ def _sweep_model(registered: tuple) -> type[SweepSpec]:
             fields[st.section] = (st.params, Field(default_factory=st.params))
         else:
             fields[st.section] = (st.params | None, None)
+        if st.section == "calibration":  # and the named sections a sub-grid may choose (stages/calibrate.py)
+            fields["calibrations"] = (dict[str, Calibration] | None, None)
     return create_model("SweepSpec", __base__=SweepSpec, **fields)
 
 

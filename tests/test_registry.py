@@ -285,4 +285,5 @@ def test_every_named_sweep_is_planned_by_the_dry_run(name):
     assert name in list_sweeps()
     spec, _, _ = load_spec(name)
     rows = {r["stage"]: r for r in dryrun.plan_counts(spec)[0]}
-    assert rows["calibrate"]["distinct"] == 1 and rows["convert"]["named"] >= 1 and "evaluate" in rows
+    passes = 5 if name.startswith("seed001") else 1  # seed001 calibrates each method as its authors did
+    assert rows["calibrate"]["distinct"] == passes and rows["convert"]["named"] >= 1 and "evaluate" in rows

@@ -13,6 +13,13 @@ conversion calibrated on that source alone, from a calibrate job of its own (tha
 `data`, `single_source.n_samples` windows; the teacher, seq_len, seed and the rest as the section's).
 Configurations calibrated on the same source share that job, and so does any sweep calibrated on that
 data alone. As a variant it never competes with its base in the selection rule.
+
+Named calibrations: the sweep's `calibrations` maps names to further sections of this form, and a
+sub-grid's `calibration: <name>` has its configurations calibrated by that section's job (its own key;
+sub-grids naming one section share its job) instead of the `calibration` section's, which serves every
+other configuration. A configuration keeps its plain key unless sub-grids calibrate it more than one
+way: then each named one is `<config_key>|calibration=<name>`, a configuration of its own (no variant:
+it competes in the selection rule like any other). Its `note` names the section.
 """
 
 from __future__ import annotations
@@ -181,6 +188,75 @@ class Calibration(Strict):
         return self
 
 
+def named_sections(v: dict[str, Calibration] | None) -> dict[str, Calibration] | None:
+    """The sweep's `calibrations` checked: names as source names are (a name may end a configuration key),
+    none a reserved label, and no `single_source` (its variants come from the `calibration` section)."""
+    if v is None:
+        return v
+    if not v:
+        raise ValueError("name at least one calibration (name: {a calibration section}), or leave it out")
+    for name, c in v.items():
+        if not SOURCE_NAME.fullmatch(name):
+            raise ValueError(
+                f"{name!r} is not a calibration name; allowed: letters, digits, '_', '-' "
+                "(starting with a letter or digit, at most 64)"
+            )
+        if name in RESERVED:
+            raise ValueError(f"{name!r}: `{LABEL}={name}` is the DCDM mixture's key tail; rename it")
+        if c.single_source is not None:
+            raise ValueError(
+                f"{name}.single_source: single-source variants come from the calibration section only "
+                "(of the configurations it calibrates); remove it here"
+            )
+    return v
+
+
+def check_rows(grid: Any, named: dict[str, Calibration] | None) -> Any:
+    """Each sub-grid's `calibration` names a section of `calibrations` (ValueError line otherwise)."""
+    rows = grid if isinstance(grid, list) else [grid]
+    allowed = ", ".join(named or {}) or "none: the sweep has no calibrations section"
+    for i, row in enumerate(rows):
+        name = row.calibration
+        if name is not None and name not in (named or {}):
+            where = f"sub-grid {i + 1}: " if isinstance(grid, list) else ""
+            raise ValueError(f"{where}calibration {name!r} is not a name in calibrations; allowed: {allowed}")
+    return grid
+
+
+def pass_text(params: dict[str, Any]) -> str:
+    """A calibrate job's windows per source, e.g. `mixed c4 11 + math 11 + code 10` or `256`."""
+    if params.get("sources"):
+        return "mixed " + " + ".join(f"{n} {s['n_samples']}" for n, s in params["sources"].items())
+    return f"{params['n_samples']}"
+
+
+def named_configs(spec, configs: list[dict[str, Any]]) -> None:
+    """Notes on each configuration a named calibration calibrates (which section, what it reads), in place.
+    SpecError where another part of the sweep would calibrate it by the `calibration` section: DCDM (it
+    mixes that section's sources) and seed repeats of a dense student (that section's seeds)."""
+    from orchestrator.stages.dcdm import matches
+    from orchestrator.stages.seeds import offsets
+
+    named = [c for c in configs if c.get("calibration") is not None]
+    dcdm = getattr(spec, "dcdm", None)
+    for c in named:
+        name = c["calibration"]
+        params = calibration_params(spec.calibrations[name])
+        c["note"] = (
+            f"calibrated by calibrations.{name}: {pass_text(params)} windows of {params['seq_len']} tokens"
+        )
+        if dcdm is not None and matches(c, dcdm.apply_to):
+            raise SpecError(
+                f"dcdm.apply_to: {dcdm.apply_to} matches {c['config_key']}, calibrated by calibrations.{name}; "
+                "DCDM mixes the calibration section's sources: narrow apply_to to that section's configurations"
+            )
+        if offsets(spec) and c["kind"] == "moe2dense":
+            raise SpecError(
+                f"seeds: a selected dense student is repeated on the calibration section's seeds; "
+                f"{c['config_key']} is calibrated by calibrations.{name}: not supported, leave seeds out"
+            )
+
+
 def calibration_params(c: Calibration) -> dict[str, Any]:
     """The job's parameters. A single `data` keeps the layout it always had; `sources` gives each source
     its data, weight and resolved n_samples (the weights are in the key: the stored file's default mix)."""
@@ -239,10 +315,19 @@ def single_source_configs(spec, configs: list[dict[str, Any]]) -> list[dict[str,
     names = single_source_names(c)
     if not names:
         return []
-    chosen = [g for g in configs if g["kind"] in CONVERTED_KINDS and c.single_source.applies(g)]
+    chosen = [
+        g
+        for g in configs
+        if g["kind"] in CONVERTED_KINDS and g.get("calibration") is None and c.single_source.applies(g)
+    ]
     if not chosen:
         raise SpecError(
             f"calibration.single_source.apply_to: {c.single_source.apply_to} matches no configuration of the grid"
+            + (
+                " that the calibration section calibrates"
+                if any(g.get("calibration") for g in configs)
+                else ""
+            )
         )
     n = c.single_source.n_samples or c.n_samples
     return [source_config(g, name, n) for g in chosen for name in names]
@@ -251,8 +336,9 @@ def single_source_configs(spec, configs: list[dict[str, Any]]) -> list[dict[str,
 def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
     """One job for every configuration, plus one per further seed of `seeds` (labelled `seed=<s>`: what the
     seed repeats of the selected students are converted from; stages/seeds.py), plus one per source of
-    `single_source` for the variants calibrated on it alone. A launch stores each such variant's link to
-    its base (variant_of) here, before anything reads the selection rule."""
+    `single_source` for the variants calibrated on it alone, and one per named calibration a sub-grid
+    chooses. A launch stores each single-source variant's link to its base (variant_of) here, before
+    anything reads the selection rule."""
     from orchestrator.stages.seeds import seeded_calibrations
 
     c = ctx.spec.calibration
@@ -260,10 +346,18 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
     params = {"teacher": tparams, **calibration_params(c)}
     job = ctx.job("calibrate", params, tdeps, resident=resident)
     alone: dict[str, JobSpec] = {}
+    named: dict[str, JobSpec] = {}
     out: dict[str, JobSpec] = {}
     variants = []
     for cfg in ctx.configs:
         if cfg["kind"] not in CONVERTED_KINDS:
+            continue
+        section = cfg.get("calibration")
+        if section is not None:
+            if section not in named:
+                one = {"teacher": tparams, **calibration_params(ctx.spec.calibrations[section])}
+                named[section] = ctx.job("calibrate", one, tdeps, resident=resident)
+            out[cfg["config_key"]] = named[section]
             continue
         name = cfg.get("calibration_source")
         if name is None:
@@ -282,31 +376,46 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
 def plan_note(ctx: SweepContext) -> str:
     """What the planned calibrate jobs read, for the dry run: each distinct job's windows of seq_len
     tokens per source, e.g. `4 passes of 4096-token windows: mixed c4 11 + math 11 + code 10; c4 alone 32;
-    ...`. `ctx.jobs['calibrate']` must be planned."""
+    ...`; a named calibration's pass after its name (`td_moe: 256`), and where the passes' windows differ,
+    each pass's (`td_moe: 256 of 2048`). `ctx.jobs['calibrate']` must be planned."""
+    planned = ctx.jobs.get("calibrate", {})
     alone = {
-        ctx.jobs["calibrate"][c["config_key"]].key: c["calibration_source"]
+        planned[c["config_key"]].key: c["calibration_source"]
         for c in ctx.configs
-        if c.get("calibration_source") and c["config_key"] in ctx.jobs.get("calibrate", {})
+        if c.get("calibration_source") and c["config_key"] in planned
     }
-    parts: dict[str, str] = {}
-    seq: set[int] = set()
-    for label, job in ctx.jobs.get("calibrate", {}).items():
+    names: dict[str, list[str]] = {}  # job key -> the named calibrations it is
+    for c in ctx.configs:
+        if c.get("calibration") and c["config_key"] in planned:
+            at = names.setdefault(planned[c["config_key"]].key, [])
+            at += [c["calibration"]] if c["calibration"] not in at else []
+    default = {  # the calibration section's own pass
+        planned[c["config_key"]].key
+        for c in ctx.configs
+        if c["config_key"] in planned and not c.get("calibration") and not c.get("calibration_source")
+    }
+    parts: dict[str, tuple[str, int]] = {}
+    for label, job in planned.items():
         if job.key in parts:
             continue
         p = job.params
-        seq.add(p["seq_len"])
-        if p.get("sources"):
-            what = "mixed " + " + ".join(f"{n} {s['n_samples']}" for n, s in p["sources"].items())
-        elif job.key in alone:
-            what = f"{alone[job.key]} alone {p['n_samples']}"
-        else:
-            what = f"{p['n_samples']}"
-        parts[job.key] = what + (f" ({label})" if label.startswith("seed=") else "")
+        what = f"{alone[job.key]} alone {p['n_samples']}" if job.key in alone else pass_text(p)
+        if job.key in names:  # a named section's (also the calibration section's when their passes are equal)
+            shared = ["calibration"] if job.key in default else []
+            what = f"{', '.join(shared + names[job.key])}: {what}"
+        elif names and job.key in default:
+            what = f"calibration: {what}"
+        parts[job.key] = (what + (f" ({label})" if label.startswith("seed=") else ""), p["seq_len"])
     if not parts:
         return ""
     n = len(parts)
-    windows = "/".join(str(s) for s in sorted(seq))
-    return f"{n} pass{'es' if n > 1 else ''} of {windows}-token windows: " + "; ".join(parts.values())
+    seq = sorted({s for _, s in parts.values()})
+    if len(seq) == 1 or not names:
+        windows = "/".join(str(s) for s in seq)
+        return f"{n} pass{'es' if n > 1 else ''} of {windows}-token windows: " + "; ".join(
+            w for w, _ in parts.values()
+        )
+    return f"{n} passes of token windows: " + "; ".join(f"{w} of {s}" for w, s in parts.values())
 
 
 STAGE = Stage(
@@ -320,6 +429,6 @@ STAGE = Stage(
     shared=True,
     records=frozenset({"outputs", "metrics", "artifacts"}),
     summary="one pass per calibration source, shared by every configuration (and one per source that "
-    "single_source variants calibrate on alone)",
+    "single_source variants calibrate on alone, one per named calibration a sub-grid chooses)",
     describe=plan_note,
 )

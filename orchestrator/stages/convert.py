@@ -84,6 +84,9 @@ Grid = create_model(
     __base__=SubGrid,
     __validators__={f"_{n}": _axis_validator(n) for n in AXES},
     **{n: (list[a.kind if a.kind is str else StrictInt] | None, None) for n, a in AXES.items()},
+    # the name of a section of the sweep's `calibrations` that calibrates this sub-grid's configurations
+    # (default: the `calibration` section; stages/calibrate.py)
+    calibration=(str | None, None),
 )
 
 
@@ -101,31 +104,42 @@ def subgrids(spec) -> list:
 
 def grid_configs(spec, model: str, top_k: int | None) -> list[dict[str, Any]]:
     """Every combination of each sub-grid's axes, as configurations (`config_key` e.g. SF|RR|uniform|K=8).
-    A configuration two sub-grids name must get the same settings from both (ValueError otherwise)."""
-    out: dict[str, dict[str, Any]] = {}
+    A configuration two sub-grids name must get the same settings from both (ValueError otherwise).
+    A sub-grid's named `calibration` goes with its configurations (`calibration`: the name); one that
+    sub-grids calibrate differently is one configuration per calibration, the named ones keyed
+    `<config_key>|calibration=<name>` (stages/calibrate.py)."""
+    combos: list[tuple[Any, dict[str, Any]]] = []
     for grid in subgrids(spec):
         names = [n for n in AXES if getattr(grid, n) is not None]
         for values in product(*(getattr(grid, n) for n in names)):
-            axes = {n: None for n in AXES} | dict(zip(names, values, strict=True))
-            key = config_key(axes)
-            settings = grid.config_settings(axes)
-            c = out.setdefault(
-                key,
-                {
-                    "config_key": key,
-                    "model": model,
-                    "kind": kind_of(axes.get("output")),
-                    "settings": settings,
-                    "teacher_variant": spec.teacher.variant,
-                    "top_k": top_k,
-                    **axes,
-                },
+            combos.append((grid, {n: None for n in AXES} | dict(zip(names, values, strict=True))))
+    calibrations: dict[str, set[str | None]] = {}
+    for grid, axes in combos:
+        calibrations.setdefault(config_key(axes), set()).add(grid.calibration)
+    out: dict[str, dict[str, Any]] = {}
+    for grid, axes in combos:
+        key = plain = config_key(axes)
+        if grid.calibration is not None and len(calibrations[plain]) > 1:
+            key = f"{plain}|calibration={grid.calibration}"
+        settings = grid.config_settings(axes)
+        c = out.setdefault(
+            key,
+            {
+                "config_key": key,
+                "model": model,
+                "kind": kind_of(axes.get("output")),
+                "settings": settings,
+                "teacher_variant": spec.teacher.variant,
+                "top_k": top_k,
+                **axes,
+                **({"calibration": grid.calibration} if grid.calibration is not None else {}),
+            },
+        )
+        if c["settings"] != settings:
+            raise ValueError(
+                f"grid: configuration {key} is in two sub-grids with different settings "
+                f"({c['settings']} and {settings}); give each configuration one set"
             )
-            if c["settings"] != settings:
-                raise ValueError(
-                    f"grid: configuration {key} is in two sub-grids with different settings "
-                    f"({c['settings']} and {settings}); give each configuration one set"
-                )
     return list(out.values())
 
 
