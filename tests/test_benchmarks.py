@@ -32,7 +32,10 @@ SCRIPTS = {  # script → lines its smoke run must print (numbers, never checked
         rf"^\| {kind} \| [1-9]\d* \| [1-9]\d* \| 0 \| 0 \| 0 \| 0 \|"
         for kind in ("kill-serial", "raise", "corrupt", "bitrot", "special", "caches")
     ],
-    "bench_edited.py": [r"^MoBE infer direct / pruned : \d+\.\d+x$", r"^MoBE train rebuild / direct: \d+\.\d+x$"],
+    "bench_edited.py": [
+        r"^MoBE infer direct / pruned : \d+\.\d+x$",
+        r"^MoBE train rebuild / direct: \d+\.\d+x$",
+    ],
     "bench_expert_maxima.py": [
         r"^all-experts / routed: \d+\.\d+x$",
         r"^max \|Δ\| between the passes: \d\.\d+e[-+]\d+$",
