@@ -187,9 +187,25 @@ def test_an_interrupted_or_crashed_launch_runs_on_failure_and_on_end(fake, tmp_p
 
 
 def test_ctrl_c_during_a_hook_stops_it_and_skips_the_rest(fake, tmp_path):  # noqa: F811
+    import os
+    import signal
+    import threading
+
     calls, state = fake
-    # the hook sends the launch's process the SIGINT of a Ctrl-C, then hangs
-    sweep = _with_hooks(tmp_path, _dumping(tmp_path, on_failure=json.dumps("kill -INT $PPID; sleep 300")))
+    # the hook says it runs, then hangs; the Ctrl-C (SIGINT to the launch's process) comes while it runs
+    started = tmp_path / "hook-started"
+    hang = f"touch {shlex.quote(str(started))}; sleep 300"
+    sweep = _with_hooks(tmp_path, _dumping(tmp_path, on_failure=json.dumps(hang)))
+
+    def ctrl_c() -> None:
+        deadline = time.monotonic() + 120
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(
+            os.getpid(), signal.SIGINT
+        )  # Python runs the handler in the main thread, inside the hook's wait
+
+    threading.Thread(target=ctrl_c, daemon=True).start()
     code, lines = _run(Store(state["db"]), sweep)
     assert code == 1  # the launch's own code
     warnings = [ln for ln in lines if "warning:" in ln]
