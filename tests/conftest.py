@@ -56,3 +56,15 @@ def pg_database():
         yield make
         if server is not None and not server.owned:
             server.drop_databases()
+
+
+@pytest.fixture(autouse=True)
+def _ctrl_c_as_python_sets_it():
+    """Every test starts with Ctrl-C handled as Python sets it up: SIGINT's handler Python's own (also at the OS
+    level, where a library's C code may have left it ignored) and SIGINT not blocked in the main thread; the
+    launches these tests start in subprocesses inherit that."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    yield
