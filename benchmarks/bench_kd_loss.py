@@ -3,6 +3,9 @@
 Measured side by side in one run, on the same random hidden states and LM heads:
   - impl="fused"    : one pass; each chunk's teacher and student logits are computed once, with the loss and
                       the gradients w.r.t. the student hidden states and head; backward only scales them;
+  - impl="compiled" : the same pass with each chunk's divergence and gradient w.r.t. the logits in
+                      torch.compile'd kernels (what distillation runs with `distill.compile` on; the first,
+                      compiling call is the warm-up, not timed);
   - impl="autograd" : the reference; autograd through checkpointed chunks (the logits are recomputed in
                       backward);
   - the fused pass's four matmuls alone (teacher and student logits, hidden-state and head gradients) on
@@ -208,19 +211,22 @@ def main(argv: list[str] | None = None) -> None:
     head_mm = 2 * N * H * V
     fused_flops, autograd_flops = 4 * head_mm, 6 * head_mm
 
-    steps = {impl: loss_step(a, x, impl) for impl in ("fused", "autograd")}
+    steps = {impl: loss_step(a, x, impl) for impl in ("fused", "compiled", "autograd")}
     t = timed({**steps, "raw": raw_matmuls(a)}, a.device, a.repeats)
     t_raw = t["raw"]
     mem = {impl: peak_bytes(steps[impl], a.device) for impl in steps}
 
     # the two must agree: loss and every student gradient
     grads = {}
-    for impl in ("fused", "autograd"):
+    for impl in steps:
         loss = steps[impl]()
         grads[impl] = [loss] + [
             x[k].grad.clone() for k in ("student_hidden", "student_head", "student_bias") if x[k] is not None
         ]
-    diff = max(rel_diff(f, r) for f, r in zip(grads["fused"], grads["autograd"], strict=True))
+    diff = {
+        impl: max(rel_diff(f, r) for f, r in zip(grads[impl], grads["autograd"], strict=True))
+        for impl in ("fused", "compiled")
+    }
 
     print(f"machine : {describe(a.device)}")
     print(
@@ -230,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     rows = [
         ("fused (fwd+bwd)", t["fused"], fused_flops, mem["fused"]),
+        ("compiled (fwd+bwd)", t["compiled"], fused_flops, mem["compiled"]),
         ("autograd reference (fwd+bwd)", t["autograd"], autograd_flops, mem["autograd"]),
         ("the 4 matmuls alone (FLOP time)", t_raw, fused_flops, None),
     ]
@@ -239,13 +246,17 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:34s} {sec:10.4f} {flops / 1e9:8.1f} {flops / sec / 1e9:10.1f} {pk:>15s}")
     print(f"autograd / fused        : {t['autograd'] / t['fused']:6.2f}x")
     print(f"fused / FLOP time       : {t['fused'] / t_raw:6.2f}x   (target <= 2x on GPU)")
+    print(f"compiled / FLOP time    : {t['compiled'] / t_raw:6.2f}x")
+    print(f"fused / compiled        : {t['fused'] / t['compiled']:6.2f}x")
     print(f"autograd / FLOP time    : {t['autograd'] / t_raw:6.2f}x")
     if a.peak_tflops:
         ideal = fused_flops / (a.peak_tflops * 1e12)
         print(f"FLOP time at peak       : {ideal * 1e3:.2f} ms ({a.peak_tflops:g} TFLOP/s)")
         print(f"fused / FLOP time @peak : {t['fused'] / ideal:6.2f}x")
+        print(f"compiled / FLOP @peak   : {t['compiled'] / ideal:6.2f}x")
         print(f"autograd / FLOP @peak   : {t['autograd'] / ideal:6.2f}x")
-    print(f"fused vs autograd       : max rel diff {diff:.2e} (loss and student gradients)")
+    print(f"fused vs autograd       : max rel diff {diff['fused']:.2e} (loss and student gradients)")
+    print(f"compiled vs autograd    : max rel diff {diff['compiled']:.2e}")
 
 
 if __name__ == "__main__":

@@ -688,11 +688,15 @@ def parse_calibration(out: str) -> Parsed:
         "raw_throughput_pct": _num(r"^batched / raw throughput\s*:\s*([\d.]+)%", out),
         "collect_over_forward": _num(r"^collect_stats / forward\s*:\s*([\d.]+)x", out),
         "peak_gib": _num(r"^peak GPU memory\s*:\s*([\d.]+) GiB", out),
+        "previous_raw_pct": _num(r"^previous / raw\s*:\s*([\d.]+)%", out),
+        "traffic_ratio": _num(r"^non-matmul traffic/token:.*\(([\d.]+)x less now\)", out),
     }
     if d["raw_throughput_pct"] is None:
         return generic(out)
     figure = f"batched {d['raw_throughput_pct']:.1f}% of raw matmul, {d['loop_over_batched']:.2f}× the loop"
     note = join(
+        f"previous pass {d['previous_raw_pct']:.1f}%" if d["previous_raw_pct"] is not None else "",
+        f"non-matmul traffic {d['traffic_ratio']:.2f}× less" if d["traffic_ratio"] is not None else "",
         f"collect_stats {d['collect_over_forward']:.2f}× a forward" if d["collect_over_forward"] else "",
         f"peak {d['peak_gib']:.1f} GiB" if d["peak_gib"] is not None else "",
     )

@@ -22,6 +22,9 @@ SCRIPTS = {  # script → lines its smoke run must print (numbers, never checked
         r"^loop / batched\s+:\s+\d+\.\d+x",
         r"^batched / raw throughput:\s+\d+\.\d+%",
         r"^batched vs loop stats\s+: max rel diff \d\.\d+e[-+]\d+$",
+        r"^previous / batched time :\s+\d+\.\d+x",
+        r"^non-matmul traffic/token: \d+\.\d kB, previous \d+\.\d kB \(\d+\.\d+x less now\)$",
+        r"^batched vs previous\s+: max rel diff \d\.\d+e[-+]\d+$",
     ],
     "bench_predistill.py": [
         r"^naive / in-memory, per configuration \(build\+eval\)\s+:\s+\d+\.\d+x",
@@ -44,6 +47,8 @@ SCRIPTS = {  # script → lines its smoke run must print (numbers, never checked
         r"^autograd / fused\s+:\s+\d+\.\d+x",
         r"^fused / FLOP time\s+:\s+\d+\.\d+x",
         r"^fused vs autograd\s+: max rel diff \d\.\d+e[-+]\d+",
+        r"^compiled / FLOP time\s+:\s+\d+\.\d+x",
+        r"^compiled vs autograd\s+: max rel diff \d\.\d+e[-+]\d+",
     ],
     "bench_rounding.py": [r"^sequential / greedy_round: \d+\.\d+x$", r"^same assignment  : True$"],
     "bench_orchestration.py": [

@@ -161,7 +161,7 @@ def test_batched_stats_equal_naive_per_expert_loop(family):
         assert st.n_tokens == n_real
         assert float(st.count.sum()) == k * n_real  # every real token picks exactly k experts
         torch.testing.assert_close(float(st.sum_p.sum()), float(n_real), rtol=1e-6, atol=0)  # Σ_e p_e = 1
-        torch.testing.assert_close(st.gram.diagonal(), st.sum_sq, rtol=1e-10, atol=0)
+        assert torch.equal(st.gram.diagonal(), st.sum_sq)  # exact: Σ‖f‖² adds the Gram diagonal's own values
         torch.testing.assert_close(st.gram, st.gram.T, rtol=1e-12, atol=0)
         assert float(torch.linalg.eigvalsh(st.gram).min()) > -1e-9 * float(st.gram.diagonal().max())
         assert (st.sum_p_sel <= st.sum_p + 1e-12).all() and (st.sum_norm_sel > 0).any()

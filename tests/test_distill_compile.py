@@ -228,14 +228,20 @@ def test_the_checkpoint_is_compiled_inside_the_layer(teacher, data):
         assert ("tag_activation_checkpoint" in graphs[0]) == bool(mode)
 
 
-def test_compiled_distillation_with_selective_checkpointing_equals_eager(teacher, data):
+def test_compiled_distillation_with_selective_checkpointing_equals_eager(teacher, data, monkeypatch):
     """Inductor on the CPU: teacher and student layers compiled (the student's with selective checkpointing
-    inside) give the eager run's losses, validation and weights; the layers are compiled while it trains
-    and plain afterwards."""
+    inside) and the KD loss's closed form compiled give the eager run's losses, validation and weights; the
+    layers are compiled while it trains and plain afterwards."""
+    from workers.training import losses
+
+    calls = []
+    real = losses.call_compiled
+    monkeypatch.setattr(losses, "call_compiled", lambda fn, *a: calls.append(fn.__name__) or real(fn, *a))
     adapter = get_adapter(teacher)
     start = random_ffn_student(teacher, adapter, 0)
     sa, sb = copy.deepcopy(start), copy.deepcopy(start)
     a = distill(sa, teacher, adapter, batches(data, 24), data[24:], spec(grad_accum=2, compile=False))
+    assert calls == []  # eager: the in-place closed forms
     during = []
 
     def watch(i: int, n: int) -> None:
@@ -251,6 +257,9 @@ def test_compiled_distillation_with_selective_checkpointing_equals_eager(teacher
         progress=watch,
     )
     assert during == [True, True, True]
+    assert len(calls) == 3 * 2 and set(calls) == {
+        "_forward_kl_fusable"
+    }  # 3 steps of 2 micro-steps, one chunk
     assert not any("forward" in vars(m) for m in [*sb.model.layers, *teacher.model.layers])
     assert not any(getattr(m, "gradient_checkpointing", False) for m in sb.modules())
     _assert_same_training(a, b, sa, sb, start)

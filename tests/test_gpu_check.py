@@ -195,7 +195,18 @@ def test_the_known_benchmarks_outputs_are_read():
     )
     figure, note, d = check.parse_calibration(calibration)
     assert figure == "batched 64.2% of raw matmul, 1.28× the loop"
-    assert note == "collect_stats 4.35× a forward; peak 12.9 GiB"
+    assert (
+        note == "collect_stats 4.35× a forward; peak 12.9 GiB"
+    )  # an output from before the side-by-side lines
+    calibration += (
+        "previous / raw          :   64.0%\n"
+        "non-matmul traffic/token: 2879.4 kB, previous 4412.4 kB (1.53x less now)\n"
+    )
+    figure, note, d = check.parse_calibration(calibration)
+    assert (
+        note
+        == "previous pass 64.0%; non-matmul traffic 1.53× less; collect_stats 4.35× a forward; peak 12.9 GiB"
+    )
     assert d["peak_gib"] == 12.9  # exact: float() of the same decimal text
     line = {
         "device": "NVIDIA H100 80GB HBM3 (torch 2.11.0)",

@@ -106,6 +106,22 @@ def test_fused_equals_autograd_in_float64(name, tau, mask, chunk):
         assert all(not g.any() for g in fused[1])  # exact: zero weights scale each gradient row to 0
 
 
+@pytest.mark.parametrize("tau", [1.0, 2.5])
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_compiled_equals_autograd_in_float64(name, tau, monkeypatch):
+    """impl="compiled" (what distillation takes where `distill.compile` is on): the closed forms' fusable twins
+    through torch.compile (inductor compiles them for the CPU here), chunks of 4, 4 and 3 tokens (one
+    dynamic-shape graph), a partial mask and biases; every chunk went through the compiled function."""
+    calls = []
+    real = losses.call_compiled
+    monkeypatch.setattr(losses, "call_compiled", lambda fn, *a: calls.append(fn.__name__) or real(fn, *a))
+    x = inputs(seed=sum(map(ord, f"compiled{name}{tau}")), bias=True)
+    got = kd_loss(name, x, "compiled", tau, MASKS["partial"], 4)
+    assert_same(got, kd_loss(name, x, "autograd", tau, MASKS["partial"], 4), F64)
+    fusable = "_reverse_kl_fusable" if name == "reverse_kl" else "_forward_kl_fusable"
+    assert calls == [fusable] * 3
+
+
 @pytest.mark.parametrize("name", ["forward_kl", "reverse_kl"])
 def test_weighted_divergence_with_gradient_to_the_weights(name):
     """head_weighted_divergence (Router KD's per-sequence weights), weights that need a gradient too: ∂/∂w_t is
@@ -208,7 +224,7 @@ def test_zero_tokens():
 
 def test_bad_impl():
     x = inputs(seed=12)
-    with pytest.raises(ValueError, match=r"impl='fast': allowed fused, autograd"):
+    with pytest.raises(ValueError, match=r"impl='fast': allowed fused, compiled, autograd"):
         head_divergence(token_forward_kl, x["th"], x["tw"], x["sh"], x["sw"], impl="fast")
 
 
@@ -291,11 +307,11 @@ def test_fused_pass_is_one_pass_with_chunk_sized_buffers():
 
 
 def test_fp32_products_branch_with_out_dtype_emulated(monkeypatch):
-    """On CUDA with bf16, torch's mm/addmm take out_dtype=float32 (`_fp32_products`): logits and gradient
+    """On CUDA with bf16, torch's mm/addmm take out_dtype=float32 (`fp32_products`): logits and gradient
     products come out in fp32 and the head's gradient accumulates in place. CPU has no such kernel, so this
     emulates it (fp32 products of the bf16 operands) to run that branch here: same answer within BF16, and
     every product went through it."""
-    assert not losses._fp32_products(torch.device("cpu"), torch.bfloat16)  # CPU: the plain branch
+    assert not losses.fp32_products(torch.device("cpu"), torch.bfloat16)  # CPU: the plain branch
     real_mm, calls = torch.mm, []
 
     def mm(a, b, *, out_dtype=None, out=None):
@@ -314,7 +330,7 @@ def test_fp32_products_branch_with_out_dtype_emulated(monkeypatch):
     ref = kd_loss("forward_kl", x64, "autograd", 1.0, MASKS["partial"], 4)
     xl = {k: (v.to(torch.bfloat16) if torch.is_tensor(v) else v) for k, v in x64.items()}
     plain = kd_loss("forward_kl", xl, "fused", 1.0, MASKS["partial"], 4)
-    monkeypatch.setattr(losses, "_fp32_products", lambda device, dtype: dtype == torch.bfloat16)
+    monkeypatch.setattr(losses, "fp32_products", lambda device, dtype: dtype == torch.bfloat16)
     monkeypatch.setattr(torch, "mm", mm)
     monkeypatch.setattr(torch, "addmm", addmm)
     got = kd_loss("forward_kl", xl, "fused", 1.0, MASKS["partial"], 4)

@@ -8,8 +8,9 @@ workers.core.types.LayerStats, kept as float64 tensors on the layer's device: no
 no [E, T, H] buffer kept across chunks, no Python loop over experts.
 
 Precision: the expert matmuls run in the weights' dtype (what the teacher itself computes; bf16 on
-GPU). Per-token norms are reduced in fp32 (fp64 for fp64 models), the per-chunk Gram in fp32 (fp64
-for fp64 models), and everything is then added into float64 accumulators.
+GPU). Per-token norms, the per-chunk Gram (whose diagonal is Σ‖f‖²) and the per-chunk Σ_t a_e(t) are
+reduced in fp32 (fp64 for fp64 models), the input's second moment in fp32 for half-precision inputs
+(fp64 otherwise), and everything is then added into float64 accumulators.
 
 Token samples (`sample_tokens` > 0): beside the sums, every layer keeps the block inputs and router
 probabilities of the same seeded sample of real tokens, and the file the windows they came from, so a
@@ -31,8 +32,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from workers.core.matmul import HALF, mm_fp32
 from workers.core.types import FAMILY_STATS, SAMPLE_SHARED, STATS_TENSORS, ExpertWeights, LayerStats
-from workers.methods.experts import all_expert_outputs, fused_gate_up, sample_copy
+from workers.methods.experts import all_expert_activations, all_expert_down, fused_gate_up, sample_copy
 
 STAT_FIELDS = STATS_TENSORS
 MAX_FIELDS = frozenset({"max_norm_sel"})  # a max over tokens; every other field of LayerStats is a sum
@@ -43,29 +45,41 @@ SOURCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")  # no '.': it sepa
 # ---- the per-layer accumulator ---------------------------------------------------------------------
 
 
-_MM_OUT_DTYPE: dict[str, bool] = {}
+def expert_pass(
+    experts: ExpertWeights, x: torch.Tensor, fused: tuple[torch.Tensor, torch.Tensor | None]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every expert on every token of a chunk: (activations a [E, t, I], outputs f [E, t, H])."""
+    a = all_expert_activations(experts, x, fused)
+    return a, all_expert_down(experts, a)
 
 
 def _gram(f: torch.Tensor) -> torch.Tensor:
     """Σ_t ⟨f_i(t), f_j(t)⟩ of one chunk f [E, T, H] as an [E, E] fp32 (fp64 for fp64 input) matrix."""
     F = f.reshape(f.shape[0], -1)
-    if F.dtype in (torch.float32, torch.float64):
-        return F @ F.T
-    key = F.device.type
-    if _MM_OUT_DTYPE.get(key, True):  # half inputs, fp32 accumulation and output (CUDA)
-        try:
-            return torch.mm(F, F.T, out_dtype=torch.float32)
-        except (RuntimeError, TypeError, NotImplementedError):
-            _MM_OUT_DTYPE[key] = False
-    F32 = F.float()
-    return F32 @ F32.T
+    return mm_fp32(F, F.T)
+
+
+def _second_moment(x: torch.Tensor) -> torch.Tensor:
+    """Σ_t x_t x_tᵀ of x [T, H] in float64: half-precision x (exact in fp32) through an fp32-accumulating
+    GEMM, not an fp64 one (a few times the expert matmuls' time on a GPU); fp32/fp64 x in fp64."""
+    if x.dtype in HALF:
+        return mm_fp32(x.T, x).double()
+    x64 = x.double()
+    return x64.T @ x64
 
 
 # ---- accumulation -------------------------------------------------------------------------------
 class LayerAccumulator:
-    """Running LayerStats sums of one MoE layer, on that layer's device."""
+    """Running LayerStats sums of one MoE layer, on that layer's device.
 
-    expert_outputs = staticmethod(all_expert_outputs)  # (experts, x [t, H], fused) -> [E, t, H]
+    The [E, t, H] outputs of a chunk are read once after they are written, by the Gram's GEMM: Σ‖f‖² is
+    the Gram's diagonal, the per-token norms are taken of the k routed rows only, and Σ_t f_e(t) is
+    down_e·Σ_t a_e(t) (+ the bias per real token), accumulated on the [E, t, I] activations and mapped
+    through down once, in finish(). On a GPU these passes over the outputs, not the matmuls, were what kept
+    the statistics below the matmuls' throughput.
+    """
+
+    expert_outputs = staticmethod(expert_pass)  # (experts, x [t, H], fused) -> (a [E, t, I], f [E, t, H])
 
     def __init__(self, experts: ExpertWeights, chunk_tokens: int):
         if chunk_tokens < 1:
@@ -73,14 +87,17 @@ class LayerAccumulator:
         self.experts = experts
         self.chunk = chunk_tokens
         self.sums: dict[str, torch.Tensor] | None = None
+        self.sum_act: torch.Tensor | None = None  # Σ_t a_e(t) over real tokens, [E, I] float64
         self.n_tokens: torch.Tensor | None = None
 
     def _init(self, device: torch.device) -> None:
-        E = self.experts.num_experts
+        E, D, H = self.experts.gate.shape
         kw = {"dtype": torch.float64, "device": device}
-        H = self.experts.hidden
-        shapes = {"gram": (E, E), "gram_p": (E, E), "sum_out": (E, H), "sum_xx": (H, H)}
-        self.sums = {name: torch.zeros(shapes.get(name, (E,)), **kw) for name in STAT_FIELDS}
+        shapes = {"gram": (E, E), "gram_p": (E, E), "sum_xx": (H, H)}
+        self.sums = {
+            name: torch.zeros(shapes.get(name, (E,)), **kw) for name in STAT_FIELDS if name != "sum_out"
+        }
+        self.sum_act = torch.zeros(E, D, **kw)
         self.n_tokens = torch.zeros((), dtype=torch.int64, device=device)
 
     def update(
@@ -112,24 +129,28 @@ class LayerAccumulator:
         s["sum_p_sel"].index_add_(0, idx.reshape(-1), p64.gather(1, idx).reshape(-1))
         s["gram_p"] += p64.T @ p64  # M-SMoE: router similarity of experts over tokens
         xz = torch.where(m[:, None], x, 0)
-        x64 = xz.double()
-        s["sum_xx"] += x64.T @ x64  # TD-MoE: the block input's second moment (whitening)
+        s["sum_xx"] += _second_moment(xz)  # TD-MoE: the block input's second moment (whitening)
         fused = fused_gate_up(self.experts)
-        # f(0) = 0 exactly without biases, so zeroed padding rows need no second mask
+        # a(0) = f(0) = 0 exactly without biases, so zeroed padding rows need no second mask
         has_bias = any(
             b is not None for b in (self.experts.gate_bias, self.experts.up_bias, self.experts.down_bias)
         )
         for lo in range(0, T, self.chunk):
             hi = min(T, lo + self.chunk)
-            f = self.expert_outputs(self.experts, xz[lo:hi], fused)  # [E, t, H]
+            t = hi - lo
+            a, f = self.expert_outputs(self.experts, xz[lo:hi], fused)  # [E, t, I], [E, t, H]
             if has_bias:
+                a = torch.where(m[None, lo:hi, None], a, 0)
                 f = torch.where(m[None, lo:hi, None], f, 0)
-            norm_dtype = torch.float64 if f.dtype == torch.float64 else torch.float32
-            norms = torch.linalg.vector_norm(f, dim=-1, dtype=norm_dtype).double()  # [E, t]
-            s["sum_sq"] += norms.square().sum(1)
-            # REAP (Lasby et al., Eq. 9): Σ g·‖f‖ over routed tokens; EAN: Σ ‖f‖ over routed tokens
+            wide = torch.float64 if f.dtype == torch.float64 else torch.float32
+            gram = _gram(f).double()
+            s["gram"] += gram
+            s["sum_sq"] += gram.diagonal()  # Σ_t ‖f_e(t)‖²
+            # the routed (t, e) rows of f, [k, t]: REAP (Lasby et al., Eq. 9) Σ g·‖f‖, EAN Σ ‖f‖
             sel = idx[lo:hi].T  # [k, t]
-            nsel = norms.gather(0, sel)  # ‖f_e(t)‖ for the routed (t, e), [k, t]
+            rows = (sel * t + torch.arange(t, device=sel.device)).reshape(-1)
+            flat = f.reshape(E * t, f.shape[-1]).index_select(0, rows)
+            nsel = torch.linalg.vector_norm(flat, dim=-1, dtype=wide).double().reshape(k, t)
             s["sum_norm_sel"].index_add_(0, sel.reshape(-1), nsel.reshape(-1))
             s["sum_gnorm_sel"].index_add_(0, sel.reshape(-1), (w64[lo:hi].T * nsel).reshape(-1))
             # REAP-p: the same sum with the full-softmax p in place of the applied gate g
@@ -138,14 +159,25 @@ class LayerAccumulator:
             )
             # super-expert detection: the largest routed output norm (padding rows have norm 0)
             s["max_norm_sel"].scatter_reduce_(0, sel.reshape(-1), nsel.reshape(-1), reduce="amax")
-            s["gram"] += _gram(f).double()
-            s["sum_out"] += f.sum(1, dtype=norm_dtype).double()  # HC-SMoE: Σ_t f_e(t) over all tokens
-            del f
+            self.sum_act += a.sum(1, dtype=wide).double()  # HC-SMoE's Σ_t f_e(t), before down
+            del a, f, flat
+
+    def _sum_out(self) -> torch.Tensor:
+        """Σ_t f_e(t) over real tokens = down_e·Σ_t a_e(t) + n·b_e, in float64 [E, H] (8 experts at a time: a
+        float64 copy of every down matrix at once would take 4× the memory of the layer's bf16 ones)."""
+        down, out = self.experts.down, []
+        for lo in range(0, down.shape[0], 8):
+            w = down[lo : lo + 8].to(self.sum_act.device, torch.float64)  # [e, H, I]
+            out.append(torch.bmm(w, self.sum_act[lo : lo + 8, :, None])[..., 0])
+        total = torch.cat(out)
+        if self.experts.down_bias is not None:
+            total += self.n_tokens.double() * self.experts.down_bias.to(total.device, torch.float64)
+        return total
 
     def finish(self) -> LayerStats:
         if self.sums is None:
             raise ValueError("layer never saw a token: its router hook did not fire")
-        return LayerStats(n_tokens=int(self.n_tokens.item()), **self.sums)
+        return LayerStats(n_tokens=int(self.n_tokens.item()), sum_out=self._sum_out(), **self.sums)
 
 
 def sample_plan(

@@ -491,6 +491,7 @@ def memory_needed(
     hidden: int,
     experts: int,
     intermediate: int,
+    top_k: int,
     n_tokens: int,
     batch_tokens: int,
     chunk_tokens: int,
@@ -502,7 +503,8 @@ def memory_needed(
     Embedding phase: the input embeddings and the embedded hidden states. Layer phase: one decoder layer's
     weights; the carried hidden states of all `n_tokens` calibration tokens (with `offload`, only the
     running batch's input and output); the all-experts pass of LayerAccumulator on one chunk (gate and up
-    [E, chunk, 2I] and the outputs [E, chunk, H]); the float64 sums (two [E, E] Grams, [E, H], [H, H]).
+    [E, chunk, 2I], the outputs [E, chunk, H] and their top_k routed rows [top_k, chunk, H]); the float64
+    sums (two [E, E] Grams, [E, I] activations, [E, H] outputs, [H, H]).
     Not counted: the layer's own forward on one batch (attention, router, routed experts: a few
     [batch_tokens, H]-sized tensors for SDPA attention), each batch's mask and position embeddings (kept for
     the whole pass: no mask for SDPA on unpadded windows, [B, 1, S, S] per batch for eager attention)."""
@@ -511,8 +513,8 @@ def memory_needed(
         "embeddings": embed_params * dtype_bytes,
         "layer_weights": layer_params * dtype_bytes,
         "hidden_states": carried,
-        "expert_chunk": experts * chunk_tokens * (2 * intermediate + hidden) * dtype_bytes,
-        "stats_float64": 8 * (2 * experts * experts + experts * hidden + hidden * hidden),
+        "expert_chunk": chunk_tokens * (experts * (2 * intermediate + hidden) + top_k * hidden) * dtype_bytes,
+        "stats_float64": 8 * (2 * experts * experts + experts * (intermediate + hidden) + hidden * hidden),
     }
     embedding_phase = terms["embeddings"] + (2 * batch_tokens if offload else n_tokens) * hidden * dtype_bytes
     layer_phase = sum(v for k, v in terms.items() if k != "embeddings")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from workers.core.compiled import call_compiled
+from workers.core.matmul import HALF
 from workers.core.types import ExpertWeights
 
 
@@ -53,9 +55,30 @@ def all_expert_outputs(
 ) -> torch.Tensor:
     """f_e(x_t) for every expert e and token t: x [T, H] -> [E, T, H] in the weights' dtype.
 
-    Two batched matmuls over the stacked weights: [E, T, H] x [E, H, 2I] (x broadcast, not copied, on
-    CUDA) for gate and up together, then [E, T, I] x [E, I, H] for down. `fused` is
-    fused_gate_up(experts), to reuse across chunks.
+    Two batched matmuls over the stacked weights (all_expert_activations, then all_expert_down).
+    `fused` is fused_gate_up(experts), to reuse across chunks.
+    """
+    return all_expert_down(experts, all_expert_activations(experts, x, fused))
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g)·u, as one function for torch.compile (workers.core.compiled)."""
+    return torch.nn.functional.silu(g) * u
+
+
+def all_expert_activations(
+    experts: ExpertWeights,
+    x: torch.Tensor,
+    fused: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    compiled: bool | None = None,
+) -> torch.Tensor:
+    """a_e(x_t) = act(gate_e x_t) * (up_e x_t) for every expert and token: x [T, H] -> [E, T, I].
+
+    One batched matmul [E, T, H] x [E, H, 2I] (x broadcast, not copied, on CUDA) for gate and up together.
+    SiLU: with `compiled` (None: on CUDA for bf16/fp16, where the elementwise passes cost a sizeable share of
+    the matmuls' time) one fused kernel (`swiglu` compiled: reads g and u and writes the result, 3 passes over
+    an [E, T, I] buffer where eager's in-place silu_ then mul_ make 5); otherwise, or where it cannot compile,
+    activated in place in the gate half of that buffer (a view of it is returned: no temporaries).
     """
     E, D, H = experts.gate.shape
     w1, b1 = fused if fused is not None else fused_gate_up(experts)
@@ -67,11 +90,19 @@ def all_expert_outputs(
     else:
         gu = torch.baddbmm(b1.unsqueeze(1), xe, w1.transpose(1, 2))
     g, u = gu[..., :D], gu[..., D:]
-    if experts.act == "silu":  # in place on the fresh buffer: one pass, no temporaries
+    if experts.act != "silu":
+        return activation(g, u, experts.act, experts.act_alpha, experts.act_limit)
+    if compiled is None:
+        compiled = gu.is_cuda and gu.dtype in HALF
+    a = call_compiled(swiglu, g, u) if compiled else None
+    if a is None:  # in place on the fresh buffer: one pass, no temporaries
         a = torch.nn.functional.silu(g, inplace=True).mul_(u)
-    else:
-        a = activation(g, u, experts.act, experts.act_alpha, experts.act_limit)
-    f = torch.bmm(a, experts.down.transpose(1, 2))  # [E, T, H]
+    return a
+
+
+def all_expert_down(experts: ExpertWeights, a: torch.Tensor) -> torch.Tensor:
+    """f = down_e a_e (+ the down bias) for every expert: a [E, T, I] -> [E, T, H]."""
+    f = torch.bmm(a, experts.down.transpose(1, 2))
     if experts.down_bias is not None:
         f.add_(experts.down_bias.unsqueeze(1))
     return f

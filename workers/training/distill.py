@@ -15,7 +15,8 @@ batches and reduces numbers.
 Speed settings (DistillSpec): ``compile`` runs every decoder layer of student and teacher through one
 ``torch.compile``d function per layer class (regional compilation: one layer's compile time, the code shared
 by every layer of the class and every later model of it in the process); FSDP's hooks stay outside the
-compiled forward and the activation checkpoint inside it. ``grad_checkpoint`` is off, on (recompute each
+compiled forward and the activation checkpoint inside it; the KD loss's per-chunk divergence and gradient
+run compiled too (losses, impl="compiled"). ``grad_checkpoint`` is off, on (recompute each
 student layer in backward) or "selective" (keep the matmul and attention outputs, recompute the elementwise
 ops between them). AdamW is the fused kernel on CUDA. Each micro-step's phases are timed (`PhaseTimer`) and
 logged every ``eval_every`` steps.
@@ -110,8 +111,10 @@ class KDStudent(nn.Module):
         self.tau = tau
         self.hidden_weight = hidden_weight
         self.chunk = chunk
-        # set by train_loop while it trains: marks the end of the student's forward and of the loss
+        # set by train_loop while it trains: marks the end of the student's forward and of the loss, and
+        # whether the loss's elementwise arithmetic runs compiled (with the layers: `compile_on`)
         self.timer: PhaseTimer | None = None
+        self.loss_impl = "fused"
 
     def forward(
         self,
@@ -144,6 +147,7 @@ class KDStudent(nn.Module):
             chunk=self.chunk,
             teacher_bias=t_bias,
             student_bias=head.bias,
+            impl=self.loss_impl,
         )
         if self.kd.uses_hidden:  # intermediate loss (§3.5, Minitron)
             loss = loss + self.hidden_weight * hidden_mse(t_hidden, s_hidden)
@@ -490,6 +494,7 @@ def _train(
     timer = PhaseTimer(device, spec.grad_accum)
     kd_module = next(m for m in forward_module.modules() if isinstance(m, KDStudent))
     kd_module.timer = timer
+    kd_module.loss_impl = "compiled" if compile_on(spec, device) else "fused"
     student.train()
     evaluate(0)
     loss_curve: list[float] = []
@@ -532,7 +537,7 @@ def _train(
             evaluate(done)
         if progress is not None:
             progress(done, spec.steps)
-    kd_module.timer = None
+    kd_module.timer, kd_module.loss_impl = None, "fused"
     student.eval()
     if spec.grad_checkpoint:
         _checkpointing(student, False)

@@ -42,7 +42,8 @@ class DistillSpec:
     # recompute the student's decoder layers in backward (activation memory): true = all of each layer,
     # "selective" = keep the matmul and attention outputs, recompute the elementwise ops between them
     grad_checkpoint: bool | str = False
-    compile: bool | str = "auto"  # torch.compile each decoder layer of student and teacher; auto = on CUDA
+    compile: bool | str = "auto"  # torch.compile each decoder layer of student and teacher, and the KD loss's
+    # elementwise arithmetic; auto = on CUDA
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, allowed: str) -> ValueError:

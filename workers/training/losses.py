@@ -16,7 +16,6 @@ Conventions, shared by every function here:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from workers.core.compiled import call_compiled
+from workers.core.matmul import fp32_products
 from workers.training.distill_spec import DEFAULT_CHUNK
 
 
@@ -187,7 +188,7 @@ def intermediate(
 
 
 # ---- from final hidden states: the LM head is applied chunk by chunk ------------------------------
-IMPLS = ("fused", "autograd")  # how head_divergence / head_weighted_divergence compute: see their docstrings
+IMPLS = ("fused", "compiled", "autograd")  # how head_divergence / head_weighted_divergence compute: see below
 
 
 def head_divergence(
@@ -207,8 +208,10 @@ def head_divergence(
     [V, H]: the [chunk, V] logits exist only inside one chunk, never [N, V].
 
     impl="fused" (default) computes the loss and its gradients in one pass over the chunks
-    (`_FusedHeadDivergence`); impl="autograd" is the reference: autograd through checkpointed chunks, whose
-    logits are recomputed in backward. A mask with no true entry gives 0 (and zero gradients).
+    (`_FusedHeadDivergence`); impl="compiled" is that pass with each chunk's divergence and gradient w.r.t. the
+    logits in torch.compile'd kernels (forward/reverse KL; eager where it cannot compile); impl="autograd" is
+    the reference: autograd through checkpointed chunks, whose logits are recomputed in backward. A mask with
+    no true entry gives 0 (and zero gradients).
     """
     m = _flat_mask(mask, student_hidden.reshape(-1, student_hidden.shape[-1]).shape[0], student_hidden.device)
     total = head_weighted_divergence(
@@ -263,7 +266,8 @@ def head_weighted_divergence(
         return _head_autograd(
             token_loss, t, teacher_head, teacher_bias, s, student_head, student_bias, w, tau, chunk
         )
-    args = (t, teacher_head, teacher_bias, s, student_head, student_bias, w, token_loss, tau, chunk)
+    compiled = impl == "compiled"
+    args = (t, teacher_head, teacher_bias, s, student_head, student_bias, w, token_loss, tau, chunk, compiled)
     differentiable = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in args[3:7])
 
     def run(exact: bool) -> torch.Tensor:
@@ -359,6 +363,58 @@ def _reverse_kl_closed(
 _ANALYTIC = {token_forward_kl: _forward_kl_closed, token_reverse_kl: _reverse_kl_closed}
 
 
+# The same closed forms written without in-place ops, for torch.compile (impl="compiled"): inductor fuses each
+# into a few kernels (the two log-softmax reductions, then the rows and the gradient in one pass), where eager
+# makes ~20 passes over the chunk's [chunk, V] buffers.
+def _log_probs_fusable(tl: torch.Tensor, sl: torch.Tensor, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return F.log_softmax(_fp32(tl) / tau, -1), F.log_softmax(_fp32(sl) / tau, -1)
+
+
+def _forward_kl_fusable(
+    tl: torch.Tensor, sl: torch.Tensor, tau: float, a: torch.Tensor | None, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    lt, ls = _log_probs_fusable(tl, sl, tau)
+    pt = lt.exp()
+    rows = ((lt - ls) * pt).sum(-1) * tau**2
+    if a is None:
+        return rows, None
+    return rows, ((ls.exp() * pt.sum(-1, keepdim=True) - pt) * a).to(out_dtype)
+
+
+def _reverse_kl_fusable(
+    tl: torch.Tensor, sl: torch.Tensor, tau: float, a: torch.Tensor | None, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    lt, ls = _log_probs_fusable(tl, sl, tau)
+    ps = ls.exp()
+    pd = (ls - lt) * ps
+    kl = pd.sum(-1)
+    rows = kl * tau**2
+    if a is None:
+        return rows, None
+    return rows, ((pd + ps * (1.0 - kl - ps.sum(-1)).unsqueeze(-1)) * a).to(out_dtype)
+
+
+_FUSABLE = {_forward_kl_closed: _forward_kl_fusable, _reverse_kl_closed: _reverse_kl_fusable}
+
+
+def _closed_form(
+    closed: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
+    compiled: bool,
+    tl: torch.Tensor,
+    sl: torch.Tensor,
+    tau: float,
+    a: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """closed(...) itself, or with `compiled` its fusable twin through torch.compile (eager where it cannot
+    compile: workers.core.compiled)."""
+    if compiled:
+        out = call_compiled(_FUSABLE[closed], tl, sl, tau, a, out_dtype)
+        if out is not None:
+            return out
+    return closed(tl, sl, tau, a, out_dtype)
+
+
 def _autograd_rows(
     token_loss: TokenLoss, tl: torch.Tensor, sl: torch.Tensor, tau: float, w: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -381,25 +437,9 @@ def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
-@functools.cache
-def _fp32_products(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch's mm/addmm take out_dtype=float32 for `dtype` inputs on `device` (CUDA, bf16/fp16), so the
-    gradient products keep fp32 results and the head's gradient accumulates in place in fp32."""
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
-        return False
-    try:
-        a = torch.ones(3, 2, dtype=dtype, device=device)
-        acc = torch.ones(2, 2, dtype=torch.float32, device=device)
-        torch.addmm(acc, a.T, a, out_dtype=torch.float32, out=acc)  # a transposed view, as the gradient's
-        prod = torch.mm(a, a.T, out_dtype=torch.float32)
-        return bool((acc == 4).all()) and bool((prod == 2).all())
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-
-
 def _logits(h: torch.Tensor, head: torch.Tensor, bias: torch.Tensor | None, fp32: bool) -> torch.Tensor:
     """A chunk's logits h·headᵀ + bias in the compute dtype; fp32 straight from the GEMM where torch allows
-    (`_fp32_products`), which also spares the softmax its upcast."""
+    (`fp32_products`), which also spares the softmax its upcast."""
     if not fp32:
         return F.linear(h, head, bias)
     out = torch.mm(h, head.T, out_dtype=torch.float32)
@@ -435,6 +475,7 @@ def _fused_pass(
     token_loss: TokenLoss,
     tau: float,
     chunk: int,
+    compiled: bool,
     exact: bool,
     grads: bool | tuple[bool, bool, bool, bool],
 ) -> tuple[torch.Tensor, ...]:
@@ -455,7 +496,7 @@ def _fused_pass(
     grad_h = torch.empty_like(s) if want_h else None
     grad_head = grad_bias = None
     with torch.autocast(dev.type, enabled=False):
-        fp32, fp32_t = _fp32_products(dev, cdt_s), _fp32_products(dev, cdt_t)
+        fp32, fp32_t = fp32_products(dev, cdt_s), fp32_products(dev, cdt_t)
         wt = teacher_head.to(cdt_t)
         bt = None if teacher_bias is None else teacher_bias.to(cdt_t)
         ws = student_head.to(cdt_s)
@@ -470,7 +511,9 @@ def _fused_pass(
             else:
                 a = (wc.to(loss_dtype) * tau).unsqueeze(-1) if want_logits else None
                 closed = _ANALYTIC[token_loss]
-                rows, g = closed(_logits(tc, wt, bt, fp32_t), _logits(sc, ws, bs, fp32), tau, a, cdt_s)
+                rows, g = _closed_form(
+                    closed, compiled, _logits(tc, wt, bt, fp32_t), _logits(sc, ws, bs, fp32), tau, a, cdt_s
+                )
             total = total + (rows * wc).sum()
             if want_rows:
                 rows_all[i : i + chunk] = rows
@@ -509,6 +552,7 @@ class _FusedHeadDivergence(torch.autograd.Function):
         token_loss: TokenLoss,
         tau: float,
         chunk: int,
+        compiled: bool,
         exact: bool,
     ) -> torch.Tensor:
         total, *saved = _fused_pass(
@@ -522,6 +566,7 @@ class _FusedHeadDivergence(torch.autograd.Function):
             token_loss,
             tau,
             chunk,
+            compiled,
             exact,
             grads=tuple(ctx.needs_input_grad[3:7]),
         )
@@ -531,7 +576,7 @@ class _FusedHeadDivergence(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         scaled = [None if g is None else g * grad_out for g in ctx.saved_tensors]
-        return (None, None, None, *scaled, None, None, None, None)
+        return (None, None, None, *scaled, None, None, None, None, None)
 
 
 def head_cross_entropy(
