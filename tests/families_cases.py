@@ -11,8 +11,10 @@ Adding an ordinary family is its adapter plus one record:
 - `config_class`: the name of its config class in `transformers`;
 - `config`: the tiny config's keyword values, merged over `COMMON` (vocabulary V, hidden size H, 4 heads, 64
   positions, pad/bos/eos 0/1/2); a family whose config names those fields differently sets `with_common=False` and
-  writes them out (DBRX). Spread `MLA`, `GROUPED_ROUTER` or `GRANITE` where the family shares that layout. Keep
-  it tiny (2-3 layers, 6-8 experts, k = 2, widths 16-40) and make what the family does differently engage;
+  writes them out (DBRX). Spread `TWO_MOE_LAYERS`, `DENSE_FIRST`, `MLA`, `DSA`, `GROUPED_ROUTER` or `GRANITE` where
+  the family shares that layout (and `V3_ROUTER`, `DEEPSEEK_MOE`, `GRANITE_MOE`, `GRANITE_SHARED` into its `Case`
+  for those fields). Keep it tiny (2-3 layers, 6-8 experts, k = 2, widths 16-40) and make what the family does
+  differently engage;
 - `student`: the config class of its dense student ("" where the family refuses a dense student);
 - every other `Case` field whose default (an ordinary softmax-routed MoE: MoE layers 1 and 2 of 6 experts at
   `num_experts`, top-2, renormalized, no shared expert, block `mlp` with router `gate` in `model.layers`) does not
@@ -120,6 +122,12 @@ COMMON = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+# the plain tiny decoders most records spread (2 KV heads, top-2 routing; a record overrides what differs): two
+# MoE layers of 16-wide experts, or three whose first is dense (the record says how, and how wide)
+TWO_MOE_LAYERS = dict(num_key_value_heads=2, intermediate_size=16, num_hidden_layers=2, num_experts_per_tok=2)
+DENSE_FIRST = dict(
+    num_key_value_heads=2, moe_intermediate_size=16, num_hidden_layers=3, num_experts_per_tok=2
+)
 # DeepSeek-V2's multi-head latent attention (no query latent) and its routed layout, 3 layers
 MLA = dict(
     num_key_value_heads=4,
@@ -137,7 +145,7 @@ MLA = dict(
     n_group=2,
     topk_group=1,
 )
-# the V3 router's group-limited top-2 (2 groups, 1 kept) in a 2-layer decoder
+# the V3 router's group-limited top-2 (2 groups, 1 kept), renormalized, in a 2-layer decoder
 GROUPED_ROUTER = dict(
     num_key_value_heads=2,
     num_hidden_layers=2,
@@ -145,32 +153,42 @@ GROUPED_ROUTER = dict(
     num_experts_per_tok=2,
     n_group=2,
     topk_group=1,
+    norm_topk_prob=True,
 )
+# MLA with a query latent under DeepSeek's sparse-attention (DSA) indexer of 2 heads of 16; the record says how many
+# keys it keeps (index_topk)
+DSA = dict(MLA, q_lora_rank=16, index_head_dim=16, index_n_heads=2)
 # Granite MoE: every multiplier away from 1 (logits / 0.5: KL large enough for the Router KD tests)
 GRANITE = dict(
-    num_key_value_heads=2,
-    intermediate_size=16,
-    num_hidden_layers=2,
+    TWO_MOE_LAYERS,
     num_local_experts=6,
-    num_experts_per_tok=2,
     embedding_multiplier=2.0,
     residual_multiplier=0.5,
     attention_multiplier=0.2,
     logits_scaling=0.5,
 )
+# Case fields of Granite MoE's layout: two MoE layers of num_local_experts, the block at `block_sparse_moe`, its
+# router at `router`; granitemoeshared and granitemoe_swa add a 16-wide shared MLP on the decoder layer
+GRANITE_MOE = dict(
+    moe_layers=(0, 1), experts_key="num_local_experts", block="block_sparse_moe", router_attr="router"
+)
+GRANITE_SHARED = dict(shared="shared_mlp", shared_width=16, shared_on_layer=True)
 DENSE_SPARSE_SPARSE = ["dense", "sparse", "sparse"]  # mlp_layer_types of a teacher whose layer 0 is dense
+# Case fields of the V3 router (a record spreads them): group-limited top-2 of 8 experts' sigmoid scores plus a
+# correction bias, the raw scores weighted and scaled
+V3_ROUTER = dict(experts=8, router="sigmoid", groups=True, scaled=True)
+# Case fields of DeepSeek's MoE layout: the routed count at n_routed_experts, one shared expert (16 wide) at
+# shared_experts
+DEEPSEEK_MOE = dict(experts_key="n_routed_experts", shared="shared_experts", shared_width=16)
 
 CASES: dict[str, Case] = {
     # layer 0 dense (narrower than k·I: zero-padded)
     "qwen3_moe": Case(
         config_class="Qwen3MoeConfig",
         config=dict(
-            num_key_value_heads=2,
+            DENSE_FIRST,
             intermediate_size=24,
-            moe_intermediate_size=16,
-            num_hidden_layers=3,
             num_experts=6,
-            num_experts_per_tok=2,
             norm_topk_prob=True,
             mlp_only_layers=[0],
         ),
@@ -199,11 +217,8 @@ CASES: dict[str, Case] = {
     "mixtral": Case(
         config_class="MixtralConfig",
         config=dict(
-            num_key_value_heads=2,
-            intermediate_size=16,
-            num_hidden_layers=2,
+            TWO_MOE_LAYERS,
             num_local_experts=6,
-            num_experts_per_tok=2,
         ),
         student="MistralConfig",
         moe_layers=(0, 1),
@@ -212,11 +227,8 @@ CASES: dict[str, Case] = {
     "olmoe": Case(
         config_class="OlmoeConfig",
         config=dict(
-            num_key_value_heads=2,
-            intermediate_size=16,
-            num_hidden_layers=2,
+            TWO_MOE_LAYERS,
             num_experts=6,
-            num_experts_per_tok=2,
             norm_topk_prob=False,
         ),
         student="OlmoeConfig",
@@ -232,39 +244,29 @@ CASES: dict[str, Case] = {
             MLA, first_k_dense_replace=1, topk_method="group_limited_greedy", routed_scaling_factor=1.5
         ),
         student="DeepseekV2Config",
+        **DEEPSEEK_MOE,
         experts=8,
-        experts_key="n_routed_experts",
         router="softmax_v2",
         renorm=False,
         groups=True,
         scaled=True,
-        shared="shared_experts",
-        shared_width=16,
         all_dense_student=True,
     ),
     "deepseek_v3": Case(
         config_class="DeepseekV3Config",
         config=dict(MLA, first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5),
         student="DeepseekV3Config",
-        experts=8,
-        experts_key="n_routed_experts",
-        router="sigmoid",
-        groups=True,
-        scaled=True,
-        shared="shared_experts",
-        shared_width=16,
+        **V3_ROUTER,
+        **DEEPSEEK_MOE,
         all_dense_student=True,
     ),
     # its biased router and biased clamped-SwiGLU experts; layer 0 sliding
     "gpt_oss": Case(
         config_class="GptOssConfig",
         config=dict(
-            num_key_value_heads=2,
+            TWO_MOE_LAYERS,
             head_dim=8,
-            intermediate_size=16,
-            num_hidden_layers=2,
             num_local_experts=6,
-            num_experts_per_tok=2,
             sliding_window=4,
             layer_types=["sliding_attention", "full_attention"],
         ),
@@ -287,18 +289,12 @@ CASES: dict[str, Case] = {
             n_shared_experts=1,
             num_hidden_layers=3,
             first_k_dense_replace=1,
-            norm_topk_prob=True,
             routed_scaling_factor=2.5,
             use_qk_norm=True,
         ),
         student="Glm4MoeConfig",
-        experts=8,
-        experts_key="n_routed_experts",
-        router="sigmoid",
-        groups=True,
-        scaled=True,
-        shared="shared_experts",
-        shared_width=16,
+        **V3_ROUTER,
+        **DEEPSEEK_MOE,
         all_dense_student=True,
     ),
     # the V3 router; no dense layer, sliding attention in layer 1
@@ -310,32 +306,23 @@ CASES: dict[str, Case] = {
             n_routed_experts=8,
             n_shared_experts=1,
             first_k_dense_replace=0,
-            norm_topk_prob=True,
             routed_scaling_factor=1.5,
             sliding_window=4,
             max_window_layers=1,
         ),
         student="Dots1Config",
         moe_layers=(0, 1),
-        experts=8,
-        experts_key="n_routed_experts",
-        router="sigmoid",
-        groups=True,
-        scaled=True,
-        shared="shared_experts",
-        shared_width=16,
+        **V3_ROUTER,
+        **DEEPSEEK_MOE,
         all_dense_student=True,
     ),
     # a sigmoid router whose correction bias lives on the block
     "minimax_m2": Case(
         config_class="MiniMaxM2Config",
         config=dict(
-            num_key_value_heads=2,
+            TWO_MOE_LAYERS,
             head_dim=8,
-            intermediate_size=16,
-            num_hidden_layers=2,
             num_local_experts=6,
-            num_experts_per_tok=2,
         ),
         student="MiniMaxM2Config",
         moe_layers=(0, 1),
@@ -348,11 +335,8 @@ CASES: dict[str, Case] = {
     "flex_olmo": Case(
         config_class="FlexOlmoConfig",
         config=dict(
-            num_key_value_heads=2,
-            intermediate_size=16,
-            num_hidden_layers=2,
+            TWO_MOE_LAYERS,
             num_experts=6,
-            num_experts_per_tok=2,
             norm_topk_prob=True,
         ),
         student="Olmo2Config",
@@ -385,22 +369,14 @@ CASES: dict[str, Case] = {
         config_class="GraniteMoeConfig",
         config=GRANITE,
         student="GraniteConfig",
-        moe_layers=(0, 1),
-        experts_key="num_local_experts",
-        block="block_sparse_moe",
-        router_attr="router",
+        **GRANITE_MOE,
     ),
     "granitemoeshared": Case(
         config_class="GraniteMoeSharedConfig",
         config=dict(GRANITE, shared_intermediate_size=16),
         student="GraniteConfig",
-        moe_layers=(0, 1),
-        experts_key="num_local_experts",
-        shared="shared_mlp",
-        shared_width=16,
-        block="block_sparse_moe",
-        router_attr="router",
-        shared_on_layer=True,
+        **GRANITE_MOE,
+        **GRANITE_SHARED,
     ),
     # layer 0 sliding (RoPE), layer 1 full attention without RoPE (theta 0); sinks. Window 10: a float64 eager
     # forward gives NaN where a right-padded row's window holds only padding (its softmax is forced to float32,
@@ -419,13 +395,8 @@ CASES: dict[str, Case] = {
             layer_rope_theta=[10000.0, 0.0],
         ),
         student="GraniteSWAConfig",
-        moe_layers=(0, 1),
-        experts_key="num_local_experts",
-        shared="shared_mlp",
-        shared_width=16,
-        block="block_sparse_moe",
-        router_attr="router",
-        shared_on_layer=True,
+        **GRANITE_MOE,
+        **GRANITE_SHARED,
         attn_dtype=torch.float32,
     ),
     # the V3 router under MLA attention, MoE layers by mlp_layer_types, layer 0 dense (GLM-4.7-Flash's layout)
@@ -433,13 +404,8 @@ CASES: dict[str, Case] = {
         config_class="Glm4MoeLiteConfig",
         config=dict(MLA, mlp_layer_types=DENSE_SPARSE_SPARSE, norm_topk_prob=True, routed_scaling_factor=1.8),
         student="Glm4MoeLiteConfig",
-        experts=8,
-        experts_key="n_routed_experts",
-        router="sigmoid",
-        groups=True,
-        scaled=True,
-        shared="shared_experts",
-        shared_width=16,
+        **V3_ROUTER,
+        **DEEPSEEK_MOE,
     ),
     # the V3 router; layer 0 dense; layers 0, 1 sliding (rope), layer 2 full attention (NoPE)
     "exaone_moe": Case(
@@ -451,16 +417,12 @@ CASES: dict[str, Case] = {
             num_experts=8,
             num_shared_experts=1,
             first_k_dense_replace=1,
-            norm_topk_prob=True,
             routed_scaling_factor=2.5,
             sliding_window=4,
             sliding_window_pattern=3,
         ),
         student="ExaoneMoeConfig",
-        experts=8,
-        router="sigmoid",
-        groups=True,
-        scaled=True,
+        **V3_ROUTER,
         shared="shared_experts",
         shared_width=16,
         all_dense_student=True,
@@ -470,14 +432,11 @@ CASES: dict[str, Case] = {
     "afmoe": Case(
         config_class="AfmoeConfig",
         config=dict(
-            num_key_value_heads=2,
+            DENSE_FIRST,
             head_dim=8,
             intermediate_size=40,
-            moe_intermediate_size=16,
-            num_hidden_layers=3,
             num_dense_layers=1,
             num_experts=6,
-            num_experts_per_tok=2,
             num_shared_experts=1,
             route_scale=1.5,
             global_attn_every_n_layers=2,
@@ -499,24 +458,16 @@ CASES: dict[str, Case] = {
     "glm_moe_dsa": Case(
         config_class="GlmMoeDsaConfig",
         config=dict(
-            MLA,
-            q_lora_rank=16,
+            DSA,
             mlp_layer_types=DENSE_SPARSE_SPARSE,
             norm_topk_prob=True,
             routed_scaling_factor=2.5,
             index_topk=6,
-            index_head_dim=16,
-            index_n_heads=2,
             indexer_types=["full", "full", "shared"],
         ),
         student="GlmMoeDsaConfig",
-        experts=8,
-        experts_key="n_routed_experts",
-        router="sigmoid",
-        groups=True,
-        scaled=True,
-        shared="shared_experts",
-        shared_width=16,
+        **V3_ROUTER,
+        **DEEPSEEK_MOE,
         all_dense_student=True,
     ),
     # HunYuan-MoE-V1: the softmax router's linear map at gate.wg, an ungated shared MLP, no dense layer; q/k norm
@@ -565,11 +516,8 @@ CASES: dict[str, Case] = {
     "phimoe": Case(
         config_class="PhimoeConfig",
         config=dict(
-            num_key_value_heads=2,
-            intermediate_size=16,
-            num_hidden_layers=2,
+            TWO_MOE_LAYERS,
             num_local_experts=6,
-            num_experts_per_tok=2,
             router_jitter_noise=0.2,
             attention_bias=True,
             lm_head_bias=True,
@@ -621,19 +569,13 @@ CASES: dict[str, Case] = {
             n_routed_experts=8,
             n_shared_experts=1,
             head_dim=8,
-            norm_topk_prob=True,
             routed_scaling_factor=2.5,
             attention_bias=True,
         ),
         student="LlamaConfig",
         moe_layers=(0, 1),
-        experts=8,
-        experts_key="n_routed_experts",
-        router="sigmoid",
-        groups=True,
-        scaled=True,
-        shared="shared_experts",
-        shared_width=16,
+        **V3_ROUTER,
+        **DEEPSEEK_MOE,
     ),
     # MiMo-V2-Flash: the V3 router without shared experts, dense layers by mlp_layer_types: layer 0 dense
     # (narrower than k·I); layers 0 and 2 full attention, layer 1 sliding (double KV heads, sinks); partial RoPE
@@ -647,7 +589,6 @@ CASES: dict[str, Case] = {
             head_dim=8,
             v_head_dim=4,
             intermediate_size=24,
-            norm_topk_prob=True,
             routed_scaling_factor=2.0,
             mlp_layer_types=DENSE_SPARSE_SPARSE,
             sliding_window=6,
@@ -667,24 +608,18 @@ CASES: dict[str, Case] = {
             },
         ),
         student="MiMoV2FlashConfig",
-        experts=8,
+        **V3_ROUTER,
         experts_key="n_routed_experts",
-        router="sigmoid",
-        groups=True,
-        scaled=True,
     ),
     # Hy-V3: MiniMax-M2's block-held bias × router_scaling_factor, a shared MLP; layer 0 dense by mlp_layer_types;
     # per-head q/k norm; biased MLPs (the shared MLP's too)
     "hy_v3": Case(
         config_class="HYV3Config",
         config=dict(
-            num_key_value_heads=2,
+            DENSE_FIRST,
             head_dim=8,
             intermediate_size=40,
-            moe_intermediate_size=16,
-            num_hidden_layers=3,
             num_experts=6,
-            num_experts_per_tok=2,
             num_shared_experts=1,
             router_scaling_factor=1.5,
             mlp_layer_types=DENSE_SPARSE_SPARSE,
@@ -734,13 +669,10 @@ CASES: dict[str, Case] = {
     "mellum": Case(
         config_class="MellumConfig",
         config=dict(
-            num_key_value_heads=2,
+            DENSE_FIRST,
             head_dim=8,
             intermediate_size=24,
-            moe_intermediate_size=16,
-            num_hidden_layers=3,
             num_experts=6,
-            num_experts_per_tok=2,
             norm_topk_prob=True,
             sliding_window=4,
             mlp_layer_types=DENSE_SPARSE_SPARSE,
@@ -755,16 +687,13 @@ CASES: dict[str, Case] = {
     "dots3_note_text": Case(
         config_class="Dots3NoteTextConfig",
         config=dict(
-            MLA,
-            q_lora_rank=16,
+            DSA,
             head_dim=16,
             shared_experts_intermediate_size=16,
             mlp_layer_types=DENSE_SPARSE_SPARSE,
             norm_topk_prob=True,
             routed_scaling_factor=2.5,
             index_topk=6,
-            index_head_dim=16,
-            index_n_heads=2,
             sliding_window=4,
             layer_types=["indexed_attention", "sliding_attention", "indexed_attention"],
             swa_num_attention_heads=4,
@@ -776,13 +705,8 @@ CASES: dict[str, Case] = {
             swa_v_head_dim=8,
         ),
         student="Dots3NoteTextConfig",
-        experts=8,
-        experts_key="n_routed_experts",
-        router="sigmoid",
-        groups=True,
-        scaled=True,
-        shared="shared_experts",
-        shared_width=16,
+        **V3_ROUTER,
+        **DEEPSEEK_MOE,
     ),
     # Flint: Qwen3-MoE's layer layout, a sigmoid router without correction bias (its weight in float32), an
     # ungated shared expert; layer 0 dense (narrower than k·I + shared); layers 0 and 2 sliding (RoPE), layer 1
@@ -790,14 +714,11 @@ CASES: dict[str, Case] = {
     "flint": Case(
         config_class="FlintConfig",
         config=dict(
-            num_key_value_heads=2,
+            DENSE_FIRST,
             head_dim=8,
             intermediate_size=24,
-            moe_intermediate_size=16,
             shared_expert_intermediate_size=16,
-            num_hidden_layers=3,
             num_experts=6,
-            num_experts_per_tok=2,
             norm_topk_prob=True,
             mlp_only_layers=[0],
             sliding_window=4,
@@ -841,23 +762,15 @@ CASES: dict[str, Case] = {
     "deepseek_v32": Case(
         config_class="DeepseekV32Config",
         config=dict(
-            MLA,
+            DSA,
             first_k_dense_replace=1,
-            q_lora_rank=16,
             norm_topk_prob=True,
             routed_scaling_factor=2.5,
             index_topk=8,
-            index_head_dim=16,
-            index_n_heads=2,
         ),
         student="DeepseekV32Config",
-        experts=8,
-        experts_key="n_routed_experts",
-        router="sigmoid",
-        groups=True,
-        scaled=True,
-        shared="shared_experts",
-        shared_width=16,
+        **V3_ROUTER,
+        **DEEPSEEK_MOE,
         all_dense_student=True,
     ),
     # Laguna: sigmoid router whose correction bias is a frozen parameter, softcapped logits, the block's routed
@@ -867,14 +780,11 @@ CASES: dict[str, Case] = {
     "laguna": Case(
         config_class="LagunaConfig",
         config=dict(
-            num_key_value_heads=2,
+            DENSE_FIRST,
             head_dim=8,
             intermediate_size=24,
-            moe_intermediate_size=16,
             shared_expert_intermediate_size=16,
-            num_hidden_layers=3,
             num_experts=6,
-            num_experts_per_tok=2,
             mlp_layer_types=DENSE_SPARSE_SPARSE,
             sliding_window=4,
             layer_types=["full_attention", "sliding_attention", "full_attention"],
@@ -898,13 +808,10 @@ CASES: dict[str, Case] = {
     "beam": Case(
         config_class="BeamConfig",
         config=dict(
-            num_key_value_heads=2,
+            DENSE_FIRST,
             head_dim=8,
             intermediate_size=24,
-            moe_intermediate_size=16,
-            num_hidden_layers=3,
             num_experts=8,
-            num_experts_per_tok=2,
             n_group=2,
             topk_group=1,
             norm_topk_prob=True,
@@ -915,10 +822,7 @@ CASES: dict[str, Case] = {
             final_logit_softcapping=None,
         ),
         student="BeamConfig",
-        experts=8,
-        router="sigmoid",
-        groups=True,
-        scaled=True,
+        **V3_ROUTER,
         block_scaled=True,
         act_dtype=torch.float32,
     ),
