@@ -5,50 +5,22 @@ import math
 
 import pytest
 import torch
+from distill_setup import GLOO_SETTINGS, T, saved_job, teacher_sampled, tiny_teacher
 
 from workers.baselines.baselines import random_ffn_student
 from workers.families import get_adapter
 from workers.training.distill import DistillSpec, distill, lr_at
 from workers.training.losses import forward_kl, hidden_mse, reverse_kl
 
-V, T = 64, 16
-
 
 @pytest.fixture(scope="module")
 def teacher():
-    """A random Qwen3-MoE with a wide init: peaked, far-from-uniform next-token distributions."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(
-        vocab_size=V,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        intermediate_size=16,
-        norm_topk_prob=True,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        initializer_range=0.3,
-    )
-    return Qwen3MoeForCausalLM(cfg).eval()
+    return tiny_teacher()
 
 
 @pytest.fixture(scope="module")
 def corpus(teacher):
-    """Text sampled from the teacher itself, so its CE on it is low and a student matching it improves."""
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, V, (64, 1), generator=g)
-    with torch.no_grad():
-        for _ in range(T - 1):
-            p = teacher(input_ids=ids).logits[:, -1].softmax(-1)
-            ids = torch.cat([ids, torch.multinomial(p, 1, generator=g)], dim=1)
-    return ids
+    return teacher_sampled(teacher, 64)
 
 
 @pytest.fixture(scope="module")
@@ -259,34 +231,14 @@ def test_two_process_gloo_matches_single_process(teacher, adapter, corpus, tmp_p
     from workers.training.ddp import launch
 
     student = student_of(teacher, adapter)
-    teacher.save_pretrained(tmp_path / "teacher")
-    student.save_pretrained(tmp_path / "student")
     train, val = corpus[:24], corpus[48:53]  # odd val count: uneven rank split
-    torch.save(train, tmp_path / "train.pt")
-    torch.save(val, tmp_path / "val.pt")
-    settings = dict(
-        steps=3,
-        batch_size=4,
-        grad_accum=2,
-        seq_len=T,
-        lr=3e-3,
-        min_lr=3e-4,
-        warmup=1,
-        eval_every=2,
-        val_windows=5,
-        teacher_top_k=3,
-    )
     job = {
-        "student": str(tmp_path / "student"),
-        "teacher": str(tmp_path / "teacher"),
-        "moe_teacher": True,
-        "train": str(tmp_path / "train.pt"),
-        "val": str(tmp_path / "val.pt"),
-        "spec": settings,
+        **saved_job(tmp_path, teacher, student, train, val),
+        "spec": GLOO_SETTINGS,
         "out": str(tmp_path / "out"),
     }
     multi = launch(job, tmp_path, nproc=2, timeout=120, env={"OMP_NUM_THREADS": "1"})
-    single = distill(student, teacher, adapter, micro_batches(train, 4), val, DistillSpec(**settings))
+    single = distill(student, teacher, adapter, micro_batches(train, 4), val, DistillSpec(**GLOO_SETTINGS))
     assert multi["tokens"] == single["tokens"] == 3 * 2 * 4 * T
     assert multi["loss_curve"] == pytest.approx(single["loss_curve"], rel=1e-4)
     assert [(r["who"], r["step"]) for r in multi["val"]] == [(r["who"], r["step"]) for r in single["val"]]

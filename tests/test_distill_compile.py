@@ -8,12 +8,10 @@ from __future__ import annotations
 import copy
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from distill_setup import T, V, bench_fsdp_smoke, one_rank_group, tiny_teacher
 from torch import nn
 
 from workers.baselines.baselines import random_ffn_student
@@ -31,7 +29,6 @@ from workers.training.distill import (
     make_optimizer,
 )
 
-V, T = 64, 16
 BASE = dict(steps=3, batch_size=4, seq_len=T, lr=3e-3, min_lr=3e-4, warmup=1, eval_every=2, val_windows=4)
 
 
@@ -41,27 +38,7 @@ def spec(**kw) -> DistillSpec:
 
 @pytest.fixture(scope="module")
 def teacher():
-    """A tiny Qwen3-MoE with a wide init (peaked targets), as in tests/test_distill.py."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(
-        vocab_size=V,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        intermediate_size=16,
-        norm_topk_prob=True,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        initializer_range=0.3,
-    )
-    return Qwen3MoeForCausalLM(cfg).eval()
+    return tiny_teacher()
 
 
 @pytest.fixture(scope="module")
@@ -267,14 +244,8 @@ def test_compiled_distillation_with_selective_checkpointing_equals_eager(teacher
 
 @pytest.fixture
 def one_rank(tmp_path):
-    """A 1-rank gloo process group in this process (torch.distributed is destroyed afterwards)."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
+    with one_rank_group(tmp_path):
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_compiled_fsdp_with_checkpointing_equals_eager(teacher, data, one_rank):
@@ -331,27 +302,7 @@ def test_the_micro_step_is_timed_by_parts_into_the_step_log(teacher, data, capsy
 @pytest.mark.slow
 def test_benchmark_accumulates_and_prints_the_parts(tmp_path):
     """benchmarks/bench_fsdp.py --smoke --accum 2 --checkpointing selective: its JSON line has the split."""
-    from tests.test_benchmarks import smoke_env
-
-    root = Path(__file__).resolve().parents[1]
-    r = subprocess.run(
-        [
-            sys.executable,
-            str(root / "benchmarks" / "bench_fsdp.py"),
-            "--smoke",
-            "--accum",
-            "2",
-            "--checkpointing",
-            "selective",
-        ],
-        cwd=tmp_path,
-        env=smoke_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    line = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("{")))
+    stdout, line = bench_fsdp_smoke(tmp_path, "--accum", "2", "--checkpointing", "selective")
     assert (line["accum"], line["checkpointing"], len(line["loss_curve"])) == (2, "selective", 4)
     assert list(line["parts"]) == [f"{p}_ms" for p in PHASES] and line["tokens_per_s"] > 0
-    assert "compile auto, checkpointing selective: tokens/s " in r.stdout
+    assert "compile auto, checkpointing selective: tokens/s " in stdout

@@ -2,85 +2,49 @@
 
 import pytest
 import torch
+from distill_setup import (
+    GLOO_SETTINGS,
+    T,
+    bench_fsdp_smoke,
+    one_rank_group,
+    saved_job,
+    teacher_sampled,
+    tiny_teacher,
+)
 
 from workers.baselines.baselines import random_ffn_student
 from workers.families import get_adapter
 from workers.training.distill import DistillSpec, distill
 from workers.training.fsdp import FSDPRanks, mixed_precision
 
-V, T = 64, 16
-SETTINGS = dict(
-    steps=3,
-    batch_size=4,
-    grad_accum=2,
-    seq_len=T,
-    lr=3e-3,
-    min_lr=3e-4,
-    warmup=1,
-    eval_every=2,
-    val_windows=5,
-    teacher_top_k=3,
-)
-
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny Qwen3-MoE teacher, its random-FFN student, teacher-sampled text; saved for torchrun."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(
-        vocab_size=V,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        intermediate_size=16,
-        norm_topk_prob=True,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        initializer_range=0.3,
-    )
-    teacher = Qwen3MoeForCausalLM(cfg).eval()
+    teacher = tiny_teacher()
     adapter = get_adapter(teacher)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, V, (29, 1), generator=g)
-    with torch.no_grad():
-        for _ in range(T - 1):
-            p = teacher(input_ids=ids).logits[:, -1].softmax(-1)
-            ids = torch.cat([ids, torch.multinomial(p, 1, generator=g)], dim=1)
+    ids = teacher_sampled(teacher, 29)
     d = tmp_path_factory.mktemp("fsdp")
     student = random_ffn_student(teacher, adapter, 0)
-    teacher.save_pretrained(d / "teacher")
-    student.save_pretrained(d / "student")
     train, val = ids[:24], ids[24:29]  # 5 validation windows: 3 on rank 0, 2 (+1 padding) on rank 1
-    torch.save(train, d / "train.pt")
-    torch.save(val, d / "val.pt")
+    job = saved_job(d, teacher, student, train, val)
     single = distill(
-        student, teacher, adapter, (train[i : i + 4] for i in range(0, 24, 4)), val, DistillSpec(**SETTINGS)
+        student,
+        teacher,
+        adapter,
+        (train[i : i + 4] for i in range(0, 24, 4)),
+        val,
+        DistillSpec(**GLOO_SETTINGS),
     )
-    return {"dir": d, "teacher": teacher, "student": student, "single": single}
+    return {"dir": d, "job": job, "teacher": teacher, "student": student, "single": single}
 
 
 def _launch(tiny, name: str, **extra):
     from workers.training.ddp import launch
 
     d = tiny["dir"]
-    job = {
-        "student": str(d / "student"),
-        "teacher": str(d / "teacher"),
-        "moe_teacher": True,
-        "train": str(d / "train.pt"),
-        "val": str(d / "val.pt"),
-        "out": str(d / name),
-        "sharding": "fsdp",
-        **extra,
-    }
-    job["spec"] = {**SETTINGS, **job.get("spec", {})}
+    job = {**tiny["job"], "out": str(d / name), "sharding": "fsdp", **extra}
+    job["spec"] = {**GLOO_SETTINGS, **job.get("spec", {})}
     return launch(job, d / f"{name}_work", nproc=2, timeout=180, env={"OMP_NUM_THREADS": "1"})
 
 
@@ -209,14 +173,8 @@ def test_bad_sharding_settings_are_one_line(section, message):
 # ---- one rank in this process: what the 2-rank runs cannot see from outside --------------------------
 @pytest.fixture
 def one_rank(tmp_path):
-    """A 1-rank gloo process group in this process (torch.distributed is destroyed afterwards)."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
+    with one_rank_group(tmp_path):
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _one_rank_run(tiny, **settings):
@@ -232,7 +190,7 @@ def _one_rank_run(tiny, **settings):
     calls = []
     student.model.layers[0].mlp.register_forward_pre_hook(lambda m, a: calls.append(torch.is_grad_enabled()))
     train, val = torch.load(d / "train.pt"), torch.load(d / "val.pt")
-    spec = DistillSpec(**{**SETTINGS, "steps": 1, **settings})
+    spec = DistillSpec(**{**GLOO_SETTINGS, "steps": 1, **settings})
     res = fsdp_worker(
         student, teacher, get_adapter(teacher), (train[i : i + 4] for i in range(0, 8, 4)), val, spec
     )
@@ -262,7 +220,7 @@ def test_bf16_mixed_precision_on_one_rank_is_close_to_autocast(tiny, one_rank):
         get_adapter(teacher),
         (train[i : i + 4] for i in range(0, 8, 4)),
         val,
-        DistillSpec(**{**SETTINGS, "steps": 1, "dtype": "bf16"}),
+        DistillSpec(**{**GLOO_SETTINGS, "steps": 1, "dtype": "bf16"}),
     )
     assert res["loss_curve"] == pytest.approx(
         ref["loss_curve"], rel=5e-3
@@ -344,22 +302,5 @@ def test_stage_distill_with_fsdp_matches_one_process(tmp_path):
 
 def test_benchmark_smoke_mode_runs(tmp_path):
     """benchmarks/bench_fsdp.py --smoke (one CPU process, tiny shapes) prints its JSON line."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from tests.test_benchmarks import smoke_env
-
-    root = Path(__file__).resolve().parents[1]
-    r = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "bench_fsdp.py"), "--smoke"],
-        cwd=tmp_path,
-        env=smoke_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    line = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("{")))
+    _, line = bench_fsdp_smoke(tmp_path)
     assert line["ranks"] == 1 and line["tokens_per_s"] > 0 and len(line["loss_curve"]) == 4
