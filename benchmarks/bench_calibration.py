@@ -7,6 +7,8 @@ Measured side by side in one run, on the same tokens of a random-weight Qwen3-Mo
   - the same statistics with a per-expert Python loop (one expert's matmuls at a time);
   - the pass as it was before 2026-11-26 (its outputs read three times; PreviousAccumulator);
   - raw torch matmuls of the same shapes (bmm gate/up, bmm down, Gram mm) on random contiguous tensors.
+Timed round-robin (one call of each per round after one untimed warm-up round, so a busy machine slows them
+alike; the slow loop in the first half of the rounds only); prints medians.
 Achieved GFLOP/s count the expert matmuls (6·T·E·H·I) plus the Gram (2·E²·T·H).
 Beside the times, the bytes every non-GEMM op of a pass reads and writes, per token (counted by a dispatch
 mode, not timed: what the pass adds to its matmuls' memory traffic, the same on any device).
@@ -20,9 +22,7 @@ Targets: batched ≥5× the loop, ≥80% of the raw matmul throughput on a GPU. 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,6 +30,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import DTYPES as ALL_DTYPES  # noqa: E402  (benchmarks/common.py, beside this script)
+from common import finish_presets, preset_moe_config, preset_parser, timed  # noqa: E402
 from machine import describe  # noqa: E402  (benchmarks/machine.py, beside this script)
 
 from workers.calibration.calibrate import LayerAccumulator, _gram, collect_stats  # noqa: E402
@@ -88,83 +90,22 @@ PRESETS = {
         dtype="bfloat16",
     ),
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {k: v for k, v in ALL_DTYPES.items() if k != "float64"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    ap.add_argument(
-        "--smoke",
-        action="store_true",
-        help="a seconds-long run through the same code paths: --preset smoke, 1 repeat "
-        "(checks the script runs; its timings mean nothing)",
-    )
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    for name, default in PRESETS["tiny"].items():
-        kind = str if isinstance(default, str) else int
-        ap.add_argument(
-            "--" + name.replace("_", "-"),
-            type=kind,
-            default=None,
-            help=f"override the preset (tiny: {default}, real: {PRESETS['real'][name]})",
-        )
-    ap.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement (median)")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    if args.smoke:
-        args.preset, args.repeats = "smoke", 1
-    for name, value in PRESETS[args.preset].items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    if args.dtype not in DTYPES:
-        ap.error(f"--dtype {args.dtype!r}: allowed {sorted(DTYPES)}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: torch sees no CUDA device")
-    return args
+    ap = preset_parser(__doc__, PRESETS, "tiny")
+    return finish_presets(ap, ap.parse_args(argv), PRESETS, DTYPES)
 
 
 def build_model(a: argparse.Namespace):
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM
 
-    cfg = Qwen3MoeConfig(
-        vocab_size=a.vocab,
-        hidden_size=a.hidden,
-        intermediate_size=4 * a.inter,
-        moe_intermediate_size=a.inter,
-        num_hidden_layers=a.layers,
-        num_attention_heads=a.heads,
-        num_key_value_heads=a.kv_heads,
-        head_dim=a.head_dim,
-        num_experts=a.experts,
-        num_experts_per_tok=a.top_k,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        max_position_embeddings=max(4096, a.seq_len),
-    )
+    cfg = preset_moe_config(a)
     torch.manual_seed(a.seed)
     with torch.device(a.device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=DTYPES[a.dtype])
     return model.eval()
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn, device: str, repeats: int) -> float:
-    """Median wall time of `repeats` calls after one warm-up call."""
-    fn()
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def loop_expert_pass(experts, x, fused=None):
@@ -232,6 +173,7 @@ class PreviousAccumulator(LayerAccumulator):
         return LayerStats(n_tokens=int(self.n_tokens.item()), sum_out=sums.pop("sum_out"), **sums)
 
 
+PASSES = {"batched": LayerAccumulator, "loop": LoopAccumulator, "previous": PreviousAccumulator}
 GEMMS = {"mm", "bmm", "addmm", "baddbmm"}
 PARTIAL_READS = {"index_select", "gather"}  # read only what they return
 
@@ -326,10 +268,6 @@ def raw_matmuls(a: argparse.Namespace, n_tokens: int, n_layers: int):
     return run
 
 
-def machine(device: str) -> str:
-    return describe(device)
-
-
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     from workers.families import get_adapter
@@ -354,21 +292,24 @@ def main(argv: list[str] | None = None) -> None:
             for ids, mask in batches:
                 model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
 
-    t_fwd = timed(forward, a.device, a.repeats)
-    t_collect = timed(lambda: collect_stats(model, adapter, batches, a.chunk_tokens), a.device, a.repeats)
     records = capture(model, adapter, batches)
-    t_batched = timed(
-        lambda: replay(model, adapter, records, a.chunk_tokens, LayerAccumulator), a.device, a.repeats
-    )
-    t_loop = timed(
-        lambda: replay(model, adapter, records, a.chunk_tokens, LoopAccumulator),
+    secs = timed(
+        {
+            "forward": forward,
+            "collect": lambda: collect_stats(model, adapter, batches, a.chunk_tokens),
+            **{
+                name: (lambda cls=cls: replay(model, adapter, records, a.chunk_tokens, cls))
+                for name, cls in PASSES.items()
+            },
+            "raw": raw_matmuls(a, n_tokens, n_layers),
+        },
         a.device,
-        max(1, a.repeats // 2),
+        a.repeats,
+        fewer={"loop": max(1, a.repeats // 2)},  # the per-expert loop is the slow one
     )
-    t_previous = timed(
-        lambda: replay(model, adapter, records, a.chunk_tokens, PreviousAccumulator), a.device, a.repeats
+    t_fwd, t_collect, t_batched, t_loop, t_previous, t_raw = (
+        secs[k] for k in ("forward", "collect", "batched", "loop", "previous", "raw")
     )
-    t_raw = timed(raw_matmuls(a, n_tokens, n_layers), a.device, a.repeats)
 
     def traffic(cls) -> float:
         """Non-GEMM bytes per token of one pass (counted on the first layer's records)."""
@@ -382,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     # the passes must agree (same statistics, different expert loops and reductions)
     stats = {
         cls: {i: acc.finish() for i, acc in replay(model, adapter, records, a.chunk_tokens, cls).items()}
-        for cls in (LayerAccumulator, LoopAccumulator, PreviousAccumulator)
+        for cls in PASSES.values()
     }
 
     def max_rel(other) -> float:
@@ -405,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
         ("per-expert loop stats pass", t_loop, gf(t_loop)),
         ("raw torch matmuls, same shapes", t_raw, gf(t_raw)),
     ]
-    print(f"machine : {machine(a.device)}")
+    print(f"machine : {describe(a.device)}")
     print(
         f"sizes   : preset={a.preset} H={H} I={D} E={E} k={a.top_k} moe_layers={n_layers} "
         f"tokens={n_tokens} (batches {a.batches}x{a.batch_size}x{a.seq_len}) chunk={a.chunk_tokens} "

@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import DTYPES, finish_presets, preset_moe_config, preset_parser, timed  # noqa: E402
 from machine import describe  # noqa: E402  (benchmarks/machine.py, beside this script)
 
 import workers.models.edited_model as edited_model  # noqa: E402
@@ -89,77 +88,29 @@ PRESETS = {
         dtype="bfloat16",
     ),
 }
-DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
-}
 MODES = ("direct", "cache", "rebuild")
 METHODS = {"MoBE": {"steps": 2, "bases": 2}, "TD-MoE": {"iters": 0}, "Tucker2-experts": {"iters": 0}}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="small")
-    ap.add_argument(
-        "--smoke",
-        action="store_true",
-        help="a seconds-long run through the same code paths: --preset smoke, 1 repeat "
-        "(checks the script runs; its timings mean nothing)",
-    )
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    for name, default in PRESETS["small"].items():
-        kind = str if isinstance(default, str) else int
-        ap.add_argument(
-            "--" + name.replace("_", "-"),
-            type=kind,
-            default=None,
-            help=f"override the preset (small: {default}, real: {PRESETS['real'][name]})",
-        )
+    ap = preset_parser(__doc__, PRESETS, "small", repeats=5)
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
     ap.add_argument("--experts-implementation", default=None, help="eager, batched_mm, grouped_mm (default)")
     ap.add_argument("--no-train", action="store_true", help="time the no_grad forwards only")
-    ap.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement (median)")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    if args.smoke:
-        args.preset, args.repeats = "smoke", 1
-    for name, value in PRESETS[args.preset].items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    if args.dtype not in DTYPES:
-        ap.error(f"--dtype {args.dtype!r}: allowed {sorted(DTYPES)}")
+    args = finish_presets(ap, ap.parse_args(argv), PRESETS)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = sorted(set(args.methods) - set(METHODS))
     if unknown:
         ap.error(f"--methods {', '.join(unknown)}: allowed {', '.join(METHODS)}")
     if not args.top_k <= args.K <= args.experts:
         ap.error(f"--K {args.K}: allowed top_k <= K <= experts ({args.top_k}..{args.experts})")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: torch sees no CUDA device")
     return args
 
 
 def build_moe(a: argparse.Namespace, experts: int, seed: int) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM
 
-    cfg = Qwen3MoeConfig(
-        vocab_size=a.vocab,
-        hidden_size=a.hidden,
-        intermediate_size=4 * a.inter,
-        moe_intermediate_size=a.inter,
-        num_hidden_layers=a.layers,
-        num_attention_heads=a.heads,
-        num_key_value_heads=a.kv_heads,
-        head_dim=a.head_dim,
-        num_experts=experts,
-        num_experts_per_tok=a.top_k,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        max_position_embeddings=max(4096, a.seq_len),
-    )
+    cfg = preset_moe_config(a, experts)
     torch.manual_seed(seed)
     kw = {} if a.experts_implementation is None else {"experts_implementation": a.experts_implementation}
     model = AutoModelForCausalLM.from_config(cfg, **kw)
@@ -168,27 +119,6 @@ def build_moe(a: argparse.Namespace, experts: int, seed: int) -> torch.nn.Module
             if p.dim() >= 2:
                 p.normal_(0.0, 0.05)
     return model.to(a.device, DTYPES[a.dtype]).eval()
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, device: str) -> dict[str, float]:
-    """Median seconds of each function, timed round-robin (one call of each per round) after one untimed
-    warm-up round (the cache mode builds its cache there), so that a busy machine slows them alike."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def infer(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -245,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
         del student
         fns = {"pruned": lambda: infer(pruned, ids)}
         fns |= {mode: (lambda s=s: infer(s, ids)) for mode, s in students.items()}
-        times = interleaved_medians(fns, a.repeats, a.device)
+        times = timed(fns, a.device, a.repeats)
         for name, fn in fns.items():
             mem = peak_memory(fn, a.device)
             print(
@@ -265,8 +195,8 @@ def main(argv: list[str] | None = None) -> None:
             for mode in ("direct", "rebuild"):
                 train[mode] = students[mode].train().requires_grad_(True)
             del students
-            tt = interleaved_medians(
-                {name: (lambda m=m: train_step(m, ids)) for name, m in train.items()}, a.repeats, a.device
+            tt = timed(
+                {name: (lambda m=m: train_step(m, ids)) for name, m in train.items()}, a.device, a.repeats
             )
             for name in train:
                 print(f"  train {name:8s}: {1e3 * tt[name]:.2f} ms")

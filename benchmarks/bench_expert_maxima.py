@@ -1,6 +1,7 @@
 """Benchmark of the max-activation pass (workers/calibration/expert_maxima.py, REAP's super-expert statistic).
 
-Measured side by side in one run, on the same tokens, routing and random expert weights of one MoE layer:
+Measured side by side in one run (round-robin, medians), on the same tokens, routing and random expert
+weights of one MoE layer:
   - the pass as written: each expert on its routed tokens only (grouped into [E, C, H], two bmm);
   - the all-experts way (calibration's kernel, workers.methods.experts.all_expert_outputs): every expert on
     every token, then the routed (token, expert) pairs picked out.
@@ -18,12 +19,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import DTYPES as ALL_DTYPES  # noqa: E402  (benchmarks/common.py, beside this script)
+from common import finish_presets, preset_parser, timed  # noqa: E402
 from machine import describe  # noqa: E402  (benchmarks/machine.py, beside this script)
 
 from workers.calibration.expert_maxima import MaximaAccumulator  # noqa: E402
@@ -38,54 +40,18 @@ PRESETS = {
         hidden=2048, inter=768, experts=128, top_k=8, tokens=8192, chunk_tokens=2048, dtype="bfloat16"
     ),
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {k: v for k, v in ALL_DTYPES.items() if k != "float64"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    ap.add_argument(
-        "--smoke", action="store_true", help="seconds: --preset smoke, 1 repeat (timings mean nothing)"
-    )
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    for name, default in PRESETS["tiny"].items():
-        ap.add_argument(
-            "--" + name.replace("_", "-"), type=type(default), default=None, help=f"tiny: {default}"
-        )
-    ap.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement (median)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap = preset_parser(__doc__, PRESETS, "tiny")
     ap.add_argument(
         "--threads",
         type=int,
         default=None,
         help="torch CPU threads (default: torch's; 1 on a loaded machine)",
     )
-    args = ap.parse_args(argv)
-    if args.smoke:
-        args.preset, args.repeats = "smoke", 1
-    for name, value in PRESETS[args.preset].items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    if args.dtype not in DTYPES:
-        ap.error(f"--dtype {args.dtype!r}: allowed {sorted(DTYPES)}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: torch sees no CUDA device")
-    return args
-
-
-def timed(fn, device: str, repeats: int) -> float:
-    """Median wall time of `repeats` calls after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return finish_presets(ap, ap.parse_args(argv), PRESETS, DTYPES)
 
 
 def all_experts_maxima(ew: ExpertWeights, x: torch.Tensor, idx: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -126,8 +92,10 @@ def main(argv: list[str] | None = None) -> None:
         return acc.finish()
 
     with torch.no_grad():
-        t_routed = timed(routed, dev, a.repeats)
-        t_all = timed(lambda: all_experts_maxima(ew, x, idx, a.chunk_tokens), dev, a.repeats)
+        t = timed(
+            {"routed": routed, "all": lambda: all_experts_maxima(ew, x, idx, a.chunk_tokens)}, dev, a.repeats
+        )
+        t_routed, t_all = t["routed"], t["all"]
         diff = float((routed() - all_experts_maxima(ew, x, idx, a.chunk_tokens).cpu()).abs().max())
     loads = [
         torch.bincount(idx[lo : lo + a.chunk_tokens].reshape(-1), minlength=E).max().item()

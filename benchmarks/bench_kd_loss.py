@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import DTYPES, finish_presets, preset_parser, sync, timed  # noqa: E402
 from machine import describe  # noqa: E402  (benchmarks/machine.py, beside this script)
 
 from workers.training.losses import LOSSES, head_divergence  # noqa: E402
@@ -45,32 +44,10 @@ PRESETS = {
     # Qwen3-30B-A3B's final hidden size and vocabulary, 4096 tokens in chunks of 1024 (DistillSpec's default)
     "real": dict(tokens=4096, hidden=2048, vocab=151936, chunk=1024, dtype="bfloat16"),
 }
-DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
-}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="small")
-    ap.add_argument(
-        "--smoke",
-        action="store_true",
-        help="a seconds-long run through the same code paths: --preset smoke, 1 repeat "
-        "(checks the script runs; its timings mean nothing)",
-    )
-    ap.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda for --preset real")
-    for name, default in PRESETS["small"].items():
-        kind = str if isinstance(default, str) else int
-        ap.add_argument(
-            "--" + name,
-            type=kind,
-            default=None,
-            help=f"override the preset (small: {default}, real: {PRESETS['real'][name]})",
-        )
+    ap = preset_parser(__doc__, PRESETS, "small", device=None, device_help="default: cuda for --preset real")
     ap.add_argument("--loss", choices=["forward_kl", "reverse_kl"], default="forward_kl")
     ap.add_argument("--tau", type=float, default=1.0)
     ap.add_argument("--bias", action="store_true", help="LM heads with a bias (the student's trained)")
@@ -86,47 +63,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the device's peak matmul rate in --dtype (e.g. 989 for an H100 SXM in bf16): also prints the "
         "FLOP time at that peak",
     )
-    ap.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement (median)")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    if args.smoke:
-        args.preset, args.repeats = "smoke", 1
-    for name, value in PRESETS[args.preset].items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    if args.device is None:
-        args.device = "cuda" if args.preset == "real" else "cpu"
-    if args.dtype not in DTYPES:
-        ap.error(f"--dtype {args.dtype!r}: allowed {sorted(DTYPES)}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: torch sees no CUDA device")
+    args = finish_presets(ap, ap.parse_args(argv), PRESETS)
     if args.autocast and args.dtype not in ("bfloat16", "float16"):
         ap.error(f"--autocast with --dtype {args.dtype}: allowed bfloat16, float16")
     for name in ("tokens", "hidden", "vocab", "chunk", "repeats"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} {getattr(args, name)}: must be >= 1")
     return args
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fns: dict[str, Callable[[], object]], device: str, repeats: int) -> dict[str, float]:
-    """Median wall time of each function over `repeats` rounds after one warm-up call each; the functions take
-    turns within a round, so a busy machine slows them alike."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def peak_bytes(fn: Callable[[], object], device: str) -> int | None:

@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import qwen3_moe_config, sync  # noqa: E402  (benchmarks/common.py, beside this script)
 from machine import describe  # noqa: E402  (benchmarks/machine.py, beside this script)
 
 # a small tiny teacher: trains in well under a minute on 2 CPU cores, cached under --home
@@ -187,18 +188,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def clock(device: str) -> float:
     sync(device)
     return time.perf_counter()
-
-
-def machine(device: str) -> str:
-    return describe(device)
 
 
 # ---- teacher, text, calibration ------------------------------------------------------------------
@@ -226,32 +218,19 @@ def tiny_teacher(a: argparse.Namespace):
 
 def real_teacher(a: argparse.Namespace):
     """Random-weight Qwen3-30B-A3B-shaped teacher (2 layers); text and tokenizer of the small tiny corpus."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from workers.tiny.teacher import TinyTeacherSpec, prepare_data
 
     data = prepare_data(TinyTeacherSpec(**SMALL_SPEC), Path(a.home) / "cache" / "tiny")
     tok = AutoTokenizer.from_pretrained(data["tokenizer_dir"])
     r = REAL
-    cfg = Qwen3MoeConfig(
-        vocab_size=r["vocab"],
-        hidden_size=r["hidden"],
-        intermediate_size=6144,
-        moe_intermediate_size=r["moe_intermediate"],
-        num_hidden_layers=a.layers,
-        num_attention_heads=r["heads"],
-        num_key_value_heads=r["kv_heads"],
-        head_dim=r["head_dim"],
-        num_experts=r["experts"],
-        num_experts_per_tok=r["top_k"],
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
+    cfg = qwen3_moe_config(
+        **(r | {"layers": a.layers}),
+        intermediate=6144,
+        tokenizer=tok,
         tie_word_embeddings=False,
         max_position_embeddings=4096,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
     )
     torch.manual_seed(0)
     with torch.device(a.device):
@@ -432,7 +411,6 @@ def minutes(seconds: float) -> str:
 def naive(model, adapter, tok, texts, plans, a):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from workers.evaluation.ppl import perplexity
     from workers.models.convert import build_student_from_plans
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_predistill_"))
@@ -447,18 +425,7 @@ def naive(model, adapter, tok, texts, plans, a):
         loaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=DTYPES[a.dtype]).to(a.device).eval()
         tok2 = AutoTokenizer.from_pretrained(tmp)
         t3 = clock(a.device)
-        r = perplexity(
-            loaded,
-            tok2,
-            texts,
-            seq_len=a.seq_len,
-            batch_size=a.batch_size,
-            add_bos=False,
-            device=a.device,
-            max_windows=a.max_windows,
-            compile_layers=a.compile_on,
-        )
-        t4 = clock(a.device)
+        r, t_eval = evaluate(loaded, tok2, texts, a)
         size = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
         del loaded
     finally:
@@ -467,7 +434,7 @@ def naive(model, adapter, tok, texts, plans, a):
         "build": t1 - t0,
         "save": t2 - t1,
         "load": t3 - t2,
-        "eval": t4 - t3,
+        "eval": t_eval,
         "ppl": r["ppl"],
         "bytes": size,
     }
@@ -520,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     mtot = {k: sum(m[k] for _, m, _ in rows) for k in ("build", "eval")}
     plan_total = sum(c["plan_s"] for c in configs)
 
-    print(f"machine : {machine(a.device)}")
+    print(f"machine : {describe(a.device)}")
     print(f"teacher : {desc}")
     print(
         f"sizes   : N={len(rows)} configurations; dtype={a.dtype}; calibration {calib_tokens} tokens "

@@ -444,6 +444,22 @@ def step_sweeps(ctx: Context) -> list[Row]:
 
 
 # ---- b: the paper grid on a teacher of real shapes --------------------------------------------------------
+def teacher_config(s: dict[str, Any], tok: Any = None):
+    """The grid teacher's Qwen3-MoE config: shapes `s` (REAL or QUICK), the vocabulary of `tok` where `s`
+    names none, and its special token ids."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    from common import qwen3_moe_config  # benchmarks/common.py, beside this script
+
+    return qwen3_moe_config(
+        **{k: v for k, v in s.items() if k not in ("vocab", "corpus_chars", "tok_vocab")},
+        vocab=s["vocab"] or len(tok),
+        tokenizer=tok,
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
+    )
+
+
 def make_teacher(out: Path, quick: bool, device: str) -> dict[str, Any]:
     """A random-weight Qwen3-MoE teacher saved to out/teacher with the tiny corpus' tokenizer, and the data
     the grid reads: the corpus' jsonl splits and out/arc/test.jsonl, an ARC-format multiple-choice task
@@ -451,7 +467,7 @@ def make_teacher(out: Path, quick: bool, device: str) -> dict[str, Any]:
     distractors: the same span of other documents). Returns what the grid's overrides need."""
     sys.path.insert(0, str(ROOT))
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from workers.core.tiny_corpus import read_split
     from workers.tiny.spec import TinyTeacherSpec
@@ -463,26 +479,7 @@ def make_teacher(out: Path, quick: bool, device: str) -> dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(d["tokenizer_dir"])
     data_s = time.perf_counter() - t0
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    cfg = Qwen3MoeConfig(
-        vocab_size=s["vocab"] or len(tok),
-        hidden_size=s["hidden"],
-        intermediate_size=s["intermediate"],
-        moe_intermediate_size=s["moe_intermediate"],
-        num_hidden_layers=s["layers"],
-        num_attention_heads=s["heads"],
-        num_key_value_heads=s["kv_heads"],
-        head_dim=s["head_dim"],
-        num_experts=s["experts"],
-        num_experts_per_tok=s["top_k"],
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        tie_word_embeddings=False,
-        max_position_embeddings=4096,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
+    cfg = teacher_config(s, tok)
     torch.manual_seed(0)
     t0 = time.perf_counter()
     with torch.device(device):

@@ -239,20 +239,7 @@ def test_the_known_benchmarks_outputs_are_read():
 def test_the_full_grid_overrides_plan_the_papers_350_configurations(tmp_path):
     """The --set overrides of step b at the real shapes, planned by `moesweep launch --dry-run` against a
     saved Qwen3-30B-A3B-shaped config (no weights): 350 conversions, one calibration, 7 + 1 distillations."""
-    from transformers import Qwen3MoeConfig
-
-    s = check.REAL
-    Qwen3MoeConfig(
-        vocab_size=s["vocab"],
-        hidden_size=s["hidden"],
-        moe_intermediate_size=s["moe_intermediate"],
-        num_hidden_layers=s["layers"],
-        num_attention_heads=s["heads"],
-        num_key_value_heads=s["kv_heads"],
-        head_dim=s["head_dim"],
-        num_experts=s["experts"],
-        num_experts_per_tok=s["top_k"],
-    ).save_pretrained(tmp_path / "teacher")
+    check.teacher_config(check.REAL).save_pretrained(tmp_path / "teacher")
     made = {
         "dir": str(tmp_path / "teacher"),
         "corpus": str(tmp_path / "corpus"),
