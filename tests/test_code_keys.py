@@ -97,11 +97,9 @@ def test_docstrings_comments_and_layout_do_not_count_code_does(toy_pkg):
     assert _digest(("cvtoy.stage", "run")) != base
 
 
-def test_a_registry_entry_is_its_own_component_and_not_followed_from_a_stage(toy_pkg):
-    _write(
-        toy_pkg,
-        "methods",
-        """
+def _methods(helper_step: int) -> str:
+    """cvtoy.methods: a registry of two methods, B calling a helper that subtracts `helper_step`."""
+    return f"""
         def a(x):
             return x + 1
 
@@ -109,14 +107,17 @@ def test_a_registry_entry_is_its_own_component_and_not_followed_from_a_stage(toy
             return helper(x) * 2
 
         def helper(x):
-            return x - 1
+            return x - {helper_step}
 
-        METHODS = {"A": a, "B": b}
+        METHODS = {{"A": a, "B": b}}
 
         def get(name):
             return METHODS[name]
-    """,
-    )
+    """
+
+
+def test_a_registry_entry_is_its_own_component_and_not_followed_from_a_stage(toy_pkg):
+    _write(toy_pkg, "methods", _methods(helper_step=1))
     _write(
         toy_pkg,
         "stage",
@@ -135,25 +136,7 @@ def test_a_registry_entry_is_its_own_component_and_not_followed_from_a_stage(toy
             ("cvtoy.methods", "METHODS", "B"),
         ]
     }
-    _write(
-        toy_pkg,
-        "methods",
-        """
-        def a(x):
-            return x + 1
-
-        def b(x):
-            return helper(x) * 2
-
-        def helper(x):
-            return x - 2
-
-        METHODS = {"A": a, "B": b}
-
-        def get(name):
-            return METHODS[name]
-    """,
-    )  # edit B's helper: only B's component changes
+    _write(toy_pkg, "methods", _methods(helper_step=2))  # edit B's helper: only B's component changes
     after = {u: _digest(u) for u in before}
     changed = {u for u in before if before[u] != after[u]}
     assert changed == {("cvtoy.methods", "METHODS", "B")}
@@ -324,6 +307,14 @@ def test_the_code_that_builds_a_student_is_part_of_every_job_that_builds_it():
     ) in dense
 
 
+def _move_helpers(pkg: Path, subpackage: str, name: str, text: str) -> None:
+    """cvtoy/helpers.py moves to cvtoy/<subpackage>/<name>.py (a new subpackage), written as `text`."""
+    (pkg / "helpers.py").unlink()
+    (pkg / subpackage).mkdir()
+    (pkg / subpackage / "__init__.py").write_text("")
+    _write(pkg / subpackage, name, text)
+
+
 def test_moving_a_definition_to_another_module_keeps_its_key_and_an_edit_still_changes_it(toy_pkg):
     """A definition is its name and its source, not the module it lives in: moving `scaled` (reached by a
     from-import, a module alias and a dotted chain) keeps the stage's digest; editing it where it now lives
@@ -348,10 +339,7 @@ def test_moving_a_definition_to_another_module_keeps_its_key_and_an_edit_still_c
     """,
     )
     base = _digest(("cvtoy.stage", "run"))
-    (toy_pkg / "helpers.py").unlink()
-    (toy_pkg / "deep").mkdir()
-    (toy_pkg / "deep" / "__init__.py").write_text("")
-    _write(toy_pkg / "deep", "numerics", helper)
+    _move_helpers(toy_pkg, "deep", "numerics", helper)
     _write(
         toy_pkg,
         "stage",
@@ -384,10 +372,7 @@ def test_a_module_named_in_a_string_and_the_order_of_imports_do_not_count(toy_pk
     """
     _write(toy_pkg, "stage", stage.format(a="helpers"))
     base = _digest(("cvtoy.stage", "run"))
-    (toy_pkg / "helpers.py").unlink()
-    (toy_pkg / "zz").mkdir()
-    (toy_pkg / "zz" / "__init__.py").write_text("")
-    _write(toy_pkg / "zz", "helpers", helper)
+    _move_helpers(toy_pkg, "zz", "helpers", helper)
     _write(
         toy_pkg,
         "stage",

@@ -7,12 +7,13 @@ import json
 import math
 import shutil
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from tiny_qwen3 import dense_qwen3
 
 from workers.evaluation.evaluate import run_suite
 from workers.evaluation.ppl import perplexity
@@ -47,12 +48,17 @@ def documents() -> list[dict]:
     return out
 
 
+def corpus_dir(tmp_path_factory, name: str, rows: list[dict]) -> Path:
+    """A fresh tiny_dir whose corpus/test.jsonl holds `rows` (what the tiny suites are built from)."""
+    d = tmp_path_factory.mktemp(name)
+    (d / "corpus").mkdir()
+    (d / "corpus" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("tiny")
-    (d / "corpus").mkdir()
-    (d / "corpus" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in documents()))
-    return d
+    return corpus_dir(tmp_path_factory, "tiny", documents())
 
 
 @pytest.fixture(scope="module")
@@ -61,20 +67,7 @@ def tok(tmp_path_factory):
 
 
 def dense(tok, seed: int):
-    torch.manual_seed(seed)
-    return Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=len(tok),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            max_position_embeddings=256,
-            tie_word_embeddings=False,
-        )
-    ).eval()
+    return dense_qwen3(len(tok), seed, max_positions=256)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +75,10 @@ def model(tok):
     return dense(tok, 0)
 
 
-def run(model, tok, suite, cache, key="model-a", tiny_dir=None, limit=None):
+def run(
+    model, tok, suite, cache, key="model-a", tiny_dir=None, limit=None, batch_size=8, backend="hf", **kwargs
+):
+    """run_suite with `cache` as both its cache and its working folder (extra keywords: run_suite's own)."""
     return run_suite(
         model,
         tok,
@@ -90,11 +86,12 @@ def run(model, tok, suite, cache, key="model-a", tiny_dir=None, limit=None):
         model_key=key,
         cache_dir=str(cache),
         tiny_dir=str(tiny_dir) if tiny_dir else None,
-        batch_size=8,
-        backend="hf",
+        batch_size=batch_size,
+        backend=backend,
         limit=limit,
         model_path=None,
         workdir=str(cache),
+        **kwargs,
     )
 
 
@@ -394,33 +391,9 @@ def test_bad_suites_are_one_line_errors(tmp_path):
 def test_vllm_backend_without_vllm_is_a_one_line_error(model, tok, tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if the [gpu] extra were not installed
     with pytest.raises(ImportError, match=r"install the \[gpu\] extra"):
-        run_suite(
-            model,
-            tok,
-            "tiny",
-            model_key="k",
-            cache_dir=str(tmp_path),
-            tiny_dir=str(tiny_dir),
-            batch_size=4,
-            backend="vllm",
-            limit=2,
-            model_path=None,
-            workdir=str(tmp_path),
-        )
+        run(model, tok, "tiny", tmp_path, key="k", tiny_dir=tiny_dir, batch_size=4, backend="vllm", limit=2)
     with pytest.raises(ValueError, match="backend must be one of hf, vllm"):
-        run_suite(
-            model,
-            tok,
-            "tiny",
-            model_key="k",
-            cache_dir=str(tmp_path),
-            tiny_dir=str(tiny_dir),
-            batch_size=4,
-            backend="tpu",
-            limit=2,
-            model_path=None,
-            workdir=str(tmp_path),
-        )
+        run(model, tok, "tiny", tmp_path, key="k", tiny_dir=tiny_dir, batch_size=4, backend="tpu", limit=2)
 
 
 # ---- generative tasks and repeated runs --------------------------------------------------------------
@@ -481,10 +454,7 @@ def greedy_first_word(model, tok, context: str, max_new: int) -> str:
 
 @pytest.fixture(scope="module")
 def counting_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("counting")
-    (d / "corpus").mkdir()
-    (d / "corpus" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in counting_corpus()))
-    return d
+    return corpus_dir(tmp_path_factory, "counting", counting_corpus())
 
 
 def test_generative_declarations_validate():
@@ -536,38 +506,12 @@ def test_unmet_generative_tasks_are_recorded_as_not_run(model, tok, tiny_dir, tm
     monkeypatch.setattr(we, "hf_cached", lambda repo, kind: False)
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     gen = ["tiny_gen", "gsm8k", "humaneval", {"task": "mbpp", "data_dir": str(tmp_path / "no-such-folder")}]
-    res = run_suite(
-        model,
-        tok,
-        "tiny",
-        model_key="m",
-        cache_dir=str(tmp_path),
-        tiny_dir=str(tiny_dir),
-        batch_size=4,
-        backend="hf",
-        limit=2,
-        model_path=None,
-        workdir=str(tmp_path),
-        generative=gen,
-    )
+    go = partial(run, model, tok, "tiny", tmp_path, key="m", tiny_dir=tiny_dir, batch_size=4, limit=2)
+    res = go(generative=gen)
     assert set(res["not_run"]) == {"tiny_gen", "gsm8k", "humaneval", "mbpp"}
     assert all(r.startswith("needs a GPU") for r in res["not_run"].values())
     assert [t["task"] for t in res["tasks"]] == ["tiny_mc", "tiny_ppl"], "the suite itself still ran"
-    res = run_suite(
-        model,
-        tok,
-        "tiny",
-        model_key="m",
-        cache_dir=str(tmp_path),
-        tiny_dir=str(tiny_dir),
-        batch_size=4,
-        backend="hf",
-        limit=2,
-        model_path=None,
-        workdir=str(tmp_path),
-        generative=gen[1:],
-        allow_cpu=True,
-    )
+    res = go(generative=gen[1:], allow_cpu=True)
     why = res["not_run"]
     assert "needs the dataset openai/gsm8k" in why["gsm8k"] and "offline" in why["gsm8k"]
     assert "allow_code_eval" in why["humaneval"] and "allow_code_eval" in why["mbpp"]
@@ -575,22 +519,7 @@ def test_unmet_generative_tasks_are_recorded_as_not_run(model, tok, tiny_dir, tm
         "the suite's results were stored by the first call"
     )
     monkeypatch.setattr(we, "hf_cached", lambda repo, kind: kind == "module")  # as if code_eval were cached
-    res = run_suite(
-        model,
-        tok,
-        "tiny",
-        model_key="m",
-        cache_dir=str(tmp_path),
-        tiny_dir=str(tiny_dir),
-        batch_size=4,
-        backend="hf",
-        limit=2,
-        model_path=None,
-        workdir=str(tmp_path),
-        generative=gen[3:],
-        allow_cpu=True,
-        allow_code_eval=True,
-    )
+    res = go(generative=gen[3:], allow_cpu=True, allow_code_eval=True)
     assert "no-such-folder is not a folder" in res["not_run"]["mbpp"], "its local data is missing"
     assert all("\n" not in r for r in why.values())
     rows = [m for m in eval_metrics(res, repeated=False) if m["task"] == "mbpp"]
@@ -613,18 +542,15 @@ def test_tiny_gen_runs_through_lm_eval_and_matches_a_hand_count(tok, counting_di
     docs = counting_corpus()
     model = trained_counter(tok, docs)
     n = 20
-    res = run_suite(
+    res = run(
         model,
         tok,
         "tiny",
-        model_key="counter",
-        cache_dir=str(tmp_path),
-        tiny_dir=str(counting_dir),
+        tmp_path,
+        key="counter",
+        tiny_dir=counting_dir,
         batch_size=1,
-        backend="hf",
         limit=n,
-        model_path=None,
-        workdir=str(tmp_path),
         generative=["tiny_gen"],
         allow_cpu=True,
     )
@@ -658,20 +584,7 @@ def test_two_runs_of_one_checkpoint_give_two_rows_with_their_n(model, tok, tiny_
     from workers.run.evaluate import eval_metrics
 
     runs = [{"limit": 3}, {"limit": 5, "seed": 1}]
-    res = run_suite(
-        model,
-        tok,
-        "tiny",
-        model_key="m2",
-        cache_dir=str(tmp_path),
-        tiny_dir=str(tiny_dir),
-        batch_size=4,
-        backend="hf",
-        limit=None,
-        model_path=None,
-        workdir=str(tmp_path),
-        runs=runs,
-    )
+    res = run(model, tok, "tiny", tmp_path, key="m2", tiny_dir=tiny_dir, batch_size=4, runs=runs)
     assert [r["settings"] for r in res["runs"]] == runs and [r["reused"] for r in res["runs"]] == [[], []]
     acc = [m for m in eval_metrics(res, repeated=True) if m["name"] == "acc" and m["task"] == "tiny_mc"]
     assert [(m["step"], m["total"], m["extra"]["run"]) for m in acc] == [(0, 3, runs[0]), (1, 5, runs[1])]
@@ -679,35 +592,11 @@ def test_two_runs_of_one_checkpoint_give_two_rows_with_their_n(model, tok, tiny_
     assert all(m["total"] in (3, 5) for m in metrics), "every score carries its n"
     assert len({(m["name"], m["task"], m["step"]) for m in metrics}) == len(metrics), "unique per the DB key"
     # a third run added later: the stored two are read back, not recomputed (no model is needed for them)
-    more = run_suite(
-        None,
-        tok,
-        "tiny",
-        model_key="m2",
-        cache_dir=str(tmp_path),
-        tiny_dir=str(tiny_dir),
-        batch_size=4,
-        backend="hf",
-        limit=None,
-        model_path=None,
-        workdir=str(tmp_path),
-        runs=runs,
-    )
+    more = run(None, tok, "tiny", tmp_path, key="m2", tiny_dir=tiny_dir, batch_size=4, runs=runs)
     assert [r["reused"] for r in more["runs"]] == [["tiny_mc", "tiny_ppl"]] * 2
     assert more["runs"][1]["tasks"] == res["runs"][1]["tasks"]
-    added = run_suite(
-        model,
-        tok,
-        "tiny",
-        model_key="m2",
-        cache_dir=str(tmp_path),
-        tiny_dir=str(tiny_dir),
-        batch_size=4,
-        backend="hf",
-        limit=None,
-        model_path=None,
-        workdir=str(tmp_path),
-        runs=[*runs, {"limit": 4}],
+    added = run(
+        model, tok, "tiny", tmp_path, key="m2", tiny_dir=tiny_dir, batch_size=4, runs=[*runs, {"limit": 4}]
     )
     assert [r["reused"] for r in added["runs"]] == [["tiny_mc", "tiny_ppl"]] * 2 + [[]]
     assert [t["n"] for t in added["runs"][2]["tasks"]] == [4, 4]

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 import yaml
+from sweep_runs import launched_twice, planned, spec_of
 
-from orchestrator import configs as P
 from orchestrator import dryrun
 from orchestrator.spec import SpecError, check_local_paths, load_spec
-from orchestrator.stage import SweepContext, stages
+from orchestrator.stage import SweepContext
 from orchestrator.stages.calibrate import calibration_params, plan_note
 
 HERE = Path(__file__).parent
@@ -77,22 +77,6 @@ SWEEP: dict[str, Any] = {
     "select": None,
     "execution": {"retries": 0},
 }
-
-
-def spec_of(raw: dict[str, Any], tmp_path: Path, name: str = "x.yaml"):
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return load_spec(str(path))[0]
-
-
-def planned(spec) -> SweepContext:
-    """Every job a dry run plans (the stages planned from results plan nothing here)."""
-    shape = P.stated_shape(spec)
-    ctx = SweepContext(spec, shape, P.build_configs(spec, shape))
-    for st in stages():
-        if st.estimate is None:
-            ctx.jobs[st.name] = st.jobs(ctx)
-    return ctx
 
 
 def job_keys(ctx: SweepContext) -> dict[str, dict[str, str]]:
@@ -211,6 +195,19 @@ def test_a_named_section_may_read_chat_data():
 
 
 # ---- errors --------------------------------------------------------------------------------------------
+def two_sources(first: str = "prose", **extra: Any) -> dict[str, Any]:
+    """A calibration section mixing the tiny corpus's prose (named `first`) and code halves, 8 windows."""
+    return {
+        "sources": {
+            first: {"data": {"source": "tiny", "split": "train:prose"}, "weight": 1},
+            "code": {"data": {"source": "tiny", "split": "train:code"}, "weight": 1},
+        },
+        "n_samples": 8,
+        "seq_len": SEQ,
+        **extra,
+    }
+
+
 def _with(change) -> dict[str, Any]:
     raw = copy.deepcopy(SWEEP)
     change(raw)
@@ -283,17 +280,7 @@ def test_bad_sections_and_names_are_one_line_errors(tmp_path, change, expect):
         ),
         (
             lambda r: (
-                r.update(
-                    calibration={
-                        "sources": {
-                            "valid": {"data": {"source": "tiny", "split": "train:prose"}, "weight": 1},
-                            "code": {"data": {"source": "tiny", "split": "train:code"}, "weight": 1},
-                        },
-                        "n_samples": 8,
-                        "seq_len": SEQ,
-                        "single_source": {"apply_to": {"scoring": "REAP"}},
-                    }
-                ),
+                r.update(calibration=two_sources("valid", single_source={"apply_to": {"scoring": "REAP"}})),
             ),
             f"calibrations.valid: configuration {REAP_VALID} would be both a single-source variant and a named "
             "calibration's; rename the calibration",
@@ -303,14 +290,7 @@ def test_bad_sections_and_names_are_one_line_errors(tmp_path, change, expect):
 def test_conflicts_with_other_calibration_features_are_one_line_errors(tmp_path, change, expect):
     raw = _with(change)
     if "dcdm" in raw:  # DCDM mixes named sources
-        raw["calibration"] = {
-            "sources": {
-                "prose": {"data": {"source": "tiny", "split": "train:prose"}, "weight": 1},
-                "code": {"data": {"source": "tiny", "split": "train:code"}, "weight": 1},
-            },
-            "n_samples": 8,
-            "seq_len": SEQ,
-        }
+        raw["calibration"] = two_sources()
     spec = spec_of(raw, tmp_path)
     with pytest.raises(SpecError) as e:
         planned(spec)
@@ -320,15 +300,7 @@ def test_conflicts_with_other_calibration_features_are_one_line_errors(tmp_path,
 
 def test_single_source_applies_to_the_calibration_sections_configurations_only(tmp_path):
     raw = copy.deepcopy(SWEEP)
-    raw["calibration"] = {
-        "sources": {
-            "prose": {"data": {"source": "tiny", "split": "train:prose"}, "weight": 1},
-            "code": {"data": {"source": "tiny", "split": "train:code"}, "weight": 1},
-        },
-        "n_samples": 8,
-        "seq_len": SEQ,
-        "single_source": {"n_samples": 4},
-    }
+    raw["calibration"] = two_sources(single_source={"n_samples": 4})
     keys = [c["config_key"] for c in planned(spec_of(raw, tmp_path)).configs]
     assert keys == [REAP, REAP_VALID, WEIGHTS, f"{REAP}|calibration=prose", f"{REAP}|calibration=code"]
     raw["calibration"]["single_source"]["apply_to"] = {"scoring": "Weights"}  # only a named one's
@@ -401,36 +373,11 @@ def test_seed001s_csv_rows_state_the_calibration_it_plans():
 # ---- a sweep ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from rich.console import Console
-
-    from db.store import Store
-    from orchestrator.execute import SerialExecutor
-    from orchestrator.launch import launch
-
     tmp = tmp_path_factory.mktemp("named_calibrations")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MOESWEEP_HOME", str(tmp / "home"))
-        path = tmp / "named.yaml"
-        path.write_text(yaml.safe_dump(SWEEP, sort_keys=False))
-        spec, path, text = load_spec(str(path))
-        store = Store(f"sqlite:///{tmp}/r.db")
-
-        def go() -> int:
-            return launch(
-                spec,
-                text,
-                store,
-                SerialExecutor(),
-                console=Console(quiet=True),
-                show_progress=False,
-                path=str(path),
-            )
-
-        code = go()
-        jobs = store.query("SELECT key, attempts, finished_at, status FROM jobs ORDER BY key")[1]
-        code2 = go()
-        again = store.query("SELECT key, attempts, finished_at, status FROM jobs ORDER BY key")[1]
-        yield {"code": code, "code2": code2, "jobs": jobs, "again": again, "store": store}
+    path = tmp / "named.yaml"
+    path.write_text(yaml.safe_dump(SWEEP, sort_keys=False))
+    with launched_twice(path, tmp) as launched:
+        yield launched
 
 
 @pytest.mark.slow

@@ -122,41 +122,13 @@ def test_store_reference_import_and_stale_release_on_postgresql(pg_database):
     """test_store's reference-import and stale-release checks, in SQL that PostgreSQL takes too (its
     ROUND has no double-precision form; its driver's parameters are not `?`)."""
     s = Store(pg_database("store_more"))
-    recs = [
-        {
-            "name": "paper-x",
-            "source": "paper:000",
-            "configs": [
-                {
-                    "model": "M",
-                    "kind": "moe2dense",
-                    "scoring": "SF",
-                    "grouping": "RR",
-                    "dp_scaling": "uniform",
-                    "K": 8,
-                    "top_k": 8,
-                    "table": "table10_11",
-                    "metrics": [
-                        {"name": "ppl", "stage": "pre", "value": 20633.0},
-                        {"name": "acc", "stage": "post", "task": "winogrande", "value": 0.53, "headline": 1},
-                        {"name": "acc", "stage": "post", "task": "mmlu", "value": 0.27, "headline": 1},
-                    ],
-                }
-            ],
-        }
-    ]
-    s.import_reference(recs)
-    s.import_reference(recs)
+    s.import_reference(test_store.PAPER_X)
+    s.import_reference(test_store.PAPER_X)
     _, rows = s.query("SELECT sweep_kind, ppl_pre, avg_acc FROM results WHERE sweep = 'paper-x'")
     assert rows == [("reference", 20633.0, pytest.approx(0.4))]
 
     test_store._setup(s)
-    s.claim("j1", "a")
-    s.fail("j1", "a", "Traceback ...\nValueError: boom", final=True)
-    assert s.jobs(["j1"])["j1"]["status"] == "failed"
-    assert not s.claim("j1", "b")
-    assert s.claim("j1", "b", retry_failed=True)
-    s.heartbeat(["j1"], "b")
+    test_store._fail_then_retry(s)
     assert s.release_stale() == 0  # its owner is a name, not a process of this host: not stale yet
     with s.tx() as c:  # an owner on this host whose process is gone
         c.execute(

@@ -10,12 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import (
-    Qwen3Config,
-    Qwen3ForCausalLM,
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
-)
+from tiny_qwen3 import dense_qwen3, moe_qwen3
 
 from workers.evaluation.ppl import make_windows, perplexity
 from workers.tiny.tokenizer import train_tokenizer
@@ -32,26 +27,9 @@ def tok(tmp_path_factory):
     return train_tokenizer(corpus(), 512, tmp_path_factory.mktemp("tok"))
 
 
-def dense(tok, seed: int = 0):
-    torch.manual_seed(seed)
-    return Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=len(tok),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            max_position_embeddings=128,
-            tie_word_embeddings=False,
-        )
-    ).eval()
-
-
 @pytest.fixture(scope="module")
 def model(tok):
-    return dense(tok)
+    return dense_qwen3(len(tok), 0, max_positions=128)
 
 
 @pytest.fixture(scope="module")
@@ -149,24 +127,7 @@ def test_batch_size_and_max_windows(tok, model, texts):
 
 
 def test_moe_teacher_and_training_flag(tok, texts):
-    torch.manual_seed(1)
-    moe = Qwen3MoeForCausalLM(
-        Qwen3MoeConfig(
-            vocab_size=len(tok),
-            hidden_size=32,
-            intermediate_size=64,
-            moe_intermediate_size=16,
-            num_experts=4,
-            num_experts_per_tok=2,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            max_position_embeddings=128,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-        )
-    )
+    moe = moe_qwen3(len(tok), 1, max_positions=128)
     moe.train()
     r = perplexity(moe, tok, texts, seq_len=40, batch_size=4, add_bos=True, device="cpu")
     assert moe.training, "the caller's training flag is restored"
@@ -193,6 +154,9 @@ class Fixed(torch.nn.Module):
 def test_non_finite_values_are_kept_explicit(tok, texts):
     V = len(tok)
 
+    def fixed_ppl(fill) -> dict:
+        return perplexity(Fixed(fill), tok, texts, seq_len=16, batch_size=4, add_bos=False, device="cpu")
+
     def minus_inf_on_targets(ids):  # the true next token gets probability 0
         logits = torch.zeros(*ids.shape, V)
         logits[:, :-1].scatter_(2, ids[:, 1:, None], -math.inf)
@@ -200,19 +164,9 @@ def test_non_finite_values_are_kept_explicit(tok, texts):
         logits[:, -1, 0] = 0.0  # keep the unscored last position finite
         return logits
 
-    r = perplexity(
-        Fixed(minus_inf_on_targets), tok, texts, seq_len=16, batch_size=4, add_bos=False, device="cpu"
-    )
+    r = fixed_ppl(minus_inf_on_targets)
     assert r["value_kind"] == "inf" and math.isinf(r["ppl"]) and math.isinf(r["sum_nll"])
-    r = perplexity(
-        Fixed(lambda ids: torch.full((*ids.shape, V), math.nan)),
-        tok,
-        texts,
-        seq_len=16,
-        batch_size=4,
-        add_bos=False,
-        device="cpu",
-    )
+    r = fixed_ppl(lambda ids: torch.full((*ids.shape, V), math.nan))
     assert r["value_kind"] == "nan" and math.isnan(r["ppl"])
 
     def confident_and_wrong(ids):  # NLL ~ 2000 nats per token: exp overflows although Σ NLL is finite
@@ -220,19 +174,9 @@ def test_non_finite_values_are_kept_explicit(tok, texts):
         logits[..., 1] = 2000.0
         return logits
 
-    r = perplexity(
-        Fixed(confident_and_wrong), tok, texts, seq_len=16, batch_size=4, add_bos=False, device="cpu"
-    )
+    r = fixed_ppl(confident_and_wrong)
     assert math.isfinite(r["sum_nll"]) and r["value_kind"] == "inf" and r["ppl"] == math.inf
-    uniform = perplexity(
-        Fixed(lambda ids: torch.zeros(*ids.shape, V)),
-        tok,
-        texts,
-        seq_len=16,
-        batch_size=4,
-        add_bos=False,
-        device="cpu",
-    )
+    uniform = fixed_ppl(lambda ids: torch.zeros(*ids.shape, V))
     assert uniform["ppl"] == pytest.approx(V, rel=1e-5)  # uniform prediction: PPL = vocabulary size
 
 

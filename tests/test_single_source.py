@@ -8,16 +8,15 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 import yaml
+from sweep_runs import launched_twice, planned, spec_of
 
 from orchestrator import configs as P
 from orchestrator import dryrun
 from orchestrator.spec import SpecError, load_spec
-from orchestrator.stage import SweepContext, stages
 
 HERE = Path(__file__).parent
 SWEEP = HERE / "sweeps" / "single_source.yaml"
@@ -31,22 +30,6 @@ N_ALONE, SEQ = 8, 64
 
 def variant(base: str, source: str) -> str:
     return f"{base}|calibration={source}"
-
-
-def spec_of(raw: dict[str, Any], tmp_path: Path, name: str = "x.yaml"):
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return load_spec(str(path))[0]
-
-
-def planned(spec) -> SweepContext:
-    """Every job a dry run plans (the stages planned from results plan nothing here)."""
-    shape = P.stated_shape(spec)
-    ctx = SweepContext(spec, shape, P.build_configs(spec, shape))
-    for st in stages():
-        if st.estimate is None:
-            ctx.jobs[st.name] = st.jobs(ctx)
-    return ctx
 
 
 # ---- planning ----------------------------------------------------------------------------------------
@@ -348,34 +331,8 @@ def test_weights_is_a_scoring_sweeps_name():
 # ---- a sweep --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from rich.console import Console
-
-    from db.store import Store
-    from orchestrator.execute import SerialExecutor
-    from orchestrator.launch import launch
-
-    tmp = tmp_path_factory.mktemp("single_source")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MOESWEEP_HOME", str(tmp / "home"))
-        spec, path, text = load_spec(str(SWEEP))
-        store = Store(f"sqlite:///{tmp}/r.db")
-
-        def go() -> int:
-            return launch(
-                spec,
-                text,
-                store,
-                SerialExecutor(),
-                console=Console(quiet=True),
-                show_progress=False,
-                path=str(path),
-            )
-
-        code = go()
-        jobs = store.query("SELECT key, attempts, finished_at, status FROM jobs ORDER BY key")[1]
-        code2 = go()
-        again = store.query("SELECT key, attempts, finished_at, status FROM jobs ORDER BY key")[1]
-        yield {"code": code, "code2": code2, "jobs": jobs, "again": again, "store": store, "spec": spec}
+    with launched_twice(SWEEP, tmp_path_factory.mktemp("single_source")) as launched:
+        yield launched
 
 
 def rows(store, sql: str, **params) -> list[tuple]:

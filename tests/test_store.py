@@ -99,16 +99,21 @@ def test_non_finite_values_are_explicit(tmp_path):
     assert rows == [(None, "inf", None, "nan")]
 
 
-def test_failure_then_retry_and_stale_release(tmp_path):
-    s = make_store(tmp_path)
-    _setup(s)
+def _fail_then_retry(s: Store) -> None:
+    """j1 (of `_setup`) fails for good under owner a; b may claim it only as a retry, and is running it."""
     s.claim("j1", "a")
     s.fail("j1", "a", "Traceback ...\nValueError: boom", final=True)
     assert s.jobs(["j1"])["j1"]["status"] == "failed"
     assert not s.claim("j1", "b")
     assert s.claim("j1", "b", retry_failed=True)
-    # an owner on this host whose process is gone: its running job goes back to pending
     s.heartbeat(["j1"], "b")
+
+
+def test_failure_then_retry_and_stale_release(tmp_path):
+    s = make_store(tmp_path)
+    _setup(s)
+    _fail_then_retry(s)
+    # an owner on this host whose process is gone: its running job goes back to pending
     with s.tx() as c:
         c.exec_driver_sql(
             "UPDATE jobs SET owner = ? WHERE key = 'j1'", (f"{__import__('socket').gethostname()}:999999",)
@@ -140,33 +145,36 @@ def test_concurrent_claims_never_double_run(tmp_path):
     assert sorted(flat) == sorted(f"k{i}" for i in range(n))  # each job claimed exactly once
 
 
+# one reference record of a paper's table: a pruned model's perplexity and two task scores
+PAPER_X = [
+    {
+        "name": "paper-x",
+        "source": "paper:000",
+        "configs": [
+            {
+                "model": "M",
+                "kind": "moe2dense",
+                "scoring": "SF",
+                "grouping": "RR",
+                "dp_scaling": "uniform",
+                "K": 8,
+                "top_k": 8,
+                "table": "table10_11",
+                "metrics": [
+                    {"name": "ppl", "stage": "pre", "value": 20633.0},
+                    {"name": "acc", "stage": "post", "task": "winogrande", "value": 0.53, "headline": 1},
+                    {"name": "acc", "stage": "post", "task": "mmlu", "value": 0.27, "headline": 1},
+                ],
+            }
+        ],
+    }
+]
+
+
 def test_reference_import_is_idempotent(tmp_path):
     s = make_store(tmp_path)
-    recs = [
-        {
-            "name": "paper-x",
-            "source": "paper:000",
-            "configs": [
-                {
-                    "model": "M",
-                    "kind": "moe2dense",
-                    "scoring": "SF",
-                    "grouping": "RR",
-                    "dp_scaling": "uniform",
-                    "K": 8,
-                    "top_k": 8,
-                    "table": "table10_11",
-                    "metrics": [
-                        {"name": "ppl", "stage": "pre", "value": 20633.0},
-                        {"name": "acc", "stage": "post", "task": "winogrande", "value": 0.53, "headline": 1},
-                        {"name": "acc", "stage": "post", "task": "mmlu", "value": 0.27, "headline": 1},
-                    ],
-                }
-            ],
-        }
-    ]
-    s.import_reference(recs)
-    s.import_reference(recs)
+    s.import_reference(PAPER_X)
+    s.import_reference(PAPER_X)
     _, rows = s.query("SELECT sweep_kind, ppl_pre, ROUND(avg_acc, 4) FROM results WHERE sweep = 'paper-x'")
     assert rows == [("reference", 20633.0, 0.4)]
 
