@@ -165,6 +165,8 @@ class Search(Strict):
     max_steps: PosInt | None = None  # asha: the steps of the last rung (default: distill.settings.steps)
     # configuration field -> value (or list of values): which selected configurations are searched (all: {})
     on: dict[str, Any] = Field(default_factory=dict)
+    # which trials the evaluate stage evaluates: all of them, or the finalists (those that ran the last rung)
+    evaluate: Literal["all", "finalists"] = "all"
 
     @field_validator("reduction_factor")
     @classmethod
@@ -237,6 +239,17 @@ class Search(Strict):
         """How many trials each searched configuration gets."""
         parsed = parse_space(self.space, settings)
         return self.num_samples * grid_size(parsed)
+
+    def finalists(self, settings: dict[str, Any]) -> int:
+        """Trials per searched configuration that run the last rung, at most (all of them without a scheduler)."""
+        n = self.trials(settings)
+        for _ in self.rungs(settings)[1:]:
+            n = max(1, n // self.reduction_factor)
+        return n
+
+    def evaluated(self, settings: dict[str, Any]) -> int:
+        """Trials per searched configuration the evaluate stage evaluates, at most."""
+        return self.trials(settings) if self.evaluate == "all" else self.finalists(settings)
 
     def jobs_bound(self, settings: dict[str, Any]) -> int:
         """Distill jobs per searched configuration at most (every rung's survivors)."""
@@ -458,6 +471,15 @@ def _row(search: Search, s: dict[str, Any], rungs: list[int | None]) -> dict[str
     return {"settings": json.dumps(info, sort_keys=True), "note": note}
 
 
+def stopped_trials(search: Search, settings: dict[str, Any], jobs: dict[str, Any]) -> set[str]:
+    """The trial configurations among `jobs` ({config key: its distill job}) that stopped before the last rung:
+    their job trained fewer steps than the last rung's (none without a scheduler)."""
+    if search.scheduler is None:
+        return set()
+    top = search.top_steps(settings)
+    return {ck for ck, j in jobs.items() if f"|{SUFFIX}=" in ck and j.params["settings"]["steps"] < top}
+
+
 def searched_bases(ctx: Any, selected: list[str], ppl: dict[str, Any]) -> dict[str, Any]:
     """The selected configurations the search runs on ({config key: its ppl_pre job})."""
     on = ctx.spec.distill.search.on
@@ -465,7 +487,8 @@ def searched_bases(ctx: Any, selected: list[str], ppl: dict[str, Any]) -> dict[s
 
 
 def estimate_note(search: Search, settings: dict[str, Any], selected: int) -> tuple[int, int, str]:
-    """(trial configurations, distill jobs, a note) the search plans at most on `selected` configurations."""
+    """(trial configurations, distill jobs, a note) the search plans at most on `selected` configurations;
+    the note says how many the evaluate stage evaluates where that is only the finalists."""
     trials = search.trials(settings)
     rungs = search.rungs(settings)
     jobs = search.jobs_bound(settings)
@@ -475,6 +498,8 @@ def estimate_note(search: Search, settings: dict[str, Any], selected: int) -> tu
         how += (
             f", asha in {len(rungs)} rungs of {'/'.join(map(str, rungs))} steps (η={search.reduction_factor})"
         )
+    if search.evaluate == "finalists":
+        how += f"; the up to {selected * search.finalists(settings)} finalists evaluated"
     return (
         selected * trials,
         selected * jobs,

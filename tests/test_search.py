@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.search import Search, plan_trials, promote, rung_steps, suggest
+from orchestrator.search import Search, plan_trials, promote, rung_steps, stopped_trials, suggest
 from orchestrator.spec import SpecError, load_spec
 
 HERE = Path(__file__).resolve().parent
@@ -58,6 +58,7 @@ def _sweep(tmp: Path, search: dict | None, **distill) -> Path:
         ({"space": {}}, "space: empty"),
         ({"algorithm": "grid"}, "algorithm grid: space.lr is loguniform"),
         ({"algorithm": "optuna"}, "algorithm optuna: needs the package optuna"),
+        ({"evaluate": "best"}, "distill.search.evaluate: Input should be 'all' or 'finalists' (got 'best')"),
         ({"scheduler": None}, "grace_steps: only with scheduler: asha"),
         ({"grace_steps": None}, "scheduler asha: needs grace_steps"),
         ({"grace_steps": 4, "max_steps": 2}, "grace_steps: 4 is above max_steps 2"),
@@ -153,6 +154,36 @@ def test_the_dry_run_counts_up_to_the_trials_and_plans_nothing_else(tmp_path):
     assert evaluate["named"] == {r["stage"]: r for r in plain}["evaluate"]["named"] + 4 * groups
 
 
+def test_evaluating_only_the_finalists_counts_them_in_the_dry_run(tmp_path):
+    from orchestrator.dryrun import plan_counts
+
+    plain, _ = plan_counts(load_spec(str(MICRO))[0])
+    rows, _ = plan_counts(load_spec(str(_sweep(tmp_path, {**SEARCH, "evaluate": "finalists"})))[0])
+    groups = 4 + 2 + 1
+    by = {r["stage"]: r for r in rows}
+    assert by["distill"]["named"] == {r["stage"]: r for r in plain}["distill"]["named"] + 4 * groups
+    assert "the up to 14 finalists evaluated" in by["distill"]["note"]  # 4 trials, 4 // 2 run the last rung
+    assert by["evaluate"]["named"] == {r["stage"]: r for r in plain}["evaluate"]["named"] + 2 * groups
+
+
+def test_finalists_and_stopped_trials():
+    s = Search.model_validate({**SEARCH, "num_samples": 9, "reduction_factor": 3, "max_steps": 9})
+    assert (s.trials(SETTINGS), s.finalists(SETTINGS), s.evaluated(SETTINGS)) == (9, 1, 9)
+    assert (
+        Search.model_validate({**SEARCH, "num_samples": 9, "evaluate": "finalists"}).evaluated(SETTINGS) == 4
+    )
+    plain = Search.model_validate({"space": SEARCH["space"], "num_samples": 5, "evaluate": "finalists"})
+    assert plain.finalists(SETTINGS) == 5  # no scheduler: every trial runs the one rung
+    jobs = {
+        "B": FakeJob("B", {}),  # the base configuration itself: never a trial
+        "B|search=0": FakeJob("B", {"steps": 1}),
+        "B|search=1": FakeJob("B", {"steps": 3}),
+        "B|search=2": FakeJob("B", {"steps": 9}),
+    }
+    assert stopped_trials(s, SETTINGS, jobs) == {"B|search=0", "B|search=1"}
+    assert stopped_trials(plain, SETTINGS, jobs) == set()
+
+
 # ---- a micro sweep end to end ---------------------------------------------------------------------------------
 class Counting:
     """The serial executor, counting the jobs it runs."""
@@ -176,7 +207,8 @@ class Counting:
         self.inner.close()
 
 
-def test_a_micro_search_with_asha_runs_its_rungs_as_distill_jobs(tmp_path, monkeypatch):
+@pytest.mark.parametrize("evaluate", ["all", "finalists"])
+def test_a_micro_search_with_asha_runs_its_rungs_as_distill_jobs(tmp_path, monkeypatch, evaluate):
     from rich.console import Console
 
     from db.store import Store
@@ -187,7 +219,7 @@ def test_a_micro_search_with_asha_runs_its_rungs_as_distill_jobs(tmp_path, monke
     raw["grid"] = {"scoring": ["SF"], "grouping": ["RR"], "dp_scaling": ["uniform"], "K": [2]}
     raw["baselines"] = []
     raw["distill"]["settings"].update(steps=2, eval_every=1)
-    raw["distill"]["search"] = SEARCH
+    raw["distill"]["search"] = {**SEARCH, "evaluate": evaluate}
     path = tmp_path / "micro_search.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     spec, _, text = load_spec(str(path))
@@ -240,11 +272,17 @@ def test_a_micro_search_with_asha_runs_its_rungs_as_distill_jobs(tmp_path, monke
     assert sum(1 for stage, _ in ran if stage == "distill") == 1 + 4 + 2  # the base, rung 0, rung 1
     notes = [json.loads(t[2])["search"]["rung"] for t in trials]
     assert sorted(notes) == [0, 0, 1, 1]
-    # evaluated downstream like any distilled variant, shown in the results view
+    # evaluated downstream like any distilled variant (with `evaluate: finalists` only those of the last
+    # rung), every trial shown in the results view
     res = q(
-        "SELECT variant, avg_acc IS NOT NULL FROM results WHERE variant LIKE 'search=%' ORDER BY config_key"
+        "SELECT config_key, avg_acc IS NOT NULL FROM results WHERE variant LIKE 'search=%' ORDER BY config_key"
     )
-    assert len(res) == 4 and all(ok for _, ok in res)
+    finalists = {t[0] for t in trials if json.loads(t[4])["settings"]["steps"] == 2}
+    assert len(res) == 4 and len(finalists) == 2
+    assert {ck for ck, ok in res if ok} == ({t[0] for t in trials} if evaluate == "all" else finalists)
+    assert (
+        sum(1 for stage, _ in ran if stage == "evaluate") == (4 if evaluate == "all" else 2) + 1
+    )  # + the base
     code, again = run()
     assert code == 0 and again == []  # a relaunch reuses every trial
 

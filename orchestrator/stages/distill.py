@@ -188,11 +188,12 @@ def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, An
     base = sum(1 for c in others if c["kind"] == "baseline" and not c["baseline"].startswith("d2d:"))
     d2d = int(any(c["kind"] == "baseline" and c["baseline"].startswith("d2d:") for c in others))
     variants = len(spec.distill.variants)
-    trials, trial_jobs, searched = (0, 0, "")
+    trials, trial_jobs, searched, evaluated = (0, 0, "", 0)
     if spec.distill.search is not None:
         trials, trial_jobs, searched = estimate_note(
             spec.distill.search, spec.distill.settings, groups + base + d2d
         )
+        evaluated = (groups + base + d2d) * spec.distill.search.evaluated(spec.distill.settings)
     repeats = max(len(getattr(spec, "seeds", None) or []) - 1, 0)
     rule = f"best {sel.best_by} per {'×'.join(sel.per)} over {', '.join(sel.over)}" if sel else "all"
     n = groups + base + d2d + full
@@ -202,6 +203,9 @@ def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, An
             "stage": "distill",
             "named": n + variants + trials,
             "distinct": n + variants + trial_jobs,
+            "evaluated": n
+            + variants
+            + evaluated,  # what the evaluate stage evaluates of these (its estimate)
             "note": f"{groups} selected + {base + d2d} baselines"
             + (f" + {full} smaller MoEs (full_kd)" if full else "")
             + (f" + up to {variants} variant runs" if variants else "")

@@ -10,6 +10,7 @@ from pydantic import AfterValidator, ValidationInfo, field_validator
 
 from db.axes import recovered_by
 from orchestrator.schema import PosInt, Strict
+from orchestrator.search import stopped_trials
 from orchestrator.stage import JobSpec, Stage, SweepContext, unique
 from orchestrator.stages.teacher import teacher_ref
 
@@ -123,10 +124,15 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
         return {}
     done = ctx.outputs.get("distill", {})
     known = {c["config_key"] for c in ctx.configs}
+    distilled = ctx.jobs.get("distill", {})
+    search = ctx.spec.distill.search if ctx.spec.distill is not None else None
+    skip = set()
+    if search is not None and search.evaluate == "finalists":  # not the trials stopped at an early rung
+        skip = stopped_trials(search, ctx.spec.distill.settings, distilled)
     out = {
         ck: evaluate_job(ctx, j, ctx.config(ck).get("seed_offset", 0) if ck in known else 0)
-        for ck, j in ctx.jobs.get("distill", {}).items()
-        if j.key in done
+        for ck, j in distilled.items()
+        if j.key in done and ck not in skip
     }
     teacher = ctx.jobs.get("ppl_pre", {}).get("teacher")
     if teacher is not None:
@@ -145,7 +151,7 @@ def estimate(ctx: SweepContext, rows: list[dict[str, Any]]) -> list[dict[str, An
         return []
     teacher = int(any(c["kind"] == "teacher" for c in ctx.configs))
     moe = sum(1 for c in ctx.configs if recovered_by(c) not in (None, "distill"))  # distill's: counted there
-    n = dist["named"] + teacher + moe
+    n = dist.get("evaluated", dist["named"]) + teacher + moe
     suite = ev.suite if isinstance(ev.suite, str) else "custom"
     gen = [e if isinstance(e, str) else e["task"] for e in ev.generative]
     note = (
