@@ -344,11 +344,9 @@ select: null
 
 
 def test_a_sweep_with_two_sources_runs_end_to_end(tmp_path, monkeypatch):
-    from rich.console import Console
+    from sweep_runs import launch_serial
 
     from db.store import Store
-    from orchestrator.execute import SerialExecutor
-    from orchestrator.launch import launch
     from orchestrator.spec import load_spec
 
     monkeypatch.setenv("MOESWEEP_HOME", str(tmp_path / "home"))
@@ -374,18 +372,7 @@ def test_a_sweep_with_two_sources_runs_end_to_end(tmp_path, monkeypatch):
     sweep.write_text(SWEEP.format(web=web, chat=chat, template=template))
     spec, path, text = load_spec(str(sweep))
     store = Store(f"sqlite:///{tmp_path}/r.db")
-    assert (
-        launch(
-            spec,
-            text,
-            store,
-            SerialExecutor(),
-            console=Console(quiet=True),
-            show_progress=False,
-            path=str(path),
-        )
-        == 0
-    )
+    assert launch_serial(spec, text, store, path) == 0
     ((job_id, outputs),) = store.query("SELECT id, outputs_json FROM jobs WHERE stage = 'calibrate'")[1]
     out = json.loads(outputs)
     assert out["sources"] == {

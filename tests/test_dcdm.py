@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from sweep_runs import launch_serial, spec_of
 
 from orchestrator.spec import SpecError, load_spec
 from workers.calibration.dcdm import DCDMSpec, sample_counts, softmax_weights, stop_reason
@@ -67,6 +67,26 @@ def test_stopping_rule_on_hand_numbers():
     assert stop_reason([a, b, {"x": 0.7, "y": 0.3}], 4, 1e-3) == "counts"
 
 
+def _two_domain_loop(monkeypatch, spec: DCDMSpec, n_samples: int, tmp_path: Path, state: dict):
+    """run_dcdm over two stub domains, code and prose (10 tokens each, no model: the test fakes compress
+    and domain_discrepancy), with `state["round"]` following the loop's progress."""
+    import workers.calibration.dcdm as D
+
+    monkeypatch.setattr("workers.calibration.calibrate.source_tokens", lambda stats: 10)
+    return D.run_dcdm(
+        None,
+        None,
+        {"code": {0: None}, "prose": {0: None}},
+        {"code": "code", "prose": "prose"},
+        spec,
+        n_samples,
+        {},
+        tmp_path,
+        "cpu",
+        progress=lambda i, n: state.update(round=i),
+    )
+
+
 def test_the_loop_stops_on_a_two_cycle(monkeypatch, tmp_path):
     """Discrepancies that flip with the round (the domain given more data is then served better) make the
     weights oscillate between two mixes: the loop stops when an earlier round's counts come back, with the
@@ -84,19 +104,7 @@ def test_the_loop_stops_on_a_two_cycle(monkeypatch, tmp_path):
 
     monkeypatch.setattr(D, "compress", fake_compress)
     monkeypatch.setattr(D, "domain_discrepancy", fake_discrepancy)
-    monkeypatch.setattr("workers.calibration.calibrate.source_tokens", lambda stats: 10)
-    res = D.run_dcdm(
-        None,
-        None,
-        {"code": {0: None}, "prose": {0: None}},
-        {"code": "code", "prose": "prose"},
-        DCDMSpec(max_iters=10),
-        32,
-        {},
-        tmp_path,
-        "cpu",
-        progress=lambda i, n: state.update(round=i),
-    )
+    res = _two_domain_loop(monkeypatch, DCDMSpec(max_iters=10), 32, tmp_path, state)
     hi = math.exp(2) / (math.exp(2) + 1)
     used = [r["weights"] for r in res.rounds]
     assert used[0] == {"code": 0.5, "prose": 0.5}
@@ -128,19 +136,7 @@ def test_the_loop_runs_to_max_iters_when_the_weights_keep_moving(monkeypatch, tm
             "tokens": 1,
         },
     )
-    monkeypatch.setattr("workers.calibration.calibrate.source_tokens", lambda stats: 10)
-    res = D.run_dcdm(
-        None,
-        None,
-        {"code": {0: None}, "prose": {0: None}},
-        {"code": "code", "prose": "prose"},
-        DCDMSpec(max_iters=3, metric="log_ppl"),
-        1000,
-        {},
-        tmp_path,
-        "cpu",
-        progress=lambda i, n: state.update(round=i),
-    )
+    res = _two_domain_loop(monkeypatch, DCDMSpec(max_iters=3, metric="log_ppl"), 1000, tmp_path, state)
     assert res.stop == "max_iters" and len(res.rounds) == 3
     assert [round(r["discrepancy"]["code"], 12) for r in res.rounds] == [0.3, 0.6, 0.9]  # the log-ppl gap
 
@@ -170,26 +166,14 @@ def test_mixing_with_dcdm_weights_is_the_hand_reweighting(tmp_path):
 # ---- a sweep -------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from rich.console import Console
-
     from db.store import Store
-    from orchestrator.execute import SerialExecutor
-    from orchestrator.launch import launch
 
     tmp = tmp_path_factory.mktemp("dcdm")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MOESWEEP_HOME", str(tmp / "home"))
         spec, path, text = load_spec(str(SWEEP))
         store = Store(f"sqlite:///{tmp}/r.db")
-        code = launch(
-            spec,
-            text,
-            store,
-            SerialExecutor(),
-            console=Console(quiet=True),
-            show_progress=False,
-            path=str(path),
-        )
+        code = launch_serial(spec, text, store, path)
         yield {"code": code, "store": store, "spec": spec}
 
 
@@ -348,7 +332,7 @@ def test_the_dcdm_weights_mix_the_calibration_file(run):
     torch.testing.assert_close(mixed[layer].count, sum(lam[s] * per[s][layer].count for s in per))
 
 
-def test_existing_configurations_keep_their_keys():
+def test_existing_configurations_keep_their_keys(tmp_path):
     """A dcdm section adds jobs; the convert jobs of the grid's configurations stay the same."""
     from orchestrator import dryrun
     from orchestrator.stage import SweepContext
@@ -356,7 +340,7 @@ def test_existing_configurations_keep_their_keys():
     spec, _, _ = load_spec(str(SWEEP))
     raw = yaml.safe_load(SWEEP.read_text())
     del raw["dcdm"]
-    plain = load_spec_from(raw)
+    plain = spec_of(raw, tmp_path)
     shape = dryrun.P.stated_shape(spec)
 
     def convert_keys(s) -> dict[str, str]:
@@ -370,17 +354,6 @@ def test_existing_configurations_keep_their_keys():
     assert convert_keys(spec) == convert_keys(plain)
     rows = {r["stage"]: r for r in dryrun.plan_counts(spec)[0]}
     assert rows["dcdm"]["named"] == 1
-
-
-def load_spec_from(raw: dict, tmp: Path | None = None):
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as fh:
-        yaml.safe_dump(raw, fh, sort_keys=False)
-    try:
-        return load_spec(fh.name)[0]
-    finally:
-        os.unlink(fh.name)
 
 
 # ---- errors ---------------------------------------------------------------------------------------------
@@ -428,7 +401,7 @@ def test_malformed_dcdm_sections_are_one_line(tmp_path, change, expect):
     assert f"{path}: {expect}" in str(e.value), str(e.value)
 
 
-def test_the_settings_are_complete_job_parameters_of_their_declared_types():
+def test_the_settings_are_complete_job_parameters_of_their_declared_types(tmp_path):
     """The section's settings are DCDMSpec's fields, checked by DCDMSpec: the job parameters hold every
     one (DCDMSpec's defaults filled, seq_len from the calibration when not given), each of its declared
     type (an integer temperature is a float), in DCDMSpec's order, as they were when the section declared
@@ -458,7 +431,7 @@ def test_the_settings_are_complete_job_parameters_of_their_declared_types():
             {"seq_len": 32, "w0": "tokens", "metric": "log_ppl"},
         ),
     ]:
-        spec = load_spec_from({**raw, "dcdm": {**raw["dcdm"], **change}})
+        spec = spec_of({**raw, "dcdm": {**raw["dcdm"], **change}}, tmp_path)
         shape = P.stated_shape(spec)
         ctx = SweepContext(spec, shape, P.build_configs(spec, shape))
         got = dcdm_params(ctx, ctx.config(MOE))["dcdm"]
@@ -507,6 +480,6 @@ def test_apply_to_that_matches_nothing_is_an_error_of_the_plan(tmp_path):
 
     raw = yaml.safe_load(SWEEP.read_text())
     raw["dcdm"]["apply_to"] = {"output": "merged"}
-    spec = load_spec_from(raw)
+    spec = spec_of(raw, tmp_path)
     with pytest.raises(SpecError, match=r"^dcdm.apply_to: \{'output': 'merged'\} matches no configuration"):
         dryrun.plan_counts(spec)

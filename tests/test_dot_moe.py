@@ -351,28 +351,15 @@ def test_dry_run_counts_dot_moe_jobs():
 
 @pytest.mark.slow
 def test_the_stage_runs_in_a_tiny_sweep_and_evaluates_several_top_k(tmp_path, monkeypatch):
-    from rich.console import Console
+    from sweep_runs import launch_serial
 
     from db.store import Store
-    from orchestrator.execute import SerialExecutor
-    from orchestrator.launch import launch
     from orchestrator.spec import load_spec
 
     monkeypatch.setenv("MOESWEEP_HOME", str(tmp_path / "home"))
     spec, path, text = load_spec(str(ROOT / "tests" / "sweeps" / "dot.yaml"))
     store = Store(f"sqlite:///{tmp_path}/r.db")
-    assert (
-        launch(
-            spec,
-            text,
-            store,
-            SerialExecutor(),
-            console=Console(quiet=True),
-            show_progress=False,
-            path=str(path),
-        )
-        == 0
-    )
+    assert launch_serial(spec, text, store, path) == 0
     cfgs = store.query(
         "SELECT id, config_key, K, top_k, settings FROM configurations WHERE kind = 'dense2moe'"
     )[1]

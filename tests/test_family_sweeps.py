@@ -11,11 +11,10 @@ import random
 import pytest
 import yaml
 from families_cases import make_teacher
-from rich.console import Console
+from sweep_runs import launch_serial
 
 from db.store import Store
-from orchestrator.execute import SerialExecutor
-from orchestrator.launch import launch, prepare
+from orchestrator.launch import prepare
 from orchestrator.spec import SpecError, load_spec
 
 WORDS = "the a model expert router token layer dense sparse gate scale sum mean group shared weight".split()
@@ -85,18 +84,7 @@ def test_micro_sweep_of_a_new_family(family, grid, outputs, tmp_path, monkeypatc
     monkeypatch.setenv("MOESWEEP_HOME", str(tmp_path / "home"))
     spec, path, text = load_spec(sweep(tmp_path, family, grid))
     store = Store(f"sqlite:///{tmp_path}/r.db")
-    assert (
-        launch(
-            spec,
-            text,
-            store,
-            SerialExecutor(),
-            console=Console(quiet=True),
-            show_progress=False,
-            path=str(path),
-        )
-        == 0
-    )
+    assert launch_serial(spec, text, store, path) == 0
     rows = store.query(
         "SELECT output, config_key, ppl_pre FROM results WHERE kind IN ('moe2dense', 'moe2moe') ORDER BY config_id"
     )[1]

@@ -125,29 +125,16 @@ def test_a_real_sweep_writes_smaller_moes_that_reload_with_fewer_experts(tmp_pat
     import math
 
     import torch
-    from rich.console import Console
     from safetensors import safe_open
+    from sweep_runs import launch_serial
     from transformers import AutoModelForCausalLM
 
     import workers.models.edited_model  # noqa: F401  (edited checkpoints load through the Auto classes)
-    from orchestrator.execute import SerialExecutor
-    from orchestrator.launch import launch
 
     monkeypatch.setenv("MOESWEEP_HOME", str(tmp_path / "home"))
     spec, path, text = load_spec(str(HERE / "sweeps" / "moe.yaml"))
     store = Store(f"sqlite:///{tmp_path}/r.db")
-    assert (
-        launch(
-            spec,
-            text,
-            store,
-            SerialExecutor(),
-            console=Console(quiet=True),
-            show_progress=False,
-            path=str(path),
-        )
-        == 0
-    )
+    assert launch_serial(spec, text, store, path) == 0
     rows = store.query(
         "SELECT config_id, config_key, K, recovery, params, ppl_pre, ppl_post, avg_acc, output "
         "FROM results WHERE output IN ('moe', 'merged', 'edited') ORDER BY config_id"

@@ -363,29 +363,16 @@ def test_settings_reach_reconstruction_scorings_of_both_outputs_and_no_other():
 def test_a_sweep_selects_by_reconstruction_for_a_dense_student_and_a_pruned_moe(tmp_path, monkeypatch):
     """tests/sweeps/recon.yaml: CFES (dense_proxy, sequential) for dense students, CFES (sequential) and
     RL-greedy for pruned MoEs; the evaluation counts and times become layer diagnostics."""
-    from rich.console import Console
+    from sweep_runs import launch_serial
 
     from db.store import Store
-    from orchestrator.execute import SerialExecutor
-    from orchestrator.launch import launch
     from orchestrator.spec import load_spec
     from tests.test_orchestrator import HERE
 
     monkeypatch.setenv("MOESWEEP_HOME", str(tmp_path / "home"))
     spec, path, text = load_spec(str(HERE / "sweeps" / "recon.yaml"))
     store = Store(f"sqlite:///{tmp_path}/r.db")
-    assert (
-        launch(
-            spec,
-            text,
-            store,
-            SerialExecutor(),
-            console=Console(quiet=True),
-            show_progress=False,
-            path=str(path),
-        )
-        == 0
-    )
+    assert launch_serial(spec, text, store, path) == 0
     rows = store.query(
         "SELECT config_key, output, ppl_pre FROM results WHERE kind IN ('moe2dense', 'moe2moe') ORDER BY config_id"
     )[1]
