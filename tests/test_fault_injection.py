@@ -7,6 +7,7 @@ injects real faults (SIGKILLs of a launch, a raising job, corrupted artifacts) i
 from __future__ import annotations
 
 from rich.console import Console
+from sweep_runs import launch_serial
 
 import workers.run.ppl_pre
 from db.store import Store
@@ -127,16 +128,5 @@ def test_a_database_locked_past_the_busy_timeout_stops_the_launch_with_one_line_
         c.exec_driver_sql(
             "UPDATE jobs SET heartbeat_at = datetime('now', '-1 hour') WHERE status = 'running'"
         )
-    assert (
-        launch(
-            spec,
-            text,
-            store,
-            SerialExecutor(),
-            console=Console(quiet=True),
-            show_progress=False,
-            path=str(path),
-        )
-        == 0
-    )
+    assert launch_serial(spec, text, store, path) == 0
     assert store.query("SELECT COUNT(*) FROM jobs WHERE status <> 'succeeded' OR attempts > 2")[1] == [(0,)]

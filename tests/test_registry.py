@@ -13,6 +13,7 @@ import pytest
 import yaml
 from rich.console import Console
 from sqlalchemy import inspect
+from sweep_runs import launch_serial
 from typer.testing import CliRunner
 
 from db.store import Store
@@ -82,18 +83,7 @@ def test_a_stage_declared_in_one_module_runs_in_a_sweep(fake, toy, tmp_path):  #
     assert spec.toy.factor == 2  # its section is part of the sweep schema
     store = Store(state["db"])
     state["fail"] = False
-    assert (
-        launch(
-            spec,
-            text,
-            store,
-            SerialExecutor(),
-            console=Console(quiet=True),
-            show_progress=False,
-            path=str(path),
-        )
-        == 0
-    )
+    assert launch_serial(spec, text, store, path) == 0
     # one toy job per distinct conversion, each linked to its configurations, its metric in the DB
     n_convert = store.query("SELECT COUNT(*) FROM jobs WHERE stage = 'convert'")[1][0][0]
     rows = store.query("SELECT j.status, j.code_json FROM jobs j WHERE j.stage = 'toy'")[1]
