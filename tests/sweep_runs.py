@@ -35,8 +35,9 @@ def planned(spec) -> SweepContext:
     return ctx
 
 
-def launch_serial(spec, text: str, store, path: Path | str) -> int:
-    """`moesweep launch` of a loaded sweep on the serial executor, quietly; its exit code."""
+def launch_serial(spec, text: str, store, path: Path | str, **kw: Any) -> int:
+    """`moesweep launch` of a loaded sweep on the serial executor, quietly (`kw`: launch's other options);
+    its exit code."""
     from rich.console import Console
 
     from orchestrator.execute import SerialExecutor
@@ -50,6 +51,7 @@ def launch_serial(spec, text: str, store, path: Path | str) -> int:
         console=Console(quiet=True),
         show_progress=False,
         path=str(path),
+        **kw,
     )
 
 

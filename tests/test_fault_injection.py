@@ -43,16 +43,7 @@ def test_a_failure_that_moved_the_selection_leaves_nothing_behind_once_resumed(f
     spec, path, text = load_spec(str(state["sweep"]))
 
     def run(store: Store, **kw) -> int:
-        return launch(
-            spec,
-            text,
-            store,
-            SerialExecutor(),
-            console=Console(quiet=True),
-            show_progress=False,
-            path=str(path),
-            **kw,
-        )
+        return launch_serial(spec, text, store, path, **kw)
 
     state["fail"], db = False, state["db"]
     state["db"] = f"sqlite:///{tmp_path}/reference.db"  # (the fake distillation reads the launch's database)
