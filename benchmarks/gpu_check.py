@@ -20,7 +20,8 @@ within its own time limit, a failure never stopping the later steps:
      with --device where it takes one; a script that is missing or refuses a flag is recorded "not run: <its line>".
   d  the table (step, item, status, figure, note) on stdout, and gpu-check.md, gpu-check.json and
      gpu-check.log (every command's output, tails) in --out (default $OUT when set, else report/gpu-check),
-     headed by the date, the card, torch, transformers and the commit.
+     headed by the date, the card, torch, transformers and the commit, the needed modules that do not import
+     and the locked packages' requirements left unmet (both checked before step a, in a child process).
 
 `--budget` (default 540 s: a 10-minute command with time left to install the wheels) bounds the whole run;
 a step or command that finds too little time left is recorded "not run" (run it again with `--only`);
@@ -31,12 +32,15 @@ of 16 experts and K 4 and 16; each benchmark's --smoke). Without CUDA it refuses
   python benchmarks/gpu_check.py --commit abc123          # on the GPU machine, from the repository root
   python benchmarks/gpu_check.py --only c,d --budget 0    # the benchmarks alone, no time limits
   .venv/bin/python benchmarks/gpu_check.py --device cpu --quick --only a,d --out /tmp/gc
+  .venv/bin/python benchmarks/gpu_check.py --carry held.txt --wheels .whl --python 3.12   # here, before
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib
+import importlib.util
 import json
 import math
 import os
@@ -66,7 +70,18 @@ GRID_NAME = "gpu-check-grid"
 STATUSES = ("ok", "failed", "timeout", "not run")
 LOG_TAIL = 20_000  # characters of each command's stdout and stderr kept in gpu-check.log
 # the modules the steps import beyond torch: one missing is named in the report's header
-NEEDED = ("transformers", "yaml", "pydantic", "sqlalchemy", "alembic", "typer", "rich", "lm_eval", "scipy")
+NEEDED = (
+    "transformers",
+    "yaml",
+    "pydantic",
+    "sqlalchemy",
+    "alembic",
+    "typer",
+    "rich",
+    "lm_eval",
+    "datasets",
+    "scipy",
+)
 
 # the grid's teacher: Qwen3-30B-A3B's layer shapes (its config.json), and --quick's
 REAL = dict(
@@ -148,6 +163,7 @@ def _finite(value: Any) -> Any:
 
 def header_lines(meta: dict[str, Any]) -> list[str]:
     missing = meta.get("missing") or []
+    conflicts = meta.get("conflicts") or []
     return [
         f"date: {meta.get('date', '?')} · card: {meta.get('card', '?')} · torch {meta.get('torch', '?')} · "
         f"transformers {meta.get('transformers', '?')} · python {meta.get('python', '?')} · "
@@ -156,6 +172,7 @@ def header_lines(meta: dict[str, Any]) -> list[str]:
         f"steps {','.join(meta.get('steps', []))} · budget {meta.get('budget', '?')}"
         + (f" · wall {meta['wall_s']:.0f} s" if meta.get("wall_s") else "")
         + (f" · missing modules: {', '.join(missing)}" if missing else ""),
+        *([f"unmet requirements: {'; '.join(conflicts)}"] if conflicts else []),
     ]
 
 
@@ -864,6 +881,33 @@ def carry_pins(lock: str, have: str) -> list[str]:
     return pins
 
 
+PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+)  # a x86-64 Linux GPU box
+
+
+def fetch_wheels(
+    pins: list[str], folder: Path, python: str, run: Callable[..., Any] = subprocess.run
+) -> tuple[list[str], list[str]]:
+    """Each pin as a wheel in `folder` for CPython `python` (e.g. "3.12") on x86-64 Linux, downloaded as
+    published, else built here from its source distribution (`pip wheel`: right for pure-Python packages,
+    which is what lacks a wheel among ours). (pins built from source, pins that failed)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    where = [f"--platform={p}" for p in PLATFORMS]
+    pip = [sys.executable, "-m", "pip"]
+    built, failed = [], []
+    for pin in pins:
+        download = [*pip, "download", "-q", "--no-deps", "--only-binary=:all:", f"--python-version={python}"]
+        got = run([*download, "--implementation=cp", *where, "-d", str(folder), pin], capture_output=True)
+        if got.returncode == 0:
+            continue
+        made = run([*pip, "wheel", "-q", "--no-deps", "-w", str(folder), pin], capture_output=True)
+        (built if made.returncode == 0 else failed).append(pin)
+    return built, failed
+
+
 # ---- the whole check -------------------------------------------------------------------------------------
 def print_row(r: Row) -> None:
     print(
@@ -900,26 +944,92 @@ def run_steps(
 
 
 PROBE = """
-import importlib.util, json, platform, sys
-import torch
-d = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.cuda.is_available()}
-d["card"] = torch.cuda.get_device_name() if d["cuda"] and sys.argv[1] == "cuda" else None
-try:
-    import transformers
-    d["transformers"] = transformers.__version__
-except Exception as e:
-    d["transformers"] = f"not importable ({type(e).__name__})"
-d["missing"] = [m for m in sys.argv[2:] if importlib.util.find_spec(m) is None]
-print(json.dumps(d))
+import json, sys
+sys.path.insert(0, sys.argv[2])
+import gpu_check
+print(json.dumps(gpu_check.environment(sys.argv[1], json.loads(sys.argv[3]), json.loads(sys.argv[4]))))
 """
 
 
+def environment(device: str, modules: list[str], dists: list[str]) -> dict[str, Any]:
+    """What the probe reports, computed in its child: Python, torch, the card, transformers, the needed
+    modules that cannot be imported (with why), and the requirements the installed packages do not meet."""
+    import platform
+
+    import torch
+
+    d: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
+    d["cuda"] = torch.cuda.is_available()
+    d["card"] = torch.cuda.get_device_name() if d["cuda"] and device == "cuda" else None
+    try:
+        import transformers
+
+        d["transformers"] = transformers.__version__
+    except Exception as e:
+        d["transformers"] = f"not importable ({type(e).__name__})"
+    d["missing"] = unimportable(modules)
+    d["conflicts"] = requirement_conflicts(dists)
+    return d
+
+
+def unimportable(modules: list[str]) -> list[str]:
+    """The modules that do not import here: the name alone where it is absent, else the name and the error's
+    line (a carried wheel installed beside the machine's own packages may find one too old)."""
+    out = []
+    for m in modules:
+        if importlib.util.find_spec(m) is None:
+            out.append(m)
+            continue
+        try:
+            importlib.import_module(m)
+        except Exception as e:  # whatever it raises, the report names it in one line
+            out.append(f"{m} ({type(e).__name__}: {' '.join(str(e).split())[:120]})")
+    return out
+
+
+def requirement_conflicts(dists: list[str]) -> list[str]:
+    """The requirements of the installed distributions among `dists` (extras aside, markers evaluated here)
+    that this environment does not meet, e.g. "datasets 5.2.0 needs pyarrow>=24.0.0, has 19.0.1": wheels
+    installed with --no-deps next to a machine's own packages are checked as `pip check` would, for ours
+    alone (the machine's other packages are not this check's business)."""
+    from importlib import metadata
+
+    try:
+        from packaging.requirements import InvalidRequirement, Requirement
+    except ImportError:
+        return ["not checked: the packaging module is missing"]
+    out = set()
+    for name in dists:
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        for text in dist.requires or []:
+            try:
+                req = Requirement(text)
+            except InvalidRequirement:
+                continue
+            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                continue
+            who = f"{dist.metadata['Name'] or name} {dist.version} needs {req.name}{req.specifier}"
+            try:
+                have = metadata.version(req.name)
+            except metadata.PackageNotFoundError:
+                out.add(f"{who}, absent")
+                continue
+            if not req.specifier.contains(have, prereleases=True):
+                out.add(f"{who}, has {have}")
+    return sorted(out)
+
+
 def probe(device: str) -> dict[str, Any]:
-    """torch, the card and transformers as a child process sees them (so this process never holds a CUDA
-    context while the steps measure), and the needed modules that are missing."""
-    r = subprocess.run(
-        [sys.executable, "-c", PROBE, device, *NEEDED], capture_output=True, text=True, timeout=300, cwd=ROOT
-    )
+    """`environment` as a child process sees it (so this process never holds a CUDA context while the steps
+    measure), checking the needed modules and the locked packages' requirements."""
+    lock = (ROOT / "requirements" / "lock.txt").read_text(encoding="utf-8")
+    dists = [m[1] for m in map(PIN.match, lock.splitlines()) if m and canonical(m[1]) not in NOT_CARRIED]
+    here = str(Path(__file__).resolve().parent)
+    cmd = [sys.executable, "-c", PROBE, device, here, json.dumps(NEEDED), json.dumps(dists)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     got = last_json(r.stdout)
     if r.returncode != 0 or got is None:
         raise SystemExit(f"gpu_check: torch could not be imported: {one_line(r.stderr) or r.returncode}")
@@ -980,6 +1090,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="print the locked packages to carry as wheels to a machine that holds the packages HELD lists "
         "(its `pip list --format=freeze`, or names one a line), one NAME==VERSION a line, and exit",
     )
+    ap.add_argument(
+        "--wheels",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="with --carry: also put those packages in DIR as wheels for the machine's Python (--python)",
+    )
+    ap.add_argument(
+        "--python",
+        default="3.12",
+        help="with --wheels: the GPU machine's Python version, MAJOR.MINOR (default 3.12)",
+    )
     ap.add_argument("--make-teacher", type=Path, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     steps = [s.strip() for s in a.only.split(",") if s.strip()]
@@ -991,6 +1113,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         refuse(f"--budget {a.budget:g}: allowed a number of seconds >= 0 (0: no limit)")
     if a.device == "cpu" and not a.quick and a.make_teacher is None and a.carry is None:
         refuse("--device cpu: only with --quick (the real shapes would take hours on a CPU)")
+    if a.wheels is not None and a.carry is None:
+        refuse("--wheels: only with --carry HELD (which packages to fetch)")
+    if not re.fullmatch(r"3\.\d+", a.python):
+        refuse(f"--python {a.python!r}: allowed a CPython version MAJOR.MINOR, e.g. 3.12")
     a.sweeps = [s.strip() for s in a.sweeps.split(",") if s.strip()] if a.sweeps else None
     if a.out is None:
         a.out = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "report" / "gpu-check"
@@ -1003,8 +1129,20 @@ def main(argv: list[str] | None = None) -> int:
         if not a.carry.is_file():
             refuse(f"--carry {a.carry}: no such file (the machine's `pip list --format=freeze`)")
         lock = (ROOT / "requirements" / "lock.txt").read_text(encoding="utf-8")
-        print("\n".join(carry_pins(lock, a.carry.read_text(encoding="utf-8"))))
-        return 0
+        pins = carry_pins(lock, a.carry.read_text(encoding="utf-8"))
+        print("\n".join(pins), flush=True)
+        if a.wheels is None:
+            return 0
+        built, failed = fetch_wheels(pins, a.wheels, a.python)
+        files = sorted(a.wheels.glob("*.whl"))
+        mib = sum(f.stat().st_size for f in files) / 2**20
+        print(
+            f"gpu_check: {a.wheels}: {len(files)} wheels, {mib:.1f} MiB for CPython {a.python}"
+            + (f"; built here from source: {', '.join(built)}" if built else "")
+            + (f"; FAILED: {', '.join(failed)}" if failed else ""),
+            file=sys.stderr,
+        )
+        return 1 if failed else 0
     if a.make_teacher is not None:  # step b's child: build and save the teacher, print what it made
         print(json.dumps(make_teacher(a.make_teacher, a.quick, a.device)), flush=True)
         return 0

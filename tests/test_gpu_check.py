@@ -76,7 +76,7 @@ def test_cpu_quick_run_of_the_micro_sweep_writes_one_table(tmp_path):
     import transformers
 
     assert doc["torch"] == torch.__version__ and doc["transformers"] == transformers.__version__
-    assert doc["missing"] == []
+    assert doc["missing"] == [] and doc["conflicts"] == []  # the locked environment meets its own pins
 
     (row,) = doc["rows"]  # --quick: the micro sweep alone
     assert (row["step"], row["item"], row["status"]) == ("a", "sweep micro", "ok"), row
@@ -311,3 +311,89 @@ def test_the_wheels_to_carry_are_what_the_machine_lacks(tmp_path):
     assert sorted(r.stdout.split()) == sorted(
         p for p in pins if p.lower().startswith(("sqlalchemy", "transformers"))
     )
+
+
+def _dist(site: Path, name: str, version: str, *requires: str) -> None:
+    """A distribution's metadata in `site` as pip would install it (no module needed for metadata)."""
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    lines = [
+        "Metadata-Version: 2.1",
+        f"Name: {name}",
+        f"Version: {version}",
+        *(f"Requires-Dist: {r}" for r in requires),
+    ]
+    (info / "METADATA").write_text("\n".join(lines) + "\n")
+
+
+def test_unmet_requirements_of_the_installed_packages_are_named(tmp_path, monkeypatch):
+    import packaging
+
+    _dist(
+        tmp_path,
+        "carried-pkg",
+        "1.0",
+        "packaging>=999",  # installed, too old
+        "no-such-dist-anywhere>=1",  # absent
+        "rich",  # met
+        'never-here; extra == "docs"',  # an extra: not required
+        'never-here-either; python_version < "3"',  # a marker that is false here
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert check.requirement_conflicts(["carried-pkg", "not-installed-at-all"]) == [
+        "carried-pkg 1.0 needs no-such-dist-anywhere>=1, absent",
+        f"carried-pkg 1.0 needs packaging>=999, has {packaging.__version__}",
+    ]
+    assert check.requirement_conflicts(["rich", "pyyaml"]) == []
+
+
+def test_the_probe_names_a_shadowed_package_and_a_module_that_fails_to_import(tmp_path, monkeypatch):
+    """As on a GPU machine with wheels installed --no-deps in front of its own packages (PYTHONPATH)."""
+    site = tmp_path / "site"
+    _dist(site, "datasets", "5.2.0", "pyarrow>=9999")  # shadows the real metadata, as a carried wheel would
+    (site / "lm_eval").mkdir()
+    (site / "lm_eval" / "__init__.py").write_text("raise ImportError('needs a newer thing\\nsecond line')\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    got = check.probe("cpu")
+    assert "lm_eval (ImportError: needs a newer thing second line)" in got["missing"], got["missing"]
+    import pyarrow
+
+    assert got["conflicts"] == [f"datasets 5.2.0 needs pyarrow>=9999, has {pyarrow.__version__}"]
+    header = check.header_lines({**got, "date": "d", "commit": "c"})
+    assert header[-1] == f"unmet requirements: datasets 5.2.0 needs pyarrow>=9999, has {pyarrow.__version__}"
+    assert "missing modules: " in header[1] and "lm_eval (ImportError" in header[1]
+
+
+def test_wheels_are_downloaded_for_the_machines_python_else_built_from_source(tmp_path):
+    calls = []
+
+    def pip(cmd, **kw):  # a fake pip: "sdist-only" has no wheel, "broken" cannot be built either
+        calls.append(cmd)
+        pin, verb = cmd[-1], cmd[3]
+        fails = (verb == "download" and pin.startswith(("sdist-only", "broken"))) or (
+            verb == "wheel" and pin.startswith("broken")
+        )
+        return subprocess.CompletedProcess(cmd, 1 if fails else 0)
+
+    pins = ["good==1.0", "sdist-only==2.0", "broken==3.0"]
+    built, failed = check.fetch_wheels(pins, tmp_path / "w", "3.12", run=pip)
+    assert (built, failed) == (["sdist-only==2.0"], ["broken==3.0"])
+    assert (tmp_path / "w").is_dir()
+    downloads = [c for c in calls if c[3] == "download"]
+    assert [c[-1] for c in downloads] == pins and [c[-1] for c in calls if c[3] == "wheel"] == pins[1:]
+    for c in downloads:
+        assert {"--no-deps", "--only-binary=:all:", "--python-version=3.12", "--implementation=cp"} <= set(c)
+        assert [c[i + 1] for i, x in enumerate(c) if x == "-d"] == [str(tmp_path / "w")]
+        assert {f"--platform={p}" for p in check.PLATFORMS} <= set(c)
+
+
+def test_wheels_and_python_flags_are_checked(tmp_path):
+    r = _run(tmp_path, "--wheels", str(tmp_path / "w"), timeout=60)
+    assert (
+        r.returncode == 2
+        and r.stderr.strip() == "gpu_check: --wheels: only with --carry HELD (which packages to fetch)"
+    )
+    (tmp_path / "held.txt").write_text("numpy\n")
+    r = _run(tmp_path, "--carry", str(tmp_path / "held.txt"), "--wheels", "w", "--python", "3", timeout=60)
+    assert r.returncode == 2 and "--python '3': allowed a CPython version MAJOR.MINOR" in r.stderr
+    assert not (tmp_path / "w").exists()
