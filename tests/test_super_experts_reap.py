@@ -419,14 +419,17 @@ def test_the_max_activations_score_is_the_measured_maxima_and_needs_them():
     assert sorted(get_scoring("max_activations").select(measured, scores, 2).selected) == [1, 3]
 
 
-def test_a_streamed_calibration_cannot_serve_reaps_rule(tmp_path):
-    raw = _raw(REAP_GRID)
-    raw["calibration"] = {**raw["calibration"], "streamed": True}
-    spec, _, _ = _spec(raw, tmp_path, "streamed")
-    with pytest.raises(
-        ValueError, match="super_experts: reap .* calibration.streamed: true is not supported"
-    ):
-        _plan(spec)
+def test_a_streamed_calibration_plans_a_streamed_pass_and_a_resident_one_keeps_its_parameters(tmp_path):
+    resident = _plan(_spec(_raw(REAP_GRID), tmp_path, "resident")[0])
+    (plain,) = {j.key: j for j in resident["expert_maxima"].values()}.values()
+    assert "streamed" not in plain.params and "offload_hidden" not in plain.params
+    for extra in ({"streamed": True}, {"streamed": True, "offload_hidden": True}):
+        raw = _raw(REAP_GRID)
+        raw["calibration"] = {**raw["calibration"], **extra}
+        jobs = _plan(_spec(raw, tmp_path, "streamed")[0])
+        (job,) = {j.key: j for j in jobs["expert_maxima"].values()}.values()
+        assert job.params == {**plain.params, **extra} and job.key != plain.key
+        assert sorted(jobs["expert_maxima"]) == REAP_CONFIGS
 
 
 @pytest.mark.parametrize("bad", ["REAP", "10", True, 0.5, [2.0]])
@@ -515,3 +518,63 @@ def test_a_micro_sweep_runs_the_pass_and_its_conversions_record_the_protected_ex
         for i, layer in enumerate(sorted(maxima)):
             assert got[(ck, layer, "super_experts")] == len(want[i])
             assert got[(ck, layer, "protected")] == len(want[i][:4])
+
+
+def test_a_streamed_sweep_measures_the_maxima_and_protects_the_experts_the_resident_one_does(
+    tmp_path, monkeypatch
+):
+    """The same sweep with `calibration.streamed: true` (the teacher read one decoder layer at a time, its hidden
+    states offloaded) beside the resident one, in one home: its own expert_maxima job, equal maxima, the same
+    protected experts in the REAP conversions' plans."""
+    from rich.console import Console
+
+    from db.store import Store
+    from orchestrator.execute import SerialExecutor
+    from orchestrator.launch import launch
+    from orchestrator.scope import Scope
+
+    monkeypatch.setenv("MOESWEEP_HOME", str(tmp_path / "home"))
+    store = Store(f"sqlite:///{tmp_path}/r.db")
+    found = {}
+    for name, extra in (("resident", {}), ("streamed", {"streamed": True, "offload_hidden": True})):
+        raw = _raw(REAP_GRID)
+        raw["grid"] = raw["grid"][3:]  # REAP's rule only
+        raw["calibration"] = {**raw["calibration"], **extra}
+        raw["name"] = name
+        spec, path, text = _spec(raw, tmp_path, name)
+        code = launch(
+            spec,
+            text,
+            store,
+            SerialExecutor(),
+            console=Console(quiet=True),
+            show_progress=False,
+            path=str(path),
+            scope=Scope(until="convert"),
+        )
+        assert code == 0, name
+        (params, outputs), *more = store.query(
+            "SELECT j.params_json, j.outputs_json FROM jobs j JOIN sweep_jobs sj ON sj.job_id = j.id "
+            "JOIN sweeps s ON s.id = sj.sweep_id WHERE s.name = :n AND j.stage = 'expert_maxima'",
+            {"n": name},
+        )[1]
+        assert not more and json.loads(params).get("streamed", False) == bool(extra)
+        plans = {
+            ck: json.loads(Path(json.loads(out)["plan_path"]).read_text())
+            for ck, out in store.query(
+                "SELECT c.config_key, j.outputs_json FROM config_jobs cj JOIN configurations c ON c.id = cj.config_id "
+                "JOIN sweeps s ON s.id = c.sweep_id JOIN jobs j ON j.id = cj.job_id "
+                "WHERE cj.stage = 'convert' AND s.name = :n",
+                {"n": name},
+            )[1]
+        }
+        found[name] = (load_maxima(json.loads(outputs)["maxima"]), plans)
+    (want, want_plans), (got, got_plans) = found["resident"], found["streamed"]
+    assert sorted(got) == sorted(want) == [0, 1]
+    for layer in want:
+        torch.testing.assert_close(got[layer], want[layer], rtol=1e-5, atol=1e-5 * float(want[layer].max()))
+    assert sorted(got_plans) == sorted(want_plans) == REAP_CONFIGS
+    for ck in REAP_CONFIGS:
+        ids = [pl["extras"]["super_expert_ids"] for pl in want_plans[ck]]
+        assert [pl["extras"]["super_expert_ids"] for pl in got_plans[ck]] == ids and ids[0], ck
+        assert [pl["selected"] for pl in got_plans[ck]] == [pl["selected"] for pl in want_plans[ck]], ck

@@ -20,7 +20,9 @@ from orchestrator.stages.teacher import teacher_ref
 
 RULE = "reap"  # the `super_experts` value that needs this stage (workers.methods.pruning.REAP_RULE)
 SCORING = "max_activations"  # the scoring that reads it (workers.methods.scoring)
-CALIBRATION_ONLY = ("sample_tokens", "streamed", "offload_hidden")  # what only the calibrate pass reads
+CALIBRATION_ONLY = (
+    "sample_tokens",
+)  # what only the calibrate pass reads (streamed, offload_hidden: both read)
 
 
 def wants_maxima(cfg: dict[str, Any]) -> bool:
@@ -50,7 +52,9 @@ def wants_maxima(cfg: dict[str, Any]) -> bool:
 
 def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
     """One job per distinct calibration of the configurations that ask (their calibrate jobs' teacher,
-    windows, batches and chunks; not what only the calibrate pass reads), shared by them."""
+    windows, batches and chunks, and whether the teacher is streamed; not the sampled tokens, which only the
+    calibrate pass reads), shared by them. Params a resident calibration leaves out (streamed,
+    offload_hidden) stay out here too, so a resident teacher's maxima job keeps its parameters."""
     _, tdeps, resident = teacher_ref(ctx)
     out: dict[str, JobSpec] = {}
     planned: dict[str, JobSpec] = {}  # by the calibrate job's key
@@ -58,11 +62,6 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
         calib = ctx.jobs.get("calibrate", {}).get(c["config_key"])
         if calib is None or not wants_maxima(c):
             continue
-        if calib.params.get("streamed"):
-            raise SpecError(
-                f"super_experts: reap ({c['config_key']}) needs the teacher resident for its max-activation "
-                "pass; calibration.streamed: true is not supported there (use a factor, or a resident teacher)"
-            )
         if calib.key not in planned:
             params = {k: v for k, v in calib.params.items() if k not in CALIBRATION_ONLY}
             planned[calib.key] = ctx.job("expert_maxima", params, tdeps, resident=resident)

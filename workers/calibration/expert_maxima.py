@@ -166,6 +166,40 @@ def collect_maxima(
     return {layer: acc.finish() for layer, acc in accs.items()}
 
 
+def streamed_maxima(
+    teacher,
+    adapter,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    chunk_tokens: int,
+    progress: Callable[[int, int], None] | None = None,
+    offload: bool = False,
+) -> dict[int, torch.Tensor]:
+    """collect_maxima of the teacher in a StreamedTeacher's checkpoint, read one decoder layer at a time
+    (workers.calibration.streamed.walk_layers: a teacher larger than one device, as a streamed calibration
+    reads it); the same hooks on the same layer inputs, so the same maxima. `offload`: the carried hidden
+    states wait on the CPU between layers. `progress(layers done, layers to run)`."""
+    from workers.calibration.calibrate import check_batches
+    from workers.calibration.streamed import walk_layers
+
+    check_batches(batches, chunk_tokens)
+    moe = set(adapter.moe_layers(teacher.model))
+    accs: dict[int, MaximaAccumulator] = {}
+    current: dict[str, torch.Tensor] = {}
+
+    def watch(i: int) -> list:
+        if i not in moe:
+            return []
+        acc = accs[i] = MaximaAccumulator(adapter.expert_weights(teacher.model, i), chunk_tokens)
+
+        def fn(x: torch.Tensor, p: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> None:
+            acc.update(x, idx, current["mask"])
+
+        return adapter.hook_routing(teacher.model, i, fn)
+
+    walk_layers(teacher, adapter, batches, watch, current, progress, offload)
+    return {layer: accs[layer].finish() for layer in sorted(moe)}
+
+
 # ---- the file: every source's maxima apart, mixed when loaded ----------------------------------------
 def save_maxima(
     per_source: dict[str, dict[int, torch.Tensor]],

@@ -417,6 +417,58 @@ def _run_layer(
     return stats_to(attach_gate_sums({i: attach_sample(acc.finish(), samples, shared)}, gate_sums), "cpu")
 
 
+def walk_layers(
+    teacher: StreamedTeacher,
+    adapter,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    watch: Callable[[int], list[Any]],
+    current: dict[str, Any],
+    progress: Callable[[int, int], None] | None = None,
+    offload: bool = False,
+) -> None:
+    """Every batch's hidden states through the teacher's decoder layers 0..its last MoE layer, one layer read
+    onto the batches' device at a time, as streamed_stats walks them (its statistics keep that walk's own
+    code, so no calibration's key moves). Before layer i runs, `watch(i)` hooks what it observes (the hooks
+    it returns are removed after the layer); before each batch, current["mask"] is that batch's flat mask.
+    `offload` and `progress` as in streamed_stats."""
+    moe = adapter.moe_layers(teacher.model)
+    if not moe:
+        raise ValueError("adapter.moe_layers(model) is empty: the model has no MoE layer")
+    device = batches[0][0].device
+    store = torch.device("cpu") if offload else device
+    last = max(moe)
+    hidden: list[torch.Tensor] = []
+    calls: list[list[tuple[tuple, dict[str, Any]]]] = []
+    try:
+        teacher.load_outside(device)
+        for ids, mask in batches:
+            rec = record_layer_calls(teacher.decoder, ids, mask, last, adapter)
+            hidden.append(rec.hidden.to(store))
+            calls.append(move(rec.calls, store))
+    finally:
+        teacher.free_outside()
+    carried: list[dict[str, Any]] = [{} for _ in batches]  # what each batch's last layer passes to the next
+    for i in range(last + 1):
+        handles: list[Any] = []
+        try:
+            layer = teacher.load_layer(i, device)
+            on = layer_device(layer)
+            handles = watch(i)
+            with torch.no_grad():
+                for b, ((_, mask), c) in enumerate(zip(batches, calls, strict=True)):
+                    current["mask"] = mask.reshape(-1).bool()
+                    args, kwargs = move(c[i], on)
+                    kwargs = {**kwargs, **move(carried[b], on)}
+                    h, carried[b] = adapter.layer_output(layer(hidden[b].to(on), *args, **kwargs))
+                    hidden[b], carried[b] = h.to(store), move(carried[b], store)
+        finally:
+            for handle in handles:
+                handle.remove()
+            teacher.free_layer(i)
+        if progress is not None:
+            progress(i + 1, last + 1)
+
+
 def layer_device(layer: nn.Module) -> torch.device:
     return next(layer.parameters()).device
 
