@@ -112,13 +112,18 @@ def test_float32_default_implementations_and_offloaded_hidden_states(family, tmp
     assert_same_stats(got, want, rtol=1e-6)
 
 
-def test_a_layer_missing_from_the_checkpoint_is_one_line(tmp_path):
+def without_layer_1(tmp_path) -> StreamedTeacher:
+    """OLMoE's tiny teacher saved in shards whose index has lost decoder layer 1's tensors, streamed."""
     saved_teacher(tmp_path, "olmoe", torch.float32)
     index = tmp_path / "model.safetensors.index.json"
     data = json.loads(index.read_text())
     data["weight_map"] = {k: v for k, v in data["weight_map"].items() if ".layers.1." not in k}
     index.write_text(json.dumps(data))
-    teacher = StreamedTeacher(tmp_path, torch.float32)
+    return StreamedTeacher(tmp_path, torch.float32)
+
+
+def test_a_layer_missing_from_the_checkpoint_is_one_line(tmp_path):
+    teacher = without_layer_1(tmp_path)
     with pytest.raises(ValueError, match="no tensors of decoder layer 1") as e:
         streamed_stats(teacher, get_adapter(teacher.model), padded_batches(), chunk_tokens=8)
     assert "\n" not in str(e.value)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from families_cases import make_teacher
 from test_calibrate import padded_batches
-from test_streamed import STREAMED, layer_bytes, saved_teacher
+from test_streamed import STREAMED, layer_bytes, saved_teacher, without_layer_1
 
 from workers.calibration.expert_maxima import collect_maxima, load_maxima, streamed_maxima
 from workers.calibration.streamed import StreamedTeacher
@@ -62,12 +62,7 @@ def test_float32_default_implementations_and_offloaded_hidden_states(tmp_path):
 
 
 def test_a_failing_layer_leaves_nothing_materialised(tmp_path):
-    saved_teacher(tmp_path, "olmoe", torch.float32)
-    index = tmp_path / "model.safetensors.index.json"
-    data = json.loads(index.read_text())
-    data["weight_map"] = {k: v for k, v in data["weight_map"].items() if ".layers.1." not in k}
-    index.write_text(json.dumps(data))
-    teacher = StreamedTeacher(tmp_path, torch.float32)
+    teacher = without_layer_1(tmp_path)
     with pytest.raises(ValueError, match="no tensors of decoder layer 1"):
         streamed_maxima(teacher, get_adapter(teacher.model), padded_batches(), chunk_tokens=8)
     assert not teacher.materialised()

@@ -526,11 +526,9 @@ def test_a_streamed_sweep_measures_the_maxima_and_protects_the_experts_the_resid
     """The same sweep with `calibration.streamed: true` (the teacher read one decoder layer at a time, its hidden
     states offloaded) beside the resident one, in one home: its own expert_maxima job, equal maxima, the same
     protected experts in the REAP conversions' plans."""
-    from rich.console import Console
+    from sweep_runs import launch_serial
 
     from db.store import Store
-    from orchestrator.execute import SerialExecutor
-    from orchestrator.launch import launch
     from orchestrator.scope import Scope
 
     monkeypatch.setenv("MOESWEEP_HOME", str(tmp_path / "home"))
@@ -542,17 +540,7 @@ def test_a_streamed_sweep_measures_the_maxima_and_protects_the_experts_the_resid
         raw["calibration"] = {**raw["calibration"], **extra}
         raw["name"] = name
         spec, path, text = _spec(raw, tmp_path, name)
-        code = launch(
-            spec,
-            text,
-            store,
-            SerialExecutor(),
-            console=Console(quiet=True),
-            show_progress=False,
-            path=str(path),
-            scope=Scope(until="convert"),
-        )
-        assert code == 0, name
+        assert launch_serial(spec, text, store, path, scope=Scope(until="convert")) == 0, name
         (params, outputs), *more = store.query(
             "SELECT j.params_json, j.outputs_json FROM jobs j JOIN sweep_jobs sj ON sj.job_id = j.id "
             "JOIN sweeps s ON s.id = sj.sweep_id WHERE s.name = :n AND j.stage = 'expert_maxima'",
