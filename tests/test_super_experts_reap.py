@@ -432,6 +432,26 @@ def test_a_streamed_calibration_plans_a_streamed_pass_and_a_resident_one_keeps_i
         assert sorted(jobs["expert_maxima"]) == REAP_CONFIGS
 
 
+@pytest.mark.parametrize(("grid", "asking"), [([MAX_ACT_GRID], [MAX_ACT_CONFIG]), (REAP_GRID, REAP_CONFIGS)])
+def test_dcdm_refuses_a_configuration_that_reads_the_maxima_and_plans_once_narrowed(tmp_path, grid, asking):
+    """DCDM's rounds compress from mixed statistics alone: a configuration it applies to that reads the
+    max activations is one line before anything runs; narrowed by apply_to, both plan."""
+    from orchestrator.schema import SpecError
+
+    raw = yaml.safe_load((HERE / "sweeps" / "dcdm.yaml").read_text())
+    raw["grid"] = [{"output": ["moe"], "scoring": ["EAN"], "K": [3], "recovery": ["none"]}, *grid]
+    with pytest.raises(SpecError) as e:
+        _plan(_spec(raw, tmp_path, "dcdm")[0])
+    assert str(e.value) == (
+        f"dcdm.apply_to: {{'output': 'moe'}} matches {asking[0]}, which reads the expert_maxima pass (scoring "
+        "max_activations or super_experts: reap) that DCDM's rounds do not run; narrow dcdm.apply_to to leave it out"
+    )
+    raw["dcdm"]["apply_to"] = {"output": "moe", "scoring": "EAN"}
+    jobs = _plan(_spec(raw, tmp_path, "narrowed")[0])
+    assert sorted(jobs["dcdm"]) == ["moe|EAN|K=3|recovery=none"]
+    assert sorted(jobs["expert_maxima"]) == sorted(asking)
+
+
 @pytest.mark.parametrize("bad", ["REAP", "10", True, 0.5, [2.0]])
 def test_a_setting_neither_a_factor_nor_reap_is_refused_before_anything_runs(tmp_path, bad):
     from orchestrator.schema import SpecError

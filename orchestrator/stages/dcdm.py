@@ -37,6 +37,7 @@ from db.axes import CONVERTED_KINDS
 from orchestrator.axes import AXES
 from orchestrator.schema import Data, SpecError, Strict, typed_setting, worker_settings
 from orchestrator.stage import JobSpec, Stage, SweepContext
+from orchestrator.stages.expert_maxima import wants_maxima
 from orchestrator.stages.teacher import teacher_ref
 
 SUFFIX = "calibration=dcdm"  # the variant label, and the tail of a DCDM mixture's configuration key
@@ -211,6 +212,13 @@ def jobs(ctx: SweepContext) -> dict[str, JobSpec]:
     ]
     if not chosen:
         raise SpecError(f"dcdm.apply_to: {d.apply_to} matches no configuration of the grid")
+    for c in chosen:  # each round compresses from mixed statistics alone: no max activations reach it
+        if wants_maxima(c):
+            raise SpecError(
+                f"dcdm.apply_to: {d.apply_to} matches {c['config_key']}, which reads the expert_maxima pass "
+                "(scoring max_activations or super_experts: reap) that DCDM's rounds do not run; narrow "
+                "dcdm.apply_to to leave it out"
+            )
     out = {}
     for c in chosen:
         deps = {**tdeps, "calibrate": calib[c["config_key"]].key}
