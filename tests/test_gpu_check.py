@@ -397,3 +397,11 @@ def test_wheels_and_python_flags_are_checked(tmp_path):
     r = _run(tmp_path, "--carry", str(tmp_path / "held.txt"), "--wheels", "w", "--python", "3", timeout=60)
     assert r.returncode == 2 and "--python '3': allowed a CPython version MAJOR.MINOR" in r.stderr
     assert not (tmp_path / "w").exists()
+
+
+def test_the_benchmarks_run_first_whatever_order_only_names():
+    """A budget too short for everything cuts the grid, not the measurements a lent GPU is for."""
+    assert check.parse_args([]).steps == ["c", "a", "b", "d"]
+    assert check.parse_args(["--only", "d,b,a"]).steps == ["a", "b", "d"]
+    assert check.parse_args(["--only", "b,c"]).steps == ["c", "b"]
+    assert check.STEP_S["c"] >= max(check.STEP_S["a"], check.STEP_S["b"])
