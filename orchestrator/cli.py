@@ -939,9 +939,9 @@ def compress(
     merging: Annotated[str | None, typer.Option(help="for merged: HC-SMoE or M-SMoE")] = None,
     editing: Annotated[str | None, typer.Option(help="for edited: MoBE, TD-MoE…")] = None,
     k: Annotated[int, typer.Option("--K", help="experts kept per layer (the budget of K for edited)")] = 0,
-    data: Annotated[str, typer.Option(help="calibration text: hf:PATH[/NAME] or jsonl:FILE")] = (
-        "hf:Salesforce/wikitext/wikitext-103-raw-v1"
-    ),
+    data: Annotated[
+        str, typer.Option(help="calibration text: hf:PATH, hf:PATH/NAME (a dataset's config) or jsonl:FILE")
+    ] = ("hf:Salesforce/wikitext/wikitext-103-raw-v1"),
     n_samples: Annotated[int, typer.Option(help="calibration windows")] = 128,
     seq_len: Annotated[int, typer.Option(help="tokens per calibration window")] = 2048,
     ppl: Annotated[

@@ -379,6 +379,22 @@ def test_an_options_choices_are_listed_in_help(command, shown):
     assert shown in res.stdout
 
 
+def test_every_commands_help_renders():
+    """Help text is rich markup: a bracket in it (`hf:PATH[/NAME]` was read as a closing tag) must not turn
+    `--help` into a traceback, for any command or subcommand."""
+    import typer.main
+
+    group = typer.main.get_command(app)
+    paths = []
+    for name, cmd in sorted(group.commands.items()):
+        paths.append([name])
+        paths += [[name, sub] for sub in sorted(getattr(cmd, "commands", {}))]
+    assert ["compress"] in paths and len(paths) >= 10
+    for path in paths:
+        res = runner.invoke(app, [*path, "--help"])
+        assert res.exit_code == 0 and "Usage" in res.stdout, (path, res.output[-600:])
+
+
 def test_a_value_not_among_the_choices_is_one_line(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     db = f"sqlite:///{tmp_path / 'r.db'}"
