@@ -18,14 +18,34 @@ from rich.console import Console
 from rich.table import Table
 from typer.core import TyperGroup
 
+try:  # typer 0.29 carries its own click: its usage errors are that click's
+    from typer._click.exceptions import NoArgsIsHelpError, UsageError
+except ImportError:  # a typer on the installed click
+    from click.exceptions import NoArgsIsHelpError, UsageError
+
 
 class _Commands(TyperGroup):
-    """The commands; a database found unusable part-way through one (a damaged file, one that cannot be
-    written) is one line and exit 2, as a problem opening it is."""
+    """The commands; a command line they cannot take (an unknown command or option, a missing argument) and
+    a database found unusable part-way through one (a damaged file, one that cannot be written) are one
+    line and exit 2, as a problem opening it is."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except UsageError as e:  # the command line before any command, e.g. `moesweep --bogus`
+            _usage(e, info_name or "moesweep")
+
+    def resolve_command(self, ctx, args):
+        name, cmd, rest = super().resolve_command(ctx, args)
+        ctx.meta["moesweep.command"] = name  # for a usage error of its own that names no context
+        return name, cmd, rest
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except UsageError as e:
+            name = ctx.meta.get("moesweep.command")
+            _usage(e, f"{ctx.command_path} {name}" if name else ctx.command_path)
         except Exception as e:
             store = sys.modules.get("db.store")  # not imported: no StoreError can have been raised
             if store is None or not isinstance(e, store.StoreError):
@@ -100,6 +120,16 @@ def _store(
             return None
         source = "--db" if db else "$MOESWEEP_DB" if os.environ.get("MOESWEEP_DB") else "database URL"
         _fail(f"{source}: {e}" if e.about_url else str(e))
+
+
+def _usage(e: Exception, path: str) -> None:
+    """A command line the commands cannot take, as one line: where, what, and where the help is (a bare
+    `moesweep`, or a command called without what it needs, shows its help as before)."""
+    if isinstance(e, NoArgsIsHelpError):
+        raise e
+    ctx = getattr(e, "ctx", None)
+    where = ctx.command_path if ctx is not None else path
+    _fail(f"{where}: {e.format_message()} (see {where} --help)")
 
 
 def _fail(msg: str, code: int = 2) -> None:

@@ -395,6 +395,33 @@ def test_every_commands_help_renders():
         assert res.exit_code == 0 and "Usage" in res.stdout, (path, res.output[-600:])
 
 
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["status"], "moesweep status: Missing argument 'name'. (see moesweep status --help)"),
+        (["status", "x", "--bogus"], "moesweep status: No such option: --bogus (see moesweep status --help)"),
+        (["launch", "tiny", "--K"], "moesweep launch: No such option: --K (see moesweep launch --help)"),
+        (
+            ["launch", "tiny", "--max-concurrent"],
+            "moesweep launch: Option '--max-concurrent' requires an argument. (see moesweep launch --help)",
+        ),
+        (["nosuch"], "moesweep: No such command 'nosuch'. (see moesweep --help)"),
+        (["--bogus"], "moesweep: No such option: --bogus (see moesweep --help)"),
+    ],
+)
+def test_a_command_line_the_commands_cannot_take_is_one_line(args, line, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    res = runner.invoke(app, args, prog_name="moesweep")
+    assert res.exit_code == 2 and res.stderr == f"error: {line}\n" and res.stdout == "", res.output
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_bare_moesweep_still_shows_its_help():
+    res = runner.invoke(app, [], prog_name="moesweep")
+    assert res.exit_code == 2 and "Usage: moesweep" in res.stdout and "launch" in res.stdout
+    assert "error" not in res.stderr
+
+
 def test_a_value_not_among_the_choices_is_one_line(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     db = f"sqlite:///{tmp_path / 'r.db'}"
