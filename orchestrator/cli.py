@@ -699,7 +699,7 @@ def sql(
     except StoreError as e:
         _fail(str(e))
     if format == "csv":
-        w = csv.writer(sys.stdout)
+        w = csv.writer(sys.stdout, lineterminator="\n")  # lines as the shell reads them (no \r)
         w.writerow(cols)
         w.writerows(rows)
     elif format == "json":

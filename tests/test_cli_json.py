@@ -508,6 +508,7 @@ def test_the_pandas_recipe_runs_as_written(tmp_path, monkeypatch):
     # the CSV route: moesweep sql --format csv ... > results.csv, read back
     res = runner.invoke(app, ["sql", "--format", "csv", "SELECT * FROM results WHERE sweep = 'tiny'"])
     assert res.exit_code == 0, res.output
+    assert "\r" not in res.stdout and res.stdout.count("\n") == len(df) + 1  # `| tail -1` gives a clean value
     (tmp_path / "results.csv").write_text(res.stdout)
     back = pd.read_csv(tmp_path / "results.csv")
     assert list(back.columns) == list(df.columns) and len(back) == len(df)
