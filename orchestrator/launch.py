@@ -40,7 +40,7 @@ from orchestrator import hooks, mirror
 from orchestrator.axes import AXES
 from orchestrator.schema import artifact_root
 from orchestrator.scope import Scope, competes, is_d2d
-from orchestrator.spec import SpecError, SweepSpec, check_local_paths, spec_hash
+from orchestrator.spec import SpecError, SweepSpec, check_local_paths, relaunch_name, spec_hash
 from orchestrator.stage import JobSpec, Stage, SweepContext, get_stage, stages, unique
 from workers.core.artifacts import LAYOUT, is_url, same_content, sealed
 from workers.core.artifacts import check as artifact_check
@@ -812,7 +812,7 @@ def run_launch(
         executor.close()
     code = _summary(console, runner.reports, store, sid)
     if scope.partial:
-        _partial_note(console, spec, scope, chosen)
+        _partial_note(console, spec, scope, chosen, path)
     return code
 
 
@@ -885,8 +885,11 @@ def _select_early(spec: SweepSpec, scope: Scope, ctx: SweepContext) -> list[str]
     return ctx.select()
 
 
-def _partial_note(console: Console, spec: SweepSpec, scope: Scope, chosen: list[str] | None) -> None:
-    """What a partial launch left out, and how the rest runs."""
+def _partial_note(
+    console: Console, spec: SweepSpec, scope: Scope, chosen: list[str] | None, path: str | None
+) -> None:
+    """What a partial launch left out, and how the rest runs (by the sweep's name, or its file's path where
+    the name does not find that file)."""
     names = [s.name for s in scope.stages()]
     left = [s.name for s in stages() if s.name not in names]
     parts = [f"partial launch ({scope.describe()})"]
@@ -900,7 +903,8 @@ def _partial_note(console: Console, spec: SweepSpec, scope: Scope, chosen: list[
     if chosen is not None:
         parts.append(f"selected for distillation: {len(chosen)} configuration(s)")
     console.print(
-        "; ".join(parts) + f". `moesweep launch {spec.name}` runs the rest and reuses every job done",
+        "; ".join(parts)
+        + f". `moesweep launch {relaunch_name(spec.name, path)}` runs the rest and reuses every job done",
         highlight=False,
         soft_wrap=True,
         markup=False,

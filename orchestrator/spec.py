@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import stat
 import sys
 from dataclasses import dataclass
@@ -350,6 +351,20 @@ def _file_problem(p: Path) -> str | None:
         else "not a file"
     )
     return f"not a regular file ({what}); expected a sweep YAML file"
+
+
+def relaunch_name(name: str, path: str | Path | None) -> str:
+    """What `moesweep launch` takes to find the sweep loaded from `path` again: its name where that name
+    finds this very file, else the file's absolute path (shell-quoted), e.g. a sweep file outside the sweep
+    folders or one `moesweep compress` wrote."""
+    if path is None:
+        return name
+    try:
+        if os.path.samefile(find_sweep(name), path):
+            return name
+    except (SpecError, OSError):
+        pass
+    return shlex.quote(str(Path(path).resolve()))
 
 
 def find_sweep(name: str) -> Path:

@@ -182,3 +182,26 @@ def test_dry_run_of_a_partial_launch():
     assert only["select"]["distinct"] == 1 and "dense_teacher" not in only
     with pytest.raises(OptionError, match="unknown stage"):
         dryrun.plan_counts(spec, scope=Scope(until="nope"))
+
+
+def test_the_note_names_the_sweep_as_launch_finds_it_again(tmp_path, monkeypatch):
+    """`moesweep launch X` in a partial launch's note: the name where it finds this very file, else the
+    file's path (a sweep file elsewhere, or one `moesweep compress` wrote)."""
+    from orchestrator.spec import relaunch_name
+
+    folder = tmp_path / "sweeps"
+    folder.mkdir()
+    monkeypatch.setenv("MOESWEEP_SWEEPS", str(folder))
+    monkeypatch.chdir(tmp_path)
+    (folder / "mine.yaml").write_text("name: mine\n")
+    other = tmp_path / "my files" / "mine.yaml"  # the same name, another file (and a space in its path)
+    other.parent.mkdir()
+    other.write_text("name: mine\n")
+    elsewhere = tmp_path / "compress" / "compress-x.yaml"
+    elsewhere.parent.mkdir()
+    elsewhere.write_text("name: compress-x\n")
+    assert relaunch_name("mine", folder / "mine.yaml") == "mine"
+    assert relaunch_name("mine", Path("sweeps") / "mine.yaml") == "mine"  # relative, the same file
+    assert relaunch_name("mine", other) == f"'{other}'"
+    assert relaunch_name("compress-x", elsewhere) == str(elsewhere)
+    assert relaunch_name("mine", None) == "mine"
