@@ -278,6 +278,9 @@ def launch(
         _fail(
             "--json: only with --dry-run (a launch reports on stderr; `moesweep status NAME --json` after it)"
         )
+    for option, value in (("--num-cpus", num_cpus), ("--max-concurrent", max_concurrent)):
+        if value is not None and value < 1:  # 0 read as "unset" and a negative count as 1, silently
+            _fail(f"{option} {value}: allowed: 1 or more")
     overrides = list(set_ or [])
     scope = Scope(until=until, only=tuple(dict.fromkeys(only or ())))
     try:

@@ -432,6 +432,11 @@ def test_a_value_not_among_the_choices_is_one_line(tmp_path, monkeypatch):
         ),
         (["report", "tiny", "--compare", "theirs", "--db", db], "error: --compare 'theirs': allowed: paper"),
         (["sql", "SELECT 1", "-f", "xml", "--db", db], "error: --format 'xml': allowed: table, csv, json"),
+        (
+            ["launch", "tiny", "--max-concurrent", "0", "--db", db],
+            "error: --max-concurrent 0: allowed: 1 or more",
+        ),
+        (["launch", "tiny", "--num-cpus", "-2", "--db", db], "error: --num-cpus -2: allowed: 1 or more"),
     ):
         res = runner.invoke(app, args)
         assert res.exit_code == 2 and res.stderr == line + "\n" and res.stdout == "", (args, res.output)
