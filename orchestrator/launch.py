@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import threading
 import time
@@ -40,7 +41,14 @@ from orchestrator import hooks, mirror
 from orchestrator.axes import AXES
 from orchestrator.schema import artifact_root
 from orchestrator.scope import Scope, competes, is_d2d
-from orchestrator.spec import SpecError, SweepSpec, check_local_paths, relaunch_name, spec_hash
+from orchestrator.spec import (
+    SpecError,
+    SweepSpec,
+    check_local_paths,
+    relaunch_name,
+    spec_hash,
+    spec_notes,
+)
 from orchestrator.stage import JobSpec, Stage, SweepContext, get_stage, stages, unique
 from workers.core.artifacts import LAYOUT, is_url, same_content, sealed
 from workers.core.artifacts import check as artifact_check
@@ -812,7 +820,7 @@ def run_launch(
         executor.close()
     code = _summary(console, runner.reports, store, sid)
     if scope.partial:
-        _partial_note(console, spec, scope, chosen, path)
+        _partial_note(console, spec, scope, chosen, path, spec_text)
     return code
 
 
@@ -886,10 +894,15 @@ def _select_early(spec: SweepSpec, scope: Scope, ctx: SweepContext) -> list[str]
 
 
 def _partial_note(
-    console: Console, spec: SweepSpec, scope: Scope, chosen: list[str] | None, path: str | None
+    console: Console,
+    spec: SweepSpec,
+    scope: Scope,
+    chosen: list[str] | None,
+    path: str | None,
+    spec_text: str,
 ) -> None:
     """What a partial launch left out, and how the rest runs (by the sweep's name, or its file's path where
-    the name does not find that file)."""
+    the name does not find that file, with the same --set overrides)."""
     names = [s.name for s in scope.stages()]
     left = [s.name for s in stages() if s.name not in names]
     parts = [f"partial launch ({scope.describe()})"]
@@ -902,9 +915,10 @@ def _partial_note(
         )
     if chosen is not None:
         parts.append(f"selected for distillation: {len(chosen)} configuration(s)")
+    sets = "".join(f" --set {shlex.quote(o)}" for o in spec_notes(spec_text)[1])
     console.print(
         "; ".join(parts)
-        + f". `moesweep launch {relaunch_name(spec.name, path)}` runs the rest and reuses every job done",
+        + f". `moesweep launch {relaunch_name(spec.name, path)}{sets}` runs the rest and reuses every job done",
         highlight=False,
         soft_wrap=True,
         markup=False,

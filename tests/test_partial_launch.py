@@ -205,3 +205,33 @@ def test_the_note_names_the_sweep_as_launch_finds_it_again(tmp_path, monkeypatch
     assert relaunch_name("mine", other) == f"'{other}'"
     assert relaunch_name("compress-x", elsewhere) == str(elsewhere)
     assert relaunch_name("mine", None) == "mine"
+
+
+def test_the_note_repeats_the_overrides_of_the_partial_launch(fake, tmp_path):  # noqa: F811  (the imported fixture)
+    """A partial launch with --set: the note's command relaunches the same effective sweep (its file's path,
+    each --set quoted for the shell), so the rest it runs is the rest of this sweep."""
+    from rich.console import Console
+
+    from orchestrator.execute import SerialExecutor
+    from orchestrator.launch import launch
+
+    _, state = fake
+    state["fail"] = False
+    spec, path, text = load_spec(str(state["sweep"]), ["grid.K=[2, 4]", "description=a b"])
+    console = Console(record=True, width=400)
+    code = launch(
+        spec,
+        text,
+        Store(state["db"]),
+        SerialExecutor(),
+        console=console,
+        show_progress=False,
+        path=str(path),
+        scope=Scope(until="convert"),
+    )
+    assert code == 0
+    (line,) = [ln for ln in console.export_text().splitlines() if ln.startswith("partial launch")]
+    assert line.endswith(
+        f"`moesweep launch {path.resolve()} --set 'grid.K=[2, 4]' --set 'description=a b'` runs the rest and "
+        "reuses every job done"
+    ), line
