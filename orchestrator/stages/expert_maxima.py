@@ -20,9 +20,8 @@ from orchestrator.stages.teacher import teacher_ref
 
 RULE = "reap"  # the `super_experts` value that needs this stage (workers.methods.pruning.REAP_RULE)
 SCORING = "max_activations"  # the scoring that reads it (workers.methods.scoring)
-CALIBRATION_ONLY = (
-    "sample_tokens",
-)  # what only the calibrate pass reads (streamed, offload_hidden: both read)
+# what only the calibrate pass reads (streamed and offload_hidden are this pass's settings too)
+CALIBRATION_ONLY = ("sample_tokens",)
 
 
 def wants_maxima(cfg: dict[str, Any]) -> bool:
