@@ -18,10 +18,9 @@ from rich.console import Console
 from rich.table import Table
 from typer.core import TyperGroup
 
-try:  # typer 0.29 carries its own click: its usage errors are that click's
-    from typer._click.exceptions import NoArgsIsHelpError, UsageError
-except ImportError:  # a typer on the installed click
-    from click.exceptions import NoArgsIsHelpError, UsageError
+# click's UsageError and NoArgsIsHelpError, of whichever click typer runs on (typer 0.29 carries its own)
+UsageError = typer.BadParameter.__base__
+NoArgsIsHelpError = getattr(sys.modules[UsageError.__module__], "NoArgsIsHelpError", ())
 
 
 class _Commands(TyperGroup):
