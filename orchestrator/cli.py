@@ -799,14 +799,18 @@ def report(
             f"reference sweeps {', '.join(stale)} were imported by an older moesweep (their stored "
             "selection rule is not the paper's); run 'moesweep import-paper' first"
         )
+    target = out_dir or Path("report") / name.replace(":", "_")  # paper:x -> report/paper_x
+    if target.exists() and not target.is_dir():
+        _fail(f"--out {target}: exists and is not a folder; the report is a folder of tables and figures")
     try:
         frames = load_frames(store.engine, [name])
         cmp = load_frames(store.engine, list(refs)) if compare is not None else None
-        target = out_dir or Path("report") / name.replace(":", "_")  # paper:x -> report/paper_x
         arts = write_report(frames, name, target, cmp)
         line = code_versions_line(code_versions(frames.code[frames.code["sweep"] == name]))
     except ValueError as e:
         _fail(str(e))
+    except OSError as e:  # a folder that cannot be made or written (permissions, a full disk)
+        _fail(f"report {name}: cannot write {e.filename or target}: {e.strerror or e}")
     if line:
         err.print(
             f"[yellow]warning:[/] sweep {name}: {line} (see {target / 'index.md'})",

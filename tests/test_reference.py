@@ -203,6 +203,25 @@ def test_cli_report_on_the_paper_data(tmp_path):
     assert r"\textbf{42.39}" in tex and "Teacher (DeepSeek-V2-Lite)" in tex and "71.09" in tex
 
 
+def test_cli_report_to_a_file_or_an_unwritable_place_is_one_line(tmp_path):
+    url = f"sqlite:///{tmp_path}/m.db"
+    runner = CliRunner()
+    assert runner.invoke(app, ["import-paper", "--db", url]).exit_code == 0
+    afile = tmp_path / "taken.txt"
+    afile.write_text("mine\n")
+    blocked = afile / "rep"  # under a file: no folder can be made there
+    for out, line in (
+        (
+            afile,
+            f"error: --out {afile}: exists and is not a folder; the report is a folder of tables and figures",
+        ),
+        (blocked, f"error: report paper:deepseek-v2-lite: cannot write {blocked}: Not a directory"),
+    ):
+        r = runner.invoke(app, ["report", "paper:deepseek-v2-lite", "--db", url, "--out", str(out)])
+        assert r.exit_code == 2 and r.stderr == line + "\n", r.output
+    assert afile.read_text() == "mine\n"
+
+
 def test_reference_identities_are_stored(tmp_path):
     import json
 
