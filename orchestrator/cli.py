@@ -958,7 +958,10 @@ def slurm(
     if out_file is None:
         sys.stdout.write(text)
         return
-    out_file.write_text(text)
+    try:
+        out_file.write_text(text)
+    except OSError as e:
+        _fail(f"--out {out_file}: cannot write it: {e.strerror or e}")
     out.print(f"wrote {out_file}: submit it with sbatch {out_file}", highlight=False)
 
 

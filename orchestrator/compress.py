@@ -24,7 +24,7 @@ import yaml
 from db.axes import AXES, OUTPUTS
 from db.store import Store, home
 from orchestrator.axes import AXES as GRID_AXES
-from orchestrator.export import ExportError, model_card, registering_module
+from orchestrator.export import ExportError, model_card, out_problem, registering_module
 from orchestrator.version import version_text
 
 DEFAULT_DATA = "hf:Salesforce/wikitext/wikitext-103-raw-v1"
@@ -109,8 +109,9 @@ def compress(r: Request, store: Store, executor, console, force: bool = False) -
     from orchestrator.scope import Scope
     from orchestrator.spec import load_spec
 
-    if r.out.exists() and (not r.out.is_dir() or any(r.out.iterdir())) and not force:
-        raise ExportError(f"{r.out} exists and is not empty: choose another folder, or --force to replace it")
+    problem = out_problem(r.out, force)  # said before anything is computed
+    if problem is not None:
+        raise ExportError(problem)
     sweep = sweep_of(r)
     folder = home() / "compress"
     folder.mkdir(parents=True, exist_ok=True)
@@ -171,6 +172,8 @@ def write_model(store: Store, sweep: str, row: dict[str, Any], r: Request, force
             shutil.rmtree(r.out) if r.out.is_dir() else r.out.unlink()
         r.out.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(str(target), str(r.out))
+    except OSError as e:  # a full disk, a folder gone meanwhile: the sweep's jobs are kept
+        raise ExportError(f"cannot write {r.out}: {e.strerror or e}; the same call writes it again") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return r.out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -90,6 +91,22 @@ def checkpoint(store: Store, config_id: int) -> tuple[str, dict[str, Any], dict[
     )
 
 
+def out_problem(out: Path, force: bool) -> str | None:
+    """Why a model folder cannot be written at `out` (None: it can): something there already (unless `force`
+    replaces it), or a place where no folder can be made: under a file, or in a folder it may not write."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        what = "is not empty" if out.is_dir() else "is a file"
+        return f"{out} exists and {what}: choose another folder, or --force to replace it"
+    above = out.absolute().parent
+    while not above.exists():
+        above = above.parent
+    if not above.is_dir():
+        return f"cannot write {out}: {above} is a file, not a folder"
+    if not os.access(above, os.W_OK | os.X_OK):
+        return f"cannot write {out}: {above} is not writable"
+    return None
+
+
 def export(store: Store, config_key: str, out: Path, sweep: str | None = None, force: bool = False) -> Path:
     """Write `config_key`'s final model, tokenizer, card and facts into `out` (absent, or empty; `force`:
     replace it). Nothing is written when anything is wrong."""
@@ -100,8 +117,9 @@ def export(store: Store, config_key: str, out: Path, sweep: str | None = None, f
         raise ExportError(
             f"{stage} checkpoint of {config_key!r}: {state.problem}; `moesweep launch` recomputes it"
         )
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise ExportError(f"{out} exists and is not empty: choose another folder, or --force to replace it")
+    problem = out_problem(out, force)
+    if problem is not None:
+        raise ExportError(problem)
     tmp = Path(tempfile.mkdtemp(prefix=".moesweep-export-", dir=out.parent if out.parent.exists() else None))
     try:
         model = tmp / "model"
@@ -117,6 +135,8 @@ def export(store: Store, config_key: str, out: Path, sweep: str | None = None, f
             shutil.rmtree(out) if out.is_dir() else out.unlink()
         out.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(str(model), str(out))
+    except OSError as e:  # a full disk, a folder gone meanwhile: the checkpoint itself is untouched
+        raise ExportError(f"cannot write {out}: {e.strerror or e}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

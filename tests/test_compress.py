@@ -54,3 +54,16 @@ def test_bad_choices_are_one_line(tmp_path, monkeypatch):
         r = CliRunner().invoke(app, [*base, *extra])
         assert r.exit_code == 2 and msg in r.output and len(r.output.strip().splitlines()) == 1, r.output
     assert not (tmp_path / "o").exists()
+
+
+def test_an_out_folder_that_cannot_be_written_is_one_line_before_anything_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOESWEEP_HOME", str(tmp_path / "home"))
+    (tmp_path / "afile").write_text("x")
+    out = tmp_path / "afile" / "model"
+    args = ["compress", "some/model", "--out", str(out), "--K", "4", "--scoring", "REAP"]
+    r = CliRunner().invoke(app, [*args, "--db", f"sqlite:///{tmp_path}/c.db"])
+    assert r.exit_code == 2, r.output
+    assert r.output.strip() == (
+        f"error: compress some/model: cannot write {out}: {tmp_path / 'afile'} is a file, not a folder"
+    )
+    assert not (tmp_path / "home" / "compress").exists()  # no sweep written, nothing run

@@ -49,3 +49,27 @@ def test_the_card_says_what_to_import():
     card = model_card(facts)
     assert "import workers.models.dot_moe_hf" in card and "| ppl_pre | 3.5 |" in card
     assert "import workers" not in model_card(facts | {"registers": None})
+
+
+def test_where_a_model_folder_cannot_be_written_is_said_before_anything_runs(tmp_path):
+    from orchestrator.export import out_problem
+
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("x")
+    (tmp_path / "empty").mkdir()
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert out_problem(tmp_path / "new" / "deeper", force=False) is None
+    assert out_problem(tmp_path / "empty", force=False) is None
+    assert (
+        out_problem(full, force=False)
+        == f"{full} exists and is not empty: choose another folder, or --force to replace it"
+    )
+    assert (
+        out_problem(afile, force=False)
+        == f"{afile} exists and is a file: choose another folder, or --force to replace it"
+    )
+    assert out_problem(full, force=True) is None and out_problem(afile, force=True) is None
+    for under in (afile / "out", afile / "a" / "b"):
+        assert out_problem(under, force=True) == f"cannot write {under}: {afile} is a file, not a folder"

@@ -154,6 +154,7 @@ def test_the_command_writes_the_script_and_refuses_bad_input_in_one_line(tmp_pat
         (["nonesuch-sweep"], "nonesuch-sweep"),
         ([sweep, "--resource", "a100"], "--resource 'a100'"),
         ([sweep, "--nodes", "0"], "--nodes 0"),
+        ([sweep, "--out", str(out / "under-a-file")], f"--out {out / 'under-a-file'}: cannot write it:"),
     ):
         bad = CliRunner().invoke(app, ["slurm", *args])
         assert bad.exit_code == 2 and msg in bad.output and len(bad.output.strip().splitlines()) == 1, (
