@@ -8,6 +8,7 @@ from the source alone.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
@@ -223,4 +224,10 @@ def artifact_root(value: str) -> str:
         raise ValueError(f"{protocol}:// needs its fsspec package ({str(e).splitlines()[0]})") from None
     except ValueError:
         raise ValueError(f"{protocol}:// is not a protocol fsspec knows") from None
+    if protocol == "file":  # a local folder: one that cannot be made is said now, not by the first job
+        above = Path(value[len("file://") :]).parent
+        while not above.exists():
+            above = above.parent
+        if not above.is_dir():
+            raise ValueError(f"{value}: {above} is a file, not a folder")
     return value.rstrip("/")

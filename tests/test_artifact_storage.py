@@ -152,6 +152,18 @@ def test_the_artifact_root_setting():
             artifact_root("s3://bucket/x")
 
 
+def test_a_local_artifact_root_under_a_file_is_refused_when_read(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for value in (f"{afile}/art", f"file://{afile}/a/b"):
+        with pytest.raises(ValueError) as e:
+            artifact_root(value)
+        url = value if value.startswith("file://") else f"file://{value}"
+        assert str(e.value) == f"{url}: {afile} is a file, not a folder"
+    assert artifact_root(f"{tmp_path}/new/art") == f"file://{tmp_path}/new/art"  # made when a job writes
+    assert not (tmp_path / "new").exists()
+
+
 def test_a_bad_artifact_root_is_one_line_before_anything_runs(tmp_path, monkeypatch):
     from tests.test_orchestrator import fake_sweep
 
