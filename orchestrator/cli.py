@@ -315,19 +315,34 @@ def launch(
         scope.prepare(spec, prepared[1])
     except SpecError as e:
         _spec_fail(e, path, overrides)
+    ray_at = address or os.environ.get("RAY_ADDRESS")
+    if executor == "ray" and ray_at:  # before the database is opened: a typo waits on nothing
+        from orchestrator.execute import unreachable
+
+        why = unreachable(ray_at)
+        if why is not None:
+            _fail(
+                f"{'--address' if address else 'RAY_ADDRESS'} {ray_at}: {why}; start the cluster (`ray start "
+                "--head`), or leave it out for a local Ray"
+            )
     store = _store(db)
     if executor == "serial":
         from orchestrator.execute import SerialExecutor
 
         ex = SerialExecutor()
     elif executor == "ray":
-        from orchestrator.execute import RayExecutor
+        from orchestrator.execute import ClusterError, RayExecutor
 
         ex = RayExecutor(
-            address=address or os.environ.get("RAY_ADDRESS"),
+            address=ray_at,
             num_cpus=num_cpus,
             max_concurrent=max_concurrent or spec.execution.max_concurrent,
         )
+        if ray_at:  # a cluster is joined before any job is claimed (a local Ray starts with the first job)
+            try:
+                ex.connect()
+            except ClusterError as e:
+                _fail(f"{e}; start it (`ray start --head`), or leave it out for a local Ray")
     else:
         _fail(f"--executor {executor!r}: allowed: ray, serial")
     try:

@@ -188,6 +188,30 @@ class SerialExecutor:
         self.cache.clear()
 
 
+class ClusterError(RuntimeError):
+    """The Ray cluster of --address / RAY_ADDRESS cannot be joined; the message is one line."""
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
+def unreachable(address: str, timeout: float = 10.0) -> str | None:
+    """Why no Ray cluster can answer at `address`, or None: something listens there, or it is a form Ray
+    resolves itself (auto, local, another scheme). HOST:PORT is the head's GCS, ray://HOST:PORT a Ray Client
+    server; a refused or timed-out connection would otherwise leave ray.init retrying for minutes."""
+    target = address.removeprefix("ray://")
+    host, sep, port = target.rpartition(":")
+    if address in ("auto", "local") or "://" in target or not sep or not port.isdigit():
+        return None
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return None
+    except OSError as e:
+        return f"nothing answers at {host}:{port} ({e.strerror or e})"
+
+
 class RayExecutor:
     """Jobs as Ray actor calls; one actor pool per (cpus, gpus, custom resources) shape, reused across stages."""
 
@@ -216,11 +240,22 @@ class RayExecutor:
                 "configure_logging": False,
             }
             if self.address:
-                ray.init(address=self.address, **kw)
+                try:
+                    ray.init(address=self.address, **kw)
+                except (ConnectionError, RuntimeError, ValueError) as e:  # Ray's, after its own retries
+                    raise ClusterError(
+                        f"cannot join the Ray cluster at {self.address}: {_first_line(e)}"
+                    ) from None
             else:
                 with _dies_with_this_process():
                     ray.init(num_cpus=self.num_cpus or os.cpu_count() or 1, **kw)
         self.hub = _progress_hub(ray).remote()
+
+    def connect(self) -> None:
+        """Start (or join) Ray now rather than with the first job: a cluster given by address is joined
+        before anything else happens, so one that cannot be is a ClusterError up front."""
+        if self.ray is None:
+            self._start()
 
     def _pool(self, shape: Shape, wanted: int) -> list[Any]:
         cpus, gpus, custom = shape
