@@ -863,6 +863,13 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def ours(lock: str) -> list[tuple[str, str]]:
+    """(name, version) of each locked package (requirements/lock.txt's text) a GPU machine may lack: all but
+    NOT_CARRIED."""
+    pins = [m for m in map(PIN.match, lock.splitlines()) if m is not None]
+    return [(m[1], m[2]) for m in pins if canonical(m[1]) not in NOT_CARRIED]
+
+
 def carry_pins(lock: str, have: str) -> list[str]:
     """`NAME==VERSION` of the locked packages (requirements/lock.txt's text) a GPU machine must be given as
     wheels, from what it holds (`pip list --format=freeze` lines, or bare names): the ones it lacks, and
@@ -875,13 +882,10 @@ def carry_pins(lock: str, have: str) -> list[str]:
             name, _, version = line.partition("==")
             held[canonical(name.strip())] = version.strip() or None
     pins = []
-    for line in lock.splitlines():
-        m = PIN.match(line)
-        if m is None or canonical(m[1]) in NOT_CARRIED:
-            continue
-        name = canonical(m[1])
-        if name not in held or (name in ALWAYS_CARRIED and held[name] != m[2]):
-            pins.append(f"{m[1]}=={m[2]}")
+    for name, version in ours(lock):
+        key = canonical(name)
+        if key not in held or (key in ALWAYS_CARRIED and held[key] != version):
+            pins.append(f"{name}=={version}")
     return pins
 
 
@@ -1030,7 +1034,7 @@ def probe(device: str) -> dict[str, Any]:
     """`environment` as a child process sees it (so this process never holds a CUDA context while the steps
     measure), checking the needed modules and the locked packages' requirements."""
     lock = (ROOT / "requirements" / "lock.txt").read_text(encoding="utf-8")
-    dists = [m[1] for m in map(PIN.match, lock.splitlines()) if m and canonical(m[1]) not in NOT_CARRIED]
+    dists = [name for name, _ in ours(lock)]
     here = str(Path(__file__).resolve().parent)
     cmd = [sys.executable, "-c", PROBE, device, here, json.dumps(NEEDED), json.dumps(dists)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)

@@ -34,16 +34,11 @@ class _Commands(TyperGroup):
         except UsageError as e:  # the command line before any command, e.g. `moesweep --bogus`
             _usage(e, info_name or "moesweep")
 
-    def resolve_command(self, ctx, args):
-        name, cmd, rest = super().resolve_command(ctx, args)
-        ctx.meta["moesweep.command"] = name  # for a usage error of its own that names no context
-        return name, cmd, rest
-
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except UsageError as e:
-            name = ctx.meta.get("moesweep.command")
+            name = ctx.invoked_subcommand  # set before the subcommand parses its arguments
             _usage(e, f"{ctx.command_path} {name}" if name else ctx.command_path)
         except Exception as e:
             store = sys.modules.get("db.store")  # not imported: no StoreError can have been raised

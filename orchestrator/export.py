@@ -22,6 +22,7 @@ from typing import Any
 
 from db.axes import AXES, OUTPUTS, RECOVERIES
 from db.store import Store
+from orchestrator.schema import nearest_existing
 from orchestrator.version import version_text
 from workers.core.artifacts import check, download, is_url
 
@@ -97,9 +98,7 @@ def out_problem(out: Path, force: bool) -> str | None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         what = "is not empty" if out.is_dir() else "is a file"
         return f"{out} exists and {what}: choose another folder, or --force to replace it"
-    above = out.absolute().parent
-    while not above.exists():
-        above = above.parent
+    above = nearest_existing(out)
     if not above.is_dir():
         return f"cannot write {out}: {above} is a file, not a folder"
     if not os.access(above, os.W_OK | os.X_OK):

@@ -224,10 +224,21 @@ def artifact_root(value: str) -> str:
         raise ValueError(f"{protocol}:// needs its fsspec package ({str(e).splitlines()[0]})") from None
     except ValueError:
         raise ValueError(f"{protocol}:// is not a protocol fsspec knows") from None
-    if protocol == "file":  # a local folder: one that cannot be made is said now, not by the first job
-        above = Path(value[len("file://") :]).parent
-        while not above.exists():
-            above = above.parent
-        if not above.is_dir():
-            raise ValueError(f"{value}: {above} is a file, not a folder")
+    blocked = blocking_file(Path(value[len("file://") :])) if protocol == "file" else None
+    if blocked is not None:  # a local folder that cannot be made is said now, not by the first job
+        raise ValueError(f"{value}: {blocked} is a file, not a folder")
     return value.rstrip("/")
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path`'s nearest ancestor that exists: where making the folders of `path` would start."""
+    above = path.absolute().parent
+    while not above.exists():
+        above = above.parent
+    return above
+
+
+def blocking_file(path: Path) -> Path | None:
+    """The file that stands where a folder on `path`'s way would have to be made, if any."""
+    above = nearest_existing(path)
+    return None if above.is_dir() else above

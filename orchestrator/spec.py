@@ -360,11 +360,10 @@ def relaunch_name(name: str, path: str | Path | None) -> str:
     if path is None:
         return name
     try:
-        if os.path.samefile(find_sweep(name), path):
-            return name
-    except (SpecError, OSError):
-        pass
-    return shlex.quote(str(Path(path).resolve()))
+        same = os.path.samefile(find_sweep(name), path)
+    except (SpecError, OSError):  # the name finds no sweep file, or one that cannot be compared
+        same = False
+    return name if same else shlex.quote(str(Path(path).resolve()))
 
 
 def find_sweep(name: str) -> Path:

@@ -36,23 +36,15 @@ def planned(spec) -> SweepContext:
 
 
 def launch_serial(spec, text: str, store, path: Path | str, **kw: Any) -> int:
-    """`moesweep launch` of a loaded sweep on the serial executor, quietly (`kw`: launch's other options);
-    its exit code."""
+    """`moesweep launch` of a loaded sweep on the serial executor, quietly unless `kw` gives a console (`kw`:
+    launch's other options); its exit code."""
     from rich.console import Console
 
     from orchestrator.execute import SerialExecutor
     from orchestrator.launch import launch
 
-    return launch(
-        spec,
-        text,
-        store,
-        SerialExecutor(),
-        console=Console(quiet=True),
-        show_progress=False,
-        path=str(path),
-        **kw,
-    )
+    kw = {"console": Console(quiet=True), "show_progress": False, **kw}
+    return launch(spec, text, store, SerialExecutor(), path=str(path), **kw)
 
 
 @contextmanager

@@ -211,24 +211,13 @@ def test_the_note_repeats_the_overrides_of_the_partial_launch(fake, tmp_path):  
     """A partial launch with --set: the note's command relaunches the same effective sweep (its file's path,
     each --set quoted for the shell), so the rest it runs is the rest of this sweep."""
     from rich.console import Console
-
-    from orchestrator.execute import SerialExecutor
-    from orchestrator.launch import launch
+    from sweep_runs import launch_serial
 
     _, state = fake
     state["fail"] = False
     spec, path, text = load_spec(str(state["sweep"]), ["grid.K=[2, 4]", "description=a b"])
     console = Console(record=True, width=400)
-    code = launch(
-        spec,
-        text,
-        Store(state["db"]),
-        SerialExecutor(),
-        console=console,
-        show_progress=False,
-        path=str(path),
-        scope=Scope(until="convert"),
-    )
+    code = launch_serial(spec, text, Store(state["db"]), path, console=console, scope=Scope(until="convert"))
     assert code == 0
     (line,) = [ln for ln in console.export_text().splitlines() if ln.startswith("partial launch")]
     assert line.endswith(

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from rich.console import Console
 from sqlalchemy import inspect
 from sweep_runs import launch_serial
 from typer.testing import CliRunner
@@ -20,8 +19,6 @@ from db.store import Store
 from orchestrator import dryrun
 from orchestrator.axes import AXES
 from orchestrator.cli import app
-from orchestrator.execute import SerialExecutor
-from orchestrator.launch import launch
 from orchestrator.schema import PosInt, SpecError, Strict
 from orchestrator.spec import load_spec
 from orchestrator.stage import JobSpec, Stage, SweepContext, get_stage, register, stages, unregister
@@ -125,18 +122,7 @@ def test_a_record_the_stage_does_not_declare_fails_the_job(fake, tmp_path):  # n
         spec, path, text = load_spec(str(state["sweep"]))
         state["fail"] = False
         store = Store(state["db"])
-        assert (
-            launch(
-                spec,
-                text,
-                store,
-                SerialExecutor(),
-                console=Console(quiet=True),
-                show_progress=False,
-                path=str(path),
-            )
-            == 1
-        )
+        assert launch_serial(spec, text, store, path) == 1
         errors = store.query("SELECT error FROM jobs WHERE stage = 'toy2'")[1]
         assert errors and all("returned ['plan_rows']" in e for (e,) in errors)
     finally:
